@@ -1,0 +1,29 @@
+"""Privacy accounting (NumPy/SciPy only; importing this package never imports torch).
+
+Entry points: :func:`epsilon`, :func:`delta`, :func:`compare` over :mod:`dpfy.events` trees.
+Each accounting method lives in its own module and registers itself here.
+"""
+
+from dpfy.accounting._api import (
+    Accountant,
+    PrivacyResult,
+    UnsupportedEventError,
+    accountants,
+    compare,
+    contains_non_private,
+    delta,
+    epsilon,
+    register_accountant,
+)
+
+__all__ = [
+    "Accountant",
+    "PrivacyResult",
+    "UnsupportedEventError",
+    "accountants",
+    "compare",
+    "contains_non_private",
+    "delta",
+    "epsilon",
+    "register_accountant",
+]

@@ -1,0 +1,170 @@
+"""The accountant interface: one registry, one dispatch, one result type.
+
+An accountant is a thin object over pure math functions. It says which events it supports
+(naming the sub-event it cannot handle) *before* computing anything, and returns a
+:class:`PrivacyResult` that names the method and adjacency that produced the number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol
+
+from dpfy import events as ev
+
+__all__ = [
+    "PrivacyResult",
+    "Accountant",
+    "UnsupportedEventError",
+    "register_accountant",
+    "accountants",
+    "epsilon",
+    "delta",
+    "compare",
+    "contains_non_private",
+]
+
+
+class UnsupportedEventError(ValueError):
+    """The chosen accounting method's assumptions do not hold for (part of) the event."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrivacyResult:
+    """An (epsilon, delta) statement and where it came from.
+
+    Attributes:
+      epsilon: the reported epsilon (for Monte Carlo: the upper confidence bound).
+      delta: the delta it holds at (including any extra delta, e.g. from truncation).
+      method: accountant name (``rdp``, ``pld``, ``gaussian``, ``monte_carlo``, ...).
+      adjacency: the neighbouring relation (``add_or_remove``, ``replace_one``, ``zero_out``).
+      provable: False when the figure holds only with probability 1 - error_probability.
+      epsilon_estimate / epsilon_lower / error_probability: Monte Carlo and bound details.
+      notes: assumptions a reader must know (e.g. "no amplification assumed").
+    """
+
+    epsilon: float
+    delta: float
+    method: str
+    adjacency: str = ev.Adjacency.ADD_OR_REMOVE.value
+    provable: bool = True
+    epsilon_estimate: float | None = None
+    epsilon_lower: float | None = None
+    error_probability: float | None = None
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["notes"] = list(self.notes)
+        for k, v in list(out.items()):
+            if isinstance(v, float) and math.isinf(v):
+                out[k] = "inf"
+        return out
+
+
+class Accountant(Protocol):
+    """What an accounting method provides (see ``register_accountant``)."""
+
+    name: str
+
+    def unsupported(self, event: ev.Event) -> str | None:
+        """None if the whole event tree is supported, else a reason naming the sub-event."""
+
+    def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult: ...
+
+    def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult: ...
+
+
+_ACCOUNTANTS: dict[str, Accountant] = {}
+_AUTO: list[str] = []
+
+
+def register_accountant(accountant: Accountant, *, auto: bool = True) -> Accountant:
+    """Add an accountant; ``auto=True`` lets ``method='auto'`` consider it."""
+    _ACCOUNTANTS[accountant.name] = accountant
+    if auto and accountant.name not in _AUTO:
+        _AUTO.append(accountant.name)
+    return accountant
+
+
+def accountants() -> tuple[str, ...]:
+    """Names of the registered accounting methods."""
+    return tuple(_ACCOUNTANTS)
+
+
+def contains_non_private(event: ev.Event) -> bool:
+    """True if any sub-event is :class:`dpfy.events.NonPrivate`."""
+    if isinstance(event, ev.NonPrivate):
+        return True
+    return any(contains_non_private(c) for c in ev._children(event))
+
+
+def _resolve(event: ev.Event, method: str) -> list[Accountant]:
+    if not isinstance(event, ev.Event):
+        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    if method == "auto":
+        chosen = [_ACCOUNTANTS[m] for m in _AUTO if _ACCOUNTANTS[m].unsupported(event) is None]
+        if not chosen:
+            reasons = "; ".join(
+                f"{m}: {_ACCOUNTANTS[m].unsupported(event)}" for m in _ACCOUNTANTS
+            )
+            raise UnsupportedEventError(f"no accounting method supports this event ({reasons})")
+        return chosen
+    if method not in _ACCOUNTANTS:
+        allowed = ", ".join(("auto", *_ACCOUNTANTS))
+        raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
+    acc = _ACCOUNTANTS[method]
+    reason = acc.unsupported(event)
+    if reason is not None:
+        raise UnsupportedEventError(f"method={method!r} cannot account this event: {reason}")
+    return [acc]
+
+
+def _infinite(event: ev.Event, method: str, delta: float) -> PrivacyResult:
+    return PrivacyResult(
+        epsilon=math.inf,
+        delta=delta,
+        method=method,
+        adjacency=event.adjacency_relation.value,
+        notes=("the event contains a non-private release: no finite epsilon holds",),
+    )
+
+
+def epsilon(event: ev.Event, delta: float, method: str = "auto") -> PrivacyResult:
+    """Smallest epsilon the chosen method certifies for ``event`` at ``delta``.
+
+    Args:
+      event: a :mod:`dpfy.events` tree.
+      delta: target delta, in (0, 1).
+      method: ``auto`` (tightest valid registered method) or an accountant name.
+
+    Raises:
+      ValueError: bad delta or method; ``UnsupportedEventError`` if the method does not apply.
+    """
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    accs = _resolve(event, method)
+    if contains_non_private(event):
+        return _infinite(event, accs[0].name if method != "auto" else "auto", float(delta))
+    results = [a.epsilon(event, float(delta)) for a in accs]
+    return min(results, key=lambda r: (r.epsilon, not r.provable))
+
+
+def delta(event: ev.Event, epsilon: float, method: str = "auto") -> PrivacyResult:
+    """Smallest delta the chosen method certifies for ``event`` at ``epsilon`` (>= 0)."""
+    ev.check_range("epsilon", epsilon, 0.0, None)
+    accs = _resolve(event, method)
+    if contains_non_private(event):
+        return dataclasses.replace(_infinite(event, accs[0].name, 1.0), epsilon=float(epsilon))
+    results = [a.delta(event, float(epsilon)) for a in accs]
+    return min(results, key=lambda r: (r.delta, not r.provable))
+
+
+def compare(event: ev.Event, delta: float) -> dict[str, PrivacyResult | str]:
+    """Every registered method's epsilon at ``delta``, or the reason it does not apply."""
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    out: dict[str, PrivacyResult | str] = {}
+    for name, acc in _ACCOUNTANTS.items():
+        reason = acc.unsupported(event)
+        out[name] = reason if reason is not None else epsilon(event, delta, method=name)
+    return out

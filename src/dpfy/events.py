@@ -1,0 +1,453 @@
+"""Privacy events: a vocabulary that *describes* mechanisms, never computes with them.
+
+An event says what a mechanism did (which noise, which sampling, how often); the accountants in
+:mod:`dpfy.accounting` turn events into (epsilon, delta). Events are frozen dataclasses that
+validate on construction and round-trip through JSON (``to_dict`` / ``event_from_dict``).
+
+Promise: the meaning of an event type never changes once released. A new analysis gets a new
+event type, so a ledger written today is re-accounted tomorrow with the same semantics.
+
+Conventions (DESIGN.md section 2):
+  * ``noise_multiplier`` is the noise standard deviation divided by the L2 sensitivity.
+  * Unless an event names another, adjacency is ``add_or_remove`` (one example added or removed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, ClassVar
+
+__all__ = [
+    "Adjacency",
+    "Event",
+    "Gaussian",
+    "Laplace",
+    "NonPrivate",
+    "ZCDP",
+    "PoissonSampled",
+    "FixedSizeSampled",
+    "BallsAndBins",
+    "Shuffled",
+    "Deterministic",
+    "TruncatedPoisson",
+    "SelfComposed",
+    "Composed",
+    "RepeatAndSelect",
+    "event_from_dict",
+    "check_range",
+]
+
+
+class Adjacency(str, enum.Enum):
+    """Neighbouring-dataset relation an epsilon refers to."""
+
+    ADD_OR_REMOVE = "add_or_remove"
+    REPLACE_ONE = "replace_one"
+    ZERO_OUT = "zero_out"
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    integer: bool = False,
+) -> None:
+    """Raise ``ValueError`` in the project's one template unless ``value`` lies in the range.
+
+    The message reads ``"{name} must be in {range}, got {name}={value!r}"``. NaN is never valid.
+    """
+    lo = "-inf" if low is None else repr(low)
+    hi = "inf" if high is None else repr(high)
+    interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+    kind = "an integer in " if integer else "in "
+    message = f"{name} must be {kind}{interval}, got {name}={value!r}"
+    if isinstance(value, bool):
+        raise ValueError(message)
+    if integer:
+        if not isinstance(value, int) and not (
+            isinstance(value, float) and value.is_integer()
+        ):
+            try:
+                import numpy as np
+
+                if not isinstance(value, np.integer):
+                    raise ValueError(message)
+            except ImportError:  # pragma: no cover - numpy is a core dependency
+                raise ValueError(message) from None
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(message) from None
+    if math.isnan(v):
+        raise ValueError(message)
+    if low is not None and (v < low or (low_open and v == low)):
+        raise ValueError(message)
+    if high is not None and (v > high or (high_open and v == high)):
+        raise ValueError(message)
+
+
+_REGISTRY: dict[str, type[Event]] = {}
+
+
+def _register(cls: type[Event]) -> type[Event]:
+    _REGISTRY[cls.kind] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """Base class of all privacy events."""
+
+    kind: ClassVar[str] = "event"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; ``event_from_dict`` inverts it."""
+        out: dict[str, Any] = {"type": self.kind}
+        for f in dataclasses.fields(self):
+            out[f.name] = _encode(getattr(self, f.name))
+        return out
+
+    @property
+    def adjacency_relation(self) -> Adjacency:
+        """The adjacency this event's guarantee refers to (add_or_remove unless stated)."""
+        adj = getattr(self, "adjacency", None)
+        if adj is not None:
+            return Adjacency(adj)
+        children = _children(self)
+        for child in children:
+            a = child.adjacency_relation
+            if a is not Adjacency.ADD_OR_REMOVE:
+                return a
+        return Adjacency.ADD_OR_REMOVE
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Event):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _children(event: Event) -> tuple[Event, ...]:
+    out: list[Event] = []
+    for f in dataclasses.fields(event):
+        v = getattr(event, f.name)
+        if isinstance(v, Event):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out.extend(x for x in v if isinstance(x, Event))
+    return tuple(out)
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    """Rebuild an event from ``Event.to_dict()`` output (validating it again)."""
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"an event dict needs a 'type' key, got {data!r}")
+    kind = data["type"]
+    cls = _REGISTRY.get(kind)
+    if cls is None:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ValueError(f"event type must be one of {{{known}}}, got type={kind!r}")
+    kwargs: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        if key == "type":
+            continue
+        if key not in names:
+            raise ValueError(f"unknown field {key!r} for event type {kind!r}")
+        kwargs[key] = _decode(value)
+    return cls(**kwargs)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "type" in value:
+        return event_from_dict(value)
+    if isinstance(value, list):
+        return tuple(_decode(v) for v in value)
+    if value == "inf":
+        return math.inf
+    if value == "-inf":
+        return -math.inf
+    return value
+
+
+def _as_adjacency(value: Adjacency | str) -> str:
+    try:
+        return Adjacency(value).value
+    except ValueError:
+        allowed = ", ".join(a.value for a in Adjacency)
+        raise ValueError(
+            f"adjacency must be one of {{{allowed}}}, got adjacency={value!r}"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Base mechanisms
+# --------------------------------------------------------------------------------------------
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gaussian(Event):
+    """Gaussian mechanism with noise std = ``noise_multiplier`` x L2 sensitivity."""
+
+    noise_multiplier: float
+    kind: ClassVar[str] = "gaussian"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Laplace(Event):
+    """Laplace mechanism with scale = ``noise_multiplier`` x L1 sensitivity (pure epsilon)."""
+
+    noise_multiplier: float
+    kind: ClassVar[str] = "laplace"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class NonPrivate(Event):
+    """A release without a privacy guarantee: every accountant reports epsilon = infinity."""
+
+    reason: str = ""
+    kind: ClassVar[str] = "non_private"
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class ZCDP(Event):
+    """A mechanism known to satisfy ``rho``-zero-concentrated DP."""
+
+    rho: float
+    kind: ClassVar[str] = "zcdp"
+
+    def __post_init__(self) -> None:
+        check_range("rho", self.rho, 0.0, None)
+        object.__setattr__(self, "rho", float(self.rho))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling: each sampler of dpfy.sampling names one of these
+# --------------------------------------------------------------------------------------------
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoissonSampled(Event):
+    """``event`` applied to a Poisson sample: each example included independently w.p. q."""
+
+    sampling_rate: float
+    event: Event
+    kind: ClassVar[str] = "poisson_sampled"
+
+    def __post_init__(self) -> None:
+        check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
+        object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
+        _check_event("event", self.event)
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class FixedSizeSampled(Event):
+    """``event`` applied to ``sample_size`` examples drawn without replacement.
+
+    Adjacency is ``replace_one`` (the dataset size is public), so a sum query's sensitivity is
+    2 x clip norm when one example is swapped for another; the inner event states the noise
+    relative to the clip norm, and accountants account the replace-one relation.
+    """
+
+    sample_size: int
+    dataset_size: int
+    event: Event
+    adjacency: str = Adjacency.REPLACE_ONE.value
+    kind: ClassVar[str] = "fixed_size_sampled"
+
+    def __post_init__(self) -> None:
+        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_range("sample_size", self.sample_size, 1, self.dataset_size, integer=True)
+        object.__setattr__(self, "sample_size", int(self.sample_size))
+        object.__setattr__(self, "dataset_size", int(self.dataset_size))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+        _check_event("event", self.event)
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class BallsAndBins(Event):
+    """Balls-and-Bins sampling (Chua et al. 2025) with a Gaussian sum query per step.
+
+    Each epoch every example lands in exactly one of ``steps_per_epoch`` batches, uniformly at
+    random; each step releases a Gaussian sum with the given ``noise_multiplier``.
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    epochs: int = 1
+    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    kind: ClassVar[str] = "balls_and_bins"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
+        check_range("epochs", self.epochs, 1, None, integer=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
+        object.__setattr__(self, "epochs", int(self.epochs))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shuffled(Event):
+    """Shuffle each epoch, cut into fixed-size batches, Gaussian sum query per step.
+
+    No tight upper bound with amplification is known: accountants give the no-amplification
+    upper bound (each example is used once per epoch) and the lower bound of Chua et al. 2024a.
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    epochs: int = 1
+    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    kind: ClassVar[str] = "shuffled"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
+        check_range("epochs", self.epochs, 1, None, integer=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
+        object.__setattr__(self, "epochs", int(self.epochs))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deterministic(Event):
+    """Fixed order, fixed-size batches: each example is used once per epoch, no amplification."""
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    epochs: int = 1
+    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    kind: ClassVar[str] = "deterministic"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
+        check_range("epochs", self.epochs, 1, None, integer=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
+        object.__setattr__(self, "epochs", int(self.epochs))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class TruncatedPoisson(Event):
+    """``steps`` Poisson-sampled Gaussian steps whose batches are truncated to ``max_batch_size``.
+
+    Truncation (a random subset of an over-full batch) costs extra delta; accountants add it
+    to every delta they report for this event (DESIGN 4.4).
+    """
+
+    sampling_rate: float
+    noise_multiplier: float
+    steps: int
+    dataset_size: int
+    max_batch_size: int
+    kind: ClassVar[str] = "truncated_poisson"
+
+    def __post_init__(self) -> None:
+        check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps", self.steps, 0, None, integer=True)
+        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_range("max_batch_size", self.max_batch_size, 1, None, integer=True)
+        object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "dataset_size", int(self.dataset_size))
+        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+
+
+# --------------------------------------------------------------------------------------------
+# Composition
+# --------------------------------------------------------------------------------------------
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class SelfComposed(Event):
+    """``event`` run ``count`` times (adaptively) on the same data."""
+
+    event: Event
+    count: int
+    kind: ClassVar[str] = "self_composed"
+
+    def __post_init__(self) -> None:
+        _check_event("event", self.event)
+        check_range("count", self.count, 0, None, integer=True)
+        object.__setattr__(self, "count", int(self.count))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class Composed(Event):
+    """Adaptive composition of several events on the same data."""
+
+    events: tuple[Event, ...]
+    kind: ClassVar[str] = "composed"
+
+    def __post_init__(self) -> None:
+        events = tuple(self.events)
+        for i, e in enumerate(events):
+            _check_event(f"events[{i}]", e)
+        object.__setattr__(self, "events", events)
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class RepeatAndSelect(Event):
+    """Papernot & Steinke (2022): run ``event`` a random number of times, release the best.
+
+    The number of runs is truncated negative binomial with the given ``mean`` and ``shape``;
+    ``shape = inf`` means Poisson(mean) (guide Sec. 5.4.2, Table 4; dp_accounting's
+    RepeatAndSelectDpEvent uses the same parametrisation).
+    """
+
+    event: Event
+    mean: float
+    shape: float = math.inf
+    kind: ClassVar[str] = "repeat_and_select"
+
+    def __post_init__(self) -> None:
+        _check_event("event", self.event)
+        check_range("mean", self.mean, 0.0, None, low_open=True)
+        check_range("shape", self.shape, 0.0, None)
+        object.__setattr__(self, "mean", float(self.mean))
+        object.__setattr__(self, "shape", float(self.shape))
+
+
+def _check_event(name: str, value: Any) -> None:
+    if not isinstance(value, Event):
+        raise ValueError(f"{name} must be a dpfy.events.Event, got {name}={value!r}")
