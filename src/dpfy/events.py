@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-class Adjacency(str, enum.Enum):
+class Adjacency(enum.StrEnum):
     """Neighbouring-dataset relation an epsilon refers to."""
 
     ADD_OR_REMOVE = "add_or_remove"
@@ -64,7 +64,9 @@ def check_range(
     """
     lo = "-inf" if low is None else repr(low)
     hi = "inf" if high is None else repr(high)
-    interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+    left = "(" if low_open or low is None else "["
+    right = ")" if high_open or high is None else "]"
+    interval = f"{left}{lo}, {hi}{right}"
     kind = "an integer in " if integer else "in "
     message = f"{name} must be {kind}{interval}, got {name}={value!r}"
     if isinstance(value, bool):

@@ -97,7 +97,8 @@ class Randomness:
         dtype = dtype or torch.get_default_dtype()
         if self._np is None:
             n = int(math.prod(shape))
-            return torch.from_numpy(self.normal(n, std)).reshape(shape).to(dtype=dtype, device=device)
+            noise = torch.from_numpy(self.normal(n, std)).reshape(shape)
+            return noise.to(dtype=dtype, device=device)
         if self._torch_gen is None:
             self._torch_gen = torch.Generator(device="cpu")
             self._torch_gen.manual_seed(int(self._np.integers(0, 2**63 - 1)))
