@@ -100,9 +100,16 @@ def contains_non_private(event: ev.Event) -> bool:
     return any(contains_non_private(c) for c in ev._children(event))
 
 
-def _resolve(event: ev.Event, method: str) -> list[Accountant]:
+def _resolve(event: ev.Event, method: str | Accountant) -> list[Accountant]:
     if not isinstance(event, ev.Event):
         raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    if not isinstance(method, str):  # a configured accountant instance, e.g. Monte Carlo options
+        reason = method.unsupported(event)
+        if reason is not None:
+            raise UnsupportedEventError(
+                f"method={method.name!r} cannot account this event: {reason}"
+            )
+        return [method]
     if method == "auto":
         chosen = [_ACCOUNTANTS[m] for m in _AUTO if _ACCOUNTANTS[m].unsupported(event) is None]
         if not chosen:
@@ -131,13 +138,14 @@ def _infinite(event: ev.Event, method: str, delta: float) -> PrivacyResult:
     )
 
 
-def epsilon(event: ev.Event, delta: float, method: str = "auto") -> PrivacyResult:
+def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") -> PrivacyResult:
     """Smallest epsilon the chosen method certifies for ``event`` at ``delta``.
 
     Args:
       event: a :mod:`dpfy.events` tree.
       delta: target delta, in (0, 1).
-      method: ``auto`` (tightest valid registered method) or an accountant name.
+      method: ``auto`` (tightest valid registered method), an accountant name, or a configured
+        accountant instance (e.g. a Monte Carlo accountant with its own sample size and seed).
 
     Raises:
       ValueError: bad delta or method; ``UnsupportedEventError`` if the method does not apply.
@@ -150,7 +158,7 @@ def epsilon(event: ev.Event, delta: float, method: str = "auto") -> PrivacyResul
     return min(results, key=lambda r: (r.epsilon, not r.provable))
 
 
-def delta(event: ev.Event, epsilon: float, method: str = "auto") -> PrivacyResult:
+def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") -> PrivacyResult:
     """Smallest delta the chosen method certifies for ``event`` at ``epsilon`` (>= 0)."""
     ev.check_range("epsilon", epsilon, 0.0, None)
     accs = _resolve(event, method)
