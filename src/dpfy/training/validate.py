@@ -1,0 +1,285 @@
+"""Module validation: find every layer that breaks per-example privacy, and offer the fix.
+
+DP-SGD bounds each example's influence by clipping its own gradient. A layer whose forward pass
+mixes examples of one batch (BatchNorm normalises each example with the *batch* mean and
+variance) or that changes state from the data outside the gradient (running statistics,
+in-place weight renormalisation) lets one example influence the others' outputs or the released
+model without passing through clipping and noise (guide, Sec. 5.5.1 and Table 5). Such layers
+are errors. Layers without a fast per-example norm rule still work through the ``vmap(grad)``
+fallback; they are reported as notes because they are slower.
+
+:func:`check_module` returns every problem at once, :func:`validate_module` raises one error that
+lists them all, and :func:`fix_module` returns a fixed *copy* (BatchNorm -> GroupNorm, running
+statistics off, Embedding renormalisation and sparse gradients off); the input is never changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "FAST_NORM_LAYERS",
+    "ModuleIssue",
+    "Severity",
+    "UnsupportedModuleError",
+    "check_module",
+    "fix_module",
+    "validate_module",
+]
+
+#: Layer types with a fast (ghost / book-keeping) per-example norm rule (issue 5).
+FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Embedding,
+    nn.LayerNorm,
+    nn.GroupNorm,
+)
+
+_BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+_INSTANCE_NORMS: tuple[type[nn.Module], ...] = (nn.modules.instancenorm._InstanceNorm,)
+
+
+class Severity(enum.StrEnum):
+    """``error``: not private as is; ``note``: private, but worth knowing (e.g. slower path)."""
+
+    ERROR = "error"
+    NOTE = "note"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModuleIssue:
+    """One problem found in a model.
+
+    Attributes:
+      path: dotted name of the module in the model (``""`` for the root).
+      module_type: class name of the module.
+      severity: :class:`Severity`.
+      reason: why the layer is a problem for differential privacy (or speed).
+      fix: what to do about it (``fix_module`` applies the fixes it names).
+    """
+
+    path: str
+    module_type: str
+    severity: Severity
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        where = self.path or "<root>"
+        return f"[{self.severity}] {where} ({self.module_type}): {self.reason} Fix: {self.fix}"
+
+
+class UnsupportedModuleError(ValueError):
+    """The model contains layers that are not private under DP-SGD; ``.issues`` lists them all."""
+
+    def __init__(self, issues: Iterable[ModuleIssue]) -> None:
+        self.issues = tuple(issues)
+        errors = [i for i in self.issues if i.severity is Severity.ERROR]
+        lines = "\n".join(f"  - {i}" for i in errors)
+        super().__init__(
+            f"the model has {len(errors)} layer problem(s) that break per-example privacy:\n"
+            f"{lines}\n"
+            "dpfy.training.fix_module(model) returns a fixed copy (BatchNorm -> GroupNorm, ...)."
+        )
+
+
+def _group_count(channels: int, max_groups: int) -> int:
+    """Largest divisor of ``channels`` not above ``max_groups``."""
+    for g in range(min(max_groups, channels), 0, -1):
+        if channels % g == 0:
+            return g
+    return 1
+
+
+def _own_trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def check_module(
+    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] = FAST_NORM_LAYERS
+) -> list[ModuleIssue]:
+    """Every privacy problem (errors) and fallback layer (notes) in ``model``, in module order.
+
+    Args:
+      model: the network to train with DP-SGD.
+      fast_layers: layer types the fast per-example norm engine handles; other layers with
+        trainable parameters are reported as notes (they run on the ``vmap(grad)`` fallback).
+
+    Returns:
+      A list of :class:`ModuleIssue`; empty when the model is ready for private training.
+    """
+    issues: list[ModuleIssue] = []
+    if not any(p.requires_grad for p in model.parameters()):
+        issues.append(
+            ModuleIssue(
+                "",
+                type(model).__name__,
+                Severity.ERROR,
+                "the model has no trainable parameters, so there is nothing to train privately.",
+                "set requires_grad=True on the parameters to train.",
+            )
+        )
+    owners: dict[int, str] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        name = type(module).__name__
+        for pname, p in module.named_parameters(recurse=False):
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                issues.append(
+                    ModuleIssue(
+                        path,
+                        name,
+                        Severity.ERROR,
+                        f"lazy parameter {pname!r} is not initialised yet, so its per-example "
+                        "gradient and noise shape are unknown.",
+                        "run one forward pass on a dummy batch (or use the non-lazy layer).",
+                    )
+                )
+            elif p.requires_grad and id(p) in owners and owners[id(p)] != path:
+                issues.append(
+                    ModuleIssue(
+                        path,
+                        name,
+                        Severity.NOTE,
+                        f"parameter {pname!r} is shared with module {owners[id(p)]!r}; its "
+                        "per-example gradient is the sum of both uses.",
+                        "make sure the clipping engine treats tied parameters jointly "
+                        "(the vmap(grad) fallback does).",
+                    )
+                )
+            else:
+                owners.setdefault(id(p), path)
+        if isinstance(module, _BATCH_NORMS):
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.ERROR,
+                    "BatchNorm normalises each example with the mean and variance of the whole "
+                    "batch, so one example changes every other example's output and gradient "
+                    "(clipping no longer bounds its influence), and its running statistics are "
+                    "released without noise.",
+                    "replace it with GroupNorm (per-example statistics); fix_module does this.",
+                )
+            )
+        elif isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.ERROR,
+                    "track_running_stats=True averages statistics over the training examples "
+                    "into buffers that are released with the model without clipping or noise.",
+                    "use track_running_stats=False; fix_module does this.",
+                )
+            )
+        elif isinstance(module, nn.Embedding) and module.max_norm is not None:
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.ERROR,
+                    "max_norm renormalises the looked-up rows of the weight in place during the "
+                    "forward pass, a data-dependent change that bypasses clipping and noise.",
+                    "use max_norm=None; fix_module does this.",
+                )
+            )
+        elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse:
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.ERROR,
+                    "sparse=True produces sparse gradients, but DP-SGD must add noise to every "
+                    "row, including rows the batch did not touch.",
+                    "use sparse=False; fix_module does this.",
+                )
+            )
+        if (
+            _own_trainable(module)
+            and not isinstance(module, fast_layers)
+            and not isinstance(module, _BATCH_NORMS)
+        ):
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.NOTE,
+                    "no fast per-example norm rule for this layer type; its per-example "
+                    "gradients come from the chunked vmap(grad) fallback (correct, but slower).",
+                    "nothing required; use a supported layer for speed.",
+                )
+            )
+    return issues
+
+
+def validate_module(
+    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] = FAST_NORM_LAYERS
+) -> list[ModuleIssue]:
+    """Raise if ``model`` has any privacy error; otherwise return the notes.
+
+    Raises:
+      UnsupportedModuleError: lists every error (not only the first) with its reason and fix.
+    """
+    issues = check_module(model, fast_layers=fast_layers)
+    if any(i.severity is Severity.ERROR for i in issues):
+        raise UnsupportedModuleError(issues)
+    return issues
+
+
+def fix_module(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
+    """A fixed deep copy of ``model``; the input is not modified.
+
+    * BatchNorm{1,2,3}d / SyncBatchNorm -> GroupNorm over the same channels with the largest
+      group count dividing the channels that is at most ``max_groups`` (affine and eps kept;
+      the affine weight and bias are copied, running statistics dropped).
+    * InstanceNorm with running statistics -> the same layer with ``track_running_stats=False``.
+    * Embedding with ``max_norm`` or ``sparse`` -> ``max_norm=None``, ``sparse=False``.
+
+    Problems without an automatic fix (lazy or missing parameters) remain; run
+    :func:`validate_module` on the result.
+    """
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be in [1, inf), got max_groups={max_groups!r}")
+    fixed = copy.deepcopy(model)
+    if isinstance(fixed, _BATCH_NORMS):
+        return _replace(fixed, max_groups)
+    for parent in list(fixed.modules()):
+        for child_name, child in list(parent.named_children()):
+            new = _replace(child, max_groups)
+            if new is not child:
+                setattr(parent, child_name, new)
+    return fixed
+
+
+def _replace(module: nn.Module, max_groups: int) -> nn.Module:
+    if isinstance(module, _BATCH_NORMS):
+        channels = module.num_features
+        gn = nn.GroupNorm(
+            _group_count(channels, max_groups), channels, eps=module.eps, affine=module.affine
+        )
+        if module.affine:
+            gn = gn.to(device=module.weight.device, dtype=module.weight.dtype)
+            with torch.no_grad():
+                gn.weight.copy_(module.weight)
+                gn.bias.copy_(module.bias)
+            gn.weight.requires_grad_(module.weight.requires_grad)
+            gn.bias.requires_grad_(module.bias.requires_grad)
+        return gn
+    if isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
+        module.track_running_stats = False
+        module.running_mean = None
+        module.running_var = None
+        module.num_batches_tracked = None
+    if isinstance(module, nn.Embedding):
+        module.max_norm = None
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        module.sparse = False
+    return module

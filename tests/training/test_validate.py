@@ -1,0 +1,114 @@
+"""dpfy.training.validate: collect every problem, explain it, fix a copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dpfy.training.validate import (
+    Severity,
+    UnsupportedModuleError,
+    check_module,
+    fix_module,
+    validate_module,
+)
+
+
+def _bad_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 12, 3),
+        nn.BatchNorm2d(12),
+        nn.ReLU(),
+        nn.Sequential(
+            nn.Conv2d(12, 8, 3),
+            nn.BatchNorm2d(8),
+            nn.InstanceNorm2d(8, affine=True, track_running_stats=True),
+        ),
+        nn.Flatten(),
+        nn.Linear(8 * 24 * 24, 10),
+        nn.BatchNorm1d(10, affine=False),
+    )
+
+
+def test_collects_every_problem():
+    issues = check_module(_bad_model())
+    errors = [(i.path, i.module_type) for i in issues if i.severity is Severity.ERROR]
+    assert errors == [
+        ("1", "BatchNorm2d"),
+        ("3.1", "BatchNorm2d"),
+        ("3.2", "InstanceNorm2d"),
+        ("6", "BatchNorm1d"),
+    ]
+    # InstanceNorm's own affine parameters have no fast rule: a note, not an error.
+    notes = [(i.path, i.module_type) for i in issues if i.severity is Severity.NOTE]
+    assert ("3.2", "InstanceNorm2d") in notes
+
+
+def test_error_message_explains_and_offers_fix():
+    with pytest.raises(UnsupportedModuleError) as info:
+        validate_module(_bad_model())
+    message = str(info.value)
+    assert "4 layer problem(s)" in message
+    assert "mean and variance of the whole batch" in message
+    assert "GroupNorm" in message and "fix_module" in message
+    assert len([i for i in info.value.issues if i.severity is Severity.ERROR]) == 4
+
+
+def test_fixer_returns_fixed_copy_and_keeps_original():
+    model = _bad_model()
+    with torch.no_grad():
+        model[1].weight.fill_(2.0)
+    before = [type(m).__name__ for m in model.modules()]
+    fixed = fix_module(model)
+    assert [type(m).__name__ for m in model.modules()] == before
+    assert model[3][2].track_running_stats
+    assert validate_module(fixed) == [i for i in check_module(fixed)]
+    assert all(i.severity is Severity.NOTE for i in check_module(fixed))
+    gn = fixed[1]
+    assert isinstance(gn, nn.GroupNorm) and gn.num_channels == 12 and gn.num_groups == 12
+    assert torch.equal(gn.weight, torch.full((12,), 2.0))
+    assert gn.weight.data_ptr() != model[1].weight.data_ptr()
+    assert isinstance(fixed[6], nn.GroupNorm) and not fixed[6].affine
+    out = fixed(torch.randn(3, 1, 28, 28))
+    assert out.shape == (3, 10)
+    # per-example: one example's output does not depend on another one's input
+    x = torch.randn(2, 1, 28, 28)
+    y = x.clone()
+    y[1] += 5.0
+    fixed.train()
+    assert torch.allclose(fixed(x)[0], fixed(y)[0], atol=1e-5)
+
+
+def test_group_count_divides_channels():
+    fixed = fix_module(nn.Sequential(nn.BatchNorm2d(48), nn.BatchNorm1d(7)), max_groups=32)
+    assert fixed[0].num_groups == 24 and fixed[1].num_groups == 7
+    assert isinstance(fix_module(nn.BatchNorm2d(4)), nn.GroupNorm)
+
+
+def test_embedding_and_model_level_problems():
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, sparse=True))
+    reasons = [i.reason for i in check_module(model) if i.severity is Severity.ERROR]
+    assert any("renormalises" in r for r in reasons) and any("sparse" in r for r in reasons)
+    assert check_module(fix_module(model)) == [
+        i for i in check_module(fix_module(model)) if i.severity is Severity.NOTE
+    ]
+    frozen = nn.Linear(3, 2).requires_grad_(False)
+    assert "no trainable parameters" in check_module(frozen)[0].reason
+    lazy = nn.LazyLinear(3)
+    assert any("not initialised" in i.reason for i in check_module(lazy))
+
+
+def test_clean_model_passes_and_fallback_layers_are_notes():
+    clean = nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(4, 2))
+    assert check_module(clean) == []
+    rnn = nn.Sequential(nn.LSTM(3, 4))
+    notes = validate_module(rnn)
+    assert [(i.path, i.severity) for i in notes] == [("0", Severity.NOTE)]
+    assert "fallback" in notes[0].reason
+
+
+def test_tied_parameters_are_reported():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.Tanh(), shared)
+    assert any("shared" in i.reason for i in check_module(model))
