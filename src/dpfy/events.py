@@ -32,6 +32,7 @@ __all__ = [
     "Shuffled",
     "Deterministic",
     "TruncatedPoisson",
+    "TruncatedBallsAndBins",
     "SelfComposed",
     "Composed",
     "RepeatAndSelect",
@@ -390,6 +391,44 @@ class TruncatedPoisson(Event):
         object.__setattr__(self, "steps", int(self.steps))
         object.__setattr__(self, "dataset_size", int(self.dataset_size))
         object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class TruncatedBallsAndBins(Event):
+    """:class:`BallsAndBins` whose batches are truncated to ``max_batch_size`` (random subset).
+
+    The mechanism part is accounted as ``BallsAndBins(noise_multiplier, steps_per_epoch,
+    epochs)``; truncation adds the extra delta of ``dpfy.accounting.truncation`` (each batch is
+    marginally Binomial(dataset_size, 1/steps_per_epoch), Chua et al. 2025, App. C).
+    """
+
+    noise_multiplier: float
+    steps_per_epoch: int
+    epochs: int
+    dataset_size: int
+    max_batch_size: int
+    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    kind: ClassVar[str] = "truncated_balls_and_bins"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
+        check_range("epochs", self.epochs, 1, None, integer=True)
+        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_range("max_batch_size", self.max_batch_size, 1, None, integer=True)
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
+        object.__setattr__(self, "epochs", int(self.epochs))
+        object.__setattr__(self, "dataset_size", int(self.dataset_size))
+        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+
+    def untruncated(self) -> BallsAndBins:
+        """The mechanism without truncation (its delta excludes the truncation cost)."""
+        return BallsAndBins(
+            self.noise_multiplier, self.steps_per_epoch, self.epochs, self.adjacency
+        )
 
 
 # --------------------------------------------------------------------------------------------
