@@ -87,9 +87,15 @@ def test_group_count_divides_channels():
 
 
 def test_embedding_and_model_level_problems():
-    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, sparse=True))
+    model = nn.Sequential(
+        nn.Embedding(10, 4, max_norm=1.0),
+        nn.EmbeddingBag(10, 4, sparse=True),
+        nn.Embedding(10, 4, scale_grad_by_freq=True),
+    )
     reasons = [i.reason for i in check_module(model) if i.severity is Severity.ERROR]
+    assert len(reasons) == 3
     assert any("renormalises" in r for r in reasons) and any("sparse" in r for r in reasons)
+    assert any("how often" in r for r in reasons)
     assert check_module(fix_module(model)) == [
         i for i in check_module(fix_module(model)) if i.severity is Severity.NOTE
     ]

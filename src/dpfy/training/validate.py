@@ -33,7 +33,8 @@ __all__ = [
     "validate_module",
 ]
 
-#: Layer types with a fast (ghost / book-keeping) per-example norm rule (issue 5).
+#: Layer types with a fast (ghost / book-keeping) per-example norm rule (issue 5), used when the
+#: norm-rule registry of :mod:`dpfy.training.norms` cannot be imported.
 FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Linear,
     nn.Conv1d,
@@ -99,23 +100,35 @@ def _group_count(channels: int, max_groups: int) -> int:
     return 1
 
 
+def _fast_layers() -> tuple[type[nn.Module], ...]:
+    """Types with a registered norm rule (exact type match, as the engine dispatches)."""
+    try:
+        import dpfy.training.norms  # noqa: F401  (registers the rules)
+        from dpfy.training.norms.registry import registered_types
+    except ImportError:  # pragma: no cover - the engine ships with this package
+        return FAST_NORM_LAYERS
+    return registered_types() or FAST_NORM_LAYERS
+
+
 def _own_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
 
 def check_module(
-    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] = FAST_NORM_LAYERS
+    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] | None = None
 ) -> list[ModuleIssue]:
     """Every privacy problem (errors) and fallback layer (notes) in ``model``, in module order.
 
     Args:
       model: the network to train with DP-SGD.
-      fast_layers: layer types the fast per-example norm engine handles; other layers with
-        trainable parameters are reported as notes (they run on the ``vmap(grad)`` fallback).
+      fast_layers: layer types the fast per-example norm engine handles (exact types; default:
+        the engine's registry); other layers with trainable parameters are reported as notes
+        (they run on the ``vmap(grad)`` fallback).
 
     Returns:
       A list of :class:`ModuleIssue`; empty when the model is ready for private training.
     """
+    fast = _fast_layers() if fast_layers is None else tuple(fast_layers)
     issues: list[ModuleIssue] = []
     if not any(p.requires_grad for p in model.parameters()):
         issues.append(
@@ -191,6 +204,17 @@ def check_module(
                     "use max_norm=None; fix_module does this.",
                 )
             )
+        elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.scale_grad_by_freq:
+            issues.append(
+                ModuleIssue(
+                    path,
+                    name,
+                    Severity.ERROR,
+                    "scale_grad_by_freq=True divides each row's gradient by how often the row "
+                    "occurs in the whole batch, so one example changes the others' gradients.",
+                    "use scale_grad_by_freq=False; fix_module does this.",
+                )
+            )
         elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse:
             issues.append(
                 ModuleIssue(
@@ -204,7 +228,7 @@ def check_module(
             )
         if (
             _own_trainable(module)
-            and not isinstance(module, fast_layers)
+            and type(module) not in fast
             and not isinstance(module, _BATCH_NORMS)
         ):
             issues.append(
@@ -221,7 +245,7 @@ def check_module(
 
 
 def validate_module(
-    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] = FAST_NORM_LAYERS
+    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] | None = None
 ) -> list[ModuleIssue]:
     """Raise if ``model`` has any privacy error; otherwise return the notes.
 
@@ -241,7 +265,8 @@ def fix_module(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
       group count dividing the channels that is at most ``max_groups`` (affine and eps kept;
       the affine weight and bias are copied, running statistics dropped).
     * InstanceNorm with running statistics -> the same layer with ``track_running_stats=False``.
-    * Embedding with ``max_norm`` or ``sparse`` -> ``max_norm=None``, ``sparse=False``.
+    * Embedding with ``max_norm``, ``sparse`` or ``scale_grad_by_freq`` -> ``max_norm=None``,
+      ``sparse=False``, ``scale_grad_by_freq=False``.
 
     Problems without an automatic fix (lazy or missing parameters) remain; run
     :func:`validate_module` on the result.
@@ -282,4 +307,5 @@ def _replace(module: nn.Module, max_groups: int) -> nn.Module:
         module.max_norm = None
     if isinstance(module, nn.Embedding | nn.EmbeddingBag):
         module.sparse = False
+        module.scale_grad_by_freq = False
     return module
