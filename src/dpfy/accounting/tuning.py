@@ -1,0 +1,521 @@
+"""Accounting for hyperparameter tuning on private data (guide Sec. 5.4.2, Table 4; DESIGN 3.6).
+
+A report can cover the *final run only* or the *final run plus tuning*. The options of the
+guide's Table 4 map onto events and functions here:
+
+============================================  ===============================================
+Table 4 option                                dpfy
+============================================  ===============================================
+simple (sequential) composition               :func:`sequential_composition` (sum of epsilons
+                                              and deltas of separately accounted runs)
+RDP / PLD composition of all runs             :func:`all_runs` -> ``Composed`` event, accounted
+                                              by ``rdp`` or ``pld`` like any other event
+random number of trials, best run released    :func:`random_trials` -> ``RepeatAndSelect``
+(Papernot & Steinke 2022, Poisson and         accounted in RDP by :func:`rdp_repeat_and_select`
+truncated negative binomial)                  (the ``rdp_tuning`` accountant, method "rdp")
+============================================  ===============================================
+
+Assumptions of Papernot & Steinke (must hold for ``RepeatAndSelect`` to be valid):
+  * the number of trials ``K`` is really drawn from the stated distribution (Poisson(mean), or
+    truncated negative binomial with the stated mean and shape) — use
+    :func:`draw_number_of_trials`;
+  * trials are independent (hyperparameters drawn i.i.d., not chosen adaptively from earlier
+    results — adaptive search is covered only by composition);
+  * the inner event covers *everything* a trial releases to the selector, including its score if
+    the score uses private validation data;
+  * only the selected trial's output is released.
+
+References: N. Papernot, T. Steinke, "Hyperparameter Tuning with Renyi Differential Privacy",
+ICLR 2022 (arXiv 2110.03620): Theorem 2 (truncated negative binomial, including logarithmic
+``shape=0`` and geometric ``shape=1``) and Theorem 6 (Poisson, ``shape=inf``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from dpfy import events as ev
+from dpfy.accounting._api import (
+    PrivacyResult,
+    UnsupportedEventError,
+    register_accountant,
+)
+from dpfy.accounting._api import (
+    epsilon as _epsilon,
+)
+
+__all__ = [
+    "truncated_negative_binomial_mean",
+    "truncated_negative_binomial_gamma",
+    "delta_from_rdp_at",
+    "rdp_repeat_and_select",
+    "RdpTuningAccountant",
+    "sequential_composition",
+    "all_runs",
+    "random_trials",
+    "with_tuning",
+    "draw_number_of_trials",
+    "TuningOption",
+    "compare_tuning",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# The distribution of the number of trials
+# --------------------------------------------------------------------------------------------
+
+
+def truncated_negative_binomial_mean(gamma: float, shape: float) -> float:
+    """Mean of the truncated negative binomial ``D_{shape,gamma}`` (Papernot & Steinke, Def. 1).
+
+    ``P(K = k) ∝ binom(k + shape - 1, k) (1 - gamma)^k`` for ``k >= 1``; ``shape = 0`` is the
+    logarithmic distribution (mean ``(1-gamma) / (gamma log(1/gamma))``), ``shape = 1`` the
+    geometric (mean ``1/gamma``), otherwise the mean is
+    ``shape (1 - gamma) / (gamma (1 - gamma^shape))``.
+    """
+    ev.check_range("gamma", gamma, 0.0, 1.0, low_open=True)
+    ev.check_range("shape", shape, 0.0, None, high_open=True)
+    if gamma == 1.0:
+        return 1.0
+    log_g = math.log(gamma)
+    one_minus_g = -math.expm1(log_g)
+    if shape == 0.0:
+        return one_minus_g / (gamma * -log_g)
+    return shape * one_minus_g / (gamma * -math.expm1(shape * log_g))
+
+
+def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
+    """The ``gamma`` whose truncated negative binomial has the given ``mean`` (>= 1).
+
+    Solved by bisection on ``log(gamma)``; the result errs on the side of a *smaller* gamma
+    (mean at least the target), which can only increase the privacy bound.
+    """
+    ev.check_range("shape", shape, 0.0, None, high_open=True)
+    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    if shape == 1.0:
+        return 1.0 / mean
+    if mean == 1.0:
+        return 1.0
+    hi = 0.0  # log gamma = 0: mean 1 < target
+    lo = -1.0
+    while truncated_negative_binomial_mean(math.exp(lo), shape) < mean:
+        hi, lo = lo, 2.0 * lo
+    # Invariant: mean(exp(lo)) >= target > mean(exp(hi)); mean is decreasing in gamma.
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if truncated_negative_binomial_mean(math.exp(mid), shape) >= mean:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp(lo)
+
+
+# --------------------------------------------------------------------------------------------
+# RDP of repeat-and-select (Papernot & Steinke 2022)
+# --------------------------------------------------------------------------------------------
+
+
+def delta_from_rdp_at(orders: ArrayLike, rdp: ArrayLike, epsilons: ArrayLike) -> np.ndarray:
+    """The smallest delta an RDP curve certifies at each of ``epsilons`` (vectorised).
+
+    Per order ``a > 1``: ``log delta <= (a-1)(r - eps + log(1 - 1/a)) - log a`` (Balle et al.
+    2020, Prop. 12); at every order also ``delta <= sqrt(1 - exp(-r))`` (total variation from
+    KL <= r, Bretagnolle-Huber). Minimum over orders, capped at 1.
+    """
+    a = np.asarray(orders, dtype=np.float64)
+    r = np.asarray(rdp, dtype=np.float64)
+    e = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
+    if a.shape != r.shape or a.ndim != 1:
+        raise ValueError(f"orders and rdp must be 1-d of equal length, got {a.shape}, {r.shape}")
+    if np.any(a < 1):
+        ev.check_range("orders", float(a[a < 1][0]), 1.0, None)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kl = np.where(r > 0, 0.5 * np.log1p(-np.exp(-r)), -np.inf)  # shape (orders,)
+        am1 = a - 1.0
+        balle = np.where(
+            a > 1.0,
+            am1 * (r[None, :] - e[:, None] + np.log1p(-1.0 / a)) - np.log(a),
+            np.inf,
+        )
+        balle = np.where(r[None, :] > 0, balle, -np.inf)
+    log_delta = np.minimum(balle, kl[None, :]).min(axis=1)
+    return np.minimum(np.exp(log_delta), 1.0)
+
+
+def rdp_repeat_and_select(
+    orders: ArrayLike, rdp: ArrayLike, mean: float, shape: float = math.inf
+) -> np.ndarray:
+    """RDP of running a mechanism a random number of times and releasing only the best run.
+
+    Args:
+      orders: Renyi orders (>= 1) of the single-run RDP curve.
+      rdp: the single-run RDP at each order (same length).
+      mean: expected number of runs, >= 1.
+      shape: ``inf`` for Poisson(mean) (Theorem 6); ``>= 0`` for the truncated negative
+        binomial with this shape (Theorem 2; 0 logarithmic, 1 geometric).
+
+    Returns:
+      The RDP of the whole tuning procedure at each order (``inf`` where no bound applies,
+      e.g. order 1).
+
+    Notes:
+      Theorem 6 (Poisson) at order ``a``: ``r_a + mean * delta_hat + log(mean) / (a - 1)`` with
+      ``delta_hat`` the single run's delta at ``eps_hat = log(1 + 1/(a-1))``. Theorem 2 at order
+      ``a``: ``r_a + (1 + shape) * min_b [(1 - 1/b) r_b + log(1/gamma)/b] + log(mean)/(a - 1)``,
+      then RDP's monotonicity in the order is applied (a bound at a higher order holds at a lower
+      one). These are the same formulas dp_accounting 0.6.0 uses, so the results agree with its
+      ``RepeatAndSelectDpEvent`` for the same single-run curve and orders.
+    """
+    a = np.asarray(orders, dtype=np.float64)
+    r = np.asarray(rdp, dtype=np.float64)
+    if a.shape != r.shape or a.ndim != 1:
+        raise ValueError(f"orders and rdp must be 1-d of equal length, got {a.shape}, {r.shape}")
+    if np.any(a < 1):
+        ev.check_range("orders", float(a[a < 1][0]), 1.0, None)
+    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    ev.check_range("shape", shape, 0.0, None)
+    above_one = a > 1.0
+    out = np.full(a.shape, np.inf)
+    log_mean_term = np.full(a.shape, np.inf)
+    log_mean_term[above_one] = math.log(mean) / (a[above_one] - 1.0)
+    if math.isinf(shape):
+        eps_hat = np.full(a.shape, np.inf)
+        eps_hat[above_one] = np.log1p(1.0 / (a[above_one] - 1.0))
+        delta_hat = np.ones(a.shape)
+        delta_hat[above_one] = delta_from_rdp_at(a, r, eps_hat[above_one])
+        out[above_one] = r[above_one] + mean * delta_hat[above_one] + log_mean_term[above_one]
+        return out
+    gamma = truncated_negative_binomial_gamma(shape, mean)
+    const = (1.0 + shape) * float(np.min((1.0 - 1.0 / a) * r - math.log(gamma) / a))
+    out[above_one] = r[above_one] + log_mean_term[above_one] + const
+    # Monotonicity of RDP in the order: the bound at order a is the minimum over orders >= a.
+    sorted_a = np.sort(a)
+    suffix_min = np.minimum.accumulate(out[np.argsort(a, kind="stable")][::-1])[::-1]
+    return suffix_min[np.searchsorted(sorted_a, a, side="left")]
+
+
+# --------------------------------------------------------------------------------------------
+# The accountant for trees containing RepeatAndSelect
+# --------------------------------------------------------------------------------------------
+
+
+def _contains_repeat_and_select(event: ev.Event) -> bool:
+    if isinstance(event, ev.RepeatAndSelect):
+        return True
+    return any(_contains_repeat_and_select(c) for c in ev._children(event))
+
+
+class RdpTuningAccountant:
+    """RDP accounting of event trees that contain :class:`dpfy.events.RepeatAndSelect`.
+
+    Composition nodes (``Composed``, ``SelfComposed``) add RDP; a ``RepeatAndSelect`` node maps
+    its inner event's RDP curve through :func:`rdp_repeat_and_select`; every other sub-event is
+    handed to the ``rdp`` accountant (:func:`dpfy.accounting.rdp.rdp_of_event`). Trees without a
+    ``RepeatAndSelect`` are left to the ``rdp`` accountant itself. Results report method "rdp".
+    """
+
+    name = "rdp_tuning"
+
+    def __init__(self, orders: Sequence[float] | None = None) -> None:
+        self._orders = None if orders is None else np.asarray(orders, dtype=np.float64)
+
+    @property
+    def orders(self) -> np.ndarray:
+        if self._orders is None:
+            from dpfy.accounting import rdp
+
+            return np.asarray(rdp.DEFAULT_ORDERS, dtype=np.float64)
+        return self._orders
+
+    def unsupported(self, event: ev.Event) -> str | None:
+        if not _contains_repeat_and_select(event):
+            return "the event has no RepeatAndSelect node (use the 'rdp' accountant)"
+        return self._unsupported_node(event)
+
+    def _unsupported_node(self, event: ev.Event) -> str | None:
+        if isinstance(event, ev.Composed):
+            for child in event.events:
+                reason = self._unsupported_node(child)
+                if reason is not None:
+                    return reason
+            return None
+        if isinstance(event, ev.SelfComposed):
+            return self._unsupported_node(event.event)
+        if isinstance(event, ev.RepeatAndSelect):
+            if event.mean < 1.0:
+                return f"RepeatAndSelect needs mean >= 1, got mean={event.mean!r}"
+            return self._unsupported_node(event.event)
+        return _rdp_leaf_unsupported(event)
+
+    def rdp(self, event: ev.Event) -> np.ndarray:
+        """The RDP curve of ``event`` at :attr:`orders`."""
+        reason = self._unsupported_node(event)
+        if reason is not None:
+            raise UnsupportedEventError(f"method='rdp_tuning' cannot account this event: {reason}")
+        return self._rdp(event)
+
+    def _rdp(self, event: ev.Event) -> np.ndarray:
+        if isinstance(event, ev.Composed):
+            total = np.zeros_like(self.orders)
+            for child in event.events:
+                total = total + self._rdp(child)
+            return total
+        if isinstance(event, ev.SelfComposed):
+            if event.count == 0:
+                return np.zeros_like(self.orders)
+            return event.count * self._rdp(event.event)
+        if isinstance(event, ev.RepeatAndSelect):
+            inner = self._rdp(event.event)
+            return rdp_repeat_and_select(self.orders, inner, event.mean, event.shape)
+        from dpfy.accounting import rdp
+
+        return np.asarray(rdp.rdp_of_event(event, self.orders), dtype=np.float64)
+
+    def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
+        from dpfy.accounting import rdp
+
+        curve = self.rdp(event)
+        eps, order = rdp.epsilon_from_rdp(curve, self.orders, delta)
+        return PrivacyResult(
+            epsilon=float(eps),
+            delta=float(delta),
+            method="rdp",
+            adjacency=event.adjacency_relation.value,
+            notes=_NOTES + (f"best RDP order {float(order):g}",),
+        )
+
+    def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
+        curve = self.rdp(event)
+        d = float(delta_from_rdp_at(self.orders, curve, [epsilon])[0])
+        return PrivacyResult(
+            epsilon=float(epsilon),
+            delta=d,
+            method="rdp",
+            adjacency=event.adjacency_relation.value,
+            notes=_NOTES,
+        )
+
+
+_NOTES = (
+    "hyperparameter tuning accounted with Papernot & Steinke 2022 (random number of trials, "
+    "only the best trial released, trials independent)",
+)
+
+
+def _rdp_leaf_unsupported(event: ev.Event) -> str | None:
+    try:
+        from dpfy.accounting import rdp
+    except ImportError:  # pragma: no cover - rdp.py is part of the package
+        return "the rdp accountant is not available"
+    acc = getattr(rdp, "ACCOUNTANT", None)
+    if acc is not None and hasattr(acc, "unsupported"):
+        return acc.unsupported(event)
+    try:
+        rdp.rdp_of_event(event, np.asarray([2.0]))
+    except (UnsupportedEventError, ValueError, TypeError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+register_accountant(RdpTuningAccountant())
+
+
+# --------------------------------------------------------------------------------------------
+# Table 4 as events and functions
+# --------------------------------------------------------------------------------------------
+
+
+def all_runs(runs: Sequence[ev.Event]) -> ev.Composed:
+    """RDP/PLD composition of every tuning run (Table 4: "RDP or PLD composition")."""
+    runs = tuple(runs)
+    if not runs:
+        raise ValueError("runs must contain at least one event")
+    return ev.Composed(runs)
+
+
+def random_trials(run: ev.Event, mean: float, shape: float = math.inf) -> ev.RepeatAndSelect:
+    """Papernot & Steinke tuning: a random number of i.i.d. trials of ``run``, best released.
+
+    ``shape=inf`` (default) draws the number of trials from Poisson(mean); ``shape=0``
+    logarithmic, ``shape=1`` geometric, other ``shape >= 0`` truncated negative binomial.
+    """
+    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    return ev.RepeatAndSelect(run, mean, shape)
+
+
+def with_tuning(final: ev.Event, tuning: ev.Event) -> ev.Composed:
+    """The event for "final run plus tuning": the tuning procedure, then the final training.
+
+    If the released model *is* the selected trial of a ``RepeatAndSelect`` (no retraining),
+    account ``tuning`` alone instead.
+    """
+    return ev.Composed((tuning, final))
+
+
+def sequential_composition(
+    runs: Sequence[ev.Event], delta: float, method: str = "auto"
+) -> PrivacyResult:
+    """Simple composition (Table 4): each run accounted alone at ``delta / n``, epsilons summed.
+
+    Always valid (also for adaptively chosen runs) and always looser than :func:`all_runs`.
+    """
+    runs = tuple(runs)
+    if not runs:
+        raise ValueError("runs must contain at least one event")
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    per_run = delta / len(runs)
+    results = [_epsilon(r, per_run, method=method) for r in runs]
+    methods = sorted({r.method for r in results})
+    return PrivacyResult(
+        epsilon=float(sum(r.epsilon for r in results)),
+        delta=float(delta),
+        method="sequential+" + "/".join(methods),
+        adjacency=runs[0].adjacency_relation.value,
+        notes=(f"simple composition of {len(runs)} runs, each at delta={per_run:.3g}",),
+    )
+
+
+def draw_number_of_trials(mean: float, shape: float, randomness: Any) -> int:
+    """Draw the number of tuning trials ``K`` for :func:`random_trials`.
+
+    Args:
+      mean: expected number of trials (>= 1).
+      shape: ``inf`` for Poisson(mean), else truncated negative binomial shape (>= 0).
+      randomness: a :class:`dpfy.randomness.Randomness` (its ``uniform`` drives an inverse-CDF
+        draw, so secure mode carries over).
+
+    Returns:
+      ``K >= 0`` for Poisson (``K = 0`` means: release nothing), ``K >= 1`` otherwise.
+    """
+    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    ev.check_range("shape", shape, 0.0, None)
+    u = float(np.asarray(randomness.uniform(1)).reshape(-1)[0])
+    if math.isinf(shape):
+        log_p = -mean  # P(K=0)
+        k = 0
+        cdf = math.exp(log_p)
+        while cdf < u and k < 100_000_000:
+            k += 1
+            log_p += math.log(mean) - math.log(k)
+            cdf += math.exp(log_p)
+        return k
+    gamma = truncated_negative_binomial_gamma(shape, mean)
+    if gamma == 1.0:
+        return 1
+    log_1mg = math.log1p(-gamma)
+    # Unnormalised log-weights w_k = log binom(k+shape-1, k) + k log(1-gamma), k >= 1.
+    if shape == 0.0:
+        log_norm = math.log(-math.log(gamma))  # sum_k (1-g)^k / k = log(1/g)
+    else:
+        log_norm = math.log(-math.expm1(shape * math.log(gamma))) - shape * math.log(gamma)
+    k, cdf = 0, 0.0
+    while cdf < u and k < 100_000_000:
+        k += 1
+        if shape == 0.0:
+            log_w = k * log_1mg - math.log(k)
+        else:
+            log_w = (
+                math.lgamma(k + shape) - math.lgamma(shape) - math.lgamma(k + 1) + k * log_1mg
+            )
+        cdf += math.exp(log_w - log_norm)
+    return k
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TuningOption:
+    """One row of the tuning comparison: how a guarantee covering tuning would read."""
+
+    name: str
+    epsilon: float
+    delta: float
+    method: str
+    covers: str  # "final run only" | "final run plus tuning"
+    note: str = ""
+    event: ev.Event | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "epsilon": "inf" if math.isinf(self.epsilon) else self.epsilon,
+            "delta": self.delta,
+            "method": self.method,
+            "covers": self.covers,
+            "note": self.note,
+            "event": None if self.event is None else self.event.to_dict(),
+        }
+
+
+def compare_tuning(
+    run: ev.Event,
+    trials: int,
+    delta: float,
+    *,
+    final: ev.Event | None = None,
+    methods: Sequence[str] = ("rdp", "pld"),
+) -> list[TuningOption]:
+    """The guide's Table 4 / Appendix C comparison for ``trials`` runs of ``run``.
+
+    Rows: the final run alone; simple composition; RDP and PLD composition of all trials (each
+    method only if registered); Papernot & Steinke with Poisson, geometric and logarithmic
+    numbers of trials of mean ``trials``. If ``final`` is given (a retraining after tuning), the
+    tuning rows also include it; otherwise the best trial is the released model.
+    """
+    from dpfy.accounting import _api
+
+    ev.check_range("trials", trials, 1, None, integer=True)
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    trials = int(trials)
+    released = final if final is not None else run
+    known = set(_api.accountants())
+
+    def total(tuning: ev.Event) -> ev.Event:
+        return tuning if final is None else with_tuning(final, tuning)
+
+    rows = [
+        TuningOption(
+            "final run only",
+            _epsilon(released, delta).epsilon,
+            delta,
+            _epsilon(released, delta).method,
+            "final run only",
+            "tuning not accounted",
+            released,
+        )
+    ]
+    seq_runs = [run] * trials + ([final] if final is not None else [])
+    seq = sequential_composition(seq_runs, delta)
+    rows.append(
+        TuningOption(
+            "simple composition", seq.epsilon, delta, seq.method, "final run plus tuning",
+            "always valid, loosest",
+        )
+    )
+    composed = total(ev.SelfComposed(run, trials))
+    for m in methods:
+        if m in known and _api._ACCOUNTANTS[m].unsupported(composed) is None:
+            res = _epsilon(composed, delta, method=m)
+            rows.append(
+                TuningOption(
+                    f"{m.upper()} composition of all runs", res.epsilon, delta, res.method,
+                    "final run plus tuning", "valid for adaptive search", composed,
+                )
+            )
+    for label, shape in (("Poisson", math.inf), ("geometric", 1.0), ("logarithmic", 0.0)):
+        event = total(random_trials(run, float(trials), shape))
+        res = _epsilon(event, delta)
+        rows.append(
+            TuningOption(
+                f"random number of trials ({label}, mean {trials})", res.epsilon, delta,
+                res.method, "final run plus tuning",
+                "Papernot & Steinke 2022: K random, trials i.i.d., best released", event,
+            )
+        )
+    return rows
