@@ -27,3 +27,5 @@ __all__ = [
     "epsilon",
     "register_accountant",
 ]
+
+from dpfy.accounting import tuning  # noqa: E402,F401  (registers "rdp_tuning": RepeatAndSelect)
