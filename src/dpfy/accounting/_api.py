@@ -23,6 +23,7 @@ __all__ = [
     "delta",
     "compare",
     "contains_non_private",
+    "untruncated",
 ]
 
 
@@ -138,8 +139,44 @@ def _infinite(event: ev.Event, method: str, delta: float) -> PrivacyResult:
     )
 
 
+def _method_name(method: str | Accountant) -> str:
+    if isinstance(method, str):
+        if method != "auto" and method not in _ACCOUNTANTS:
+            allowed = ", ".join(("auto", *_ACCOUNTANTS))
+            raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
+        return method
+    return method.name
+
+
+def untruncated(event: ev.Event) -> ev.Event:
+    """The event with every truncated sampler replaced by its untruncated mechanism."""
+    if isinstance(event, ev.TruncatedPoisson):
+        inner = ev.PoissonSampled(event.sampling_rate, ev.Gaussian(event.noise_multiplier))
+        return ev.SelfComposed(inner, event.steps)
+    if isinstance(event, ev.TruncatedBallsAndBins):
+        return event.untruncated()
+    if isinstance(event, ev.SelfComposed):
+        return ev.SelfComposed(untruncated(event.event), event.count)
+    if isinstance(event, ev.Composed):
+        return ev.Composed(tuple(untruncated(e) for e in event.events))
+    if isinstance(event, ev.PoissonSampled):
+        return ev.PoissonSampled(event.sampling_rate, untruncated(event.event))
+    return event
+
+
+def _truncation_note(probability: float) -> str:
+    return (
+        f"batches truncated to a maximum size: P(some batch over-full) <= {probability:.3g}, "
+        "added as (1 + e^epsilon) x that probability to delta (coupling bound)"
+    )
+
+
 def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") -> PrivacyResult:
     """Smallest epsilon the chosen method certifies for ``event`` at ``delta``.
+
+    Truncated samplers (``TruncatedPoisson``, ``TruncatedBallsAndBins``) are accounted as their
+    untruncated mechanism plus the truncation term of :mod:`dpfy.accounting.truncation`, so the
+    returned epsilon holds at the stated delta *including* the cost of truncation.
 
     Args:
       event: a :mod:`dpfy.events` tree.
@@ -150,21 +187,59 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
     Raises:
       ValueError: bad delta or method; ``UnsupportedEventError`` if the method does not apply.
     """
+    from dpfy.accounting.truncation import event_truncation_probability, truncated_epsilon
+
     ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    accs = _resolve(event, method)
+    if not isinstance(event, ev.Event):
+        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
     if contains_non_private(event):
-        return _infinite(event, accs[0].name if method != "auto" else "auto", float(delta))
-    results = [a.epsilon(event, float(delta)) for a in accs]
+        return _infinite(event, _method_name(method), float(delta))
+    mechanism = untruncated(event)
+    accs = _resolve(mechanism, method)
+    probability = event_truncation_probability(event)
+    results = []
+    for acc in accs:
+        if probability == 0.0:
+            results.append(acc.epsilon(mechanism, float(delta)))
+            continue
+        eps = truncated_epsilon(
+            lambda d, acc=acc: acc.epsilon(mechanism, d).epsilon, float(delta), probability
+        )
+        base = acc.epsilon(mechanism, float(delta))
+        results.append(
+            dataclasses.replace(
+                base, epsilon=eps, notes=(*base.notes, _truncation_note(probability))
+            )
+        )
     return min(results, key=lambda r: (r.epsilon, not r.provable))
 
 
 def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") -> PrivacyResult:
-    """Smallest delta the chosen method certifies for ``event`` at ``epsilon`` (>= 0)."""
+    """Smallest delta the chosen method certifies for ``event`` at ``epsilon`` (>= 0).
+
+    Includes the truncation term for truncated samplers (see :func:`epsilon`).
+    """
+    from dpfy.accounting.truncation import event_truncation_probability, truncated_delta
+
     ev.check_range("epsilon", epsilon, 0.0, None)
-    accs = _resolve(event, method)
+    if not isinstance(event, ev.Event):
+        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
     if contains_non_private(event):
-        return dataclasses.replace(_infinite(event, accs[0].name, 1.0), epsilon=float(epsilon))
-    results = [a.delta(event, float(epsilon)) for a in accs]
+        res = _infinite(event, _method_name(method), 1.0)
+        return dataclasses.replace(res, epsilon=float(epsilon))
+    mechanism = untruncated(event)
+    accs = _resolve(mechanism, method)
+    probability = event_truncation_probability(event)
+    results = []
+    for acc in accs:
+        base = acc.delta(mechanism, float(epsilon))
+        if probability > 0.0:
+            base = dataclasses.replace(
+                base,
+                delta=truncated_delta(base.delta, float(epsilon), probability),
+                notes=(*base.notes, _truncation_note(probability)),
+            )
+        results.append(base)
     return min(results, key=lambda r: (r.delta, not r.provable))
 
 
@@ -172,7 +247,8 @@ def compare(event: ev.Event, delta: float) -> dict[str, PrivacyResult | str]:
     """Every registered method's epsilon at ``delta``, or the reason it does not apply."""
     ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     out: dict[str, PrivacyResult | str] = {}
+    mechanism = untruncated(event)
     for name, acc in _ACCOUNTANTS.items():
-        reason = acc.unsupported(event)
+        reason = acc.unsupported(mechanism)
         out[name] = reason if reason is not None else epsilon(event, delta, method=name)
     return out
