@@ -1,0 +1,674 @@
+"""Rényi DP (RDP) accounting: the subsampled Gaussian and friends, as pure vectorised functions.
+
+An RDP curve is an array of Rényi divergences, one per order ``a > 1``, for one step of a
+mechanism (the worse of the two directions of the dominating pair). Adaptive composition adds
+curves; :func:`epsilon_from_rdp` turns a curve into (epsilon, delta).
+
+Conventions: ``noise_multiplier`` is the noise standard deviation divided by the L2
+sensitivity; unless stated otherwise adjacency is ``add_or_remove``. Under ``replace_one`` a
+clipped sum has sensitivity 2 x clip norm, so a Gaussian event with noise multiplier ``z``
+counts as one with ``z / 2`` (see :func:`rdp_of_event`).
+
+References:
+  Mironov, Talwar, Zhang 2019, "Rényi Differential Privacy of the Sampled Gaussian
+  Mechanism" (arXiv 1908.10530), Sec. 3.3 (integer and fractional orders).
+  Mironov 2017, "Rényi Differential Privacy", Prop. 6 (Laplace) and Prop. 7 (Gaussian).
+  Balle et al. 2020, "Hypothesis testing interpretations and Rényi DP" (AISTATS), Prop. 12
+  (RDP to (epsilon, delta)); Wang, Balle, Kasiviswanathan 2019, "Subsampled Rényi DP and
+  Analytical Moments Accountant" (AISTATS), Thm 9 and Cor. 10 (sampling without replacement).
+
+Example:
+  >>> import numpy as np
+  >>> from dpfy.accounting.rdp import rdp_poisson_gaussian, epsilon_from_rdp, DEFAULT_ORDERS
+  >>> curve = 1000 * rdp_poisson_gaussian(0.01, 1.1, DEFAULT_ORDERS)
+  >>> eps, order = epsilon_from_rdp(curve, DEFAULT_ORDERS, 1e-5)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from scipy import special
+
+from dpfy import events as ev
+from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+
+__all__ = [
+    "DEFAULT_ORDERS",
+    "rdp_poisson_gaussian",
+    "rdp_gaussian",
+    "rdp_laplace",
+    "rdp_zcdp",
+    "rdp_sampled_without_replacement_gaussian",
+    "epsilon_from_rdp",
+    "delta_from_rdp",
+    "epsilon_poisson_gaussian",
+    "rdp_of_event",
+    "unsupported_reason",
+    "RdpAccountant",
+]
+
+#: Dense order grid: quarter steps up to 10 (27 fractional orders), every integer to 64, then a
+#: geometric-ish tail to 1024 (large orders matter for small epsilon / many steps).
+DEFAULT_ORDERS: np.ndarray = np.concatenate(
+    [
+        np.arange(1.25, 10.0, 0.25),
+        np.arange(10, 65, dtype=np.float64),
+        np.array([72, 80, 96, 112, 128, 160, 192, 256, 320, 384, 512, 768, 1024], float),
+    ]
+)
+DEFAULT_ORDERS.setflags(write=False)
+
+# Fractional-order series: stop once the first omitted term is below this fraction of the sum
+# (the truncated sum is always an upper bound, see _log_a_frac); hard cap on the terms summed.
+_FRAC_RTOL = 1e-15
+_FRAC_MAX_TERMS = 1 << 17
+# Memory bound (number of float64 cells) for one block of the integer-order binomial sums.
+_BLOCK_CELLS = 1 << 21
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_array(name: str, arr: np.ndarray, low: float, high: float | None, **kw: bool) -> None:
+    """``check_range`` for every element; the message shows the first offending value."""
+    bad = np.isnan(arr) | (arr < low) | (arr == low if kw.get("low_open") else False)
+    if high is not None:
+        bad |= (arr > high) | (arr == high if kw.get("high_open") else False)
+    if np.any(bad):
+        ev.check_range(name, float(arr[bad].flat[0]), low, high, **kw)
+
+
+def _as_orders(orders: Any) -> np.ndarray:
+    a = np.atleast_1d(np.asarray(orders, dtype=np.float64))
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"orders must be a non-empty 1-d sequence, got orders={orders!r}")
+    _check_array("orders", a, 1.0, None, low_open=True)
+    return a
+
+
+def _log_expm1(x: np.ndarray) -> np.ndarray:
+    """log(exp(x) - 1) for x > 0 without overflow or cancellation."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        small = np.log(np.expm1(np.minimum(x, 30.0)))
+    return np.where(x > 30.0, x + np.log1p(-np.exp(-np.maximum(x, 30.0))), small)
+
+
+def _log_binom(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """log|binom(n, k)| for real n and integer k >= 0 (gammaln is log|Gamma|)."""
+    return special.gammaln(n + 1.0) - special.gammaln(k + 1.0) - special.gammaln(n - k + 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Poisson-subsampled Gaussian (Mironov, Talwar, Zhang 2019)
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_a_int(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """log A_a for integer orders a >= 2, 0 < q <= 1; shape (len(q), len(a)).
+
+    A_a = sum_k binom(a,k) (1-q)^(a-k) q^k exp(k(k-1)/(2z^2)). The binomial weights sum to 1
+    and the k = 0, 1 terms have exp(.) = 1, so A_a - 1 = sum_{k>=2} binom(a,k) (1-q)^(a-k) q^k
+    expm1(k(k-1)/(2z^2)): a sum of positive terms, summed in log space. This keeps full relative
+    precision when A_a is close to 1 (tiny q or huge z), where summing A_a itself would not.
+    """
+    out = np.empty((q.size, a.size))
+    # Bucket orders by size so small orders do not pay for the largest order's k range.
+    edges = [0, 16, 64, 256, 1024, math.inf]
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        cols = np.flatnonzero((a > lo) & (a <= hi))
+        if cols.size == 0:
+            continue
+        ab = a[cols]
+        k = np.arange(int(ab.max()) + 1, dtype=np.float64)
+        valid = (k[None, :] >= 2) & (k[None, :] <= ab[:, None])
+        lb = np.where(valid, _log_binom(ab[:, None], np.minimum(k[None, :], ab[:, None])), -np.inf)
+        rows_per_block = max(1, _BLOCK_CELLS // (cols.size * k.size))
+        for r0 in range(0, q.size, rows_per_block):
+            qb = q[r0 : r0 + rows_per_block, None, None]
+            zb = z[r0 : r0 + rows_per_block, None, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                terms = (
+                    lb[None]
+                    + special.xlogy(k, qb)
+                    + special.xlog1py(ab[:, None] - k, -qb)
+                    + _log_expm1(np.maximum(k * (k - 1.0), 1.0) / (2.0 * zb**2))
+                )
+            terms = np.where(valid[None], terms, -np.inf)
+            log_a_minus_1 = special.logsumexp(terms, axis=-1)
+            out[r0 : r0 + rows_per_block][:, cols] = np.logaddexp(0.0, log_a_minus_1)
+    return out
+
+
+def _log_phi_plus_shift(x: np.ndarray, k: np.ndarray, z0: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """log Phi(x) + (k^2 - k)/(2 z^2) where x = +-(z0 - k)/z, without cancelling huge terms.
+
+    For x < 0, log Phi(x) = log(erfcx(-x/sqrt 2)/2) - x^2/2 and the quadratic parts combine
+    exactly: (k^2 - k - (z0 - k)^2)/(2z^2) = (k(2 z0 - 1) - z0^2)/(2 z^2).
+    """
+    neg = x < 0
+    xn = np.where(neg, x, -1.0)
+    xp = np.where(neg, 1.0, x)
+    inv = 1.0 / (2.0 * z**2)
+    tail = np.log(0.5 * special.erfcx(-xn / math.sqrt(2.0))) + (k * (2.0 * z0 - 1.0) - z0**2) * inv
+    head = special.log_ndtr(xp) + (k * k - k) * inv
+    return np.where(neg, tail, head)
+
+
+def _log_a_frac(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """log A_a for fractional orders (flat arrays of equal length), 0 < q < 1.
+
+    Series of Mironov, Talwar, Zhang 2019, Sec. 3.3: split the integral at z0, where the two
+    mixture components' densities cross (z0 = z^2 log(1/q - 1) + 1/2), and expand each side
+    binomially. Term i of the combined series is sign(binom(a, i)) u_i with
+      u_i = |binom(a,i)| [ (1-q)^(a-i) q^i e^{(i^2-i)/(2z^2)} Phi((z0 - i)/z)
+                           + (1-q)^i q^(a-i) e^{(j^2-j)/(2z^2)} Phi((j - z0)/z) ],  j = a - i.
+    For i > floor(a) + 1 the signs alternate and u_i decreases (each bracket is an expectation
+    of a power <= 1 that decreases in i), so a partial sum that ends with a positive term is an
+    upper bound. We sum in growing chunks until the first omitted term is below _FRAC_RTOL of
+    the sum, then add that term if it is positive: the result is always an upper bound on A_a
+    and equals it to ~1e-15 relative whenever the series converged within _FRAC_MAX_TERMS.
+    """
+    m = q.size
+    log_q = np.log(q)
+    log_1mq = np.log1p(-q)
+    z0 = z**2 * (log_1mq - log_q) + 0.5
+    floor_a = np.floor(a)
+    min_terms = floor_a + 3.0
+    log_pos = np.full(m, -np.inf)
+    log_neg = np.full(m, -np.inf)
+    result = np.full(m, np.nan)
+    active = np.arange(m)
+    start, chunk = 0, 64
+    while active.size:
+        i = np.arange(start, start + chunk + 1, dtype=np.float64)[None, :]
+        oa, za, aa = a[active, None], z[active, None], z0[active, None]
+        lq, l1 = log_q[active, None], log_1mq[active, None]
+        j = oa - i
+        lb = _log_binom(oa, i)
+        t0 = lb + i * lq + j * l1 + _log_phi_plus_shift((aa - i) / za, i, aa, za)
+        t1 = lb + j * lq + i * l1 + _log_phi_plus_shift((j - aa) / za, j, aa, za)
+        log_u = np.logaddexp(t0, t1)
+        # sign(binom(a, i)) is + for i <= floor(a) + 1 and alternates afterwards.
+        excess = i - floor_a[active, None] - 1.0
+        negative = (excess > 0) & (np.mod(excess, 2.0) == 1.0)
+        body = log_u[:, :-1]
+        neg_body = negative[:, :-1]
+        log_pos[active] = np.logaddexp(
+            log_pos[active], special.logsumexp(np.where(neg_body, -np.inf, body), axis=1)
+        )
+        log_neg[active] = np.logaddexp(
+            log_neg[active], special.logsumexp(np.where(neg_body, body, -np.inf), axis=1)
+        )
+        with np.errstate(invalid="ignore"):
+            log_sum = log_pos[active] + np.log1p(-np.exp(log_neg[active] - log_pos[active]))
+        nxt, nxt_neg = log_u[:, -1], negative[:, -1]
+        end = start + chunk
+        done = (
+            (end >= min_terms[active]) & (nxt < log_sum + math.log(_FRAC_RTOL))
+        ) | (end >= _FRAC_MAX_TERMS)
+        upper = np.where(nxt_neg, log_sum, np.logaddexp(log_sum, nxt))
+        result[active[done]] = upper[done]
+        active = active[~done]
+        start, chunk = end, min(2 * chunk, 1 << 14)
+    return result
+
+
+def rdp_poisson_gaussian(
+    sampling_rate: Any, noise_multiplier: Any, orders: Any = DEFAULT_ORDERS
+) -> np.ndarray:
+    """Per-step RDP of the Poisson-subsampled Gaussian mechanism (add_or_remove adjacency).
+
+    Args:
+      sampling_rate: q in (0, 1], scalar or array (each example is in the batch w.p. q).
+      noise_multiplier: z > 0, scalar or array broadcasting with ``sampling_rate``.
+      orders: Rényi orders a > 1 (integers use the exact binomial sum, other orders the
+        Mironov-Talwar-Zhang series; q = 1 gives a / (2 z^2)).
+
+    Returns:
+      Array of shape ``broadcast(q, z).shape + (len(orders),)``: RDP in nats per step.
+
+    Raises:
+      ValueError: q outside (0, 1], z <= 0, or an order <= 1.
+
+    References: Mironov, Talwar, Zhang 2019, Sec. 3.3; DESIGN 3.1.
+    """
+    q = np.asarray(sampling_rate, dtype=np.float64)
+    z = np.asarray(noise_multiplier, dtype=np.float64)
+    _check_array("sampling_rate", q, 0.0, 1.0, low_open=True)
+    _check_array("noise_multiplier", z, 0.0, None, low_open=True)
+    a = _as_orders(orders)
+    q, z = np.broadcast_arrays(q, z)
+    shape = q.shape
+    qf, zf = q.ravel(), z.ravel()
+    out = np.empty((qf.size, a.size))
+    full = qf == 1.0
+    out[full] = a[None, :] / (2.0 * zf[full, None] ** 2)
+    sub = np.flatnonzero(~full)
+    is_int = a == np.round(a)
+    if sub.size and is_int.any():
+        cols = np.flatnonzero(is_int)
+        out[np.ix_(sub, cols)] = _log_a_int(qf[sub], zf[sub], a[cols]) / (a[cols] - 1.0)
+    if sub.size and (~is_int).any():
+        cols = np.flatnonzero(~is_int)
+        qq, aa = np.meshgrid(qf[sub], a[cols], indexing="ij")
+        zz = np.broadcast_to(zf[sub, None], qq.shape)
+        log_a = _log_a_frac(qq.ravel(), zz.ravel(), aa.ravel()).reshape(qq.shape)
+        out[np.ix_(sub, cols)] = np.maximum(log_a, 0.0) / (a[cols] - 1.0)
+    return out.reshape(shape + (a.size,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Other mechanisms
+# ---------------------------------------------------------------------------------------------
+
+
+def rdp_gaussian(noise_multiplier: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
+    """RDP a / (2 z^2) of the Gaussian mechanism (Mironov 2017, Prop. 7); shape z.shape + (n,)."""
+    z = np.asarray(noise_multiplier, dtype=np.float64)
+    _check_array("noise_multiplier", z, 0.0, None, low_open=True)
+    a = _as_orders(orders)
+    return a / (2.0 * z[..., None] ** 2)
+
+
+def rdp_zcdp(rho: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
+    """RDP rho * a of a rho-zCDP mechanism (Bun & Steinke 2016, Def. 1.1)."""
+    r = np.asarray(rho, dtype=np.float64)
+    _check_array("rho", r, 0.0, None)
+    return r[..., None] * _as_orders(orders)
+
+
+def rdp_laplace(noise_multiplier: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
+    """Exact RDP of the Laplace mechanism with scale b = noise_multiplier x L1 sensitivity.
+
+    With e = 1/b (its pure-DP epsilon), Mironov 2017, Prop. 6:
+      RDP(a) = log( a/(2a-1) e^{(a-1)e} + (a-1)/(2a-1) e^{-a e} ) / (a-1)
+             = e + log1p( (a-1)/(2a-1) expm1(-(2a-1) e) ) / (a-1).
+    """
+    b = np.asarray(noise_multiplier, dtype=np.float64)
+    _check_array("noise_multiplier", b, 0.0, None, low_open=True)
+    a = _as_orders(orders)
+    e = 1.0 / b[..., None]
+    return e + np.log1p((a - 1.0) / (2.0 * a - 1.0) * np.expm1(-(2.0 * a - 1.0) * e)) / (a - 1.0)
+
+
+def rdp_sampled_without_replacement_gaussian(
+    sampling_rate: Any, noise_multiplier: Any, orders: Any = DEFAULT_ORDERS
+) -> np.ndarray:
+    """RDP bound for a Gaussian on a fixed-size sample drawn without replacement (replace_one).
+
+    Wang, Balle, Kasiviswanathan 2019, Thm 9 with the Gaussian's eps(j) = j / (2 s^2) and
+    eps(inf) = inf; for integer a >= 2 and gamma = sample_size / dataset_size:
+      (a-1) RDP(a) <= log(1 + gamma^2 C(a,2) min(4 (e^{eps(2)} - 1), 2 e^{eps(2)})
+                            + sum_{j=3}^{a} 2 gamma^j C(a,j) e^{(j-1) eps(j)}).
+    Fractional orders interpolate (a-1) RDP(a) linearly between floor(a) and ceil(a)
+    (Cor. 10; valid because the cumulant generating function is convex). gamma = 1 gives the
+    plain Gaussian a / (2 s^2).
+
+    Args:
+      sampling_rate: gamma = sample_size / dataset_size in (0, 1].
+      noise_multiplier: s = noise std / *replace-one* L2 sensitivity. For a sum of examples
+        clipped to C with noise std z C, the replace-one sensitivity is 2C, so pass z / 2.
+      orders: Rényi orders a > 1.
+
+    Returns:
+      Array of shape ``broadcast(gamma, s).shape + (len(orders),)``.
+    """
+    g = np.asarray(sampling_rate, dtype=np.float64)
+    s = np.asarray(noise_multiplier, dtype=np.float64)
+    _check_array("sampling_rate", g, 0.0, 1.0, low_open=True)
+    _check_array("noise_multiplier", s, 0.0, None, low_open=True)
+    a = _as_orders(orders)
+    g, s = np.broadcast_arrays(g, s)
+    shape = g.shape
+    gf, sf = g.ravel(), s.ravel()
+    lo, hi = np.floor(a), np.ceil(a)
+    ints = np.unique(np.concatenate([lo, hi]))
+    ints = ints[ints >= 2]
+    log_a = {}  # order -> log A for every configuration
+    if ints.size:
+        kmax = int(ints.max())
+        k = np.arange(kmax + 1, dtype=np.float64)
+        for order in ints:
+            kk = k[2 : int(order) + 1]
+            eps2 = 1.0 / sf**2  # eps(2) = 2 / (2 s^2)
+            lb = _log_binom(order, kk)
+            with np.errstate(divide="ignore"):
+                first = np.minimum(math.log(4.0) + _log_expm1(eps2), math.log(2.0) + eps2)
+            terms = lb[None, :] + kk[None, :] * np.log(gf)[:, None]
+            terms = terms + np.where(
+                kk[None, :] == 2,
+                first[:, None],
+                math.log(2.0) + (kk[None, :] - 1.0) * kk[None, :] / (2.0 * sf[:, None] ** 2),
+            )
+            log_a[order] = np.logaddexp(0.0, special.logsumexp(terms, axis=1))
+
+    def cgf(order: float) -> np.ndarray:
+        return np.zeros_like(gf) if order < 2 else log_a[order]
+
+    out = np.empty((gf.size, a.size))
+    for c, (order, f, h) in enumerate(zip(a, lo, hi, strict=True)):
+        t = order - f
+        out[:, c] = ((1.0 - t) * cgf(f) + t * cgf(h)) / (order - 1.0) if f != h else cgf(f) / (
+            order - 1.0
+        )
+    full = gf == 1.0
+    out[full] = a[None, :] / (2.0 * sf[full, None] ** 2)
+    return out.reshape(shape + (a.size,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion to (epsilon, delta)
+# ---------------------------------------------------------------------------------------------
+
+
+def epsilon_from_rdp(rdp: Any, orders: Any, delta: Any) -> tuple[Any, Any]:
+    """Smallest epsilon over the orders such that the RDP curve implies (epsilon, delta)-DP.
+
+    Balle et al. 2020, Prop. 12, per order:
+      eps(a) = RDP(a) + log((a-1)/a) - (log(delta) + log(a)) / (a-1),
+    and eps = 0 where the total-variation bound sqrt(1 - exp(-RDP(a))) <= delta already holds
+    (TV <= sqrt(1 - exp(-D_1/2)) and D_1/2 <= D_a).
+
+    Args:
+      rdp: RDP curve(s), shape (..., len(orders)); inf allowed.
+      orders: the orders the curve was computed at.
+      delta: target delta in (0, 1); broadcasts against ``rdp.shape[:-1]``.
+
+    Returns:
+      (epsilon, best_order): floats for a single curve, arrays of shape rdp.shape[:-1] otherwise.
+    """
+    r = np.asarray(rdp, dtype=np.float64)
+    a = _as_orders(orders)
+    if r.shape[-1:] != a.shape:
+        raise ValueError(f"rdp must have len(orders)={a.size} values last, got shape {r.shape}")
+    d = np.asarray(delta, dtype=np.float64)
+    _check_array("delta", d, 0.0, 1.0, low_open=True, high_open=True)
+    d = d[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        eps = r + np.log1p(-1.0 / a) - (np.log(d) + np.log(a)) / (a - 1.0)
+        eps = np.where(d**2 + np.expm1(-r) >= 0.0, 0.0, eps)
+    eps = np.where(np.isnan(eps), np.inf, eps)
+    idx = np.argmin(eps, axis=-1)
+    best = np.maximum(np.take_along_axis(eps, idx[..., None], axis=-1)[..., 0], 0.0)
+    order = a[idx]
+    if best.ndim == 0:
+        return float(best), float(order)
+    return best, order
+
+
+def delta_from_rdp(rdp: Any, orders: Any, epsilon: Any) -> tuple[Any, Any]:
+    """Smallest delta over the orders such that the RDP curve implies (epsilon, delta)-DP.
+
+    Per order (Balle et al. 2020, Prop. 12, solved for delta), capped by the TV bound:
+      log delta(a) = min((a-1) (RDP(a) - eps + log((a-1)/a)) - log(a),
+                         0.5 log(1 - exp(-RDP(a)))).
+
+    Returns:
+      (delta, best_order), delta in [0, 1]; floats for one curve, arrays otherwise.
+    """
+    r = np.asarray(rdp, dtype=np.float64)
+    a = _as_orders(orders)
+    if r.shape[-1:] != a.shape:
+        raise ValueError(f"rdp must have len(orders)={a.size} values last, got shape {r.shape}")
+    e = np.asarray(epsilon, dtype=np.float64)
+    _check_array("epsilon", e, 0.0, None)
+    e = e[..., None]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        log_d = (a - 1.0) * (r - e + np.log1p(-1.0 / a)) - np.log(a)
+        log_tv = 0.5 * np.log(-np.expm1(-r))
+    log_d = np.minimum(np.where(np.isnan(log_d), np.inf, log_d), log_tv)
+    idx = np.argmin(log_d, axis=-1)
+    best = np.minimum(np.exp(np.take_along_axis(log_d, idx[..., None], axis=-1)[..., 0]), 1.0)
+    order = a[idx]
+    if best.ndim == 0:
+        return float(best), float(order)
+    return best, order
+
+
+def epsilon_poisson_gaussian(
+    sampling_rate: Any,
+    noise_multiplier: Any,
+    steps: Any,
+    delta: Any,
+    orders: Any = DEFAULT_ORDERS,
+) -> tuple[Any, Any]:
+    """Epsilon of ``steps`` Poisson-subsampled Gaussian steps, vectorised over all arguments.
+
+    All of ``sampling_rate``, ``noise_multiplier``, ``steps`` and ``delta`` broadcast together;
+    returns (epsilon, best_order) with the broadcast shape (floats if all are scalars).
+    """
+    t = np.asarray(steps, dtype=np.float64)
+    _check_array("steps", t, 0.0, None)
+    curve = rdp_poisson_gaussian(sampling_rate, noise_multiplier, orders)
+    return epsilon_from_rdp(t[..., None] * curve, orders, delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events
+# ---------------------------------------------------------------------------------------------
+
+_NOT_RDP = {
+    ev.BallsAndBins: "BallsAndBins: Poisson RDP does not apply to a balls-and-bins sampler",
+    ev.Shuffled: "Shuffled: Poisson RDP does not apply to a shuffled sampler",
+    ev.Deterministic: (
+        "Deterministic: not handled by the rdp accountant (no subsampling; use method "
+        "'gaussian')"
+    ),
+    ev.TruncatedPoisson: (
+        "TruncatedPoisson: truncation to a maximum batch size costs extra delta that the rdp "
+        "accountant does not account"
+    ),
+    ev.RepeatAndSelect: (
+        "RepeatAndSelect: random-repetition tuning is not handled by the rdp accountant"
+    ),
+}
+
+
+def _gaussian_inner_z(event: ev.Event) -> float | None:
+    """Equivalent noise multiplier of a composition of unsampled Gaussians on one sample.
+
+    Gaussians of ratios 1/z_i on the same sample compose exactly to one Gaussian with
+    1/z^2 = sum 1/z_i^2 (DESIGN 3.4); None if ``event`` is not such a composition.
+    """
+    def inv_sq(e: ev.Event) -> float | None:
+        if isinstance(e, ev.Gaussian):
+            return 1.0 / e.noise_multiplier**2
+        if isinstance(e, ev.SelfComposed):
+            inner = inv_sq(e.event)
+            return None if inner is None else e.count * inner
+        if isinstance(e, ev.Composed):
+            parts = [inv_sq(x) for x in e.events]
+            return None if any(p is None for p in parts) else float(sum(parts))
+        return None
+
+    s = inv_sq(event)
+    if s is None:
+        return None
+    return math.inf if s == 0 else 1.0 / math.sqrt(s)
+
+
+def _contains(event: ev.Event, cls: type) -> bool:
+    if isinstance(event, cls):
+        return True
+    return any(_contains(c, cls) for c in ev._children(event))
+
+
+def _name(event: ev.Event) -> str:
+    return type(event).__name__
+
+
+def _unsupported(event: ev.Event, adjacency: ev.Adjacency) -> str | None:
+    if type(event) in _NOT_RDP:
+        return _NOT_RDP[type(event)]
+    if isinstance(event, ev.Gaussian | ev.Laplace | ev.ZCDP | ev.NonPrivate):
+        return None
+    if isinstance(event, ev.SelfComposed):
+        return _unsupported(event.event, adjacency)
+    if isinstance(event, ev.Composed):
+        for e in event.events:
+            reason = _unsupported(e, adjacency)
+            if reason is not None:
+                return reason
+        return None
+    if isinstance(event, ev.PoissonSampled):
+        if adjacency is not ev.Adjacency.ADD_OR_REMOVE:
+            return (
+                f"PoissonSampled: the Poisson RDP analysis is for add_or_remove adjacency, but "
+                f"this event tree is {adjacency.value}"
+            )
+        if not (_contains(event.event, ev.NonPrivate)) and (
+            _gaussian_inner_z(event.event) is None
+        ):
+            return (
+                f"PoissonSampled({_name(event.event)}): Poisson-subsampled RDP is implemented "
+                "for Gaussian sub-events only"
+            )
+        return None
+    if isinstance(event, ev.FixedSizeSampled):
+        if event.adjacency_relation is not ev.Adjacency.REPLACE_ONE:
+            return (
+                "FixedSizeSampled: the sampling-without-replacement RDP bound (Wang et al. "
+                f"2019) is for replace_one adjacency, got adjacency={event.adjacency!r}"
+            )
+        if not (_contains(event.event, ev.NonPrivate)) and (
+            _gaussian_inner_z(event.event) is None
+        ):
+            return (
+                f"FixedSizeSampled({_name(event.event)}): sampling-without-replacement RDP is "
+                "implemented for Gaussian sub-events only"
+            )
+        return None
+    return f"{_name(event)}: not supported by the rdp accountant"
+
+
+def unsupported_reason(event: ev.Event) -> str | None:
+    """None if :func:`rdp_of_event` can account the whole tree, else why not (naming the event)."""
+    if not isinstance(event, ev.Event):
+        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    return _unsupported(event, event.adjacency_relation)
+
+
+def _leaves(event: ev.Event, count: int) -> Iterator[tuple[ev.Event, int]]:
+    """(leaf, multiplicity) pairs of a composition tree."""
+    if isinstance(event, ev.SelfComposed):
+        yield from _leaves(event.event, count * event.count)
+    elif isinstance(event, ev.Composed):
+        for e in event.events:
+            yield from _leaves(e, count)
+    elif count:
+        yield event, count
+
+
+def rdp_of_event(event: ev.Event, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
+    """RDP curve of a whole event tree (composition adds curves).
+
+    Supported: Gaussian, Laplace, ZCDP, NonPrivate (inf), PoissonSampled(Gaussian) under
+    add_or_remove, FixedSizeSampled(Gaussian) under replace_one, and SelfComposed / Composed
+    of these. A sampled sub-event may itself be a composition of Gaussians on the same sample
+    (one Gaussian with 1/z^2 = sum 1/z_i^2). Under replace_one adjacency every Gaussian's
+    sensitivity is twice the clip norm (z counts as z/2), Laplace likewise, and zCDP's rho
+    becomes 4 rho (group privacy for a replacement = removal + addition).
+
+    Raises:
+      UnsupportedEventError: some sub-event is outside this list (the message names it).
+    """
+    reason = unsupported_reason(event)
+    if reason is not None:
+        raise UnsupportedEventError(f"method='rdp' cannot account this event: {reason}")
+    a = _as_orders(orders)
+    scale = 2.0 if event.adjacency_relation is ev.Adjacency.REPLACE_ONE else 1.0
+    total = np.zeros(a.size)
+    poisson: dict[tuple[float, float], int] = {}
+    wor: dict[tuple[float, float], int] = {}
+    for leaf, n in _leaves(event, 1):
+        if _contains(leaf, ev.NonPrivate):
+            return np.full(a.size, np.inf)
+        if isinstance(leaf, ev.Gaussian):
+            total += n * rdp_gaussian(leaf.noise_multiplier / scale, a)
+        elif isinstance(leaf, ev.Laplace):
+            total += n * rdp_laplace(leaf.noise_multiplier / scale, a)
+        elif isinstance(leaf, ev.ZCDP):
+            total += n * rdp_zcdp(leaf.rho * scale**2, a)
+        elif isinstance(leaf, ev.PoissonSampled):
+            z = _gaussian_inner_z(leaf.event)
+            if z != math.inf:
+                key = (leaf.sampling_rate, z)
+                poisson[key] = poisson.get(key, 0) + n
+        elif isinstance(leaf, ev.FixedSizeSampled):
+            z = _gaussian_inner_z(leaf.event)
+            if z != math.inf:
+                key = (leaf.sample_size / leaf.dataset_size, z / 2.0)
+                wor[key] = wor.get(key, 0) + n
+    for groups, fn in ((poisson, rdp_poisson_gaussian), (wor, _wor)):
+        if groups:
+            keys = np.array(list(groups), dtype=np.float64)
+            counts = np.array(list(groups.values()), dtype=np.float64)
+            curves = fn(keys[:, 0], keys[:, 1], a)
+            total += (counts[:, None] * curves).sum(axis=0)
+    return total
+
+
+def _wor(gamma: np.ndarray, s: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    return rdp_sampled_without_replacement_gaussian(gamma, s, orders)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accountant
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RdpAccountant:
+    """RDP accountant: fold the event tree into one RDP curve, convert at the best order."""
+
+    name: str = "rdp"
+    orders: tuple[float, ...] = tuple(float(x) for x in DEFAULT_ORDERS)
+
+    def unsupported(self, event: ev.Event) -> str | None:
+        return unsupported_reason(event)
+
+    def _notes(self, event: ev.Event, order: float) -> tuple[str, ...]:
+        notes = [f"RDP over {len(self.orders)} orders; optimal order a={order:g}"]
+        if event.adjacency_relation is ev.Adjacency.REPLACE_ONE:
+            notes.append("replace_one adjacency: Gaussian sensitivity is 2 x clip norm")
+        if _contains(event, ev.FixedSizeSampled):
+            notes.append(
+                "fixed-size sampling without replacement: Wang, Balle, Kasiviswanathan 2019, "
+                "Thm 9 (an upper bound)"
+            )
+        return tuple(notes)
+
+    def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
+        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        curve = rdp_of_event(event, self.orders)
+        eps, order = epsilon_from_rdp(curve, self.orders, delta)
+        return PrivacyResult(
+            epsilon=eps,
+            delta=float(delta),
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            notes=self._notes(event, order),
+        )
+
+    def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
+        ev.check_range("epsilon", epsilon, 0.0, None)
+        curve = rdp_of_event(event, self.orders)
+        d, order = delta_from_rdp(curve, self.orders, epsilon)
+        return PrivacyResult(
+            epsilon=float(epsilon),
+            delta=d,
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            notes=self._notes(event, order),
+        )
+
+
+register_accountant(RdpAccountant())
