@@ -41,6 +41,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
+from dpfy.accounting import rdp as _rdp
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -53,7 +54,6 @@ from dpfy.accounting._api import (
 __all__ = [
     "truncated_negative_binomial_mean",
     "truncated_negative_binomial_gamma",
-    "delta_from_rdp_at",
     "rdp_repeat_and_select",
     "RdpTuningAccountant",
     "sequential_composition",
@@ -123,48 +123,20 @@ def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def delta_from_rdp_at(orders: ArrayLike, rdp: ArrayLike, epsilons: ArrayLike) -> np.ndarray:
-    """The smallest delta an RDP curve certifies at each of ``epsilons`` (vectorised).
-
-    Per order ``a > 1``: ``log delta <= (a-1)(r - eps + log(1 - 1/a)) - log a`` (Balle et al.
-    2020, Prop. 12); at every order also ``delta <= sqrt(1 - exp(-r))`` (total variation from
-    KL <= r, Bretagnolle-Huber). Minimum over orders, capped at 1.
-    """
-    a = np.asarray(orders, dtype=np.float64)
-    r = np.asarray(rdp, dtype=np.float64)
-    e = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
-    if a.shape != r.shape or a.ndim != 1:
-        raise ValueError(f"orders and rdp must be 1-d of equal length, got {a.shape}, {r.shape}")
-    if np.any(a < 1):
-        ev.check_range("orders", float(a[a < 1][0]), 1.0, None)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        kl = np.where(r > 0, 0.5 * np.log1p(-np.exp(-r)), -np.inf)  # shape (orders,)
-        am1 = a - 1.0
-        balle = np.where(
-            a > 1.0,
-            am1 * (r[None, :] - e[:, None] + np.log1p(-1.0 / a)) - np.log(a),
-            np.inf,
-        )
-        balle = np.where(r[None, :] > 0, balle, -np.inf)
-    log_delta = np.minimum(balle, kl[None, :]).min(axis=1)
-    return np.minimum(np.exp(log_delta), 1.0)
-
-
 def rdp_repeat_and_select(
     orders: ArrayLike, rdp: ArrayLike, mean: float, shape: float = math.inf
 ) -> np.ndarray:
     """RDP of running a mechanism a random number of times and releasing only the best run.
 
     Args:
-      orders: Renyi orders (>= 1) of the single-run RDP curve.
+      orders: Renyi orders (> 1) of the single-run RDP curve.
       rdp: the single-run RDP at each order (same length).
       mean: expected number of runs, >= 1.
       shape: ``inf`` for Poisson(mean) (Theorem 6); ``>= 0`` for the truncated negative
         binomial with this shape (Theorem 2; 0 logarithmic, 1 geometric).
 
     Returns:
-      The RDP of the whole tuning procedure at each order (``inf`` where no bound applies,
-      e.g. order 1).
+      The RDP of the whole tuning procedure at each order.
 
     Notes:
       Theorem 6 (Poisson) at order ``a``: ``r_a + mean * delta_hat + log(mean) / (a - 1)`` with
@@ -178,8 +150,8 @@ def rdp_repeat_and_select(
     r = np.asarray(rdp, dtype=np.float64)
     if a.shape != r.shape or a.ndim != 1:
         raise ValueError(f"orders and rdp must be 1-d of equal length, got {a.shape}, {r.shape}")
-    if np.any(a < 1):
-        ev.check_range("orders", float(a[a < 1][0]), 1.0, None)
+    if np.any(~(a > 1)):
+        ev.check_range("orders", float(a[~(a > 1)][0]), 1.0, None, low_open=True)
     ev.check_range("mean", mean, 1.0, None, high_open=True)
     ev.check_range("shape", shape, 0.0, None)
     above_one = a > 1.0
@@ -190,7 +162,7 @@ def rdp_repeat_and_select(
         eps_hat = np.full(a.shape, np.inf)
         eps_hat[above_one] = np.log1p(1.0 / (a[above_one] - 1.0))
         delta_hat = np.ones(a.shape)
-        delta_hat[above_one] = delta_from_rdp_at(a, r, eps_hat[above_one])
+        delta_hat[above_one] = _rdp.delta_from_rdp(r, a, eps_hat[above_one])[0]
         out[above_one] = r[above_one] + mean * delta_hat[above_one] + log_mean_term[above_one]
         return out
     gamma = truncated_negative_binomial_gamma(shape, mean)
@@ -229,35 +201,38 @@ class RdpTuningAccountant:
 
     @property
     def orders(self) -> np.ndarray:
-        if self._orders is None:
-            from dpfy.accounting import rdp
-
-            return np.asarray(rdp.DEFAULT_ORDERS, dtype=np.float64)
-        return self._orders
+        return np.asarray(_rdp.DEFAULT_ORDERS if self._orders is None else self._orders)
 
     def unsupported(self, event: ev.Event) -> str | None:
         if not _contains_repeat_and_select(event):
             return "the event has no RepeatAndSelect node (use the 'rdp' accountant)"
-        return self._unsupported_node(event)
+        return self._unsupported_node(event, event.adjacency_relation)
 
-    def _unsupported_node(self, event: ev.Event) -> str | None:
+    def _unsupported_node(self, event: ev.Event, adjacency: ev.Adjacency) -> str | None:
         if isinstance(event, ev.Composed):
             for child in event.events:
-                reason = self._unsupported_node(child)
+                reason = self._unsupported_node(child, adjacency)
                 if reason is not None:
                     return reason
             return None
         if isinstance(event, ev.SelfComposed):
-            return self._unsupported_node(event.event)
+            return self._unsupported_node(event.event, adjacency)
         if isinstance(event, ev.RepeatAndSelect):
             if event.mean < 1.0:
                 return f"RepeatAndSelect needs mean >= 1, got mean={event.mean!r}"
-            return self._unsupported_node(event.event)
-        return _rdp_leaf_unsupported(event)
+            return self._unsupported_node(event.event, adjacency)
+        if event.adjacency_relation is not adjacency:
+            # The rdp accountant rescales sensitivities by the adjacency of the whole tree; a
+            # sub-tree accounted on its own would lose that, so mixed trees are refused.
+            return (
+                f"{type(event).__name__}: its adjacency {event.adjacency_relation.value} differs "
+                f"from the tree's {adjacency.value}"
+            )
+        return _rdp.unsupported_reason(event)
 
     def rdp(self, event: ev.Event) -> np.ndarray:
         """The RDP curve of ``event`` at :attr:`orders`."""
-        reason = self._unsupported_node(event)
+        reason = self._unsupported_node(event, event.adjacency_relation)
         if reason is not None:
             raise UnsupportedEventError(f"method='rdp_tuning' cannot account this event: {reason}")
         return self._rdp(event)
@@ -275,15 +250,12 @@ class RdpTuningAccountant:
         if isinstance(event, ev.RepeatAndSelect):
             inner = self._rdp(event.event)
             return rdp_repeat_and_select(self.orders, inner, event.mean, event.shape)
-        from dpfy.accounting import rdp
-
-        return np.asarray(rdp.rdp_of_event(event, self.orders), dtype=np.float64)
+        return np.asarray(_rdp.rdp_of_event(event, self.orders), dtype=np.float64)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        from dpfy.accounting import rdp
-
+        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         curve = self.rdp(event)
-        eps, order = rdp.epsilon_from_rdp(curve, self.orders, delta)
+        eps, order = _rdp.epsilon_from_rdp(curve, self.orders, delta)
         return PrivacyResult(
             epsilon=float(eps),
             delta=float(delta),
@@ -293,11 +265,12 @@ class RdpTuningAccountant:
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
+        ev.check_range("epsilon", epsilon, 0.0, None)
         curve = self.rdp(event)
-        d = float(delta_from_rdp_at(self.orders, curve, [epsilon])[0])
+        d, _ = _rdp.delta_from_rdp(curve, self.orders, epsilon)
         return PrivacyResult(
             epsilon=float(epsilon),
-            delta=d,
+            delta=float(d),
             method="rdp",
             adjacency=event.adjacency_relation.value,
             notes=_NOTES,
@@ -308,21 +281,6 @@ _NOTES = (
     "hyperparameter tuning accounted with Papernot & Steinke 2022 (random number of trials, "
     "only the best trial released, trials independent)",
 )
-
-
-def _rdp_leaf_unsupported(event: ev.Event) -> str | None:
-    try:
-        from dpfy.accounting import rdp
-    except ImportError:  # pragma: no cover - rdp.py is part of the package
-        return "the rdp accountant is not available"
-    acc = getattr(rdp, "ACCOUNTANT", None)
-    if acc is not None and hasattr(acc, "unsupported"):
-        return acc.unsupported(event)
-    try:
-        rdp.rdp_of_event(event, np.asarray([2.0]))
-    except (UnsupportedEventError, ValueError, TypeError, NotImplementedError) as exc:
-        return str(exc)
-    return None
 
 
 register_accountant(RdpTuningAccountant())
