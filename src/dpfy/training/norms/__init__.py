@@ -1,0 +1,37 @@
+"""Per-example gradient norms and clipped sums, one rule per layer family.
+
+Importing this package registers the rules for ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d``,
+``nn.Embedding``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm``; every other module
+with trainable parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``).
+Register a rule for your own layer with :func:`register_norm_rule`.
+"""
+
+from dpfy.training.norms import conv, embedding, linear, normalization  # noqa: F401 (register)
+from dpfy.training.norms.capture import LayerCapture, capture_layers, plan_modules
+from dpfy.training.norms.fallback import fallback_rule
+from dpfy.training.norms.linear import LinearForm, choose_mode
+from dpfy.training.norms.registry import (
+    Capture,
+    LayerGrads,
+    MaterializedGrads,
+    NormRule,
+    norm_rule_for,
+    register_norm_rule,
+    registered_types,
+)
+
+__all__ = [
+    "Capture",
+    "LayerCapture",
+    "LayerGrads",
+    "LinearForm",
+    "MaterializedGrads",
+    "NormRule",
+    "capture_layers",
+    "choose_mode",
+    "fallback_rule",
+    "norm_rule_for",
+    "plan_modules",
+    "register_norm_rule",
+    "registered_types",
+]

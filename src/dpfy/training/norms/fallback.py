@@ -1,0 +1,73 @@
+"""Generic rule for any module without a registered one: ``torch.func.vmap(grad)``.
+
+For a module m called on batch-first inputs x with output gradient g (the gradient of the
+summed loss w.r.t. m's output), example n's gradient of m's *own* parameters (``recurse=False``;
+children have their own rules) is ``grad_theta <m_theta(x_n), g_n>``. It is computed with
+``functional_call`` over those parameters only, vectorised with ``vmap`` in chunks of
+``chunk_size`` examples to bound memory. Assumptions: every tensor input whose first dimension
+is the batch size and every tensor output is batch-first, and the module is deterministic
+(``vmap`` refuses random operations such as dropout inside it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_map
+
+from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows
+
+__all__ = ["fallback_rule"]
+
+
+def fallback_rule(
+    module: nn.Module, captures: list[Capture], group_size: int, *, chunk_size: int = 32
+) -> MaterializedGrads:
+    """Per-example gradients of ``module``'s direct trainable parameters by vmap(grad)."""
+    params = {
+        name: p.detach() for name, p in module.named_parameters(recurse=False) if p.requires_grad
+    }
+    total: dict[str, torch.Tensor] | None = None
+    for cap in captures:
+        leaves, _ = tree_flatten((cap.args, cap.kwargs))
+        batch = next(
+            (x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None
+        )
+        if batch is None:
+            raise ValueError(f"{type(module).__name__}: no batched tensor input to vmap over")
+
+        in_args = tree_map(lambda x, b=batch: _batch_dim(x, b), cap.args)
+        in_kwargs = tree_map(lambda x, b=batch: _batch_dim(x, b), cap.kwargs)
+        for g in cap.grad_outputs:
+            if g.dim() == 0 or g.shape[0] != batch:
+                raise ValueError(
+                    f"{type(module).__name__} has an output that is not batch-first (shape "
+                    f"{tuple(g.shape)}, batch {batch}); the generic per-example rule needs "
+                    "batch-first outputs (e.g. batch_first=True) or a registered norm rule"
+                )
+
+        def inner(p, args, kwargs, gouts, in_args=in_args, in_kwargs=in_kwargs):
+            args = tree_map(_unsqueeze, args, in_args)
+            kwargs = tree_map(_unsqueeze, kwargs, in_kwargs)
+            out = functional_call(module, p, args, kwargs)
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            return sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gouts, strict=True))
+
+        per_ex = vmap(
+            grad(inner), in_dims=(None, in_args, in_kwargs, 0), chunk_size=chunk_size
+        )(params, cap.args, cap.kwargs, tuple(cap.grad_outputs))
+        if total is None:
+            total = dict(per_ex)
+        else:
+            total = {k: total[k] + v for k, v in per_ex.items()}
+    assert total is not None
+    return MaterializedGrads({k: fold_rows(v, group_size) for k, v in total.items()})
+
+
+def _batch_dim(x, batch: int) -> int | None:
+    return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else None
+
+
+def _unsqueeze(x, dim: int | None):
+    return x.unsqueeze(0) if dim == 0 else x

@@ -1,0 +1,181 @@
+"""Linear layers: ghost norms and book-keeping sums for ``y = x W^T + b``.
+
+Every layer whose weight gradient is a sum of outer products -- Linear (with or without
+sequence dimensions), convolutions after unfolding, several calls of one module -- is put in
+the *linear form*: activations ``A`` [N, H, T, d] and output gradients ``G`` [N, H, T, o]
+(N examples or microbatches, H independent weight blocks such as conv groups, T positions),
+with per-example weight gradient ``G_n^T A_n`` (per block) and bias gradient ``sum_t G_n``.
+
+Per-example squared weight-gradient norms (Li et al. 2022 "ghost clipping"; Bu et al. 2023
+mixed ghost clipping, chosen per layer at run time by cost):
+
+* T = 1: ``||a_n||^2 ||g_n||^2`` (outer product), O(N (d + o));
+* ghost: ``<A_n A_n^T, G_n G_n^T>``, O(N T^2 (d + o));
+* materialise: ``P_n = G_n^T A_n``, O(N T d o) time and N d o memory (then the clipped sum is
+  the cheap ``sum_n w_n P_n``).
+
+The clipped sum of the ghost modes is one contraction ``(w * G)^T A`` ("book-keeping", Bu et
+al. 2023): no second backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpfy.training.norms.registry import Capture, register_norm_rule
+
+__all__ = ["LinearForm", "linear_rule", "fold_linear_form", "MATERIALIZE_BYTES_LIMIT"]
+
+# Materialising more than this many bytes of per-example weight gradients for one layer is
+# avoided even if it would be cheaper in flops (ghost norms need only T x T Gram matrices).
+MATERIALIZE_BYTES_LIMIT = 512 * 2**20
+
+
+def fold_linear_form(
+    a: torch.Tensor, g: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge groups of ``group_size`` consecutive examples into one (positions concatenated)."""
+    if group_size == 1:
+        return a, g
+
+    def fold(x: torch.Tensor) -> torch.Tensor:
+        n, h, t, d = x.shape
+        x = x.reshape(n // group_size, group_size, h, t, d).transpose(1, 2)
+        return x.reshape(n // group_size, h, group_size * t, d)
+
+    return fold(a), fold(g)
+
+
+class LinearForm:
+    """LayerGrads of a weight (and optional bias) in linear form; see the module docstring.
+
+    Args:
+      a: activations [N, H, T, d].
+      g: output gradients [N, H, T, o].
+      weight_shape: shape of the weight parameter (its H*o*d entries in (h, o, d) order).
+      weight_name, bias_name: local parameter names to report; ``None`` skips the parameter.
+      mode: ``"auto"`` (cheapest by the cost model), ``"ghost"`` or ``"materialize"``.
+    """
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        g: torch.Tensor,
+        weight_shape: torch.Size | tuple[int, ...],
+        *,
+        weight_name: str | None = "weight",
+        bias_name: str | None = None,
+        mode: str = "auto",
+    ) -> None:
+        self.a, self.g = a, g
+        self.weight_shape = tuple(weight_shape)
+        self.weight_name, self.bias_name = weight_name, bias_name
+        n, h, t, d = a.shape
+        o = g.shape[-1]
+        if mode == "auto":
+            mode = choose_mode(n, h, t, d, o, a.element_size())
+        self.mode = mode
+        self._per_example: torch.Tensor | None = None
+
+    def _materialize(self) -> torch.Tensor:
+        if self._per_example is None:
+            # [N, H, o, d] = G^T A per example and block
+            self._per_example = torch.matmul(self.g.transpose(-1, -2), self.a)
+        return self._per_example
+
+    def squared_norms(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        a, g = self.a, self.g
+        if self.weight_name is not None:
+            if a.shape[2] == 1:
+                sq = (a.square().sum(-1) * g.square().sum(-1)).sum((1, 2))
+            elif self.mode == "ghost":
+                gram_a = torch.matmul(a, a.transpose(-1, -2))
+                gram_g = torch.matmul(g, g.transpose(-1, -2))
+                sq = (gram_a * gram_g).sum((1, 2, 3))
+            else:
+                sq = self._materialize().square().sum((1, 2, 3))
+            out[self.weight_name] = sq
+        if self.bias_name is not None:
+            out[self.bias_name] = g.sum(2).square().sum((1, 2))
+        return out
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        keep = (~rows).reshape(-1, 1, 1, 1)
+        zero = torch.zeros((), dtype=self.a.dtype)
+        self.a = torch.where(keep, self.a, zero)
+        self.g = torch.where(keep, self.g, zero)
+        if self._per_example is not None:
+            self._per_example = torch.where(keep, self._per_example, zero)
+
+    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        a, g = self.a, self.g
+        n, h, t, d = a.shape
+        o = g.shape[-1]
+        if self.weight_name is not None:
+            w = weights[self.weight_name].to(a.dtype)
+            if self._per_example is not None:
+                ws = (w @ self._per_example.reshape(n, -1)).reshape(h, o, d)
+            elif h == 1:
+                a2, g2 = a.reshape(n * t, d), g.reshape(n * t, o)
+                wr = w.repeat_interleave(t) if t > 1 else w
+                if o <= d:
+                    ws = (g2 * wr[:, None]).t() @ a2
+                else:
+                    ws = g2.t() @ (a2 * wr[:, None])
+            else:
+                ws = torch.einsum("nhto,nhtd->hod", g * w.reshape(n, 1, 1, 1), a)
+            out[self.weight_name] = ws.reshape(self.weight_shape)
+        if self.bias_name is not None:
+            w = weights[self.bias_name].to(g.dtype)
+            out[self.bias_name] = (w @ g.sum(2).reshape(n, h * o)).reshape(h * o)
+        return out
+
+
+def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> str:
+    """Cheaper of ghost norms and materialisation for the shapes (Bu et al. 2023 criterion).
+
+    Ghost needs two T x T Gram matrices per example and block (~T^2 (d + o) flops) and then
+    the book-keeping GEMM; materialising costs the per-example GEMM (T d o) but makes the
+    clipped sum cheap, and moves N*H*d*o numbers through memory.
+    """
+    if t == 1:
+        return "ghost"
+    ghost = t * t * (d + o + 1)
+    materialize = 2 * d * o + (d * o) // 2  # extra for the memory traffic of P
+    if n * h * d * o * itemsize > MATERIALIZE_BYTES_LIMIT and n * h * t * t * itemsize * 2 < (
+        n * h * d * o * itemsize
+    ):
+        return "ghost"
+    return "ghost" if ghost <= materialize else "materialize"
+
+
+def _linear_factors(captures: list[Capture]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack all calls of the module along the position axis: A [B, 1, T, d], G [B, 1, T, o]."""
+    first = captures[0].args[0]
+    if first.dim() < 2:
+        raise ValueError(
+            f"Linear input must be batched [B, ..., d]; got shape {tuple(first.shape)}"
+        )
+    n = first.shape[0]
+    acts = [c.args[0].reshape(n, 1, -1, c.args[0].shape[-1]) for c in captures]
+    grads = [c.grad_outputs[0].reshape(n, 1, -1, c.grad_outputs[0].shape[-1]) for c in captures]
+    if len(captures) == 1:
+        return acts[0], grads[0]
+    return torch.cat(acts, dim=2), torch.cat(grads, dim=2)
+
+
+@register_norm_rule(nn.Linear)
+def linear_rule(module: nn.Linear, captures: list[Capture], group_size: int) -> LinearForm:
+    """Rule for ``nn.Linear`` on inputs [B, ..., in_features] (any number of middle dims)."""
+    a, g = _linear_factors(captures)
+    a, g = fold_linear_form(a, g, group_size)
+    return LinearForm(
+        a,
+        g,
+        module.weight.shape,
+        weight_name="weight" if module.weight.requires_grad else None,
+        bias_name="bias" if module.bias is not None and module.bias.requires_grad else None,
+    )

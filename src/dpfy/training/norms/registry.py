@@ -1,0 +1,122 @@
+"""Registry of per-layer norm rules, and the objects the rules return.
+
+A *norm rule* turns what one module saw during a forward/backward pass -- its inputs and the
+gradient of the summed loss with respect to its outputs -- into a :class:`LayerGrads`: an object
+that reports each example's squared gradient norm for every trainable parameter of the module
+and, given one clip weight per example, the clipped weighted sum ``sum_i w_i grad_i`` of the
+parameter gradients. Rules are registered by *exact* module type (a subclass may override
+``forward``, so it falls back to the generic rule until someone registers it).
+
+Unit of "example": row ``i`` of the batch, or, with ``group_size`` k > 1, the k consecutive
+rows ``[j*k, (j+1)*k)`` whose gradients are summed before taking the norm (microbatches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Capture",
+    "LayerGrads",
+    "MaterializedGrads",
+    "NormRule",
+    "register_norm_rule",
+    "norm_rule_for",
+    "registered_types",
+    "fold_rows",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capture:
+    """One call of a module: detached inputs and the gradients w.r.t. its tensor outputs.
+
+    Attributes:
+      args: positional inputs of the call (tensors detached).
+      kwargs: keyword inputs of the call (tensors detached).
+      grad_outputs: gradient of the (scaled) summed loss w.r.t. each tensor output, in the
+        order of the flattened outputs; ``None`` where an output did not reach the loss.
+      output_spec: pytree spec of the outputs (used by the generic fallback rule).
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    grad_outputs: tuple[torch.Tensor | None, ...]
+    output_spec: Any = None
+
+
+class LayerGrads(Protocol):
+    """Per-example gradient information of one module's trainable parameters."""
+
+    def squared_norms(self) -> dict[str, torch.Tensor]:
+        """Squared L2 norm of each example's gradient, per local parameter name, shape [N]."""
+        ...
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        """Zero the contribution of the examples where the bool mask ``rows`` [N] is True."""
+        ...
+
+    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``sum_i weights[name][i] * grad_i`` per local parameter name, in its shape."""
+        ...
+
+
+NormRule = Callable[[nn.Module, list[Capture], int], LayerGrads]
+_RULES: dict[type[nn.Module], NormRule] = {}
+
+
+def register_norm_rule(*module_types: type[nn.Module]) -> Callable[[NormRule], NormRule]:
+    """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types."""
+
+    def deco(rule: NormRule) -> NormRule:
+        for t in module_types:
+            _RULES[t] = rule
+        return rule
+
+    return deco
+
+
+def norm_rule_for(module: nn.Module) -> NormRule | None:
+    """The registered rule for ``type(module)`` (exact type), or ``None``."""
+    return _RULES.get(type(module))
+
+
+def registered_types() -> tuple[type[nn.Module], ...]:
+    """Module types with a registered norm rule."""
+    return tuple(_RULES)
+
+
+def fold_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Sum consecutive groups of ``group_size`` rows: [B, ...] -> [B // group_size, ...]."""
+    if group_size == 1:
+        return x
+    return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:]).sum(1)
+
+
+class MaterializedGrads:
+    """LayerGrads from explicit per-example gradients ``{name: [N, *param_shape]}``."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self, grads: dict[str, torch.Tensor]) -> None:
+        self.grads = grads
+
+    def squared_norms(self) -> dict[str, torch.Tensor]:
+        return {k: g.reshape(g.shape[0], -1).pow(2).sum(1) for k, g in self.grads.items()}
+
+    def zero_rows(self, rows: torch.Tensor) -> None:
+        for k, g in self.grads.items():
+            keep = (~rows).reshape(-1, *([1] * (g.dim() - 1)))
+            self.grads[k] = torch.where(keep, g, torch.zeros((), dtype=g.dtype))
+
+    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, g in self.grads.items():
+            w = weights[k].to(g.dtype)
+            out[k] = (w @ g.reshape(g.shape[0], -1)).reshape(g.shape[1:])
+        return out

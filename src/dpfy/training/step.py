@@ -1,0 +1,484 @@
+"""The low-level private-gradient step: drop it into an existing PyTorch training loop.
+
+One logical DP-SGD step (the guide's Alg. 1; Sec. 4.5 gradient accumulation; Alg. 3
+microbatching) is a short chain of small steps:
+
+1. :meth:`PrivateGradient.accumulate` on each physical chunk of the logical batch: forward,
+   one backward pass to the module outputs, per-example squared gradient norms per parameter
+   from the registered norm rules (ghost norms, book-keeping), clip weights from the query,
+   and the clipped weighted sum added to an accumulator. No per-example gradient is
+   materialised where a cheaper rule exists.
+2. :meth:`PrivateGradient.release` once per logical step: the query adds Gaussian noise to
+   *every* trainable parameter (also ones that got no gradient) and writes its ledger entry
+   before returning the noisy sum (write-ahead); the result is divided by the fixed expected
+   batch size (never the realised size of a Poisson batch) and written to ``p.grad``. Any
+   ``torch.optim`` optimizer then steps (post-processing).
+
+Unit of privacy and adjacency: one row of the inputs (``add_or_remove``); the caller makes a
+row one example (or one user's combined data). Weight-0 rows (padding to a fixed shape)
+contribute nothing. A row whose per-example gradient is not finite is dropped (weight 0,
+still private) and counted.
+
+Microbatching (guide Sec. 5.6, Alg. 3):
+
+* ``microbatch_mode="examples"`` (option 1): each example is clipped; ``microbatch_size``
+  only splits a chunk into smaller forward/backward passes to bound memory. Same privacy and
+  noise as without microbatches.
+* ``microbatch_mode="average"`` (option 2): consecutive groups of ``microbatch_size`` rows
+  form microbatches; each microbatch's average gradient ``(1/k) sum_i w_i g_i`` (fixed
+  divisor k, padding rows count as zero) is clipped to C, the clipped averages are summed,
+  noised and divided by the expected number of microbatches ``expected_batch_size / k``.
+  Under add-or-remove adjacency one example changes one clipped average by up to 2C, so the
+  query must record sensitivity 2C: pass ``GaussianSumQuery(C, z, sensitivity=2 * C)``
+  (the noise std is then ``2 z C``; the guide's "2k times more noise" per example). This
+  assumes the assignment of the *other* examples to microbatches does not depend on the
+  presence of the changed one (e.g. its row is replaced by padding, or rows are assigned to
+  microbatches independently); a partition that shifts every later row when one example is
+  added changes many microbatches and has a larger sensitivity.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from dpfy.ledger import Ledger, SampleSpec
+    >>> from dpfy.queries import GaussianSumQuery
+    >>> from dpfy.randomness import Randomness
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> pg = PrivateGradient(model, GaussianSumQuery(1.0, 1.1), expected_batch_size=16)
+    >>> loss_fn = nn.CrossEntropyLoss(reduction="none")
+    >>> ledger, rng = Ledger(), Randomness(seed=0)
+    >>> sid = ledger.record_sample(SampleSpec("poisson", dataset_size=1000, sampling_rate=0.016))
+    >>> stats = pg.accumulate(torch.randn(16, 4), torch.randint(0, 2, (16,)), loss_fn)
+    >>> step = pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+    >>> opt.step()
+    >>> step.num_examples
+    16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from dpfy.events import check_range
+from dpfy.training.norms.capture import ModulePlan, capture_layers, plan_modules
+from dpfy.training.norms.fallback import fallback_rule
+from dpfy.training.norms.registry import LayerGrads
+
+__all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode"]
+
+MicrobatchMode = Literal["examples", "average"]
+_MODES = ("examples", "average")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkStats:
+    """What one :meth:`PrivateGradient.accumulate` call saw (not private: for monitoring).
+
+    Attributes:
+      loss_sum: sum of the per-example losses over real (weight-1) rows.
+      num_examples: number of real rows.
+      num_nonfinite: real rows (or microbatches, in average mode) dropped because their
+        gradient was not finite.
+      norms: per-example (per-microbatch) L2 gradient norms before clipping, float64, when
+        requested with ``return_norms=True``; else ``None``.
+    """
+
+    loss_sum: float
+    num_examples: int
+    num_nonfinite: int
+    norms: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepStats:
+    """Summary of one released logical step.
+
+    Attributes:
+      loss_sum, num_examples, num_nonfinite: totals over the step's chunks.
+      num_chunks: number of ``accumulate`` calls in the step.
+      denominator: the fixed divisor applied to the noisy sum (expected batch size, or the
+        expected number of microbatches in average mode).
+      noise_multiplier: effective noise multiplier of the release (noise std / sensitivity).
+    """
+
+    loss_sum: float
+    num_examples: int
+    num_nonfinite: int
+    num_chunks: int
+    denominator: float
+    noise_multiplier: float
+
+
+class PrivateGradient:
+    """Per-example clipped, noised gradients for an unmodified ``nn.Module``.
+
+    Args:
+      model: the model; it is never wrapped, and no attribute is written on it or its
+        Parameters. Hooks exist only inside ``accumulate``.
+      query: a sum query from :mod:`dpfy.queries` (``GaussianSumQuery``, ``NestedQuery``,
+        ``JointClipQuery``, ``AdaptiveClipQuery``, ``NoPrivacyQuery``) whose group names are
+        the model's parameter names (``model.named_parameters()``). Not an ``AverageQuery``:
+        the division by the expected batch size happens here.
+      expected_batch_size: the fixed denominator (q x N for Poisson sampling), > 0.
+      microbatch_size: rows per microbatch, or ``None`` (no microbatching).
+      microbatch_mode: ``"examples"`` (guide Alg. 3 option 1) or ``"average"`` (option 2).
+      fallback_chunk_size: examples per ``vmap`` chunk for layers without a norm rule.
+
+    Raises:
+      ValueError: bad arguments, tied parameters, or an average-mode query whose recorded
+        sensitivity is below twice its clip norm.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        query: Any,
+        *,
+        expected_batch_size: float,
+        microbatch_size: int | None = None,
+        microbatch_mode: MicrobatchMode = "examples",
+        fallback_chunk_size: int = 32,
+    ) -> None:
+        check_range(
+            "expected_batch_size", expected_batch_size, 0.0, math.inf, low_open=True,
+            high_open=True,
+        )
+        if microbatch_size is not None:
+            check_range("microbatch_size", microbatch_size, 1, None, integer=True)
+        if microbatch_mode not in _MODES:
+            raise ValueError(
+                f"microbatch_mode must be one of {set(_MODES)}, "
+                f"got microbatch_mode={microbatch_mode!r}"
+            )
+        check_range("fallback_chunk_size", fallback_chunk_size, 1, None, integer=True)
+        if not hasattr(query, "clip_weights") or not hasattr(query, "add_noise"):
+            raise ValueError(f"query must be a dpfy.queries query, got query={query!r}")
+        if hasattr(query, "denominator"):
+            raise ValueError(
+                "query must be a sum query: PrivateGradient divides by expected_batch_size "
+                f"itself; pass the inner query of {query!r}"
+            )
+        self.model = model
+        self.query = query
+        self.expected_batch_size = float(expected_batch_size)
+        self.microbatch_size = None if microbatch_size is None else int(microbatch_size)
+        self.microbatch_mode = microbatch_mode
+        self.fallback_chunk_size = int(fallback_chunk_size)
+        if microbatch_mode == "average":
+            _check_average_sensitivity(query)
+        self.plans_: list[ModulePlan] = plan_modules(model)
+        self.param_names_: tuple[str, ...] = tuple(
+            n for n, p in model.named_parameters() if p.requires_grad
+        )
+        groups = getattr(query, "groups", None)
+        self._owner: dict[str, str] | None = None
+        if groups is not None:
+            self._owner = {n: g for g, ns in groups.items() for n in ns}
+            missing = [n for n in self.param_names_ if n not in self._owner]
+            if missing:
+                raise ValueError(
+                    f"trainable parameters {missing} belong to no group of the query; groups "
+                    f"cover {sorted(self._owner)}"
+                )
+        self._reset()
+
+    # ------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._sum: dict[str, torch.Tensor] = {}
+        self._loss_sum = 0.0
+        self._examples = 0
+        self._nonfinite = 0
+        self._chunks = 0
+
+    @property
+    def group_size_(self) -> int:
+        """Rows per clipped unit: ``microbatch_size`` in average mode, else 1."""
+        return (self.microbatch_size or 1) if self.microbatch_mode == "average" else 1
+
+    @property
+    def denominator_(self) -> float:
+        """Fixed divisor of the noisy sum (expected number of clipped units)."""
+        return self.expected_batch_size / self.group_size_
+
+    def accumulate(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: torch.Tensor | None = None,
+        *,
+        return_norms: bool = False,
+    ) -> ChunkStats:
+        """Add the clipped per-example gradients of one physical chunk to the accumulator.
+
+        Args:
+          inputs: model input with the batch on dim 0: a tensor (``model(inputs)``), a tuple
+            (``model(*inputs)``) or a dict (``model(**inputs)``).
+          targets: whatever ``loss_fn`` takes, batch on dim 0.
+          loss_fn: ``loss_fn(outputs, targets)`` -> per-example losses of shape [B] (e.g.
+            ``nn.CrossEntropyLoss(reduction="none")``).
+          weights: [B] tensor of 0/1 (0 = padding row), or ``None`` (all rows real).
+          return_norms: also return the per-example norms before clipping.
+
+        Returns:
+          :class:`ChunkStats` of the chunk.
+        """
+        k = self.microbatch_size
+        if k is not None and self.microbatch_mode == "examples":
+            batch = _batch_size(inputs)
+            if batch > k:
+                parts = [
+                    self._accumulate_one(
+                        _slice(inputs, s, s + k),
+                        _slice(targets, s, s + k),
+                        loss_fn,
+                        None if weights is None else weights[s : s + k],
+                        return_norms,
+                    )
+                    for s in range(0, batch, k)
+                ]
+                norms = [p.norms for p in parts]
+                return ChunkStats(
+                    sum(p.loss_sum for p in parts),
+                    sum(p.num_examples for p in parts),
+                    sum(p.num_nonfinite for p in parts),
+                    torch.cat(norms) if return_norms else None,
+                )
+        return self._accumulate_one(inputs, targets, loss_fn, weights, return_norms)
+
+    def _accumulate_one(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        weights: torch.Tensor | None,
+        return_norms: bool,
+    ) -> ChunkStats:
+        k = self.group_size_
+        with capture_layers(self.plans_) as recorder:
+            if isinstance(inputs, Mapping):
+                outputs = self.model(**inputs)
+            elif isinstance(inputs, tuple | list):
+                outputs = self.model(*inputs)
+            else:
+                outputs = self.model(inputs)
+            losses = loss_fn(outputs, targets)
+            if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+                raise ValueError(
+                    "loss_fn must return per-example losses of shape [B] (use reduction='none'), "
+                    f"got {getattr(losses, 'shape', type(losses))}"
+                )
+            batch = losses.shape[0]
+            if batch % k:
+                raise ValueError(
+                    f"chunk size {batch} must be a multiple of microbatch_size={k} in "
+                    "microbatch_mode='average' (pad with weight-0 rows)"
+                )
+            mask = _check_weights(weights, batch, losses)
+            scale = mask if k == 1 else mask / k
+            captures = recorder.backward(losses, scale.to(losses.dtype))
+        with torch.no_grad():
+            layers = self._layer_grads(captures, batch, k)
+            real = mask if k == 1 else mask.reshape(-1, k).amax(1)
+            sq = self._squared_norms(layers, batch // k, losses.dtype)
+            total_sq = torch.stack(list(sq.values())).sum(0) if sq else None
+            nonfinite = 0
+            if total_sq is not None:
+                bad = ~torch.isfinite(total_sq)
+                if bool(bad.any()):
+                    nonfinite = int((bad & (real > 0)).sum())
+                    for lg in layers.values():
+                        lg.zero_rows(bad)
+                    for key in sq:
+                        sq[key] = torch.where(bad, torch.full_like(sq[key], math.inf), sq[key])
+                    total_sq = torch.where(bad, torch.full_like(total_sq, math.inf), total_sq)
+            weights_by_param = self._clip_weights(sq, total_sq, real, batch // k)
+            for idx, lg in layers.items():
+                plan = self.plans_[idx]
+                local = {n: weights_by_param[plan.qualified(n)] for n in plan.param_names}
+                for n, g in lg.weighted_sum(local).items():
+                    qn = plan.qualified(n)
+                    if qn in self._sum:
+                        self._sum[qn].add_(g)
+                    else:
+                        self._sum[qn] = g.detach().clone()
+            loss_sum = float((torch.where(mask > 0, losses.detach(), 0.0)).sum())
+        n_real = int(mask.sum())
+        self._loss_sum += loss_sum
+        self._examples += n_real
+        self._nonfinite += nonfinite
+        self._chunks += 1
+        norms = None
+        if return_norms:
+            norms = total_sq.to(torch.float64).sqrt() if total_sq is not None else None
+        return ChunkStats(loss_sum, n_real, nonfinite, norms)
+
+    def _layer_grads(self, captures, batch: int, k: int) -> dict[int, LayerGrads]:
+        layers: dict[int, LayerGrads] = {}
+        for idx, (plan, caps) in enumerate(zip(self.plans_, captures, strict=True)):
+            if not caps:
+                continue
+            if plan.rule is not None:
+                for cap in caps:
+                    lead = cap.args[0].shape[0] if cap.args[0].dim() > 0 else None
+                    if lead != batch:
+                        raise ValueError(
+                            f"module {plan.name!r} ({type(plan.module).__name__}) got an input "
+                            f"of shape {tuple(cap.args[0].shape)} whose first dimension is not "
+                            f"the batch size {batch}; per-example rules need batch-first inputs "
+                            "(do not fold other dimensions into the batch)"
+                        )
+                layers[idx] = plan.rule(plan.module, caps, k)
+            else:
+                layers[idx] = fallback_rule(
+                    plan.module, caps, k, chunk_size=self.fallback_chunk_size
+                )
+        return layers
+
+    def _squared_norms(
+        self, layers: dict[int, LayerGrads], n: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        sq: dict[str, torch.Tensor] = {}
+        for idx, lg in layers.items():
+            plan = self.plans_[idx]
+            for name, v in lg.squared_norms().items():
+                if v.shape != (n,):
+                    raise RuntimeError(
+                        f"norm rule of {plan.name!r} returned shape {tuple(v.shape)}, expected {n}"
+                    )
+                sq[plan.qualified(name)] = v
+        return sq
+
+    def _clip_weights(
+        self,
+        sq: dict[str, torch.Tensor],
+        total_sq: torch.Tensor | None,
+        real: torch.Tensor,
+        n: int,
+    ) -> dict[str, torch.Tensor]:
+        mask = real.to(torch.float64)
+        if self._owner is None:
+            flat = (
+                total_sq.to(torch.float64).sqrt()
+                if total_sq is not None
+                else torch.zeros(n, dtype=torch.float64)
+            )
+            w = self.query.clip_weights(flat, mask=mask)
+            return dict.fromkeys(self.param_names_, w)
+        zeros = torch.zeros(n, dtype=torch.float64)
+        group_sq: dict[str, torch.Tensor] = {g: zeros for g in self.query.groups}
+        for name, v in sq.items():
+            g = self._owner[name]
+            group_sq[g] = group_sq[g] + v.to(torch.float64)
+        w = self.query.clip_weights({g: v.sqrt() for g, v in group_sq.items()}, mask=mask)
+        if isinstance(w, torch.Tensor):
+            return dict.fromkeys(self.param_names_, w)
+        return {name: w[self._owner[name]] for name in self.param_names_}
+
+    def release(self, *, ledger: Any, sample_id: int, randomness: Any) -> StepStats:
+        """Noise the accumulated clipped sum once, divide, write ``p.grad``; reset.
+
+        Every trainable parameter receives noise, also if no chunk produced a gradient for it.
+        The query records its ledger entry before the noisy values exist outside it.
+
+        Args:
+          ledger: the run's :class:`dpfy.ledger.Ledger`.
+          sample_id: id from ``ledger.record_sample`` for this logical step's batch.
+          randomness: the :class:`dpfy.randomness.Randomness` the noise is drawn from.
+
+        Returns:
+          :class:`StepStats` of the step.
+        """
+        params = dict(self.model.named_parameters())
+        clipped = {}
+        for name in self.param_names_:
+            p = params[name]
+            s = self._sum.get(name)
+            clipped[name] = torch.zeros_like(p) if s is None else s.to(p.dtype)
+        noisy = self.query.add_noise(
+            clipped, ledger=ledger, sample_id=sample_id, randomness=randomness
+        )
+        denom = self.denominator_
+        for name in self.param_names_:
+            params[name].grad = (noisy[name] / denom).to(params[name].dtype)
+        stats = StepStats(
+            self._loss_sum,
+            self._examples,
+            self._nonfinite,
+            self._chunks,
+            denom,
+            float(getattr(self.query, "noise_multiplier", math.nan)),
+        )
+        self._reset()
+        return stats
+
+    def clipped_sum(self) -> dict[str, torch.Tensor]:
+        """The accumulated clipped sum so far (before noise and division), per parameter."""
+        params = dict(self.model.named_parameters())
+        return {
+            n: self._sum[n].clone() if n in self._sum else torch.zeros_like(params[n])
+            for n in self.param_names_
+        }
+
+    def reset(self) -> None:
+        """Discard the accumulated sum without releasing anything."""
+        self._reset()
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivateGradient(query={self.query!r}, "
+            f"expected_batch_size={self.expected_batch_size}, "
+            f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r})"
+        )
+
+
+def _check_average_sensitivity(query: Any) -> None:
+    tuples = query.privacy_tuples() if hasattr(query, "privacy_tuples") else ()
+    clip = getattr(query, "clip_norm", None)
+    if getattr(query, "noise_multiplier", None) == 0.0:
+        return  # NoPrivacyQuery: nothing to protect
+    if clip is None or len(tuples) != 1 or getattr(query, "groups", None) is not None:
+        raise ValueError(
+            "microbatch_mode='average' needs a flat sum query with sensitivity 2 x clip_norm, "
+            "e.g. GaussianSumQuery(clip_norm, noise_multiplier, sensitivity=2 * clip_norm)"
+        )
+    sensitivity = tuples[0][0]
+    if sensitivity < 2.0 * clip * (1 - 1e-12):
+        raise ValueError(
+            "microbatch_mode='average' clips microbatch averages: one example changes one of "
+            f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency (guide "
+            f"Sec. 5.6), but the query records sensitivity {sensitivity!r}; use "
+            "GaussianSumQuery(clip_norm, noise_multiplier, sensitivity=2 * clip_norm)"
+        )
+
+
+def _check_weights(weights: torch.Tensor | None, batch: int, like: torch.Tensor) -> torch.Tensor:
+    if weights is None:
+        return torch.ones(batch, dtype=like.dtype, device=like.device)
+    w = torch.as_tensor(weights, device=like.device)
+    if w.shape != (batch,):
+        raise ValueError(f"weights must have shape ({batch},), got {tuple(w.shape)}")
+    if not bool(((w == 0) | (w == 1)).all()):
+        raise ValueError("weights must be 0 (padding row) or 1 (real row)")
+    return w.to(like.dtype)
+
+
+def _batch_size(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.shape[0]
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            return v.shape[0]
+    raise ValueError("inputs must contain a tensor with the batch on dim 0")
+
+
+def _slice(x: Any, start: int, stop: int) -> Any:
+    return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, x)
