@@ -94,8 +94,8 @@ class SampleSpec:
       sampling_rate: per-step inclusion probability q (``poisson``; expected batch q x N).
       batch_size: batch size (``fixed_size``; informative for ``shuffle``/``deterministic``).
       steps_per_epoch: batches per epoch (``balls_and_bins``, ``shuffle``, ``deterministic``).
-      max_batch_size: batches longer than this were truncated to a random subset (``poisson``;
-        ``balls_and_bins`` truncation has no sound event yet and makes ``to_event`` refuse).
+      max_batch_size: batches longer than this were truncated to a random subset (``poisson``
+        and ``balls_and_bins`` only; needs ``dataset_size``).
       adjacency: neighbouring relation, one of :class:`dpfy.events.Adjacency`. ``fixed_size``
         is ``replace_one`` whatever is stated; ``poisson`` and ``full_batch`` need
         ``add_or_remove``.
@@ -134,8 +134,13 @@ class SampleSpec:
             "fixed_size": ("batch_size", "dataset_size"),
             "full_batch": (),
         }[self.sampler]
-        if self.sampler == "poisson" and self.max_batch_size is not None:
-            needs = ("sampling_rate", "dataset_size")
+        if self.max_batch_size is not None:
+            if self.sampler not in ("poisson", "balls_and_bins"):
+                raise ValueError(
+                    "max_batch_size applies to the 'poisson' and 'balls_and_bins' samplers only, "
+                    f"got sampler={self.sampler!r} with max_batch_size={self.max_batch_size!r}"
+                )
+            needs = (*needs, "dataset_size")
         missing = [n for n in needs if getattr(self, n) is None]
         if missing:
             raise ValueError(
@@ -603,7 +608,8 @@ class Ledger:
           * fixed_size -> ``FixedSizeSampled(batch_size, dataset_size, Gaussian(z))`` (replace_one).
           * full_batch -> ``Gaussian(z)``.
           * balls_and_bins / shuffle / deterministic -> ``BallsAndBins`` / ``Shuffled`` /
-            ``Deterministic`` with the smallest z of each epoch; a partial epoch counts as a
+            ``Deterministic`` with the smallest z of each epoch (``TruncatedBallsAndBins`` with
+            ``max_batch_size``); a partial epoch counts as a
             whole one, and an epoch label holding more than ``steps_per_epoch`` samples counts
             as ceil(samples / steps_per_epoch) epochs (over-count, never under).
           * a non-private release anywhere -> a ``NonPrivate`` sub-event (epsilon = inf).
@@ -611,8 +617,7 @@ class Ledger:
         ``Composed(())``.
 
         Raises:
-          ValueError: mixed units of privacy, or a sampler configuration no event describes
-            soundly (Balls-and-Bins with truncation).
+          ValueError: mixed units of privacy.
         """
         _ = self.unit  # one unit of privacy per ledger
         zs = self.noise_multipliers()
@@ -622,12 +627,6 @@ class Ledger:
         for rec in self.samples:
             spec = rec.spec
             if spec.sampler in _EPOCH_SAMPLERS:
-                if spec.max_batch_size is not None:
-                    raise ValueError(
-                        f"sampler={spec.sampler!r} with max_batch_size: no dpfy event describes "
-                        "truncated epoch-structured sampling soundly (truncation can change "
-                        "other examples' participation); record without truncation"
-                    )
                 key = (spec, rec.epoch)
                 if key not in epoch_units:
                     epoch_units[key] = len(units)
@@ -723,6 +722,11 @@ def _run_event(key: tuple[str, Any], z: float, count: int) -> ev.Event:
         return one if count == 1 else ev.SelfComposed(one, count)
     spec: SampleSpec = payload
     kind = spec.sampler
+    if kind == "balls_and_bins" and spec.max_batch_size is not None:
+        return ev.TruncatedBallsAndBins(
+            z, spec.steps_per_epoch, count, spec.dataset_size, spec.max_batch_size,
+            adjacency=spec.adjacency,
+        )
     if kind == "balls_and_bins":
         return ev.BallsAndBins(z, spec.steps_per_epoch, count, adjacency=spec.adjacency)
     if kind == "shuffle":
