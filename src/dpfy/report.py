@@ -1,0 +1,519 @@
+"""The privacy statement that ships with a model (guide Sec. 5.3.3; DESIGN section 7).
+
+A report is built from a ledger alone (plus optional utility figures and run facts): the ledger
+says which sampler ran and which noise was really added; the accountants turn that into
+(epsilon, delta). Nothing here trusts a number computed by training code.
+
+Fields follow the guide's checklist: DP setting, data accesses covered, released output, unit of
+privacy, adjacency, sampler actually used, accounting method and its assumptions (and any
+mismatch), the formal statement (epsilon at delta, delta vs 1/N, the RDP curve or mu where
+exact), the privacy tier, every DP hyperparameter, utility, and how to reproduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dpfy import accounting
+from dpfy import events as ev
+from dpfy.ledger import Ledger, NonPrivateRecord, SampleRecord, SumQueryRecord
+
+__all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
+
+#: Every field a report carries (a test checks each is present and consistent with the ledger).
+REPORT_FIELDS = (
+    "dp_setting",
+    "data_accesses",
+    "released_output",
+    "unit_of_privacy",
+    "adjacency",
+    "sampler",
+    "accounting_method",
+    "assumptions",
+    "epsilon",
+    "delta",
+    "delta_times_n",
+    "formal_statement",
+    "privacy_tier",
+    "hyperparameters",
+    "other_methods",
+    "utility",
+    "reproduce",
+)
+
+_SAMPLER_ASSUMPTIONS = {
+    "poisson": "each example is included in each step independently with probability q "
+    "(Poisson sampling, as the sampler actually ran); the denominator is the expected batch size",
+    "balls_and_bins": "each example is placed in exactly one uniformly random batch per epoch "
+    "(Balls-and-Bins, Chua et al. 2025); epsilon from Monte Carlo accounting of the dominating "
+    "pair is an upper confidence bound that fails with the stated error probability",
+    "shuffle": "data shuffled once per epoch and cut into fixed-size batches. No tight "
+    "amplification bound is known for shuffling: the reported epsilon assumes NO amplification "
+    "(a valid upper bound); the lower bound of Chua et al. 2024a shows how far a Poisson number "
+    "would be from the truth. A Poisson-sampling epsilon is NOT valid for this run.",
+    "deterministic": "fixed order and batch size: no amplification by sampling; each example "
+    "is used once per epoch",
+    "fixed_size": "fixed-size batches drawn without replacement; replace-one adjacency",
+    "full_batch": "every example used in every release (no sampling)",
+}
+
+
+def privacy_tier(epsilon: float) -> str:
+    """Tier of the guide (Sec. 5.2): 1 for eps <= 1, 2 for eps <= 10, 3 otherwise."""
+    if epsilon <= 1.0:
+        return "Tier 1 (strong formal privacy: epsilon <= 1)"
+    if epsilon <= 10.0:
+        return "Tier 2 (reasonable formal privacy: epsilon <= 10)"
+    return "Tier 3 (weak formal privacy: epsilon > 10)"
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyReport:
+    """A privacy statement; ``to_markdown`` for people, ``to_dict``/JSON for machines."""
+
+    dp_setting: str
+    data_accesses: str
+    released_output: str
+    unit_of_privacy: str
+    adjacency: str
+    sampler: dict[str, Any]
+    accounting_method: str
+    assumptions: tuple[str, ...]
+    epsilon: float
+    delta: float
+    delta_times_n: float | None
+    formal_statement: str
+    privacy_tier: str
+    hyperparameters: dict[str, Any]
+    other_methods: dict[str, Any]
+    utility: dict[str, Any]
+    reproduce: dict[str, Any]
+    rdp_curve: dict[str, list[float]] | None = None
+    mu: float | None = None
+    epsilon_estimate: float | None = None
+    epsilon_lower: float | None = None
+    error_probability: float | None = None
+    figures: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_markdown(self) -> str:
+        return _markdown(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+# ---------------------------------------------------------------------------------------------
+
+
+def build_report(
+    ledger: Ledger,
+    *,
+    delta: float,
+    method: str | accounting.Accountant = "auto",
+    utility: Mapping[str, Any] | None = None,
+    data_accesses: str = "the final training run only; hyperparameter tuning runs on the same "
+    "data are NOT covered",
+    released_output: str = "the final model; every intermediate model is covered too, since "
+    "the accounting composes every noisy step",
+    ledger_path: str | None = None,
+    reproduce_command: str | None = None,
+) -> PrivacyReport:
+    """Account ``ledger`` at ``delta`` and assemble the checklist of the guide (Sec. 5.3.3).
+
+    Args:
+      ledger: the run's ledger (``Ledger.load(path)``).
+      delta: the delta of the formal statement, in (0, 1).
+      method: accounting method (``auto`` takes the tightest valid one).
+      utility: measured utility figures (e.g. ``{"test_accuracy": 0.981}``).
+      data_accesses / released_output: what the statement covers, in words.
+      ledger_path / reproduce_command: how a reader re-derives the statement.
+    """
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    event = ledger.to_event()
+    result = ledger.epsilon(delta, method)
+    hyper = ledger_hyperparameters(ledger)
+    spec = hyper.pop("_spec", {})
+    n = spec.get("dataset_size")
+    sampler_kind = spec.get("sampler", "none")
+
+    assumptions = [_SAMPLER_ASSUMPTIONS.get(sampler_kind, sampler_kind)]
+    assumptions.extend(result.notes)
+    others = _other_methods(event, delta, result.method)
+    if sampler_kind == "shuffle":
+        poisson = _poisson_counterfactual(hyper, n, delta)
+        if poisson is not None:
+            others["poisson_pld_if_poisson_had_run (NOT valid for this run)"] = poisson
+
+    mu = _mu(event)
+    rdp_curve = _rdp_curve(event)
+    nonprivate = [r for r in ledger.entries if isinstance(r, NonPrivateRecord)]
+    if nonprivate or math.isinf(result.epsilon):
+        statement = (
+            "NO differential privacy guarantee: the ledger records a release without noise "
+            f"({'; '.join(f'{r.name}: {r.reason}' for r in nonprivate) or 'zero noise'})."
+        )
+    else:
+        confidence = (
+            f" with probability at least {1 - result.error_probability:g} over the Monte Carlo "
+            "accounting"
+            if result.error_probability is not None
+            else ""
+        )
+        statement = (
+            f"The training run satisfies ({result.epsilon:.4g}, {delta:g})-differential privacy "
+            f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
+            f", accounted with {result.method}{confidence}."
+        )
+    reproduce = {
+        "ledger": ledger_path,
+        "command": reproduce_command
+        or (f"dpfy report {ledger_path} --delta {delta:g}" if ledger_path else None),
+        "steps_recorded": ledger.iteration,
+    }
+    return PrivacyReport(
+        dp_setting="central DP: a trusted curator trains on the raw data; only the model is "
+        "released",
+        data_accesses=data_accesses,
+        released_output=released_output,
+        unit_of_privacy=ledger.unit or "example",
+        adjacency=result.adjacency,
+        sampler=spec,
+        accounting_method=result.method,
+        assumptions=tuple(assumptions),
+        epsilon=result.epsilon,
+        delta=delta,
+        delta_times_n=(delta * n) if n else None,
+        formal_statement=statement,
+        privacy_tier=privacy_tier(result.epsilon),
+        hyperparameters=hyper,
+        other_methods=others,
+        utility=dict(utility or {}),
+        reproduce=reproduce,
+        rdp_curve=rdp_curve,
+        mu=mu,
+        epsilon_estimate=result.epsilon_estimate,
+        epsilon_lower=result.epsilon_lower,
+        error_probability=result.error_probability,
+    )
+
+
+def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
+    """DP hyperparameters as the ledger recorded them (never as the training code intended)."""
+    samples = ledger.samples
+    specs = list(dict.fromkeys(r.spec for r in samples))
+    zs = [z for z in ledger.noise_multipliers().values() if z > 0]
+    sens: dict[str, set[float]] = {}
+    for r in ledger.entries:
+        if isinstance(r, SumQueryRecord):
+            sens.setdefault(r.name or "sum", set()).add(r.sensitivity)
+    spec = specs[0].to_dict() if specs else {}
+    out: dict[str, Any] = {"_spec": spec, "steps": len(samples)}
+    if len(specs) > 1:
+        out["sampler_changes"] = len(specs)
+    if spec.get("sampling_rate") is not None:
+        out["sampling_rate"] = spec["sampling_rate"]
+        if spec.get("dataset_size"):
+            out["expected_batch_size"] = spec["sampling_rate"] * spec["dataset_size"]
+            out["epochs"] = len(samples) * spec["sampling_rate"]
+    if spec.get("steps_per_epoch"):
+        out["steps_per_epoch"] = spec["steps_per_epoch"]
+        out["epochs"] = len({r.epoch for r in samples})
+        if spec.get("dataset_size"):
+            out["expected_batch_size"] = spec["dataset_size"] / spec["steps_per_epoch"]
+    for key in ("batch_size", "max_batch_size", "dataset_size"):
+        if spec.get(key) is not None:
+            out[key] = spec[key]
+    if zs:
+        out["noise_multiplier"] = min(zs) if max(zs) - min(zs) < 1e-12 * max(zs) else {
+            "min": min(zs),
+            "max": max(zs),
+        }
+    out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
+    meta = ledger.metadata
+    for key in ("clip_norm", "learning_rate", "optimizer", "model", "dataset", "microbatch_size"):
+        if key in meta:
+            out[key] = meta[key]
+    return out
+
+
+def _other_methods(event: ev.Event, delta: float, chosen: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, res in accounting.compare(event, delta).items():
+        if isinstance(res, str):
+            out[name] = f"not applicable: {res}"
+        else:
+            entry = {"epsilon": res.epsilon, "provable": res.provable}
+            if res.epsilon_lower is not None:
+                entry["epsilon_lower"] = res.epsilon_lower
+            if res.epsilon_estimate is not None:
+                entry["epsilon_estimate"] = res.epsilon_estimate
+            out[name] = entry
+    return out
+
+
+def _poisson_counterfactual(hyper: dict[str, Any], n: int | None, delta: float) -> float | None:
+    z = hyper.get("noise_multiplier")
+    batch = hyper.get("batch_size")
+    if not isinstance(z, float) or not n or not batch:
+        return None
+    event = ev.SelfComposed(ev.PoissonSampled(batch / n, ev.Gaussian(z)), hyper["steps"])
+    try:
+        return accounting.epsilon(event, delta, method="pld").epsilon
+    except (ValueError, KeyError):
+        return accounting.epsilon(event, delta, method="rdp").epsilon
+
+
+def _mu(event: ev.Event) -> float | None:
+    try:
+        from dpfy.accounting.gaussian import mu_of_event
+    except ImportError:  # pragma: no cover - gaussian accountant always present
+        return None
+    try:
+        return float(mu_of_event(event))
+    except (ValueError, TypeError):
+        return None
+
+
+def _rdp_curve(event: ev.Event) -> dict[str, list[float]] | None:
+    try:
+        from dpfy.accounting.rdp import DEFAULT_ORDERS, rdp_of_event
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        values = rdp_of_event(event, DEFAULT_ORDERS)
+    except (ValueError, TypeError):
+        return None
+    return {"orders": [float(a) for a in DEFAULT_ORDERS], "rdp": [float(v) for v in values]}
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+
+
+def prefix_ledger(ledger: Ledger, num_samples: int) -> Ledger:
+    """An in-memory copy of ``ledger`` holding its first ``num_samples`` samples and releases."""
+    out = Ledger()
+    ids: dict[int, int] = {}
+    for r in ledger.entries:
+        if isinstance(r, SampleRecord):
+            if len(ids) >= num_samples:
+                break
+            ids[r.sample_id] = out.record_sample(r.spec, epoch=r.epoch, step=r.step)
+        elif isinstance(r, SumQueryRecord) and r.sample_id in ids:
+            out.record_sum_query(
+                ids[r.sample_id], sensitivity=r.sensitivity, noise_std=r.noise_std, name=r.name
+            )
+        elif isinstance(r, NonPrivateRecord) and (r.sample_id is None or r.sample_id in ids):
+            sid = None if r.sample_id is None else ids[r.sample_id]
+            out.record_non_private(sid, name=r.name, reason=r.reason)
+    return out
+
+
+def epsilon_history(
+    ledger: Ledger, delta: float, *, points: int = 25, methods: tuple[str, ...] = ("rdp", "pld")
+) -> tuple[list[int], dict[str, list[float]]]:
+    """Epsilon after each of ``points`` evenly spaced steps, per applicable method."""
+    total = ledger.iteration
+    if total == 0:
+        return [], {}
+    spec = ledger.samples[0].spec
+    if spec.sampler in ("balls_and_bins", "shuffle", "deterministic") and spec.steps_per_epoch:
+        per = spec.steps_per_epoch
+        steps = sorted({min(total, per * k) for k in range(1, math.ceil(total / per) + 1)})
+        methods = ("monte_carlo",) if spec.sampler == "balls_and_bins" else ("shuffle",)
+    else:
+        steps = sorted({max(1, round(total * k / points)) for k in range(1, points + 1)})
+    curves: dict[str, list[float]] = {}
+    for name in methods:
+        values = []
+        try:
+            for m in steps:
+                values.append(prefix_ledger(ledger, m).epsilon(delta, name).epsilon)
+        except (ValueError, KeyError):
+            continue
+        curves[name] = values
+    return steps, curves
+
+
+def write_report(
+    report: PrivacyReport,
+    ledger: Ledger,
+    out_dir: str | Path,
+    *,
+    accuracy_by_step: list[tuple[int, float]] | None = None,
+    target_epsilon: float | None = None,
+    figures: bool = True,
+) -> PrivacyReport:
+    """Write ``report.md``, ``report.json`` and figures into ``out_dir``; returns the report
+    with the figure paths filled in."""
+    from dpfy import plots
+
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str] = {}
+    if figures and math.isfinite(report.epsilon):
+        steps, curves = epsilon_history(ledger, report.delta)
+        if curves:
+            p = plots.epsilon_over_training(
+                steps,
+                curves,
+                out / "figures" / "epsilon_over_training.png",
+                delta=report.delta,
+                target_epsilon=target_epsilon,
+                accuracy=accuracy_by_step,
+            )
+            paths["epsilon_over_training"] = str(p.relative_to(out))
+        deltas, eps_by_method = _epsilon_vs_delta(ledger, report)
+        if eps_by_method:
+            p = plots.epsilon_vs_delta(
+                deltas,
+                eps_by_method,
+                out / "figures" / "epsilon_vs_delta.png",
+                dataset_size=report.sampler.get("dataset_size"),
+                chosen_delta=report.delta,
+            )
+            paths["epsilon_vs_delta"] = str(p.relative_to(out))
+        comparison = {}
+        for name, res in report.other_methods.items():
+            if isinstance(res, dict):
+                comparison[name] = (
+                    res["epsilon"],
+                    res.get("epsilon_lower"),
+                    res.get("epsilon_estimate"),
+                )
+            elif isinstance(res, float):
+                comparison[name] = (res, None, None)
+        if comparison:
+            p = plots.accountant_comparison(
+                comparison, out / "figures" / "accountant_comparison.png", delta=report.delta
+            )
+            paths["accountant_comparison"] = str(p.relative_to(out))
+    report = dataclasses.replace(report, figures=paths)
+    (out / "report.md").write_text(report.to_markdown(), encoding="utf-8")
+    (out / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    return report
+
+
+def _epsilon_vs_delta(ledger: Ledger, report: PrivacyReport):
+    import numpy as np
+
+    deltas = [float(d) for d in np.logspace(-10, -2, 17)]
+    event = ledger.to_event()
+    out: dict[str, list[float]] = {}
+    for name, res in report.other_methods.items():
+        if not isinstance(res, dict) or not res.get("provable", True):
+            continue
+        try:
+            out[name] = [accounting.epsilon(event, d, method=name).epsilon for d in deltas]
+        except (ValueError, KeyError):
+            continue
+    return deltas, out
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "infinity"
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_fmt(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def _markdown(r: PrivacyReport) -> str:
+    lines = ["# Privacy report", "", f"**{r.formal_statement}**", ""]
+    headline = f"- epsilon = **{_fmt(r.epsilon)}** at delta = {r.delta:g} ({r.accounting_method}"
+    headline += f", {r.adjacency} adjacency, unit of privacy: {r.unit_of_privacy})"
+    lines.append(headline)
+    if r.epsilon_estimate is not None:
+        lines.append(
+            f"- Monte Carlo point estimate {_fmt(r.epsilon_estimate)}; the reported epsilon is "
+            f"its upper confidence bound (error probability {r.error_probability:g})"
+        )
+    if r.epsilon_lower is not None:
+        lines.append(f"- lower bound on the true epsilon: {_fmt(r.epsilon_lower)}")
+    lines.append(f"- {r.privacy_tier}")
+    if r.delta_times_n is not None:
+        n = r.sampler.get("dataset_size")
+        verdict = "below 1/N, as it should be" if r.delta_times_n < 1 else "NOT below 1/N"
+        lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}): delta is {verdict}")
+    if r.mu is not None:
+        lines.append(f"- exact Gaussian DP: mu = {r.mu:.4g}")
+    lines += ["", "## Checklist (guide Sec. 5.3.3)", "", "| item | value |", "|---|---|"]
+    rows = [
+        ("DP setting", r.dp_setting),
+        ("Data accesses covered", r.data_accesses),
+        ("Released output", r.released_output),
+        ("Unit of privacy", r.unit_of_privacy),
+        ("Adjacency", r.adjacency),
+        ("Sampler actually used", _fmt(r.sampler)),
+        ("Accounting method", r.accounting_method),
+        ("Privacy tier", r.privacy_tier),
+    ]
+    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
+    lines += ["", "## Assumptions", ""]
+    lines += [f"- {_escape(a)}" for a in r.assumptions]
+    lines += ["", "## DP hyperparameters (as recorded in the ledger)", "", "| name | value |"]
+    lines.append("|---|---|")
+    lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.hyperparameters.items()]
+    lines += ["", f"## Epsilon by accounting method (delta = {r.delta:g})", ""]
+    lines.append("| method | epsilon |")
+    lines.append("|---|---|")
+    for name, res in r.other_methods.items():
+        if isinstance(res, dict):
+            cell = _fmt(res["epsilon"])
+            if res.get("epsilon_estimate") is not None:
+                cell += f" (estimate {_fmt(res['epsilon_estimate'])})"
+            if res.get("epsilon_lower") is not None:
+                cell += f" (lower bound {_fmt(res['epsilon_lower'])})"
+            if not res.get("provable", True):
+                cell += " (holds with high probability)"
+        else:
+            cell = _fmt(res)
+        lines.append(f"| {name} | {_escape(cell)} |")
+    if r.utility:
+        lines += ["", "## Utility", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.utility.items()]
+    if r.figures:
+        lines += ["", "## Figures", ""]
+        lines += [f"![{name}]({path})" for name, path in r.figures.items()]
+    lines += ["", "## Reproduce", ""]
+    if r.reproduce.get("ledger"):
+        lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
+    if r.reproduce.get("command"):
+        lines.append(f"- re-account: `{r.reproduce['command']}`")
+    if r.reproduce.get("train_command"):
+        lines.append(f"- re-train: `{r.reproduce['train_command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
