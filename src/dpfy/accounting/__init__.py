@@ -4,7 +4,10 @@ Entry points: :func:`epsilon`, :func:`delta`, :func:`compare` over :mod:`dpfy.ev
 Each accounting method lives in its own module and registers itself here.
 """
 
-from dpfy.accounting import rdp  # noqa: F401  (registers the 'rdp' accountant)
+from dpfy.accounting import (
+    gaussian,  # noqa: F401  (registers the 'gaussian' accountant)
+    rdp,  # noqa: F401  (registers the 'rdp' accountant)
+)
 from dpfy.accounting._api import (
     Accountant,
     PrivacyResult,
