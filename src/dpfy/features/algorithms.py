@@ -1,0 +1,449 @@
+"""DP learning of a linear classifier on fixed features (Mehta et al., Algorithms 1-4).
+
+Every algorithm releases *sums over the whole dataset* with Gaussian noise, never divides by the
+number of examples (which is private under add-or-remove adjacency), and records each release in
+a :class:`dpfy.ledger.Ledger` (write-ahead: the entry is written before the noisy value exists).
+The sampler is ``full_batch``: no subsampling, so the run is a plain composition of Gaussian
+mechanisms, accounted exactly by :mod:`dpfy.features.accounting`.
+
+Regularisation coefficients are in the same "sum" units (a ridge of ``lam`` adds ``lam * I`` to a
+sum of ``n`` outer products), so ``l2 = 1 / C_sklearn`` reproduces scikit-learn's
+``LogisticRegression(C=C_sklearn, fit_intercept=False)`` objective.
+
+Noisy symmetric matrices are symmetrised (``(M + M^T) / 2``) and projected onto the positive
+semi-definite cone (eigenvalues clipped at 0) before the ridge is added and the system solved.
+Both steps are post-processing and cost no privacy.
+
+Weights are returned as a float64 ``[d, m]`` tensor; scores are ``x @ weights`` (no intercept:
+append a constant feature to learn one).
+
+References:
+  Mehta, Krichene, Thakurta, Kurakin, Cutkosky. Differentially Private Image Classification
+  from Features. TMLR 2023. Algorithm 1 (DP-SGD/Adam), 2 (DP-Newton), 3 (DP-LS), 4 (DP-FC).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from dpfy.events import check_range
+from dpfy.features.stats import SufficientStats, clip_rows, label_matrix, sufficient_statistics
+from dpfy.ledger import Ledger, SampleSpec
+from dpfy.randomness import Randomness
+
+__all__ = [
+    "HESSIAN_BOUND",
+    "Fitted",
+    "PSDSolver",
+    "clipped_gradient_sum",
+    "dp_adam",
+    "dp_feature_covariance",
+    "dp_least_squares",
+    "dp_newton",
+    "newton_statistics",
+    "residuals",
+]
+
+Loss = Literal["softmax", "sigmoid"]
+LOSSES = ("softmax", "sigmoid")
+#: Bound beta_H on the second derivative of the logistic loss, sigma'(z) <= 1/4.
+HESSIAN_BOUND = 0.25
+_F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """Result of a DP fit: ``weights`` ``[d, m]`` (float64) and the ``ledger`` of its releases."""
+
+    weights: torch.Tensor
+    ledger: Ledger
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _ledger(ledger: Ledger | None) -> Ledger:
+    return Ledger() if ledger is None else ledger
+
+
+def _randomness(randomness: Randomness | None) -> Randomness:
+    return Randomness() if randomness is None else randomness
+
+
+def _release(
+    value: torch.Tensor,
+    *,
+    sensitivity: float,
+    noise_multiplier: float,
+    ledger: Ledger,
+    sample_id: int,
+    randomness: Randomness,
+    name: str,
+    symmetric: bool = False,
+) -> torch.Tensor:
+    """Add N(0, (z S)^2) to every coordinate of ``value`` after writing the ledger entry.
+
+    With ``symmetric`` the noisy matrices (last two dims) are symmetrised afterwards.
+    """
+    std = float(noise_multiplier) * float(sensitivity)
+    ledger.record_sum_query(sample_id, sensitivity=float(sensitivity), noise_std=std, name=name)
+    if std > 0.0:
+        value = value + randomness.torch_normal(tuple(value.shape), std, dtype=value.dtype)
+    if symmetric:
+        value = 0.5 * (value + value.transpose(-1, -2))
+    return value
+
+
+def _full_batch(ledger: Ledger, n: int, step: int) -> int:
+    return ledger.record_sample(SampleSpec(sampler="full_batch", dataset_size=int(n)), step=step)
+
+
+class PSDSolver:
+    """Solve ``(P(S) + ridge I) w = r`` where ``P`` projects the symmetric ``S`` onto the PSD cone.
+
+    If ``S`` is already (numerically) PSD the projection is the identity and a Cholesky factor is
+    used; otherwise the eigen-decomposition clips the negative eigenvalues to zero.
+    """
+
+    def __init__(self, S: torch.Tensor, ridge: float) -> None:
+        S = 0.5 * (S + S.T).to(_F64)
+        d = S.shape[0]
+        scale = float(S.diagonal().abs().max()) if d else 1.0
+        self.tiny = 1e-12 * max(scale, 1.0)
+        shift = max(float(ridge), self.tiny)
+        eye = torch.eye(d, dtype=_F64)
+        _, info = torch.linalg.cholesky_ex(S + self.tiny * eye)
+        self.projected = int(info) != 0
+        if not self.projected:
+            self.chol, self.vecs, self.vals = torch.linalg.cholesky(S + shift * eye), None, None
+        else:
+            vals, vecs = torch.linalg.eigh(S)
+            self.chol, self.vecs = None, vecs
+            self.vals = vals.clamp_min(0.0) + shift
+
+    def solve(self, rhs: torch.Tensor) -> torch.Tensor:
+        rhs = rhs.to(_F64)
+        vec = rhs.ndim == 1
+        r = rhs[:, None] if vec else rhs
+        if self.chol is not None:
+            out = torch.cholesky_solve(r, self.chol)
+        else:
+            out = self.vecs @ ((self.vecs.T @ r) / self.vals[:, None])
+        return out[:, 0] if vec else out
+
+
+def residuals(scores: torch.Tensor, y: torch.Tensor, loss: Loss) -> torch.Tensor:
+    """``d loss / d scores`` per example: ``softmax(s) - y`` or ``sigmoid(s) - y`` (``[n, m]``)."""
+    if loss == "softmax":
+        return torch.softmax(scores, dim=1) - y
+    if loss == "sigmoid":
+        return torch.sigmoid(scores) - y
+    raise ValueError(f"loss must be one of {LOSSES}, got loss={loss!r}")
+
+
+def clipped_gradient_sum(
+    x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, clip_norm: float, loss: Loss
+) -> torch.Tensor:
+    """``sum_i clip(grad_i)`` (``[d, m]``) of the per-example loss gradients ``x_i r_i^T``.
+
+    The per-example gradient ``x_i r_i^T`` has Frobenius norm ``||x_i|| ||r_i||``, so clipping
+    needs no per-example materialisation. Add-or-remove sensitivity: ``clip_norm``.
+    """
+    r = residuals(x @ weights, y, loss)
+    norms = torch.linalg.vector_norm(x, dim=1) * torch.linalg.vector_norm(r, dim=1)
+    scale = torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0)
+    return x.T @ (r * scale[:, None])
+
+
+def newton_statistics(
+    x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, *, hessian_dtype=torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient sums ``[d, m]`` and Hessian sums ``[m, d, d]`` of the one-vs-rest logistic loss.
+
+    ``x`` must already be clipped to norm ``C``. Class ``j``: ``g_j = sum_i (s_ij - y_ij) x_i``
+    and ``H_j = sum_i s_ij (1 - s_ij) x_i x_i^T`` with ``s = sigmoid(x w)``. Add-or-remove
+    sensitivities over all ``m`` classes: ``sqrt(m) C`` and ``sqrt(m) C^2 / 4``.
+    """
+    z = x @ weights
+    s = torch.sigmoid(z)
+    grad = x.T @ (s - y)
+    curv = (s * (1.0 - s)).to(hessian_dtype)
+    xh = x.to(hessian_dtype)
+    m = weights.shape[1]
+    same = bool((weights == weights[:, :1]).all()) if m > 1 else True
+    if same:  # identical columns (e.g. the zero start): one product serves every class
+        h = (xh.T @ (xh * curv[:, :1])).to(_F64)
+        hess = h.expand(m, -1, -1).clone()
+    else:
+        hess = torch.stack([(xh.T @ (xh * curv[:, j : j + 1])).to(_F64) for j in range(m)])
+    return grad, hess
+
+
+def _as_f64(x) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+    return t.to(_F64)
+
+
+def _check_common(noise_multiplier: float, name: str = "noise_multiplier") -> None:
+    check_range(name, noise_multiplier, 0.0, math.inf, high_open=True)
+
+
+# ----------------------------------------------------------------------------- DP-LS (Alg. 3)
+
+
+def dp_least_squares(
+    data: SufficientStats | tuple,
+    *,
+    noise_multiplier: float | tuple[float, float, float],
+    clip_norm: float | None = None,
+    alpha: float = 1.0,
+    ridge: float = 1.0,
+    max_positives: int = 1,
+    num_classes: int | None = None,
+    ledger: Ledger | None = None,
+    randomness: Randomness | None = None,
+) -> Fitted:
+    """DP least squares (Alg. 3): ``w_j = (A~_j + alpha G~ + ridge I)^-1 b~_j`` from noisy sums.
+
+    Args:
+      data: :class:`SufficientStats` (e.g. from the chunked
+        :func:`~dpfy.features.stats.sufficient_statistics`) or ``(x, y)``.
+      noise_multiplier: ``sigma`` (noise std / sensitivity) of the three releases, or one per
+        release ``(G, A, b)``. Sensitivities: ``C^2``, ``sqrt(k) C^2``, ``sqrt(k) C``.
+      clip_norm: feature clip norm ``C`` (required with ``(x, y)``).
+      alpha: weight of the negative-label term in (0, inf).
+      ridge: ``lambda`` in [0, inf), sum units.
+      max_positives: ``k``, the maximum number of positive labels per example.
+      num_classes: ``m`` (with ``(x, y)``; default ``max(y) + 1``).
+      ledger: where the releases are recorded (default: a new in-memory ledger).
+      randomness: noise source (default: a fresh ``Randomness()``).
+
+    Returns:
+      :class:`Fitted` with weights ``[d, m]``.
+    """
+    if isinstance(data, SufficientStats):
+        stats = data
+    else:
+        if clip_norm is None:
+            raise ValueError("clip_norm must be given when data is (x, y)")
+        x, y = data
+        m = num_classes if num_classes is not None else label_matrix(y).shape[1]
+        stats = sufficient_statistics(
+            [(x, y)], clip_norm=clip_norm, num_classes=m, max_positives=max_positives
+        )
+    z = (noise_multiplier,) * 3 if not isinstance(noise_multiplier, tuple) else noise_multiplier
+    if len(z) != 3:
+        raise ValueError(f"noise_multiplier must be a float or 3 floats, got {noise_multiplier!r}")
+    for zi in z:
+        _check_common(zi)
+    check_range("alpha", alpha, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("ridge", ridge, 0.0, math.inf, high_open=True)
+    if stats.class_covariance.shape[0] == 0:
+        raise ValueError("DP-LS needs class covariances: compute stats with class_covariance=True")
+    ledger, rng = _ledger(ledger), _randomness(randomness)
+    C, k = stats.clip_norm, stats.max_positives
+    sid = _full_batch(ledger, stats.rows, 0)
+    common = dict(ledger=ledger, sample_id=sid, randomness=rng)
+    G = _release(stats.covariance, sensitivity=C**2, noise_multiplier=z[0], name="G",
+                 symmetric=True, **common)
+    A = _release(stats.class_covariance, sensitivity=math.sqrt(k) * C**2, noise_multiplier=z[1],
+                 name="A", symmetric=True, **common)
+    b = _release(stats.class_sums, sensitivity=math.sqrt(k) * C, noise_multiplier=z[2],
+                 name="b", **common)
+    weights = torch.stack(
+        [PSDSolver(A[j] + alpha * G, ridge).solve(b[:, j]) for j in range(b.shape[1])], dim=1
+    )
+    return Fitted(weights, ledger)
+
+
+# ----------------------------------------------------------------------------- DP-Newton (Alg. 2)
+
+
+def dp_newton(
+    x,
+    y,
+    *,
+    clip_norm: float,
+    noise_multiplier: float | tuple[float, float],
+    steps: int = 2,
+    ridge: float = 1.0,
+    learning_rate: float = 1.0,
+    num_classes: int | None = None,
+    hessian_dtype: torch.dtype = torch.float32,
+    ledger: Ledger | None = None,
+    randomness: Randomness | None = None,
+) -> Fitted:
+    """DP Newton's method (Alg. 2) for one-vs-rest logistic regression with an L2 ridge.
+
+    Minimises ``sum_i sum_j logistic(w_j^T x~_i, y_ij) + ridge/2 ||w||^2`` with clipped features
+    ``x~``. Each step releases, for all ``m`` classes together, the gradient sums (sensitivity
+    ``sqrt(m) C``) and the Hessian sums (sensitivity ``sqrt(m) beta_H C^2``, ``beta_H = 1/4``),
+    then ``w_j <- w_j - lr (P(H~_j) + ridge I)^-1 (g~_j + ridge w_j)``.
+
+    Args:
+      x: features ``[n, d]``. y: class indices ``[n]`` or 0/1 matrix ``[n, m]``.
+      clip_norm: ``C``. noise_multiplier: ``sigma`` for both releases, or ``(grad, hessian)``.
+      steps: ``T`` Newton steps. ridge: ``lambda`` (sum units). learning_rate: ``eta``.
+      hessian_dtype: dtype of the Hessian products (a preconditioner; float32 is ample).
+    """
+    check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("steps", steps, 1, None, integer=True)
+    check_range("ridge", ridge, 0.0, math.inf, high_open=True)
+    check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
+    zg, zh = noise_multiplier if isinstance(noise_multiplier, tuple) else (noise_multiplier,) * 2
+    _check_common(zg)
+    _check_common(zh)
+    xc = clip_rows(_as_f64(x), clip_norm)
+    yy = label_matrix(y, num_classes)
+    n, d = xc.shape
+    m = yy.shape[1]
+    ledger, rng = _ledger(ledger), _randomness(randomness)
+    w = torch.zeros(d, m, dtype=_F64)
+    for t in range(steps):
+        sid = _full_batch(ledger, n, t)
+        common = dict(ledger=ledger, sample_id=sid, randomness=rng)
+        grad, hess = newton_statistics(xc, yy, w, hessian_dtype=hessian_dtype)
+        g = _release(grad, sensitivity=math.sqrt(m) * clip_norm, noise_multiplier=zg,
+                     name="gradient", **common)
+        h = _release(hess, sensitivity=math.sqrt(m) * HESSIAN_BOUND * clip_norm**2,
+                     noise_multiplier=zh, name="hessian", symmetric=True, **common)
+        step = torch.stack(
+            [PSDSolver(h[j], ridge).solve(g[:, j] + ridge * w[:, j]) for j in range(m)], dim=1
+        )
+        w = w - learning_rate * step
+    return Fitted(w, ledger)
+
+
+# ----------------------------------------------------------------------------- DP-FC (Alg. 4)
+
+
+def dp_feature_covariance(
+    x,
+    y,
+    *,
+    covariance_clip_norm: float,
+    gradient_clip_norm: float,
+    noise_multiplier: float | tuple[float, float],
+    steps: int = 10,
+    learning_rate: float = 1.0,
+    ridge: float = 1.0,
+    l2: float = 0.0,
+    loss: Loss = "softmax",
+    num_classes: int | None = None,
+    covariance_dtype: torch.dtype = torch.float32,
+    ledger: Ledger | None = None,
+    randomness: Randomness | None = None,
+) -> Fitted:
+    """DP-SGD preconditioned by a noisy feature covariance (DP-FC, Alg. 4), full batch.
+
+    Releases ``G = sum_i x~_i x~_i^T`` once (features clipped to ``C_G``; sensitivity ``C_G^2``),
+    then for ``T`` steps the sum of per-example gradients clipped to ``C_g`` (sensitivity
+    ``C_g``), and updates ``w <- w - lr (P(G~) + ridge I)^-1 (g~ + l2 w)``.
+
+    Args:
+      x: features ``[n, d]``. y: class indices ``[n]`` or 0/1 matrix ``[n, m]``.
+      covariance_clip_norm: ``C_G``. gradient_clip_norm: ``C_g``.
+      noise_multiplier: ``sigma`` of every release, or ``(covariance, gradient)``.
+      steps: ``T`` (one full-batch step = one epoch).
+      learning_rate: ``eta``; with the covariance as preconditioner 1 to 4 is a natural range.
+      ridge: ``lambda`` added to the preconditioner (sum units).
+      l2: L2 penalty of the objective ``sum_i loss_i + l2/2 ||w||^2`` (sum units).
+      loss: ``"softmax"`` (multinomial logistic) or ``"sigmoid"`` (one-vs-rest logistic).
+      covariance_dtype: dtype of the covariance product (a preconditioner; float32 is ample).
+    """
+    check_range("covariance_clip_norm", covariance_clip_norm, 0.0, math.inf, low_open=True,
+                high_open=True)
+    check_range("gradient_clip_norm", gradient_clip_norm, 0.0, math.inf, low_open=True,
+                high_open=True)
+    check_range("steps", steps, 0, None, integer=True)
+    check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("ridge", ridge, 0.0, math.inf, high_open=True)
+    check_range("l2", l2, 0.0, math.inf, high_open=True)
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got loss={loss!r}")
+    zc, zg = noise_multiplier if isinstance(noise_multiplier, tuple) else (noise_multiplier,) * 2
+    _check_common(zc)
+    _check_common(zg)
+    x = _as_f64(x)
+    yy = label_matrix(y, num_classes)
+    n, d = x.shape
+    m = yy.shape[1]
+    ledger, rng = _ledger(ledger), _randomness(randomness)
+    xg = clip_rows(x, covariance_clip_norm).to(covariance_dtype)
+    sid = _full_batch(ledger, n, 0)
+    G = _release((xg.T @ xg).to(_F64), sensitivity=covariance_clip_norm**2, noise_multiplier=zc,
+                 ledger=ledger, sample_id=sid, randomness=rng, name="covariance", symmetric=True)
+    solver = PSDSolver(G, ridge)
+    w = torch.zeros(d, m, dtype=_F64)
+    for t in range(steps):
+        sid = _full_batch(ledger, n, t + 1)
+        g = _release(clipped_gradient_sum(x, yy, w, gradient_clip_norm, loss),
+                     sensitivity=gradient_clip_norm, noise_multiplier=zg, ledger=ledger,
+                     sample_id=sid, randomness=rng, name="gradient")
+        w = w - learning_rate * solver.solve(g + l2 * w)
+    return Fitted(w, ledger)
+
+
+# ------------------------------------------------------------------------ DP-SGD / Adam (Alg. 1)
+
+
+def dp_adam(
+    x,
+    y,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    steps: int = 100,
+    learning_rate: float = 0.1,
+    l2: float = 0.0,
+    loss: Loss = "softmax",
+    optimizer: Literal["adam", "sgd"] = "adam",
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    num_classes: int | None = None,
+    ledger: Ledger | None = None,
+    randomness: Randomness | None = None,
+) -> Fitted:
+    """Full-batch DP-SGD / DP-Adam on features (Alg. 1 with the whole dataset as the batch).
+
+    Each step releases the sum of per-example gradients clipped to ``clip_norm`` (sensitivity
+    ``clip_norm``) and feeds ``g~ + l2 w`` to Adam (scale-free) or to SGD (``w -= lr g``, so
+    the SGD learning rate is per *sum* of gradients). Returns the last iterate.
+    """
+    check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+    _check_common(noise_multiplier)
+    check_range("steps", steps, 0, None, integer=True)
+    check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("l2", l2, 0.0, math.inf, high_open=True)
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be one of ('adam', 'sgd'), got optimizer={optimizer!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got loss={loss!r}")
+    x = _as_f64(x)
+    yy = label_matrix(y, num_classes)
+    n, d = x.shape
+    m = yy.shape[1]
+    ledger, rng = _ledger(ledger), _randomness(randomness)
+    w = torch.zeros(d, m, dtype=_F64)
+    mom = torch.zeros_like(w)
+    var = torch.zeros_like(w)
+    b1, b2 = betas
+    for t in range(steps):
+        sid = _full_batch(ledger, n, t)
+        g = _release(clipped_gradient_sum(x, yy, w, clip_norm, loss), sensitivity=clip_norm,
+                     noise_multiplier=noise_multiplier, ledger=ledger, sample_id=sid,
+                     randomness=rng, name="gradient")
+        g = g + l2 * w
+        if optimizer == "sgd":
+            w = w - learning_rate * g
+            continue
+        mom = b1 * mom + (1 - b1) * g
+        var = b2 * var + (1 - b2) * g * g
+        mhat = mom / (1 - b1 ** (t + 1))
+        vhat = var / (1 - b2 ** (t + 1))
+        w = w - learning_rate * mhat / (vhat.sqrt() + eps)
+    return Fitted(w, ledger)
