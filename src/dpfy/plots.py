@@ -41,6 +41,7 @@ def epsilon_over_training(
     ax.set_xlabel("training step")
     ax.set_ylabel(f"epsilon spent (delta = {delta:g})")
     ax.set_title("Privacy spent during training")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if accuracy:

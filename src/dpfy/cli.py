@@ -1,0 +1,371 @@
+"""The ``dpfy`` command.
+
+Every command validates its input and, on bad input, exits with code 2 and a one-line message
+(never a traceback). Every epsilon printed names its accounting method and adjacency.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+# Typer ships its own copy of click in recent versions; take the exception classes from the
+# public BadParameter's ancestry so this works with either layout.
+_MRO = {cls.__name__: cls for cls in typer.BadParameter.__mro__}
+_UsageError: type[Exception] = _MRO["UsageError"]
+_ClickException: type[Exception] = _MRO["ClickException"]
+
+app = typer.Typer(
+    name="dpfy",
+    help="Differentially private ML training and accounting that tells the truth.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=True,
+)
+
+
+class SamplerName(StrEnum):
+    poisson = "poisson"
+    balls_and_bins = "balls-and-bins"
+    shuffle = "shuffle"
+    deterministic = "deterministic"
+
+
+class MethodName(StrEnum):
+    auto = "auto"
+    rdp = "rdp"
+    pld = "pld"
+    gaussian = "gaussian"
+    monte_carlo = "monte_carlo"
+    shuffle = "shuffle"
+    all = "all"
+
+
+class UsageProblem(Exception):
+    """Bad input found by a command: reported in one line with exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# shared option types
+# ---------------------------------------------------------------------------------------------
+DatasetSize = Annotated[int, typer.Option("--dataset-size", "-n", help="Number of examples N.")]
+BatchSize = Annotated[
+    int, typer.Option("--batch-size", "-b", help="Expected batch size B (Poisson: q = B/N).")
+]
+Epochs = Annotated[float | None, typer.Option("--epochs", help="Passes over the data.")]
+Steps = Annotated[int | None, typer.Option("--steps", help="Number of training steps.")]
+Delta = Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")]
+Sampler = Annotated[
+    SamplerName, typer.Option("--sampler", help="The batch sampler that actually runs.")
+]
+Method = Annotated[MethodName, typer.Option("--method", help="Accounting method.")]
+MaxBatch = Annotated[
+    int | None,
+    typer.Option("--max-batch-size", help="Truncate batches to this size (costs extra delta)."),
+]
+Samples = Annotated[
+    int | None, typer.Option("--samples", help="Monte Carlo samples (Balls-and-Bins).")
+]
+ErrorProb = Annotated[
+    float,
+    typer.Option("--error-probability", help="Monte Carlo: probability the bound fails."),
+]
+Seed = Annotated[int | None, typer.Option("--seed", help="Seed for Monte Carlo accounting.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def _num(value: float) -> Any:
+    if isinstance(value, float) and math.isinf(value):
+        return "inf"
+    return value
+
+
+def _emit(payload: dict[str, Any], as_json: bool, title: str) -> None:
+    if as_json:
+        print(json.dumps({k: _num(v) for k, v in payload.items()}, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for key, value in payload.items():
+        if value is None or key == "results":
+            continue
+        if isinstance(value, float):
+            value = f"{value:.6g}"
+        table.add_row(key, str(value))
+    Console().print(table)
+    for name, res in payload.get("results", {}).items():
+        line = res if isinstance(res, str) else f"epsilon = {res['epsilon']:.6g}"
+        Console().print(f"  [bold]{name}[/bold]: {line}")
+
+
+def _resolve_steps(dataset_size: int, batch_size: int, epochs: float | None, steps: int | None):
+    from dpfy.events import check_range
+
+    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+    if (epochs is None) == (steps is None):
+        raise UsageProblem("give exactly one of --epochs or --steps")
+    if steps is not None:
+        check_range("steps", steps, 1, None, integer=True)
+    else:
+        check_range("epochs", epochs, 0.0, None, low_open=True)
+    return epochs, steps
+
+
+def _sampler(kind: SamplerName, dataset_size: int, batch_size: int, max_batch_size: int | None):
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import make_sampler
+
+    return make_sampler(
+        kind.value.replace("-", "_"),
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        max_batch_size=max_batch_size,
+        randomness=Randomness(0),
+    )
+
+
+def _accountant(method: MethodName, samples: int | None, error_probability: float, seed):
+    """A method name, or a configured Monte Carlo accountant when MC options were given."""
+    if method is MethodName.monte_carlo or (
+        method is MethodName.auto and (samples is not None or seed is not None)
+    ):
+        from dpfy.accounting.balls_and_bins import MonteCarloAccountant
+
+        kwargs: dict[str, Any] = {"error_probability": error_probability}
+        if samples is not None:
+            kwargs["samples"] = samples
+        if seed is not None:
+            kwargs["seed"] = seed
+        return MonteCarloAccountant(**kwargs)
+    return method.value
+
+
+def _result_fields(res) -> dict[str, Any]:
+    out = {
+        "epsilon": res.epsilon,
+        "delta": res.delta,
+        "method": res.method,
+        "adjacency": res.adjacency,
+        "provable": res.provable,
+    }
+    if res.epsilon_estimate is not None:
+        out["epsilon_estimate"] = res.epsilon_estimate
+    if res.epsilon_lower is not None:
+        out["epsilon_lower"] = res.epsilon_lower
+    if res.error_probability is not None:
+        out["error_probability"] = res.error_probability
+    if res.notes:
+        out["notes"] = "; ".join(res.notes)
+    return out
+
+
+@app.command()
+def epsilon(
+    dataset_size: DatasetSize,
+    batch_size: BatchSize,
+    noise_multiplier: Annotated[
+        float, typer.Option("--noise-multiplier", "-z", help="Noise std / clip norm.")
+    ],
+    delta: Delta,
+    epochs: Epochs = None,
+    steps: Steps = None,
+    sampler: Sampler = SamplerName.poisson,
+    method: Method = MethodName.auto,
+    max_batch_size: MaxBatch = None,
+    samples: Samples = None,
+    error_probability: ErrorProb = 1e-3,
+    seed: Seed = None,
+    as_json: AsJson = False,
+) -> None:
+    """Epsilon spent by a training run, accounted for the sampler that actually runs."""
+    from dpfy import accounting
+
+    epochs, steps = _resolve_steps(dataset_size, batch_size, epochs, steps)
+    smp = _sampler(sampler, dataset_size, batch_size, max_batch_size)
+    event = smp.privacy_event(noise_multiplier, epochs=epochs, steps=steps)
+    payload: dict[str, Any] = {
+        "sampler": sampler.value,
+        "dataset_size": dataset_size,
+        "batch_size": batch_size,
+        "sampling_rate": batch_size / dataset_size,
+        "noise_multiplier": noise_multiplier,
+        "steps": _total_steps(smp, epochs, steps),
+        "epochs": epochs,
+    }
+    if method is MethodName.all:
+        results = accounting.compare(event, delta)
+        best = accounting.epsilon(event, delta)
+        payload.update(_result_fields(best))
+        payload["results"] = {
+            k: (v if isinstance(v, str) else _result_fields(v)) for k, v in results.items()
+        }
+    else:
+        acc = _accountant(method, samples, error_probability, seed)
+        payload.update(_result_fields(accounting.epsilon(event, delta, method=acc)))
+    _emit(payload, as_json, "dpfy epsilon")
+
+
+def _total_steps(smp, epochs: float | None, steps: int | None) -> int:
+    if steps is not None:
+        return int(steps)
+    return int(math.ceil(epochs * smp.steps_per_epoch))
+
+
+@app.command()
+def calibrate(
+    target_epsilon: Annotated[
+        float, typer.Option("--target-epsilon", help="Epsilon the run must not exceed.")
+    ],
+    dataset_size: DatasetSize,
+    batch_size: BatchSize,
+    delta: Delta,
+    epochs: Epochs = None,
+    steps: Steps = None,
+    sampler: Sampler = SamplerName.poisson,
+    method: Method = MethodName.auto,
+    max_batch_size: MaxBatch = None,
+    samples: Samples = None,
+    error_probability: ErrorProb = 1e-3,
+    seed: Seed = None,
+    as_json: AsJson = False,
+) -> None:
+    """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
+    from dpfy import accounting
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+    from dpfy.events import check_range
+
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if method is MethodName.all:
+        raise UsageProblem("--method all is for `dpfy epsilon`; calibrate with one method")
+    epochs, steps = _resolve_steps(dataset_size, batch_size, epochs, steps)
+    smp = _sampler(sampler, dataset_size, batch_size, max_batch_size)
+    acc = _accountant(method, samples, error_probability, seed)
+
+    def make_event(z: float):
+        return smp.privacy_event(z, epochs=epochs, steps=steps)
+
+    z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
+    res = accounting.epsilon(make_event(z), delta, method=acc)
+    payload: dict[str, Any] = {
+        "sampler": sampler.value,
+        "dataset_size": dataset_size,
+        "batch_size": batch_size,
+        "sampling_rate": batch_size / dataset_size,
+        "target_epsilon": target_epsilon,
+        "noise_multiplier": z,
+        "steps": _total_steps(smp, epochs, steps),
+        "epochs": epochs,
+    }
+    payload.update(_result_fields(res))
+    _emit(payload, as_json, "dpfy calibrate")
+
+
+@app.command()
+def report(
+    ledger_path: Annotated[Path, typer.Argument(help="A ledger file (JSON lines).")],
+    delta: Annotated[
+        float | None,
+        typer.Option("--delta", help="Delta of the statement (default: the run's delta)."),
+    ] = None,
+    method: Method = MethodName.auto,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Directory for report.md/json and figures.")
+    ] = None,
+    figures: Annotated[bool, typer.Option("--figures/--no-figures")] = True,
+    as_json: AsJson = False,
+) -> None:
+    """Re-account a ledger with every applicable method and write the privacy report."""
+    from dpfy.ledger import Ledger
+    from dpfy.report import build_report, write_report
+
+    if not ledger_path.is_file():
+        raise UsageProblem(f"ledger_path must be an existing ledger file, got {str(ledger_path)!r}")
+    if method is MethodName.all:
+        raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
+    ledger = Ledger.load(ledger_path)
+    meta = ledger.metadata
+    if delta is None:
+        if "delta" not in meta:
+            raise UsageProblem("the ledger records no delta: pass --delta")
+        delta = float(meta["delta"])
+    rep = build_report(
+        ledger,
+        delta=delta,
+        method=method.value,
+        utility=meta.get("utility"),
+        ledger_path=str(ledger_path),
+    )
+    out_dir = out if out is not None else ledger_path.parent
+    rep = write_report(
+        rep,
+        ledger,
+        out_dir,
+        figures=figures,
+        target_epsilon=meta.get("target_epsilon"),
+        accuracy_by_step=[tuple(x) for x in meta.get("accuracy_by_step", [])] or None,
+    )
+    if as_json:
+        print(rep.to_json())
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(f"[bold]{rep.formal_statement}[/bold]")
+    for name, res in rep.other_methods.items():
+        cell = res if isinstance(res, str) else f"epsilon = {_num(res['epsilon'])}"
+        if isinstance(res, dict) and res.get("epsilon_lower") is not None:
+            cell += f" (lower bound {res['epsilon_lower']:.4g})"
+        console.print(f"  {name}: {cell}")
+    console.print(f"report: {out_dir / 'report.md'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point: one-line errors, exit code 2
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``dpfy`` command; returns the exit code (bad input: 2, one line, no traceback)."""
+    command = typer.main.get_command(app)
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args:
+        args = ["--help"]
+    try:
+        result = command.main(args=args, prog_name="dpfy", standalone_mode=False)
+    except _UsageError as exc:
+        print(f"dpfy: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return 2
+    except _ClickException as exc:
+        print(f"dpfy: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        return int(getattr(exc, "exit_code", 1))
+    except (UsageProblem, ValueError, FileNotFoundError) as exc:
+        print(f"dpfy: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        return 2
+    except (typer.Exit, typer.Abort) as exc:
+        return int(getattr(exc, "exit_code", 130))
+    except Exception as exc:  # noqa: BLE001 - click's Exit/Abort from either click copy
+        if type(exc).__name__ == "Exit":
+            return int(getattr(exc, "exit_code", 0))
+        if type(exc).__name__ == "Abort":
+            print("dpfy: aborted", file=sys.stderr)
+            return 130
+        raise
+    return int(result) if isinstance(result, int) else 0
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
