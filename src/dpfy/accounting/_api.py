@@ -211,7 +211,8 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
                 base, epsilon=eps, notes=(*base.notes, _truncation_note(probability))
             )
         )
-    return min(results, key=lambda r: (r.epsilon, not r.provable))
+    # Ties go to the provable result, then to the one that also states a lower bound.
+    return min(results, key=lambda r: (r.epsilon, not r.provable, r.epsilon_lower is None))
 
 
 def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") -> PrivacyResult:
