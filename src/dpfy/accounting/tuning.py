@@ -33,6 +33,7 @@ ICLR 2022 (arXiv 2110.03620): Theorem 2 (truncated negative binomial, including 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,7 @@ def truncated_negative_binomial_mean(gamma: float, shape: float) -> float:
     return shape * one_minus_g / (gamma * -math.expm1(shape * log_g))
 
 
+@functools.lru_cache(maxsize=256)
 def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
     """The ``gamma`` whose truncated negative binomial has the given ``mean`` (>= 1).
 

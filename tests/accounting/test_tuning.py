@@ -1,0 +1,150 @@
+"""Tuning accounting: Papernot & Steinke against dp_accounting 0.6.0, and the Table 4 options."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event as D
+from dp_accounting.rdp import rdp_privacy_accountant as R
+
+from dpfy import accounting
+from dpfy import events as ev
+from dpfy.accounting import tuning
+from dpfy.randomness import Randomness
+
+INTEGER_ORDERS = [float(a) for a in range(2, 65)] + [80.0, 128.0, 256.0]
+SHAPES = [math.inf, 0.0, 0.5, 1.0, 2.5]
+
+
+def _run(q: float, z: float, steps: int) -> ev.Event:
+    return ev.SelfComposed(ev.PoissonSampled(q, ev.Gaussian(z)), steps)
+
+
+def _oracle_run(q: float, z: float, steps: int) -> D.DpEvent:
+    return D.SelfComposedDpEvent(D.PoissonSampledDpEvent(q, D.GaussianDpEvent(z)), steps)
+
+
+@pytest.mark.parametrize("q,z,steps", [(0.01, 1.0, 1000), (0.004, 0.7, 5000), (0.2, 4.0, 50)])
+def test_repeat_and_select_matches_dp_accounting(q, z, steps):
+    # Integer orders: the inner Poisson-Gaussian RDP is exact in both libraries (DESIGN 3.1), so
+    # any difference comes from the repeat-and-select transform or the conversion.
+    acc = tuning.RdpTuningAccountant(INTEGER_ORDERS)
+    for mean in (1.0, 3.7, 100.0):
+        for shape in SHAPES:
+            event = ev.RepeatAndSelect(_run(q, z, steps), mean, shape)
+            oracle = R.RdpAccountant(INTEGER_ORDERS)
+            oracle.compose(D.RepeatAndSelectDpEvent(_oracle_run(q, z, steps), mean, shape))
+            np.testing.assert_allclose(acc.rdp(event), np.asarray(oracle._rdp), rtol=1e-6)
+            for delta in (1e-5, 1e-8):
+                ours = acc.epsilon(event, delta).epsilon
+                assert ours == pytest.approx(oracle.get_epsilon(delta), rel=1e-6), (mean, shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_transform_matches_dp_accounting_on_default_orders(shape):
+    # Same single-run curve, dp_accounting's own default (fractional) orders.
+    orders = np.asarray(R.DEFAULT_RDP_ORDERS, dtype=float)
+    curve = 300 * R._compute_rdp_poisson_subsampled_gaussian(0.02, 1.1, orders)
+    for mean in (1.0, 2.0, 50.0):
+        ours = tuning.rdp_repeat_and_select(orders, curve, mean, shape)
+        theirs = np.asarray(R._compute_rdp_repeat_and_select(orders, curve, mean, shape))
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+
+
+def test_gaussian_inner_event_and_composition_with_final_run():
+    orders = INTEGER_ORDERS
+    acc = tuning.RdpTuningAccountant(orders)
+    final = _run(0.01, 1.2, 800)
+    event = tuning.with_tuning(final, tuning.random_trials(ev.Gaussian(3.0), 10.0, 1.0))
+    oracle = R.RdpAccountant(orders)
+    oracle.compose(D.RepeatAndSelectDpEvent(D.GaussianDpEvent(3.0), 10.0, 1.0))
+    oracle.compose(_oracle_run(0.01, 1.2, 800))
+    assert acc.epsilon(event, 1e-6).epsilon == pytest.approx(oracle.get_epsilon(1e-6), rel=1e-6)
+
+
+def test_registered_and_reports_rdp_method():
+    event = tuning.random_trials(_run(0.01, 1.0, 1000), 10.0)
+    assert "rdp_tuning" in accounting.accountants()
+    res = accounting.epsilon(event, 1e-5)
+    assert res.method == "rdp"
+    assert res.epsilon > accounting.epsilon(_run(0.01, 1.0, 1000), 1e-5, method="rdp").epsilon
+    # Not a candidate for trees without RepeatAndSelect: the rdp accountant handles those.
+    reason = accounting.compare(_run(0.01, 1.0, 10), 1e-5)["rdp_tuning"]
+    assert isinstance(reason, str) and "RepeatAndSelect" in reason
+
+
+def test_unsupported_inner_events_are_named():
+    acc = tuning.RdpTuningAccountant()
+    bad = ev.RepeatAndSelect(ev.Shuffled(1.0, 10, 2), 5.0)
+    assert "Shuffled" in acc.unsupported(bad)
+    with pytest.raises(accounting.UnsupportedEventError, match="Shuffled"):
+        accounting.epsilon(bad, 1e-5, method="rdp_tuning")
+    assert "mean >= 1" in acc.unsupported(ev.RepeatAndSelect(ev.Gaussian(1.0), 0.5))
+    mixed = ev.Composed(
+        (
+            ev.RepeatAndSelect(ev.Gaussian(2.0), 3.0),
+            ev.FixedSizeSampled(10, 100, ev.Gaussian(1.0)),
+        )
+    )
+    assert "adjacency" in acc.unsupported(mixed)
+
+
+def test_monotone_in_mean_and_one_trial_costs_at_least_one_run():
+    run = _run(0.01, 1.0, 1000)
+    base = accounting.epsilon(run, 1e-5, method="rdp").epsilon
+    for shape in SHAPES:
+        eps = [accounting.epsilon(ev.RepeatAndSelect(run, m, shape), 1e-5).epsilon
+               for m in (1.0, 2.0, 10.0, 100.0)]
+        assert all(np.diff(eps) >= -1e-12), (shape, eps)
+        assert eps[0] >= base - 1e-9
+
+
+def test_tnb_gamma_inverts_mean_on_the_safe_side():
+    for shape in (0.0, 0.3, 1.0, 4.0):
+        for mean in (1.0, 1.001, 7.0, 1e3, 1e6):
+            g = tuning.truncated_negative_binomial_gamma(shape, mean)
+            m = tuning.truncated_negative_binomial_mean(g, shape)
+            assert m >= mean * (1 - 1e-12)
+            assert m == pytest.approx(mean, rel=1e-9)
+    with pytest.raises(ValueError, match="mean must be in"):
+        tuning.truncated_negative_binomial_gamma(1.0, 0.5)
+
+
+@pytest.mark.parametrize("mean,shape", [(5.0, math.inf), (5.0, 1.0), (5.0, 0.0), (8.0, 2.0)])
+def test_draw_number_of_trials_has_the_stated_mean(mean, shape):
+    rnd = Randomness(seed=3)
+    draws = np.array([tuning.draw_number_of_trials(mean, shape, rnd) for _ in range(2000)])
+    if not math.isinf(shape):
+        assert draws.min() >= 1
+    # Logarithmic has a heavy tail; 6 standard errors is a loose but failing-capable check.
+    assert abs(draws.mean() - mean) < 6 * draws.std() / math.sqrt(draws.size)
+
+
+def test_table4_options_order_and_json():
+    run = _run(5000 / 1_000_000, 1.0, 200)  # guide Appendix C flavour, smaller for speed
+    rows = tuning.compare_tuning(run, 20, 1e-6)
+    by = {r.name: r for r in rows}
+    final_only = by["final run only"].epsilon
+    simple = by["simple composition"].epsilon
+    rdp_all = by["RDP composition of all runs"].epsilon
+    assert final_only < rdp_all < simple
+    assert by["simple composition"].epsilon == pytest.approx(
+        20 * accounting.epsilon(run, 1e-6 / 20).epsilon, rel=1e-9
+    )
+    ps = [r for r in rows if r.name.startswith("random number of trials")]
+    assert len(ps) == 3 and all(final_only < r.epsilon for r in ps)
+    assert all(r.covers == "final run plus tuning" for r in rows[1:])
+    json.dumps([r.to_dict() for r in rows])
+    # A retraining after tuning adds the final run's cost.
+    with_final = tuning.compare_tuning(run, 20, 1e-6, final=run)
+    assert with_final[-1].epsilon > rows[-1].epsilon
+
+
+def test_sequential_composition_validates():
+    with pytest.raises(ValueError):
+        tuning.sequential_composition([], 1e-5)
+    with pytest.raises(ValueError, match="delta must be in"):
+        tuning.sequential_composition([ev.Gaussian(1.0)], 0.0)
