@@ -1,0 +1,912 @@
+"""Monte Carlo accounting of Balls-and-Bins sampling (Chua et al. 2025; DESIGN 4.2).
+
+One epoch of T steps of Balls-and-Bins DP-SGD with noise multiplier z is tightly dominated by
+    P = (1/T) sum_t N(e_t, z^2 I_T),   Q = N(0, z^2 I_T)                 (Chua et al., Thm. 3.1)
+with privacy loss L(x) = log P(x)/Q(x) = logsumexp_t((2 x_t - 1) / (2 z^2)) - log T. Several
+epochs (or any composition of Balls-and-Bins epochs and plain Gaussians, a Gaussian being the
+T = 1 case) compose as products, so L adds over epochs. For add/remove (and zero-out) adjacency
+    delta(eps) = max( E_P[(1 - e^(eps - L))_+],  E_Q[(1 - e^(eps + L))_+] ),
+the "remove" and "add" directions. Both are means of [0, 1]-valued variables, estimated here by
+Monte Carlo with an upper confidence bound from the Chernoff-Hoeffding (Bernoulli-KL) inequality
+(Chua et al., Alg. 4, Thm. 4.1): with probability >= 1 - error_probability the true delta is at
+most the reported bound. The reported epsilon at a target delta is the smallest epsilon whose
+delta bound is <= delta; it is >= the true epsilon with the same probability (the bound is
+monotone in epsilon). The direction taking the maximum is fixed (if unknown), so each direction
+uses the full error probability.
+
+Samplers of the privacy loss (``method``):
+  * ``plain``: exact draws; both directions share the Gaussian draws (x_1 is shifted for P).
+  * ``importance`` (Chua et al., Alg. 5, App. B.1; one epoch only): sample only the event E
+    outside which the integrand is 0 and multiply by its exact probability. Remove direction:
+    E = {max_t y_t >= z eps0 - 1/(2z)} with y = (x - e_1)/z, drawn by placing the conditional
+    maximum first (Alg. 10). Add direction: E = {max_t x_t / z <= (1/2 + z^2 (log T - eps0)) / z},
+    i.i.d. truncated normals. Gains a factor 1 / P(E): large for small T or large epsilon.
+  * ``order_statistics`` (Chua et al., Alg. 6, Eqs. 4-5): draw only the order statistics
+    k_1 = 1 < k_2 < ... < k_m of the T - 1 unshifted coordinates (as Beta / exponential
+    spacings pushed through the inverse normal CDF) and bound the sum of exp(x_t / z^2) above
+    (remove) or below (add) blockwise. Every loss sample is >= the exact one in its direction, so
+    the estimate and bound are pessimistic by construction; cost O(m) instead of O(T).
+  * ``auto``: importance sampling for one epoch when P(E) < 1/4 in both directions, order
+    statistics when T > 20,000, plain otherwise.
+
+The cheap lower bound (Chua et al., Eq. 6, extended to several epochs): post-process each epoch
+to the bit 1{max_t x_t > c}; the epochs' bits are binomial under both hypotheses, so their
+hockey-stick divergence is exact and maximised over c. It is a certain lower bound on delta,
+hence on epsilon.
+
+Computation is vectorised and chunked (at most ``chunk_elements`` Gaussians in memory per job),
+reproducible from ``seed`` (per-job ``numpy.random.SeedSequence`` children, so results do not
+depend on the executor), shows a rich progress bar when it runs longer than ~2 s, and spreads
+jobs over any ``concurrent.futures.Executor`` (e.g. ``ProcessPoolExecutor``; Dask and Ray
+provide Executor-compatible clients).
+
+Registered accountant: ``monte_carlo`` (in ``auto``: it is the only accountant for
+``BallsAndBins``; its defaults keep ``epsilon(BallsAndBins(...), 1e-5)`` to a few seconds, at
+the price of a looser upper bound -- pass a :class:`MonteCarloAccountant` with more ``samples``
+for a tighter one). Results have ``provable=False`` and state ``error_probability``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Any, Literal
+
+import numpy as np
+from scipy import special
+
+from dpfy import events as ev
+from dpfy.accounting._api import PrivacyResult, register_accountant
+
+__all__ = [
+    "Epoch",
+    "MonteCarloEstimate",
+    "MonteCarloAccountant",
+    "epochs_of_event",
+    "kl_upper_bound",
+    "lower_bound_delta",
+    "lower_bound_epsilon",
+    "monte_carlo_delta",
+    "monte_carlo_epsilon",
+    "balls_and_bins_delta",
+    "balls_and_bins_epsilon",
+    "default_orders",
+]
+
+Method = Literal["auto", "plain", "importance", "order_statistics"]
+_METHODS = ("auto", "plain", "importance", "order_statistics")
+_DIRECTIONS = ("remove", "add")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Epoch:
+    """One Balls-and-Bins epoch: ``steps`` steps with noise multiplier ``noise_multiplier``.
+
+    ``steps = 1`` is a plain Gaussian mechanism with sensitivity 1.
+    """
+
+    noise_multiplier: float
+    steps: int
+
+    def __post_init__(self) -> None:
+        ev.check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        ev.check_range("steps", self.steps, 1, None, integer=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Events -> epochs
+# ---------------------------------------------------------------------------------------------
+
+
+def _unsupported(event: ev.Event) -> str | None:
+    if isinstance(event, ev.BallsAndBins | ev.TruncatedBallsAndBins):
+        if event.adjacency == ev.Adjacency.REPLACE_ONE.value:
+            return f"{type(event).__name__} with replace_one adjacency"
+        return None
+    if isinstance(event, ev.Gaussian):
+        return None
+    if isinstance(event, ev.SelfComposed):
+        return _unsupported(event.event)
+    if isinstance(event, ev.Composed):
+        for e in event.events:
+            reason = _unsupported(e)
+            if reason is not None:
+                return reason
+        return None
+    return f"{type(event).__name__} is not a Balls-and-Bins epoch or a Gaussian"
+
+
+def epochs_of_event(event: ev.Event) -> list[Epoch]:
+    """The epochs of a supported event tree (``TruncatedBallsAndBins`` counts as untruncated).
+
+    Raises:
+      ValueError: for an unsupported sub-event (named in the message).
+    """
+    reason = _unsupported(event)
+    if reason is not None:
+        raise ValueError(f"monte_carlo cannot account this event: {reason}")
+    return _epochs(event)
+
+
+def _epochs(event: ev.Event) -> list[Epoch]:
+    if isinstance(event, ev.BallsAndBins | ev.TruncatedBallsAndBins):
+        return [Epoch(event.noise_multiplier, event.steps_per_epoch)] * event.epochs
+    if isinstance(event, ev.Gaussian):
+        return [Epoch(event.noise_multiplier, 1)]
+    if isinstance(event, ev.SelfComposed):
+        return _epochs(event.event) * event.count
+    out: list[Epoch] = []
+    for e in event.events:  # Composed
+        out.extend(_epochs(e))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Confidence bound
+# ---------------------------------------------------------------------------------------------
+
+
+def _bernoulli_kl(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 0.0, 1.0)
+    q = np.clip(q, 1e-300, 1.0 - 1e-16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(p > 0, p * (np.log(p) - np.log(q)), 0.0)
+        b = np.where(p < 1, (1 - p) * (np.log1p(-p) - np.log1p(-q)), 0.0)
+    return a + b
+
+
+def kl_upper_bound(mean: float | np.ndarray, n: int, error_probability: float) -> np.ndarray:
+    """Upper confidence bound on the mean of i.i.d. [0, 1]-valued variables.
+
+    The largest q >= mean with ``n * kl(mean || q) <= log(1 / error_probability)``
+    (Chernoff-Hoeffding; Hoeffding 1963, Thm. 1): the true mean exceeds it with probability at
+    most ``error_probability``. Vectorised over ``mean``.
+    """
+    ev.check_range("n", n, 1, None, integer=True)
+    ev.check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
+    m = np.clip(np.asarray(mean, dtype=float), 0.0, 1.0)
+    target = math.log(1.0 / error_probability) / n
+    lo, hi = m.copy(), np.ones_like(m)
+    for _ in range(100):  # bisection to ~1e-30 relative; kl(m||q) increases in q >= m
+        mid = 0.5 * (lo + hi)
+        ok = _bernoulli_kl(m, mid) <= target
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid)
+    return hi
+
+
+# ---------------------------------------------------------------------------------------------
+# Cheap lower bound (Chua et al. 2025, Eq. 6; several epochs via binomial composition)
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_cdf(x):
+    return special.log_ndtr(x)
+
+
+def _max_bits(z: float, steps: int, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(P(max x > c), Q(max x > c)) for one epoch, vectorised over thresholds c."""
+    log_q0 = steps * _log_cdf(c / z)  # log Q(max <= c)
+    log_p0 = _log_cdf((c - 1.0) / z) + (steps - 1) * _log_cdf(c / z)
+    return -np.expm1(log_p0), -np.expm1(log_q0)
+
+
+def _binomial_hockey(p1: np.ndarray, p0: np.ndarray, k: int, epsilon: float) -> np.ndarray:
+    """max over both directions of H_eps(Bin(k, p1) || Bin(k, p0)), vectorised over arrays."""
+    from scipy import stats
+
+    j = np.arange(k + 1)[:, None]
+    a = stats.binom.pmf(j, k, p1[None, :])
+    b = stats.binom.pmf(j, k, p0[None, :])
+    e = math.exp(min(epsilon, 700.0))
+    d1 = np.maximum(a - e * b, 0.0).sum(axis=0)
+    d2 = np.maximum(b - e * a, 0.0).sum(axis=0)
+    return np.maximum(d1, d2)
+
+
+def lower_bound_delta(epochs: Sequence[Epoch], epsilon: float, *, grid: int = 513) -> float:
+    """A certain lower bound on the Balls-and-Bins delta(epsilon) (both directions).
+
+    Each epoch is post-processed to the bit 1{max_t x_t > c}; groups of identical epochs give
+    binomial counts, whose hockey-stick divergence is exact. Different groups use thresholds
+    c = z * s + 1/2 with one shared s, and are composed by pairing their count distributions.
+    The best s on a grid (refined once) is returned; any s gives a valid lower bound.
+    """
+    ev.check_range("epsilon", epsilon, 0.0, None)
+    groups = _group(epochs)
+    z_max = max(e.noise_multiplier for e, _ in groups)
+    t_max = max(e.steps for e, _ in groups)
+    s_hi = max(10.0, z_max * epsilon + 8.0, math.sqrt(2.0 * math.log(t_max)) + 8.0)
+    s = np.linspace(-6.0, s_hi, grid)
+    best = _lower_delta_on(groups, epsilon, s)
+    i = int(np.argmax(best))
+    fine = np.linspace(s[max(i - 1, 0)], s[min(i + 1, grid - 1)], 129)
+    return float(max(best.max(), _lower_delta_on(groups, epsilon, fine).max()))
+
+
+def _group(epochs: Sequence[Epoch]) -> list[tuple[Epoch, int]]:
+    counts: dict[Epoch, int] = {}
+    for e in epochs:
+        counts[e] = counts.get(e, 0) + 1
+    return list(counts.items())
+
+
+def _lower_delta_on(groups, epsilon: float, s: np.ndarray) -> np.ndarray:
+    if len(groups) == 1:
+        (e, k), = groups
+        p1, p0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
+        return _binomial_hockey(p1, p0, k, epsilon)
+    # Several groups: the joint count distribution is a convolution of binomials (exact).
+    from scipy import stats
+
+    dist_p = np.ones((1, len(s)))
+    dist_q = np.ones((1, len(s)))
+    for e, k in groups:
+        p1, p0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
+        j = np.arange(k + 1)[:, None]
+        a = stats.binom.pmf(j, k, p1[None, :])
+        b = stats.binom.pmf(j, k, p0[None, :])
+        dist_p = _convolve_columns(dist_p, a)
+        dist_q = _convolve_columns(dist_q, b)
+    e_eps = math.exp(min(epsilon, 700.0))
+    d1 = np.maximum(dist_p - e_eps * dist_q, 0.0).sum(axis=0)
+    d2 = np.maximum(dist_q - e_eps * dist_p, 0.0).sum(axis=0)
+    return np.maximum(d1, d2)
+
+
+def _convolve_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.zeros((a.shape[0] + b.shape[0] - 1, a.shape[1]))
+    for i in range(b.shape[0]):
+        out[i : i + a.shape[0]] += a * b[i]
+    return out
+
+
+def lower_bound_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
+    """Largest epsilon certainly spent at ``delta``: the root of ``lower_bound_delta = delta``."""
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if lower_bound_delta(epochs, 0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while lower_bound_delta(epochs, hi) > delta:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e4:
+            return math.inf
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        if lower_bound_delta(epochs, mid) > delta:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-6 * max(1.0, hi):
+            break
+    return lo
+
+
+# ---------------------------------------------------------------------------------------------
+# Privacy-loss samplers (pure functions of a numpy Generator)
+# ---------------------------------------------------------------------------------------------
+
+
+def default_orders(n: int, *, dense: int = 256, ratio: float = 1.005) -> np.ndarray:
+    """Order-statistic indices 1 = k_1 < ... < k_m = n: dense at the top, then geometric."""
+    ev.check_range("n", n, 1, None, integer=True)
+    if n <= dense:
+        return np.arange(1, n + 1)
+    ks = list(range(1, dense + 1))
+    k = float(dense)
+    while True:
+        k = max(k * ratio, k + 1)
+        if k >= n:
+            break
+        ks.append(int(k))
+    ks.append(n)
+    return np.unique(np.asarray(ks, dtype=np.int64))
+
+
+def _log_sum_exp_rows(a: np.ndarray) -> np.ndarray:
+    m = a.max(axis=1)
+    return m + np.log(np.exp(a - m[:, None]).sum(axis=1))
+
+
+def _plain_losses(z: float, steps: int, n: int, rng: np.random.Generator, chunk: int):
+    """Exact (remove, add) loss samples of one epoch sharing Gaussian draws."""
+    rem = np.empty(n)
+    add = np.empty(n)
+    rows = max(1, chunk // steps)
+    inv_z = 1.0 / z
+    c = 0.5 * inv_z * inv_z
+    log_t = math.log(steps)
+    fast = z >= 0.15  # exp(g / z) cannot overflow float32 for |g| < 13
+    for start in range(0, n, rows):
+        m = min(rows, n - start)
+        g = rng.standard_normal((m, steps), dtype=np.float32 if fast else np.float64)
+        g1 = g[:, 0].astype(np.float64) * inv_z
+        if steps == 1:
+            rest_log = np.full(m, -np.inf)
+        elif fast:
+            g_rest = g[:, 1:]
+            g_rest *= np.float32(inv_z)
+            np.exp(g_rest, out=g_rest)
+            rest_log = np.log(g_rest.sum(axis=1, dtype=np.float64))
+        else:
+            rest_log = _log_sum_exp_rows(g[:, 1:] * inv_z)
+        # remove: x ~ P (coordinate 1 shifted by 1): log sum = logaddexp(g1/z + 1/z^2, rest)
+        rem[start : start + m] = np.logaddexp(g1 + 2 * c, rest_log) - c - log_t
+        # add: x ~ Q: L_QP(x) = -(logsumexp(x / z^2 - 1/(2 z^2)) - log T)
+        add[start : start + m] = -(np.logaddexp(g1, rest_log) - c - log_t)
+    return rem, add
+
+
+def _truncated_normals_below(bound: np.ndarray, shape, rng, dtype=np.float64) -> np.ndarray:
+    """i.i.d. N(0,1) conditioned on <= bound (per row), via draw-and-fix-up.
+
+    A draw above the bound is replaced by an exact conditional draw Phi^-1(u Phi(bound)); the
+    mixture is exactly the conditional law.
+    """
+    g = rng.standard_normal(shape, dtype=dtype)
+    b = np.broadcast_to(bound.reshape(-1, *([1] * (len(shape) - 1))), shape)
+    bad = g > b
+    if bad.any():
+        bb = b[bad].astype(np.float64)
+        u = rng.random(bb.shape)
+        g[bad] = special.ndtri(u * special.ndtr(bb)).astype(dtype)
+    return g
+
+
+def _importance_remove(z, steps, n, eps0, rng, chunk):
+    """Remove-direction losses on E = {max y >= b}, and log P(E) (Chua et al., Alg. 10)."""
+    b = z * eps0 - 0.5 / z
+    log_cdf_b = float(_log_cdf(b))
+    p_e = -math.expm1(steps * log_cdf_b)  # P(max of T std normals >= b)
+    out = np.empty(n)
+    rows = max(1, chunk // steps)
+    inv_z = 1.0 / z
+    c = 0.5 * inv_z * inv_z
+    log_t = math.log(steps)
+    for start in range(0, n, rows):
+        m = min(rows, n - start)
+        # Conditional maximum: P(M >= x) = 1 - Phi(x)^T; draw its survival u * P(M >= b).
+        u = rng.random(m)
+        log_cdf_m = np.log1p(-u * p_e) / steps  # log Phi(M)
+        mx = -special.ndtri(-np.expm1(log_cdf_m))  # M = Phi^-1(exp(.)) via the upper tail
+        others = _truncated_normals_below(mx, (m, steps - 1), rng)
+        pos = rng.integers(0, steps, m)  # position of the maximum among the T coordinates
+        y = np.empty((m, steps))
+        y[:, 1:] = others
+        y[:, 0] = mx
+        swap = pos > 0
+        rows_idx = np.flatnonzero(swap)
+        y[rows_idx, 0] = others[rows_idx, pos[rows_idx] - 1]
+        y[rows_idx, pos[rows_idx]] = mx[rows_idx]
+        a = y * inv_z
+        a[:, 0] += 2 * c  # x_1 = z y_1 + 1
+        out[start : start + m] = _log_sum_exp_rows(a) - c - log_t
+    return out, p_e
+
+
+def _importance_add(z, steps, n, eps0, rng, chunk):
+    """Add-direction losses on E = {all x_t / z <= b}, and P(E) (Chua et al., App. B.1)."""
+    b = (0.5 + z * z * (math.log(steps) - eps0)) / z
+    p_e = math.exp(steps * float(_log_cdf(b)))
+    out = np.empty(n)
+    rows = max(1, chunk // steps)
+    inv_z = 1.0 / z
+    c = 0.5 * inv_z * inv_z
+    log_t = math.log(steps)
+    for start in range(0, n, rows):
+        m = min(rows, n - start)
+        g = _truncated_normals_below(np.full(m, b), (m, steps), rng)
+        out[start : start + m] = -(_log_sum_exp_rows(g * inv_z) - c - log_t)
+    return out, p_e
+
+
+def _order_statistic_losses(z, steps, n, rng, chunk, orders):
+    """Pessimistic (remove, add) losses from order statistics of the T - 1 unshifted coordinates.
+
+    With g_(1) >= g_(2) >= ... the k-th largest of T - 1 standard normals, and blocks
+    [k_i, k_{i+1}) of the orders: sum_t e^{g_t/z} <= sum_i (k_{i+1} - k_i) e^{g_(k_i)/z} (upper,
+    k_1 = 1) and >= sum_i (k_i - k_{i-1}) e^{g_(k_i)/z} (lower, k_0 = 0, k_m = T - 1).
+    """
+    rem = np.empty(n)
+    add = np.empty(n)
+    inv_z = 1.0 / z
+    c = 0.5 * inv_z * inv_z
+    log_t = math.log(steps)
+    n_rest = steps - 1
+    k = np.asarray(orders, dtype=np.int64)
+    gaps = np.diff(np.concatenate(([0], k)))  # k_i - k_{i-1}
+    upper_w = np.log(np.diff(np.concatenate((k, [n_rest + 1]))).astype(float))  # k_{i+1} - k_i
+    lower_w = np.log(gaps.astype(float))
+    tail = n_rest + 1 - k[-1]
+    rows = max(1, chunk // (len(k) + 1))
+    for start in range(0, n, rows):
+        m = min(rows, n - start)
+        # Exponential spacings: the ascending uniforms U_(k) = G_k / G_{n+1}, G Gamma sums.
+        inc = rng.standard_gamma(np.broadcast_to(gaps.astype(float), (m, len(k))))
+        cum = np.cumsum(inc, axis=1)
+        total = cum[:, -1] + rng.standard_gamma(float(tail), m)
+        w = cum / total[:, None]  # ascending uniforms = upper-tail probabilities of the maxima
+        a = -special.ndtri(w) * inv_z  # k-th largest normal, divided by z
+        g1 = rng.standard_normal(m) * inv_z
+        up = _log_sum_exp_rows(a + upper_w)
+        low = _log_sum_exp_rows(a + lower_w)
+        rem[start : start + m] = np.logaddexp(g1 + 2 * c, up) - c - log_t
+        add[start : start + m] = -(np.logaddexp(g1, low) - c - log_t)
+    return rem, add
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs (top-level so a process pool can run them)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    epochs: tuple[Epoch, ...]
+    n: int
+    seed: Any  # SeedSequence
+    mode: str  # "plain" | "importance" | "order_statistics"
+    threshold: float  # keep losses > threshold (the integrand is 0 below for eps >= threshold)
+    chunk: int
+    orders: tuple[np.ndarray, ...] | None = None
+
+
+def _run_job(job: _Job) -> dict[str, Any]:
+    rng = np.random.default_rng(job.seed)
+    if job.mode == "importance":
+        (ep,) = job.epochs
+        rem, p_rem = _importance_remove(
+            ep.noise_multiplier, ep.steps, job.n, job.threshold, rng, job.chunk
+        )
+        add, p_add = _importance_add(
+            ep.noise_multiplier, ep.steps, job.n, job.threshold, rng, job.chunk
+        )
+        weights = {"remove": p_rem, "add": p_add}
+    else:
+        rem = np.zeros(job.n)
+        add = np.zeros(job.n)
+        for i, ep in enumerate(job.epochs):
+            if job.mode == "order_statistics" and ep.steps > 2:
+                assert job.orders is not None
+                r, a = _order_statistic_losses(
+                    ep.noise_multiplier, ep.steps, job.n, rng, job.chunk, job.orders[i]
+                )
+            else:
+                r, a = _plain_losses(ep.noise_multiplier, ep.steps, job.n, rng, job.chunk)
+            rem += r
+            add += a
+        weights = {"remove": 1.0, "add": 1.0}
+    return {
+        "n": job.n,
+        "remove": np.sort(rem[rem > job.threshold]),
+        "add": np.sort(add[add > job.threshold]),
+        "weights": weights,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimates
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MonteCarloEstimate:
+    """A Monte Carlo (epsilon, delta) statement.
+
+    Attributes:
+      epsilon, delta: for ``monte_carlo_delta`` epsilon is the input and ``delta_*`` the output;
+        for ``monte_carlo_epsilon`` delta is the input and ``epsilon_*`` the output.
+      epsilon_upper / delta_upper: the bound holding with prob. >= 1 - error_probability.
+      epsilon_estimate / delta_estimate: the point estimate (Monte Carlo mean).
+      epsilon_lower / delta_lower: the certain (analytic) lower bound.
+      direction: the adjacency direction attaining the maximum ("remove" or "add").
+      samples, method, error_probability, seconds: how it was computed.
+    """
+
+    epsilon_upper: float
+    epsilon_estimate: float
+    epsilon_lower: float
+    delta_upper: float
+    delta_estimate: float
+    delta_lower: float
+    direction: str
+    samples: int
+    method: str
+    error_probability: float
+    seconds: float
+
+
+class _Losses:
+    """Kept loss samples of both directions, with their counts and importance weights."""
+
+    def __init__(self, results: list[dict[str, Any]], threshold: float) -> None:
+        self.n = sum(r["n"] for r in results)
+        self.threshold = threshold
+        self.values = {d: np.sort(np.concatenate([r[d] for r in results])) for d in _DIRECTIONS}
+        self.weights = {d: float(results[0]["weights"][d]) for d in _DIRECTIONS}
+
+    def mean(self, direction: str, epsilon: float) -> float:
+        v = self.values[direction]
+        v = v[v > epsilon]
+        return float(np.sum(-np.expm1(epsilon - v)) / self.n)
+
+    def delta(self, epsilon: float, error_probability: float) -> tuple[float, float, str]:
+        """(estimate, upper bound, direction of the upper bound) of delta at epsilon."""
+        best = (-1.0, -1.0, "remove")
+        est_max = 0.0
+        for d in _DIRECTIONS:
+            m = self.mean(d, epsilon)
+            w = self.weights[d]
+            ub = w * float(kl_upper_bound(m, self.n, error_probability))
+            est_max = max(est_max, w * m)
+            if ub > best[1]:
+                best = (w * m, ub, d)
+        return est_max, best[1], best[2]
+
+
+def _smallest_epsilon(fn, delta: float, lo: float, hi: float) -> float:
+    """Smallest eps in [lo, hi] with fn(eps) <= delta for non-increasing fn; inf if none."""
+    if fn(lo) <= delta:
+        return lo
+    if fn(hi) > delta:
+        return math.inf
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if fn(mid) <= delta:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-7 * max(1.0, hi):
+            break
+    return hi
+
+
+def _choose_mode(epochs: Sequence[Epoch], method: str, threshold: float) -> str:
+    if method != "auto":
+        if method == "importance" and len(epochs) != 1:
+            raise ValueError(
+                "method='importance' applies to a single epoch (Chua et al., App. B.4), "
+                f"got {len(epochs)} epochs"
+            )
+        return method
+    if len(epochs) == 1:
+        ep = epochs[0]
+        z, t = ep.noise_multiplier, ep.steps
+        p_rem = -math.expm1(t * float(_log_cdf(z * threshold - 0.5 / z)))
+        p_add = math.exp(t * float(_log_cdf((0.5 + z * z * (math.log(t) - threshold)) / z)))
+        if max(p_rem, p_add) < 0.25:
+            return "importance"
+    if max(e.steps for e in epochs) > 20_000:
+        return "order_statistics"
+    return "plain"
+
+
+def default_samples(epochs: Sequence[Epoch], budget: float = 1.5e8) -> int:
+    """Default sample count: about ``budget`` Gaussian draws, between 2^14 and 2^22 samples."""
+    cost = sum(min(e.steps, 2_000) for e in epochs)
+    return int(min(2**22, max(2**14, budget // max(cost, 1))))
+
+
+def _sample_losses(
+    epochs: Sequence[Epoch],
+    *,
+    samples: int,
+    threshold: float,
+    method: str,
+    seed: int | None,
+    executor: Executor | None,
+    chunk_elements: int,
+    progress: bool,
+) -> tuple[_Losses, str]:
+    mode = _choose_mode(epochs, method, threshold)
+    orders = None
+    if mode == "order_statistics":
+        orders = tuple(default_orders(max(e.steps - 1, 1)) for e in epochs)
+    per_sample = sum(
+        (len(o) + 2) * 3 if mode == "order_statistics" else e.steps
+        for e, o in zip(epochs, orders or [np.zeros(0)] * len(epochs), strict=True)
+    )
+    job_samples = max(1, min(samples, (1 << 24) // max(per_sample, 1)))
+    n_jobs = math.ceil(samples / job_samples)
+    seeds = np.random.SeedSequence(seed).spawn(n_jobs)
+    jobs = [
+        _Job(
+            tuple(epochs),
+            min(job_samples, samples - i * job_samples),
+            seeds[i],
+            mode,
+            threshold,
+            chunk_elements,
+            orders,
+        )
+        for i in range(n_jobs)
+    ]
+    results = _execute(jobs, executor, progress)
+    return _Losses(results, threshold), mode
+
+
+def _execute(jobs: list[_Job], executor: Executor | None, progress: bool) -> list[dict]:
+    start = time.perf_counter()
+    bar = None
+    task = None
+    results: list[dict | None] = [None] * len(jobs)
+
+    def tick(done: int) -> None:
+        nonlocal bar, task
+        if not progress:
+            return
+        if bar is None and time.perf_counter() - start > 2.0 and done < len(jobs):
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TimeRemainingColumn
+
+            bar = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                "{task.completed}/{task.total} chunks",
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            bar.start()
+            task = bar.add_task("Monte Carlo accounting", total=len(jobs))
+        if bar is not None:
+            bar.update(task, completed=done)
+
+    try:
+        if executor is None:
+            for i, job in enumerate(jobs):
+                results[i] = _run_job(job)
+                tick(i + 1)
+        else:
+            from concurrent.futures import as_completed
+
+            futures = {executor.submit(_run_job, job): i for i, job in enumerate(jobs)}
+            for done, fut in enumerate(as_completed(futures), start=1):
+                results[futures[fut]] = fut.result()
+                tick(done)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return [r for r in results if r is not None]
+
+
+def _check_common(samples, error_probability, method) -> None:
+    ev.check_range("samples", samples, 1, None, integer=True)
+    ev.check_range(
+        "error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True
+    )
+    if method not in _METHODS:
+        allowed = ", ".join(_METHODS)
+        raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
+
+
+def monte_carlo_delta(
+    epochs: Sequence[Epoch],
+    epsilon: float,
+    *,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    method: Method = "auto",
+    seed: int | None = None,
+    executor: Executor | None = None,
+    chunk_elements: int = 1 << 22,
+    progress: bool = True,
+) -> MonteCarloEstimate:
+    """Monte Carlo delta(epsilon) of a composition of Balls-and-Bins epochs (both directions).
+
+    Args:
+      epochs: the epochs (see :func:`epochs_of_event`); a Gaussian is ``Epoch(z, 1)``.
+      epsilon: epsilon >= 0.
+      samples: Monte Carlo samples per direction (default :func:`default_samples`).
+      error_probability: probability that ``delta_upper`` is below the true delta.
+      method: ``auto``, ``plain``, ``importance`` or ``order_statistics`` (module docstring).
+      seed: seed of the sampler (None: fresh OS entropy).
+      executor: run chunks on this ``concurrent.futures.Executor`` (None: in this process).
+      chunk_elements: Gaussian draws held in memory at once per job.
+      progress: show a progress bar if the run exceeds ~2 s.
+    """
+    t0 = time.perf_counter()
+    epochs = list(epochs)
+    ev.check_range("epsilon", epsilon, 0.0, None)
+    samples = default_samples(epochs) if samples is None else samples
+    _check_common(samples, error_probability, method)
+    losses, mode = _sample_losses(
+        epochs,
+        samples=samples,
+        threshold=float(epsilon),
+        method=method,
+        seed=seed,
+        executor=executor,
+        chunk_elements=chunk_elements,
+        progress=progress,
+    )
+    est, ub, direction = losses.delta(float(epsilon), error_probability)
+    low = lower_bound_delta(epochs, float(epsilon))
+    return MonteCarloEstimate(
+        epsilon_upper=float(epsilon),
+        epsilon_estimate=float(epsilon),
+        epsilon_lower=float(epsilon),
+        delta_upper=min(1.0, ub),
+        delta_estimate=est,
+        delta_lower=low,
+        direction=direction,
+        samples=samples,
+        method=mode,
+        error_probability=error_probability,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def monte_carlo_epsilon(
+    epochs: Sequence[Epoch],
+    delta: float,
+    *,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    method: Method = "auto",
+    seed: int | None = None,
+    executor: Executor | None = None,
+    chunk_elements: int = 1 << 22,
+    progress: bool = True,
+) -> MonteCarloEstimate:
+    """Monte Carlo epsilon(delta): upper confidence bound, estimate and certain lower bound.
+
+    ``epsilon_upper`` is the smallest epsilon whose delta upper bound is <= ``delta``; it is at
+    least the true epsilon with probability >= 1 - ``error_probability``. ``inf`` means the
+    samples cannot certify ``delta`` at any epsilon (use more samples). Arguments as in
+    :func:`monte_carlo_delta`.
+    """
+    t0 = time.perf_counter()
+    epochs = list(epochs)
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    samples = default_samples(epochs) if samples is None else samples
+    _check_common(samples, error_probability, method)
+    eps_low = lower_bound_epsilon(epochs, delta)
+    # Losses below the threshold cannot contribute at any epsilon >= threshold. The estimate and
+    # the bound lie above the lower bound unless the sample is wildly off; half of it is margin.
+    threshold = 0.5 * eps_low if math.isfinite(eps_low) else 0.0
+    losses, mode = _sample_losses(
+        epochs,
+        samples=samples,
+        threshold=threshold,
+        method=method,
+        seed=seed,
+        executor=executor,
+        chunk_elements=chunk_elements,
+        progress=progress,
+    )
+    top = max([threshold + 1.0] + [float(v[-1]) for v in losses.values.values() if len(v)])
+    eps_up = _smallest_epsilon(
+        lambda e: losses.delta(e, error_probability)[1], delta, threshold, top
+    )
+    eps_est = _smallest_epsilon(
+        lambda e: losses.delta(e, error_probability)[0], delta, threshold, top
+    )
+    at = eps_up if math.isfinite(eps_up) else top
+    est_d, ub_d, direction = losses.delta(at, error_probability)
+    return MonteCarloEstimate(
+        epsilon_upper=eps_up,
+        epsilon_estimate=eps_est,
+        epsilon_lower=eps_low,
+        delta_upper=float(delta),
+        delta_estimate=float(delta),
+        delta_lower=float(delta),
+        direction=direction,
+        samples=samples,
+        method=mode,
+        error_probability=error_probability,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def balls_and_bins_epsilon(
+    noise_multiplier: float, steps_per_epoch: int, delta: float, *, epochs: int = 1, **options
+) -> MonteCarloEstimate:
+    """:func:`monte_carlo_epsilon` for ``epochs`` identical Balls-and-Bins epochs.
+
+    Example:
+      >>> r = balls_and_bins_epsilon(1.0, 1, 1e-5, samples=200_000, seed=0, progress=False)
+      >>> r.epsilon_lower <= r.epsilon_estimate <= r.epsilon_upper
+      True
+    """
+    return monte_carlo_epsilon(
+        [Epoch(noise_multiplier, steps_per_epoch)] * int(epochs), delta, **options
+    )
+
+
+def balls_and_bins_delta(
+    noise_multiplier: float, steps_per_epoch: int, epsilon: float, *, epochs: int = 1, **options
+) -> MonteCarloEstimate:
+    """:func:`monte_carlo_delta` for ``epochs`` identical Balls-and-Bins epochs."""
+    return monte_carlo_delta(
+        [Epoch(noise_multiplier, steps_per_epoch)] * int(epochs), epsilon, **options
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Accountant
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MonteCarloAccountant:
+    """The ``monte_carlo`` accountant: Balls-and-Bins epochs and Gaussians, by Monte Carlo.
+
+    Configure and pass as ``method=`` to :func:`dpfy.accounting.epsilon` for more samples, a
+    seed or an executor. Results: ``epsilon`` = upper confidence bound (``provable=False``),
+    ``epsilon_estimate``, ``epsilon_lower`` (certain), ``error_probability``.
+
+    Truncation (``TruncatedBallsAndBins``) is accounted as the untruncated mechanism here; the
+    extra delta of :mod:`dpfy.accounting.truncation` is added by the public ``epsilon()``.
+    """
+
+    samples: int | None = None
+    error_probability: float = 1e-3
+    seed: int | None = 0
+    method: Method = "auto"
+    executor: Executor | None = None
+    progress: bool = True
+    name: str = "monte_carlo"
+
+    def unsupported(self, event: ev.Event) -> str | None:
+        return _unsupported(event)
+
+    def _options(self) -> dict[str, Any]:
+        return {
+            "samples": self.samples,
+            "error_probability": self.error_probability,
+            "method": self.method,
+            "seed": self.seed,
+            "executor": self.executor,
+            "progress": self.progress,
+        }
+
+    def _notes(self, r: MonteCarloEstimate) -> tuple[str, ...]:
+        notes = [
+            f"Monte Carlo estimate ({r.method} sampling, {r.samples} samples per direction): "
+            f"epsilon is an upper confidence bound holding with probability "
+            f">= 1 - {r.error_probability:g}; not a provable guarantee",
+            f"dominating direction: {r.direction}",
+        ]
+        if r.method == "order_statistics":
+            notes.append("order-statistics sampling: pessimistic bound on the privacy loss")
+        if math.isinf(r.epsilon_upper):
+            notes.append("too few samples to certify this delta; increase samples")
+        return tuple(notes)
+
+    def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
+        r = monte_carlo_epsilon(epochs_of_event(event), delta, **self._options())
+        return PrivacyResult(
+            epsilon=r.epsilon_upper,
+            delta=float(delta),
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            provable=False,
+            epsilon_estimate=r.epsilon_estimate,
+            epsilon_lower=r.epsilon_lower,
+            error_probability=r.error_probability,
+            notes=self._notes(r),
+        )
+
+    def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
+        r = monte_carlo_delta(epochs_of_event(event), epsilon, **self._options())
+        return PrivacyResult(
+            epsilon=float(epsilon),
+            delta=r.delta_upper,
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            provable=False,
+            epsilon_estimate=None,
+            epsilon_lower=None,
+            error_probability=r.error_probability,
+            notes=(
+                *self._notes(r),
+                f"delta estimate {r.delta_estimate:.6g}; certain lower bound {r.delta_lower:.6g}",
+            ),
+        )
+
+
+register_accountant(MonteCarloAccountant(), auto=True)
