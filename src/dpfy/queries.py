@@ -809,6 +809,13 @@ class AdaptiveClipQuery:
         w = self.clip_weights(per_example_norms(flat), mask=mask)
         return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
+    def pending_centred_count(self) -> float:
+        """The exact centred count ``sum_i (1[norm_i <= C] - 1/2)`` accumulated this step.
+
+        Diagnostics and tests only: it is not private; ``add_noise`` releases it with noise.
+        """
+        return self._unclipped - 0.5 * self._count
+
     def add_noise(
         self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
     ) -> dict:
@@ -820,8 +827,7 @@ class AdaptiveClipQuery:
             sample_id, sensitivity=cs, noise_std=csd, name=f"{self.name}/unclipped_count"
         )
         noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness)
-        centred = self._unclipped - 0.5 * self._count
-        noisy_centred = centred + float(randomness.normal(1, csd)[0])
+        noisy_centred = self.pending_centred_count() + float(randomness.normal(1, csd)[0])
         fraction = noisy_centred / self.expected_batch_size + 0.5
         self.last_unclipped_fraction = fraction
         self.clip_norm *= math.exp(-self.learning_rate * (fraction - self.target_quantile))

@@ -1,0 +1,389 @@
+"""Queries: sensitivity on adversarial neighbours, noise std, McMahan's formulas, fast path.
+
+Statistical tests state their false-failure rate: each variance test is a two-sided chi-square
+test on the sample variance at level ALPHA = 1e-6 (seeded, so reproducible in CI anyway).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
+
+from dpfy import events as ev
+from dpfy.ledger import Ledger, SampleSpec, SumQueryRecord
+from dpfy.queries import (
+    AdaptiveClipQuery,
+    AverageQuery,
+    GaussianSumQuery,
+    Group,
+    JointClipQuery,
+    NestedQuery,
+    NoPrivacyQuery,
+    dimension_adjusted_noise,
+    expand_weights,
+    gaussian_average_query,
+    per_example_norms,
+    proportional_noise,
+    split_clip_norm,
+)
+from dpfy.randomness import Randomness
+
+ALPHA = 1e-6
+SHAPES = {"a": (3, 2), "b": (4,), "c": (5,)}
+GROUPS = {"g1": ("a", "b"), "g2": ("c",)}
+SCALES = {"g1": 1.0, "g2": 50.0}
+POISSON = SampleSpec("poisson", dataset_size=10_000, sampling_rate=0.01)
+
+
+def _queries():
+    """name -> (factory, whitening) where whitening maps a difference of sums to one vector per
+    ledger entry, in the units of that entry's sensitivity (the mechanism's own view)."""
+
+    def flat(d):
+        return [torch.cat([t.flatten() for t in d.values()])]
+
+    def by_group(d):
+        return [torch.cat([d[n].flatten() for n in GROUPS[g]]) for g in GROUPS]
+
+    def scaled(d):
+        return [torch.cat([d[n].flatten() / SCALES[g] for g in GROUPS for n in GROUPS[g]])]
+
+    return {
+        "sum": (lambda: GaussianSumQuery(0.7, 1.3), flat),
+        "average": (lambda: gaussian_average_query(0.7, 1.3, denominator=10.0), flat),
+        "nested": (
+            lambda: NestedQuery({"g1": Group(GROUPS["g1"], 0.5, 0.8),
+                                 "g2": Group(GROUPS["g2"], 2.0, 1.5)}),
+            by_group,
+        ),
+        "joint": (lambda: JointClipQuery(GROUPS, SCALES, 1.2, 0.9), scaled),
+        "adaptive": (lambda: AdaptiveClipQuery(0.9, 1.1, expected_batch_size=40.0), flat),
+        "no_privacy": (lambda: NoPrivacyQuery(0.7), flat),
+    }
+
+
+QUERY_NAMES = list(_queries())
+
+
+def _batch(n, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: scale * torch.randn((n, *s), generator=g, dtype=torch.float64)
+            for k, s in SHAPES.items()}
+
+
+def _adversaries(seed=1):
+    """Neighbours that try to move the sum as far as possible (and some that cannot)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for scale in (1e6, 10.0, 1.0, 1e-3):
+        out.append({k: scale * torch.randn(s, generator=g, dtype=torch.float64)
+                    for k, s in SHAPES.items()})
+    for group in GROUPS.values():  # all mass in one group
+        out.append({k: (1e6 if k in group else 0.0) * torch.randn(s, generator=g,
+                                                                   dtype=torch.float64)
+                    for k, s in SHAPES.items()})
+    return out
+
+
+def _add_row(batch, x):
+    return {k: torch.cat([batch[k], x[k][None]]) for k in batch}
+
+
+def _recorded(ledger):
+    return [r for r in ledger.entries if isinstance(r, SumQueryRecord)]
+
+
+def _recorded_tuples(query):
+    """Entries one release writes to a ledger (sensitivity, noise_std)."""
+    ledger, rng = Ledger(), Randomness(seed=0)
+    sid = ledger.record_sample(POISSON)
+    zeros = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
+    query.add_noise(zeros, ledger=ledger, sample_id=sid, randomness=rng)
+    return [(r.sensitivity, r.noise_std) for r in _recorded(ledger)], ledger
+
+
+# -- sensitivity ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", QUERY_NAMES)
+def test_worst_case_sensitivity_equals_the_recorded_one(name):
+    factory, whiten = _queries()[name]
+    batch = _batch(16)
+    recorded, ledger = _recorded_tuples(factory())
+    if name == "no_privacy":
+        assert recorded == [] and ledger.epsilon(1e-5).epsilon == math.inf
+        recorded = [(0.7, 0.0)]  # the clip bound still holds; there is just no noise
+    gradient_entries = recorded[:1] if name == "adaptive" else recorded
+    worst = np.zeros(len(gradient_entries))
+    for x in _adversaries():
+        base = factory().clip_and_sum(batch)
+        plus = factory().clip_and_sum(_add_row(batch, x))
+        diffs = whiten({k: plus[k] - base[k] for k in base})
+        for j, d in enumerate(diffs):
+            norm = float(d.norm())
+            assert norm <= recorded[j][0] * (1 + 1e-9)
+            worst[j] = max(worst[j], norm)
+    np.testing.assert_allclose(worst, [s for s, _ in gradient_entries], rtol=1e-9)
+    if name == "adaptive":  # the second release: the centred count of unclipped examples
+        changes = []
+        for x in _adversaries():
+            a, b = factory(), factory()
+            a.clip_and_sum(batch)
+            b.clip_and_sum(_add_row(batch, x))
+            changes.append(abs(b.pending_centred_count() - a.pending_centred_count()))
+        assert max(changes) == recorded[1][0] == 0.5
+
+
+@pytest.mark.parametrize("name", QUERY_NAMES)
+def test_padding_rows_are_neighbours_that_change_nothing(name):
+    """Fast path with a mask: a weight-0 row (even NaN) contributes exactly nothing."""
+    factory, _ = _queries()[name]
+    batch = _add_row(_batch(8), {k: torch.full(s, math.nan, dtype=torch.float64)
+                                 for k, s in SHAPES.items()})
+    mask = torch.ones(9, dtype=torch.float64)
+    mask[-1] = 0
+    got = factory().clip_and_sum(batch, mask=mask)
+    want = factory().clip_and_sum({k: v[:-1] for k, v in batch.items()})
+    for k in want:
+        assert torch.equal(got[k], want[k])
+
+
+@pytest.mark.parametrize("name", QUERY_NAMES)
+def test_fast_path_equals_materialised_path(name):
+    factory, _ = _queries()[name]
+    batch = _batch(12, scale=0.6)
+    query = factory()
+    groups = query.groups
+    norms = per_example_norms(batch, groups)
+    w = expand_weights(query.clip_weights(norms), groups, list(batch))
+    fast = {k: torch.einsum("b,b...->...", w[k], v) for k, v in batch.items()}
+    slow = factory().clip_and_sum(batch)
+    for k in slow:
+        assert torch.allclose(fast[k], slow[k], rtol=1e-12, atol=1e-12)
+
+
+def test_partial_norms_combine_for_flat_queries():
+    q = GaussianSumQuery(1.0, 1.0)
+    parts = {"x": torch.tensor([3.0, 0.3]), "y": torch.tensor([4.0, 0.4])}
+    assert torch.allclose(q.clip_weights(parts), torch.tensor([0.2, 1.0], dtype=torch.float64))
+
+
+# -- noise --------------------------------------------------------------------------------------
+
+
+def _chi2_ok(samples: np.ndarray, std: float) -> bool:
+    n = samples.size
+    stat = float(np.sum(samples.astype(np.float64) ** 2)) / std**2  # mean is known: 0
+    lo, hi = stats.chi2.ppf(ALPHA / 2, n), stats.chi2.isf(ALPHA / 2, n)
+    return lo <= stat <= hi
+
+
+def test_chi2_check_has_power():
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1.0, 100_000)
+    assert _chi2_ok(x, 1.0)
+    assert not _chi2_ok(x, 1.05) and not _chi2_ok(x, 0.95)
+
+
+@pytest.mark.parametrize(
+    ("name", "secure"),
+    [(n, False) for n in QUERY_NAMES if n != "no_privacy"] + [("sum", True)],
+)
+def test_empirical_noise_std_matches_the_recorded_one(name, secure):
+    """Noise on a zero sum, whitened like the sensitivity, has the recorded std per entry."""
+    factory, whiten = _queries()[name]
+    query = factory()
+    big = {k: torch.zeros((20_000, *s), dtype=torch.float64) for k, s in SHAPES.items()}
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    rng = Randomness.secure_mode() if secure else Randomness(seed=7)
+    noisy = query.add_noise(big, ledger=ledger, sample_id=sid, randomness=rng)
+    denom = getattr(query, "denominator", 1.0)
+    parts = whiten({k: v * denom for k, v in noisy.items()})
+    recorded = _recorded(ledger)
+    for part, rec in zip(parts, recorded, strict=False):
+        assert _chi2_ok(part.numpy(), rec.noise_std), (name, rec)
+
+
+def test_no_privacy_adds_no_noise_and_is_never_private():
+    batch = _batch(5)
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    out = NoPrivacyQuery().release(batch, ledger=ledger, sample_id=sid,
+                                   randomness=Randomness(seed=0))
+    for k in batch:
+        assert torch.allclose(out[k], batch[k].sum(0), rtol=1e-12, atol=1e-12)
+    assert _has_non_private(ledger.to_event())
+    assert ledger.epsilon(1e-5).epsilon == math.inf
+
+
+def _has_non_private(event):
+    if isinstance(event, ev.NonPrivate):
+        return True
+    return any(_has_non_private(c) for c in ev._children(event))
+
+
+# -- McMahan: nested queries, joint clipping, allocation ----------------------------------------
+
+
+def test_nested_effective_noise_multiplier_is_mcmahans_formula():
+    query, _ = _queries()["nested"]
+    q = query()
+    _, ledger = _recorded_tuples(q)
+    formula = (0.5**2 / 0.8**2 + 2.0**2 / 1.5**2) ** -0.5
+    assert q.noise_multiplier == pytest.approx(formula, rel=1e-14)
+    assert ledger.noise_multipliers()[0] == pytest.approx(formula, rel=1e-14)
+    assert ledger.to_event() == ev.PoissonSampled(0.01, ev.Gaussian(ledger.noise_multipliers()[0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["l1", "l2", "l3", "l4", "l5"]),
+        st.tuples(st.floats(1e-3, 1e3), st.integers(1, 10**6)),
+        min_size=1,
+    ),
+    st.floats(0.1, 20.0),
+)
+def test_noise_allocation_meets_the_target_multiplier(groups, z):
+    clips = {g: c for g, (c, _) in groups.items()}
+    dims = {g: d for g, (_, d) in groups.items()}
+    prop = proportional_noise(clips, z)
+    dim = dimension_adjusted_noise(clips, dims, z)
+    for stds in (prop, dim):
+        eff = sum((clips[g] / stds[g]) ** 2 for g in clips) ** -0.5
+        assert eff == pytest.approx(z, rel=1e-12)
+    ratios = [prop[g] / clips[g] for g in clips]  # proportional: s_j / C_j constant
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-12)
+    rms = [dim[g] / (clips[g] / math.sqrt(dims[g])) for g in clips]  # noise / max RMS constant
+    assert max(rms) == pytest.approx(min(rms), rel=1e-12)
+    for how in ("equal", "dimension"):
+        split = split_clip_norm(2.0, dims, how=how)
+        assert sum(c**2 for c in split.values()) == pytest.approx(4.0, rel=1e-12)
+
+
+def test_nested_from_noise_multiplier_records_the_target():
+    dims = {"g1": 10, "g2": 5}
+    for allocation in ("proportional", "dimension"):
+        q = NestedQuery.from_noise_multiplier(
+            GROUPS, {"g1": 1.0, "g2": 0.1}, 1.7, allocation=allocation, dims=dims
+        )
+        _, ledger = _recorded_tuples(q)
+        assert ledger.noise_multipliers()[0] == pytest.approx(1.7, rel=1e-12)
+
+
+def test_joint_clipping_uses_side_information_mcmahan_example():
+    """McMahan Sec. 2: either group is zero; scales 1 and 100 leave in-scale examples unclipped,
+    while the noise on each group is its scale times z C."""
+    q = JointClipQuery({"u": ["u"], "v": ["v"]}, {"u": 1.0, "v": 100.0}, 1.0, 2.0)
+    norms = {"u": torch.tensor([1.0, 0.0, 3.0]), "v": torch.tensor([0.0, 100.0, 0.0])}
+    assert torch.allclose(q.clip_weights(norms),
+                          torch.tensor([1.0, 1.0, 1 / 3], dtype=torch.float64))
+    assert q.noise_stds() == {"u": 2.0, "v": 200.0}
+    assert q.privacy_tuples() == ((1.0, 2.0),)
+
+
+def test_structure_and_validation():
+    nested_batch = {"layer": {"w": torch.randn(4, 2, 2), "b": torch.randn(4, 2)}}
+    ledger, rng = Ledger(), Randomness(seed=0)
+    sid = ledger.record_sample(POISSON)
+    out = GaussianSumQuery(1.0, 1.0).release(nested_batch, ledger=ledger, sample_id=sid,
+                                             randomness=rng)
+    assert set(out) == {"layer"} and out["layer"]["w"].shape == (2, 2)
+    with pytest.raises(ValueError, match="is in groups"):
+        NestedQuery({"x": Group(("a",), 1.0, 1.0), "y": Group(("a", "b"), 1.0, 1.0)})
+    nested = NestedQuery({"x": Group(("a",), 1.0, 1.0)})
+    with pytest.raises(ValueError, match="belong to no group"):
+        nested.add_noise({"a": torch.zeros(2), "b": torch.zeros(2)}, ledger=ledger,
+                         sample_id=sid, randomness=rng)
+    with pytest.raises(ValueError, match="norms must be a dict keyed by the groups"):
+        nested.clip_weights({"z": torch.ones(3)})
+    with pytest.raises(ValueError, match="noise_multiplier must be in"):
+        GaussianSumQuery(1.0, 0.0)
+    with pytest.raises(ValueError, match="count_noise_std must be in"):
+        AdaptiveClipQuery(1.0, 2.0, expected_batch_size=10.0, count_noise_std=0.5)
+    with pytest.raises(ValueError, match="ledger must be"):
+        GaussianSumQuery(1.0, 1.0).add_noise({"a": torch.zeros(1)}, ledger=None, sample_id=sid,
+                                             randomness=rng)
+    assert isinstance(gaussian_average_query(1.0, 1.0, 5.0), AverageQuery)
+
+
+# -- adaptive clipping (Andrew et al. 2021) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [0.5, 0.9])
+def test_adaptive_clip_norm_tracks_the_target_quantile(target):
+    rng_norms = np.random.default_rng(3)
+    m = 200
+    q = AdaptiveClipQuery(0.05, 1.0, expected_batch_size=m, target_quantile=target,
+                          learning_rate=0.2)
+    ledger, rng = Ledger(), Randomness(seed=11)
+    fractions, clips = [], []
+    zero = {"w": torch.zeros(3)}
+    for step in range(300):
+        norms = torch.from_numpy(rng_norms.lognormal(0.0, 1.0, m))
+        fractions.append(float((norms <= q.clip_norm).double().mean()))
+        clips.append(q.clip_norm)
+        q.clip_weights(norms)
+        sid = ledger.record_sample(POISSON, step=step)
+        q.add_noise(zero, ledger=ledger, sample_id=sid, randomness=rng)
+    true_quantile = math.exp(stats.norm.ppf(target))  # lognormal(0, 1) quantile
+    assert abs(np.mean(fractions[150:]) - target) < 0.05
+    assert np.median(clips[150:]) == pytest.approx(true_quantile, rel=0.15)
+
+
+def test_adaptive_count_noise_std_matches_the_recorded_one():
+    m, count_std = 50.0, 2.5
+    q = AdaptiveClipQuery(1.0, 1.0, expected_batch_size=m, learning_rate=0.0,
+                          count_noise_std=count_std)
+    ledger, rng = Ledger(), Randomness(seed=5)
+    sid = ledger.record_sample(POISSON)
+    norms = torch.linspace(0.1, 2.0, 50)
+    noise = []
+    for _ in range(2000):
+        q.clip_weights(norms)
+        centred = q.pending_centred_count()
+        q.add_noise({"w": torch.zeros(1)}, ledger=ledger, sample_id=sid, randomness=rng)
+        noise.append((q.last_unclipped_fraction - 0.5) * m - centred)
+    recorded = {r.noise_std for r in _recorded(ledger) if r.name.endswith("unclipped_count")}
+    assert recorded == {count_std}
+    assert _chi2_ok(np.array(noise), count_std)
+
+
+def test_adaptive_cost_is_in_the_ledger_and_in_epsilon():
+    import dpfy.accounting.rdp  # noqa: F401 - registers the "rdp" accountant
+    from dpfy.accounting import epsilon
+
+    z, steps = 1.1, 30
+    q = AdaptiveClipQuery(1.0, z, expected_batch_size=100.0)
+    ledger, rng = Ledger(), Randomness(seed=0)
+    for step in range(steps):
+        q.clip_weights(torch.rand(100) * 2)
+        sid = ledger.record_sample(POISSON, step=step)
+        q.add_noise({"w": torch.zeros(2)}, ledger=ledger, sample_id=sid, randomness=rng)
+    names = [r.name for r in _recorded(ledger)]
+    assert names.count("adaptive/unclipped_count") == steps
+    assert all(v == pytest.approx(z, rel=1e-12) for v in ledger.noise_multipliers().values())
+    got = ledger.epsilon(1e-5, method="rdp").epsilon
+    want = epsilon(ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(z)), steps), 1e-5,
+                   method="rdp").epsilon
+    gradient_only = epsilon(
+        ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(q.gradient_noise_multiplier)), steps),
+        1e-5, method="rdp",
+    ).epsilon
+    assert got == pytest.approx(want, rel=1e-9)
+    assert got > gradient_only  # the quantile estimate is not free
+
+
+def test_adaptive_state_round_trip():
+    q = AdaptiveClipQuery(1.0, 1.0, expected_batch_size=100.0)
+    q.clip_weights(torch.ones(3))
+    q.load_state_dict({"clip_norm": 0.25})
+    assert q.clip_norm == 0.25 and q.pending_centred_count() == 0.0
+    assert q.state_dict() == {"clip_norm": 0.25}
