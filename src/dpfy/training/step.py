@@ -230,6 +230,7 @@ class PrivateGradient:
         Returns:
           :class:`ChunkStats` of the chunk.
         """
+        self._chunks += 1
         k = self.microbatch_size
         if k is not None and self.microbatch_mode == "examples":
             batch = _batch_size(inputs)
@@ -314,7 +315,6 @@ class PrivateGradient:
         self._loss_sum += loss_sum
         self._examples += n_real
         self._nonfinite += nonfinite
-        self._chunks += 1
         norms = None
         if return_norms:
             norms = total_sq.to(torch.float64).sqrt() if total_sq is not None else None
