@@ -42,6 +42,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
+from dpfy.accounting import rdp as _rdp
 
 __all__ = [
     "CONSTANT_PRIVACY_NOISE_MULTIPLIER",
@@ -61,6 +62,7 @@ __all__ = [
     "constant_tan_family",
     "fit_batch_scaling",
     "privacy_wall_curve",
+    "ratio_table",
 ]
 
 #: ``z >= 2``: epsilon depends (almost) only on ``eta`` (TAN Sec. 3.2, Fig. 2-3).
@@ -396,18 +398,60 @@ def privacy_wall_curve(
     """True epsilon at constant ``eta`` and ``steps`` as a function of ``z`` (TAN Fig. 2).
 
     Each point uses the sampling rate ``q = sqrt(2) z eta / sqrt(S)`` that keeps ``eta`` fixed;
-    points needing ``q > 1`` are ``nan``. The flat part equals eps_TAN; the rise at small ``z``
-    is the privacy wall.
+    points needing ``q > 1`` are ``nan``. The flat part is close to eps_TAN; the rise at small
+    ``z`` is the privacy wall. ``method`` is any accountant name (``rdp`` is vectorised).
     """
-    from dpfy import accounting  # lazy: the accountants register themselves on import
-
     ev.check_range("eta", eta_value, 0.0, None, low_open=True)
     ev.check_range("steps", steps, 1, None, integer=True)
     zs = np.atleast_1d(_positive("noise_multipliers", noise_multipliers))
     qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(steps)
     out = np.full(zs.shape, np.nan)
-    for i, (q, z) in enumerate(zip(qs, zs, strict=True)):
-        if q <= 1.0:
-            event = ev.SelfComposed(ev.PoissonSampled(float(q), ev.Gaussian(float(z))), int(steps))
-            out[i] = accounting.epsilon(event, delta, method=method).epsilon
+    ok = qs <= 1.0
+    if method == "rdp":
+        if np.any(ok):
+            out[ok] = _rdp.epsilon_poisson_gaussian(qs[ok], zs[ok], int(steps), delta)[0]
+        return out
+    from dpfy import accounting
+
+    for i in np.flatnonzero(ok):
+        event = ev.SelfComposed(ev.PoissonSampled(float(qs[i]), ev.Gaussian(float(zs[i]))), steps)
+        out[i] = accounting.epsilon(event, delta, method=method).epsilon
+    return out
+
+
+def ratio_table(
+    target_epsilons: Sequence[float],
+    steps: Sequence[int],
+    noise_multipliers: Sequence[float],
+    delta: float,
+    *,
+    conversion: str = "balle",
+) -> np.ndarray:
+    """``eps_RDP / eps_TAN`` at constant ``eta`` on a grid, shape (targets, steps, z).
+
+    For each target ``eps_TAN`` the ``eta`` is fixed by :func:`eta_for_epsilon`; each (S, z)
+    then uses ``q = sqrt(2) z eta / sqrt(S)`` (``nan`` where ``q > 1``). ``conversion="balle"``
+    uses the RDP-to-DP conversion of dpfy's ``rdp`` accountant (Balle et al. 2020, the one the
+    TAN paper reports); ``"basic"`` uses ``min_a RDP(a) + log(1/delta)/(a-1)`` (Mironov 2017),
+    the conversion TAN's Eq. 3-4 start from.
+    """
+    if conversion not in ("balle", "basic"):
+        raise ValueError(f"conversion must be one of {{balle, basic}}, got {conversion=!r}")
+    orders = _rdp.DEFAULT_ORDERS
+    zs = _positive("noise_multipliers", noise_multipliers)
+    out = np.full((len(target_epsilons), len(steps), zs.size), np.nan)
+    for i, target in enumerate(target_epsilons):
+        eta_value = float(eta_for_epsilon(target, delta))
+        for j, s in enumerate(steps):
+            ev.check_range("steps", s, 1, None, integer=True)
+            qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(s)
+            ok = qs <= 1.0
+            if not np.any(ok):
+                continue
+            curves = int(s) * _rdp.rdp_poisson_gaussian(qs[ok], zs[ok], orders)
+            if conversion == "balle":
+                eps = _rdp.epsilon_from_rdp(curves, orders, delta)[0]
+            else:
+                eps = np.min(curves - math.log(delta) / (orders - 1.0), axis=-1)
+            out[i, j, ok] = np.asarray(eps) / target
     return out
