@@ -13,8 +13,16 @@ order gives the closed form (TAN Eq. 4)::
 
 ``eps_TAN`` is a *heuristic*, never a guarantee: report the accountant's epsilon beside it. Below
 ``z = 0.5`` the true epsilon at constant ``eta`` explodes ("privacy wall", TAN Fig. 2); between 0.5
-and 2 it rises steadily ("transition"). ``tests/accounting/test_tan.py`` prints the measured ratio
-table of eps_TAN to the RDP epsilon.
+and 2 it rises steadily ("transition").
+
+Measured (``pytest -s tests/accounting/test_tan.py`` prints the table; delta = 1e-5, eps_TAN in
+{1, 2, 4, 8}, S in {1e2, 1e3, 1e4}): for ``z >= 2`` the RDP epsilon of dpfy's ``rdp`` accountant
+is 0.81-1.04 x eps_TAN. So eps_TAN mostly *over*-estimates the accountant (by up to 23 % of the
+RDP epsilon at eps_TAN = 1, z = 10: the gap is the improved RDP-to-DP conversion of Balle et al.
+2020, which Eq. 4 does not use) and under-estimates only near ``z = 2`` with large epsilon and few
+steps (by at most 4 %). Against the basic conversion ``min_a RDP(a) + log(1/delta)/(a-1)`` that
+Eq. 4 is derived from, eps_TAN is a lower bound that is tight as ``z`` grows (ratio 1.00-1.22
+for ``z >= 2``). At ``z <= 0.5`` the RDP epsilon is 3.5-37 x eps_TAN.
 
 Scaling helpers (TAN Sec. 3.4 and 4.3):
   * :func:`simulate_small_batch` — a reference run ``(B_ref, z_ref, S)`` simulated at ``B_ref/k``
