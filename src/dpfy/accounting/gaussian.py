@@ -65,13 +65,8 @@ def _check(name: str, arr: np.ndarray, low: float, high: float | None, **kw: boo
         ev.check_range(name, float(arr[bad].flat[0]), low, high, **kw)
 
 
-def gaussian_log_delta(mu: Any, epsilon: Any) -> Any:
-    """log of :func:`gaussian_delta`, finite even where delta underflows (huge epsilon / mu)."""
-    m = np.asarray(mu, dtype=np.float64)
-    e = np.asarray(epsilon, dtype=np.float64)
-    _check("mu", m, 0.0, None)
-    _check("epsilon", e, 0.0, None)
-    m, e = np.broadcast_arrays(m, e)
+def _log_delta(m: np.ndarray, e: np.ndarray) -> np.ndarray:
+    """Unchecked log delta(eps) of mu-GDP for broadcast arrays (inf/0 edge cases handled)."""
     safe_m = np.where((m > 0) & np.isfinite(m), m, 1.0)
     safe_e = np.where(np.isfinite(e), e, 0.0)
     la = special.log_ndtr(-safe_e / safe_m + safe_m / 2.0)
@@ -81,15 +76,24 @@ def gaussian_log_delta(mu: Any, epsilon: Any) -> Any:
     out = np.where(m == 0, -np.inf, out)
     out = np.where(np.isinf(m), 0.0, out)
     out = np.where(np.isinf(e), -np.inf, out)
-    return _scalar_or_array(np.minimum(out, 0.0))
+    return np.minimum(out, 0.0)
+
+
+def gaussian_log_delta(mu: Any, epsilon: Any) -> Any:
+    """log of :func:`gaussian_delta`, finite even where delta underflows (huge epsilon / mu)."""
+    m = np.asarray(mu, dtype=np.float64)
+    e = np.asarray(epsilon, dtype=np.float64)
+    _check("mu", m, 0.0, None)
+    _check("epsilon", e, 0.0, None)
+    return _scalar_or_array(_log_delta(*np.broadcast_arrays(m, e)))
 
 
 def gaussian_delta(mu: Any, epsilon: Any) -> Any:
     """Tight delta(epsilon) of mu-GDP (Balle & Wang 2018, Thm 8), vectorised.
 
     Computed as Phi(a) (1 - exp(eps + log Phi(b) - log Phi(a))) with a = -eps/mu + mu/2,
-    b = -eps/mu - mu/2, so it stays accurate (relative) for large epsilon where both terms
-    underflow.
+    b = -eps/mu - mu/2, so it stays accurate (relative) for large epsilon; where delta itself
+    underflows use :func:`gaussian_log_delta`.
 
     Args:
       mu: GDP parameter(s) >= 0 (inf allowed: delta = 1).
@@ -102,16 +106,7 @@ def gaussian_delta(mu: Any, epsilon: Any) -> Any:
     e = np.asarray(epsilon, dtype=np.float64)
     _check("mu", m, 0.0, None)
     _check("epsilon", e, 0.0, None)
-    m, e = np.broadcast_arrays(m, e)
-    safe_m = np.where((m > 0) & np.isfinite(m), m, 1.0)
-    safe_e = np.where(np.isfinite(e), e, 0.0)
-    la = special.log_ndtr(-safe_e / safe_m + safe_m / 2.0)
-    lb = special.log_ndtr(-safe_e / safe_m - safe_m / 2.0)
-    d = np.exp(la) * -np.expm1(np.minimum(safe_e + lb - la, 0.0))
-    d = np.where(m == 0, 0.0, d)
-    d = np.where(np.isinf(m), 1.0, d)
-    d = np.where(np.isinf(e), 0.0, d)
-    return _scalar_or_array(np.clip(d, 0.0, 1.0))
+    return _scalar_or_array(np.exp(_log_delta(*np.broadcast_arrays(m, e))))
 
 
 def gaussian_epsilon(mu: Any, delta: Any) -> Any:
@@ -134,17 +129,20 @@ def gaussian_epsilon(mu: Any, delta: Any) -> Any:
     lo = np.zeros(m.shape)
     hi = mf**2 / 2.0 + mf * np.sqrt(2.0 * np.log(1.0 / d))
     # Make sure the upper end is feasible (it is in exact arithmetic); widen if rounding bites.
+    def feasible(eps: np.ndarray) -> np.ndarray:  # exactly the test gaussian_delta(.) <= d
+        return np.exp(_log_delta(mf, eps)) <= d
+
     for _ in range(60):
-        bad = np.asarray(gaussian_delta(mf, hi)) > d
+        bad = ~feasible(hi)
         if not bad.any():
             break
         hi = np.where(bad, hi * 2.0 + 1e-12, hi)
-    at_zero = np.asarray(gaussian_delta(mf, 0.0 * mf)) <= d
+    at_zero = feasible(0.0 * mf)
     for _ in range(200):
         mid = 0.5 * (lo + hi)
         if np.all((mid <= lo) | (mid >= hi)):
             break
-        ok = np.asarray(gaussian_delta(mf, mid)) <= d
+        ok = feasible(mid)
         hi = np.where(ok, mid, hi)
         lo = np.where(ok, lo, mid)
     out = np.where(at_zero, 0.0, hi)
