@@ -24,9 +24,19 @@ from dpfy.features.algorithms import (
     dp_least_squares,
     dp_newton,
 )
+from dpfy.features.estimators import (
+    DPAdamClassifier,
+    DPFeatureCovarianceClassifier,
+    DPLeastSquaresClassifier,
+    DPNewtonClassifier,
+)
 from dpfy.features.stats import SufficientStats, sufficient_statistics
 
 __all__ = [
+    "DPAdamClassifier",
+    "DPFeatureCovarianceClassifier",
+    "DPLeastSquaresClassifier",
+    "DPNewtonClassifier",
     "FeaturePrivacy",
     "Fitted",
     "SufficientStats",

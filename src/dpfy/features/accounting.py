@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize, special
+from scipy import optimize
 
+from dpfy.accounting import gaussian
 from dpfy.events import check_range
 
 __all__ = [
@@ -42,66 +43,14 @@ __all__ = [
 ]
 
 
-def _gaussian_module():
-    try:
-        from dpfy.accounting import gaussian
-    except ImportError:  # written by another module; fall back to the formulas below
-        return None
-    if hasattr(gaussian, "gaussian_delta") and hasattr(gaussian, "gaussian_epsilon"):
-        return gaussian
-    return None
-
-
-def _gdp_delta(mu: float, epsilon: float) -> float:
-    if mu == 0.0:
-        return 0.0
-    if math.isinf(mu):
-        return 1.0
-    a = special.ndtr(-epsilon / mu + mu / 2.0)
-    b = math.exp(epsilon + special.log_ndtr(-epsilon / mu - mu / 2.0))
-    return float(max(a - b, 0.0))
-
-
 def gdp_delta(mu: float, epsilon: float) -> float:
-    """Smallest delta for which a ``mu``-GDP mechanism is (epsilon, delta)-DP.
-
-    Args:
-      mu: GDP parameter, ``sqrt(sum_i (sensitivity_i / noise_std_i)^2)``, in [0, inf].
-      epsilon: in [0, inf).
-    """
-    check_range("mu", mu, 0.0, math.inf)
-    check_range("epsilon", epsilon, 0.0, math.inf, high_open=True)
-    g = _gaussian_module()
-    if g is not None and 0.0 < mu < math.inf:
-        return float(g.gaussian_delta(mu, epsilon))
-    return _gdp_delta(float(mu), float(epsilon))
+    """Smallest delta for which a ``mu``-GDP mechanism is (epsilon, delta)-DP (exact)."""
+    return float(gaussian.gaussian_delta(mu, epsilon))
 
 
 def gdp_epsilon(mu: float, delta: float) -> float:
-    """Smallest epsilon for which a ``mu``-GDP mechanism is (epsilon, delta)-DP.
-
-    Args:
-      mu: in [0, inf]. delta: in (0, 1).
-    """
-    check_range("mu", mu, 0.0, math.inf)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if mu == 0.0:
-        return 0.0
-    if math.isinf(mu):
-        return math.inf
-    g = _gaussian_module()
-    if g is not None:
-        return float(g.gaussian_epsilon(mu, delta))
-    if _gdp_delta(mu, 0.0) <= delta:
-        return 0.0
-    hi = 1.0
-    while _gdp_delta(mu, hi) > delta:
-        hi *= 2.0
-    eps = optimize.brentq(lambda e: _gdp_delta(mu, e) - delta, 0.0, hi, xtol=1e-12, rtol=1e-12)
-    # safe side: report an epsilon at which delta(epsilon) <= delta
-    while _gdp_delta(mu, eps) > delta:
-        eps = np.nextafter(eps, math.inf) + 1e-12
-    return float(eps)
+    """Smallest epsilon for which a ``mu``-GDP mechanism is (epsilon, delta)-DP (safe side)."""
+    return float(gaussian.gaussian_epsilon(mu, delta))
 
 
 def mu_for_target(epsilon: float, delta: float) -> float:
@@ -112,12 +61,10 @@ def mu_for_target(epsilon: float, delta: float) -> float:
     check_range("epsilon", epsilon, 0.0, math.inf, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     lo, hi = 1e-8, 1.0
-    while _gdp_delta(hi, epsilon) < delta:
+    while gdp_delta(hi, epsilon) < delta:
         lo, hi = hi, hi * 2.0
-    mu = optimize.brentq(
-        lambda m: _gdp_delta(m, epsilon) - delta, lo, hi, xtol=1e-14, rtol=1e-12
-    )
-    while _gdp_delta(mu, epsilon) > delta:
+    mu = optimize.brentq(lambda m: gdp_delta(m, epsilon) - delta, lo, hi, xtol=1e-14, rtol=1e-12)
+    while gdp_delta(mu, epsilon) > delta:
         mu *= 1.0 - 1e-10
     return float(mu)
 
@@ -138,7 +85,7 @@ def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:
 
 
 def zcdp_epsilon(rho: float, delta: float) -> float:
-    """The generic zCDP conversion ``rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke, Prop. 1.3)."""
+    """The paper's generic conversion ``rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke 1.3)."""
     check_range("rho", rho, 0.0, math.inf)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     return float(rho + 2.0 * math.sqrt(rho * math.log(1.0 / delta)))

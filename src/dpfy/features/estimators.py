@@ -1,0 +1,426 @@
+"""scikit-learn-style DP classifiers on fixed features (Mehta et al., Algorithms 1-4).
+
+Each estimator follows scikit-learn's conventions: ``__init__`` only stores its arguments,
+``fit(X, y)`` validates, trains and returns ``self``; fitted state ends in ``_``:
+
+* ``coef_`` ``[n_classes, n_features]`` (scores are ``clip(X) @ coef_.T``, no intercept),
+* ``classes_``, ``n_features_in_``,
+* ``ledger_``: the :class:`dpfy.ledger.Ledger` of every noisy release,
+* ``privacy_``: a :class:`dpfy.features.accounting.FeaturePrivacy` statement (epsilon at
+  ``delta``, exact GDP ``mu``, the paper's zCDP ``rho``, adjacency add-or-remove, unit example),
+  computed from the ledger, not from the hyperparameters.
+
+Privacy is set either by a target ``epsilon`` (with ``delta``): the noise is calibrated with the
+exact GDP curve and split evenly over the releases (as the paper's theorems assume) -- or by an
+explicit ``noise_multiplier``. ``epsilon=math.inf`` (or ``noise_multiplier=0``) trains the
+non-private model with the same code; its ``privacy_.epsilon`` is then ``inf``.
+
+The unit of privacy is one row of ``X`` with its label. The class list ``classes_`` is taken
+from ``y`` (pass public ``classes`` to avoid revealing which classes occur). Feature extraction
+and any per-row transform before ``fit`` (e.g. ``sklearn.preprocessing.Normalizer``) are public
+and cost no privacy; a transform fitted on the private data (e.g. ``StandardScaler``) is not.
+
+scikit-learn is not needed at run time; when it is installed the estimators also derive from
+its ``BaseEstimator`` and ``ClassifierMixin`` so that ``clone``, ``Pipeline`` and the grid-search
+tools treat them as native.
+
+Example:
+    >>> import numpy as np
+    >>> from dpfy.features.estimators import DPLeastSquaresClassifier
+    >>> rng = np.random.default_rng(0)
+    >>> X = rng.normal(size=(1000, 8)); y = (X[:, 0] > 0).astype(int)
+    >>> clf = DPLeastSquaresClassifier(epsilon=1.0, delta=1e-5, random_state=0).fit(X, y)
+    >>> round(clf.privacy_.epsilon, 3)
+    1.0
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from dpfy.events import check_range
+from dpfy.features import algorithms as alg
+from dpfy.features.accounting import FeaturePrivacy, mu_for_target, privacy_of_ledger
+from dpfy.features.stats import SufficientStats, clip_rows
+from dpfy.ledger import Ledger
+from dpfy.randomness import Randomness
+
+__all__ = [
+    "DPAdamClassifier",
+    "DPFeatureCovarianceClassifier",
+    "DPLeastSquaresClassifier",
+    "DPNewtonClassifier",
+]
+
+
+class _Params:
+    """get_params / set_params / score for the case where scikit-learn is not installed."""
+
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        sig = inspect.signature(cls.__init__)
+        return sorted(p.name for p in sig.parameters.values() if p.name != "self")
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params: Any):
+        valid = self._get_param_names()
+        for key, value in params.items():
+            if key not in valid:
+                raise ValueError(f"Invalid parameter {key!r} for estimator {self!r}.")
+            setattr(self, key, value)
+        return self
+
+    def score(self, X, y, sample_weight=None) -> float:
+        pred = self.predict(X)
+        correct = (np.asarray(pred) == np.asarray(y)).astype(np.float64)
+        return float(np.average(correct, weights=sample_weight))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"
+
+
+try:  # scikit-learn is a dev/test dependency; derive from it only when it is there
+    from sklearn.base import BaseEstimator, ClassifierMixin
+
+    _BASES: tuple[type, ...] = (ClassifierMixin, BaseEstimator)
+except ImportError:  # pragma: no cover - exercised only without scikit-learn
+    _BASES = (_Params,)
+
+
+def _features(X) -> torch.Tensor:
+    if isinstance(X, torch.Tensor):
+        t = X.detach().to("cpu", torch.float64)
+    else:
+        t = torch.as_tensor(np.asarray(X, dtype=np.float64))
+    if t.ndim != 2:
+        raise ValueError(f"X must be 2-d [n_samples, n_features], got shape {tuple(t.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("X must contain only finite values")
+    return t
+
+
+def _labels(y) -> np.ndarray:
+    if isinstance(y, torch.Tensor):
+        y = y.detach().cpu().numpy()
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(f"y must be 1-d class labels, got shape {y.shape}")
+    return y
+
+
+class _DPFeatureClassifier(*_BASES):
+    """Shared fit/predict logic; subclasses define ``_releases`` and ``_train``."""
+
+    _algorithm = ""
+
+    # -- privacy ------------------------------------------------------------------------------
+    def _noise_multipliers(self, shares: list[float]) -> list[float]:
+        """Noise multiplier of each release: calibrated from (epsilon, delta) or given."""
+        check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
+        if self.epsilon is not None:
+            check_range("epsilon", self.epsilon, 0.0, math.inf, low_open=True)
+            if math.isinf(self.epsilon):
+                return [0.0] * len(shares)
+            mu = mu_for_target(float(self.epsilon), float(self.delta))
+            total = float(sum(shares))
+            return [1.0 / (mu * math.sqrt(s / total)) for s in shares]
+        if self.noise_multiplier is None:
+            raise ValueError("one of epsilon or noise_multiplier must be set, got both None")
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, math.inf, high_open=True)
+        return [float(self.noise_multiplier)] * len(shares)
+
+    def _randomness(self) -> Randomness:
+        rs = self.random_state
+        if isinstance(rs, Randomness):
+            return rs
+        return Randomness(seed=None if rs is None else int(rs))
+
+    # -- fitting ------------------------------------------------------------------------------
+    def _prepare(self, X, y) -> tuple[torch.Tensor, torch.Tensor]:
+        x = _features(X)
+        yy = _labels(y)
+        if len(yy) != x.shape[0]:
+            raise ValueError(f"X and y must have the same length, got {x.shape[0]} and {len(yy)}")
+        classes = np.unique(yy) if self.classes is None else np.unique(np.asarray(self.classes))
+        idx = np.searchsorted(classes, yy)
+        if np.any(idx >= len(classes)) or np.any(classes[np.minimum(idx, len(classes) - 1)] != yy):
+            raise ValueError("y holds a label that is not in classes")
+        if len(classes) < 2:
+            raise ValueError(f"at least 2 classes are needed, got {len(classes)}")
+        self.classes_ = classes
+        self.n_features_in_ = x.shape[1]
+        return x, torch.as_tensor(idx, dtype=torch.long)
+
+    def fit(self, X, y):
+        """Train on features ``X`` ``[n, d]`` (NumPy or torch) and labels ``y``; returns self."""
+        x, idx = self._prepare(X, y)
+        ledger = Ledger()
+        ledger.record_metadata(estimator=type(self).__name__, params=_jsonable(self.get_params()))
+        fitted = self._train(x, idx, len(self.classes_), ledger, self._randomness())
+        self._finish(fitted)
+        return self
+
+    def _finish(self, fitted: alg.Fitted) -> None:
+        self.coef_ = fitted.weights.T.numpy().copy()
+        self.ledger_ = fitted.ledger
+        self.privacy_: FeaturePrivacy = privacy_of_ledger(fitted.ledger, float(self.delta))
+
+    # -- prediction ---------------------------------------------------------------------------
+    def _clip_for_predict(self) -> float | None:
+        return None
+
+    def decision_function(self, X) -> np.ndarray:
+        """Scores ``[n, n_classes]`` of (clipped, if the model was trained so) features."""
+        if not hasattr(self, "coef_"):
+            raise AttributeError(f"{type(self).__name__} is not fitted yet; call fit first")
+        x = _features(X)
+        if x.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {x.shape[1]} features, expected {self.n_features_in_}")
+        clip = self._clip_for_predict()
+        if clip is not None:
+            x = clip_rows(x, clip)
+        return (x @ torch.as_tensor(self.coef_).T).numpy()
+
+    def predict(self, X) -> np.ndarray:
+        """Most likely class of each row."""
+        return self.classes_[np.argmax(self.decision_function(X), axis=1)]
+
+
+def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
+    def ok(v: Any) -> bool:
+        if isinstance(v, float):
+            return math.isfinite(v)
+        return isinstance(v, (int, str, bool, type(None)))
+
+    return {k: v if ok(v) else repr(v) for k, v in params.items()}
+
+
+def _softmax(s: np.ndarray) -> np.ndarray:
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+class DPLeastSquaresClassifier(_DPFeatureClassifier):
+    """DP least squares on one-hot labels (DP-LS, Mehta et al. Alg. 3; three releases).
+
+    Args:
+      epsilon: target epsilon (``math.inf``: non-private), or None to use ``noise_multiplier``.
+      delta: target delta.
+      noise_multiplier: ``sigma`` of each of the three releases (used when epsilon is None).
+      clip_norm: feature clip norm ``C``.
+      alpha: weight of the negative-label term.
+      ridge: ``lambda`` added to ``A_j + alpha G`` (sum units).
+      classes: the public list of classes (default: the sorted labels in ``y``).
+      random_state: seed (int), a :class:`dpfy.randomness.Randomness`, or None (fresh).
+    """
+
+    _algorithm = "dp_ls"
+
+    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, alpha=1.0,
+                 ridge=1.0, classes=None, random_state=None):
+        self.epsilon = epsilon
+        self.delta = delta
+        self.noise_multiplier = noise_multiplier
+        self.clip_norm = clip_norm
+        self.alpha = alpha
+        self.ridge = ridge
+        self.classes = classes
+        self.random_state = random_state
+
+    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+        z = tuple(self._noise_multipliers([1.0, 1.0, 1.0]))
+        return alg.dp_least_squares((x, idx), noise_multiplier=z, clip_norm=self.clip_norm,
+                                    alpha=self.alpha, ridge=self.ridge, num_classes=m,
+                                    ledger=ledger, randomness=rng)
+
+    def fit_statistics(self, stats: SufficientStats, classes):
+        """Train from precomputed clipped statistics (e.g. a chunked pass over memory-mapped
+        data, :func:`dpfy.features.stats.sufficient_statistics`); ``classes`` name its columns.
+
+        The statistics must have been clipped with ``self.clip_norm`` and ``max_positives=1``.
+        """
+        if stats.clip_norm != float(self.clip_norm) or stats.max_positives != 1:
+            raise ValueError(
+                f"stats must be clipped with clip_norm={self.clip_norm} and max_positives=1, got "
+                f"clip_norm={stats.clip_norm}, max_positives={stats.max_positives}"
+            )
+        self.classes_ = np.asarray(classes)
+        if len(self.classes_) != stats.class_sums.shape[1]:
+            raise ValueError("classes must name every column of the statistics")
+        self.n_features_in_ = stats.covariance.shape[0]
+        ledger = Ledger()
+        z = tuple(self._noise_multipliers([1.0, 1.0, 1.0]))
+        fitted = alg.dp_least_squares(stats, noise_multiplier=z, alpha=self.alpha,
+                                      ridge=self.ridge, ledger=ledger,
+                                      randomness=self._randomness())
+        self._finish(fitted)
+        return self
+
+    def _clip_for_predict(self) -> float | None:
+        return float(self.clip_norm)
+
+
+class DPNewtonClassifier(_DPFeatureClassifier):
+    """DP Newton's method, one-vs-rest logistic regression (Mehta et al. Alg. 2).
+
+    ``2 * steps`` releases (gradients and Hessians of all classes at each step).
+
+    Args:
+      epsilon, delta, noise_multiplier, classes, random_state: as in
+        :class:`DPLeastSquaresClassifier`.
+      clip_norm: feature clip norm ``C``.
+      steps: Newton steps ``T``.
+      ridge: L2 penalty ``lambda`` of the objective and the Hessian (sum units; sklearn's
+        ``C = 1 / ridge``).
+      learning_rate: ``eta``.
+    """
+
+    _algorithm = "dp_newton"
+
+    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, steps=2,
+                 ridge=1.0, learning_rate=1.0, classes=None, random_state=None):
+        self.epsilon = epsilon
+        self.delta = delta
+        self.noise_multiplier = noise_multiplier
+        self.clip_norm = clip_norm
+        self.steps = steps
+        self.ridge = ridge
+        self.learning_rate = learning_rate
+        self.classes = classes
+        self.random_state = random_state
+
+    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+        check_range("steps", self.steps, 1, None, integer=True)
+        zg, zh = self._noise_multipliers([1.0] * (2 * int(self.steps)))[:2]
+        return alg.dp_newton(x, idx, clip_norm=self.clip_norm, noise_multiplier=(zg, zh),
+                             steps=int(self.steps), ridge=self.ridge,
+                             learning_rate=self.learning_rate, num_classes=m, ledger=ledger,
+                             randomness=rng)
+
+    def _clip_for_predict(self) -> float | None:
+        return float(self.clip_norm)
+
+    def predict_proba(self, X) -> np.ndarray:
+        """One-vs-rest probabilities, normalised over classes (as scikit-learn's OvR)."""
+        p = 1.0 / (1.0 + np.exp(-self.decision_function(X)))
+        return p / p.sum(axis=1, keepdims=True)
+
+
+class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
+    """DP-SGD preconditioned by the noisy feature covariance (DP-FC, Mehta et al. Alg. 4).
+
+    ``1 + steps`` releases. With ``covariance_share=None`` every release gets the same noise
+    multiplier (the paper's Theorem 2.3); a share ``s`` in (0, 1) gives the covariance release
+    the fraction ``s`` of the ``mu^2`` budget and splits the rest evenly over the steps.
+
+    Args:
+      epsilon, delta, noise_multiplier, classes, random_state: as in
+        :class:`DPLeastSquaresClassifier`.
+      covariance_clip_norm: ``C_G`` (feature clip norm for the covariance).
+      gradient_clip_norm: ``C_g`` (per-example gradient clip norm).
+      steps: full-batch steps ``T`` (one step = one epoch).
+      learning_rate: ``eta``.
+      ridge: ``lambda`` added to the noisy covariance (sum units).
+      l2: L2 penalty of the objective (sum units).
+      loss: ``"softmax"`` or ``"sigmoid"``.
+      covariance_share: see above.
+    """
+
+    _algorithm = "dp_fc"
+
+    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, covariance_clip_norm=1.0,
+                 gradient_clip_norm=1.0, steps=10, learning_rate=1.0, ridge=1.0, l2=0.0,
+                 loss="softmax", covariance_share=None, classes=None, random_state=None):
+        self.epsilon = epsilon
+        self.delta = delta
+        self.noise_multiplier = noise_multiplier
+        self.covariance_clip_norm = covariance_clip_norm
+        self.gradient_clip_norm = gradient_clip_norm
+        self.steps = steps
+        self.learning_rate = learning_rate
+        self.ridge = ridge
+        self.l2 = l2
+        self.loss = loss
+        self.covariance_share = covariance_share
+        self.classes = classes
+        self.random_state = random_state
+
+    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+        check_range("steps", self.steps, 1, None, integer=True)
+        t = int(self.steps)
+        if self.covariance_share is None:
+            shares = [1.0] * (t + 1)
+        else:
+            s = self.covariance_share
+            check_range("covariance_share", s, 0.0, 1.0, low_open=True, high_open=True)
+            shares = [s] + [(1.0 - s) / t] * t
+        z = self._noise_multipliers(shares)
+        return alg.dp_feature_covariance(
+            x, idx, covariance_clip_norm=self.covariance_clip_norm,
+            gradient_clip_norm=self.gradient_clip_norm, noise_multiplier=(z[0], z[-1]),
+            steps=t, learning_rate=self.learning_rate, ridge=self.ridge, l2=self.l2,
+            loss=self.loss, num_classes=m, ledger=ledger, randomness=rng,
+        )
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
+        s = self.decision_function(X)
+        if self.loss == "softmax":
+            return _softmax(s)
+        p = 1.0 / (1.0 + np.exp(-s))
+        return p / p.sum(axis=1, keepdims=True)
+
+
+class DPAdamClassifier(_DPFeatureClassifier):
+    """Full-batch DP-Adam / DP-SGD on features (Mehta et al. Alg. 1; the baseline).
+
+    ``steps`` releases of the clipped gradient sum.
+
+    Args:
+      epsilon, delta, noise_multiplier, classes, random_state: as in
+        :class:`DPLeastSquaresClassifier`.
+      clip_norm: per-example gradient clip norm.
+      steps: full-batch steps. learning_rate: step size. l2: L2 penalty (sum units).
+      loss: ``"softmax"`` or ``"sigmoid"``. optimizer: ``"adam"`` or ``"sgd"``.
+    """
+
+    _algorithm = "dp_adam"
+
+    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, steps=100,
+                 learning_rate=0.1, l2=0.0, loss="softmax", optimizer="adam", classes=None,
+                 random_state=None):
+        self.epsilon = epsilon
+        self.delta = delta
+        self.noise_multiplier = noise_multiplier
+        self.clip_norm = clip_norm
+        self.steps = steps
+        self.learning_rate = learning_rate
+        self.l2 = l2
+        self.loss = loss
+        self.optimizer = optimizer
+        self.classes = classes
+        self.random_state = random_state
+
+    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+        check_range("steps", self.steps, 1, None, integer=True)
+        z = self._noise_multipliers([1.0] * int(self.steps))[0]
+        return alg.dp_adam(x, idx, clip_norm=self.clip_norm, noise_multiplier=z,
+                           steps=int(self.steps), learning_rate=self.learning_rate, l2=self.l2,
+                           loss=self.loss, optimizer=self.optimizer, num_classes=m,
+                           ledger=ledger, randomness=rng)
+
+    def predict_proba(self, X) -> np.ndarray:
+        """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
+        s = self.decision_function(X)
+        if self.loss == "softmax":
+            return _softmax(s)
+        p = 1.0 / (1.0 + np.exp(-s))
+        return p / p.sum(axis=1, keepdims=True)
