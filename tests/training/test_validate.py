@@ -114,7 +114,11 @@ def test_clean_model_passes_and_fallback_layers_are_notes():
     assert "fallback" in notes[0].reason
 
 
-def test_tied_parameters_are_reported():
+def test_tied_parameters_are_errors_but_reused_modules_are_fine():
     shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.Tanh(), shared)
-    assert any("shared" in i.reason for i in check_module(model))
+    assert check_module(nn.Sequential(shared, nn.Tanh(), shared)) == []
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    issues = check_module(nn.Sequential(a, b))
+    assert [(i.path, i.severity) for i in issues] == [("1", Severity.ERROR)]
+    assert "tied" in issues[0].reason

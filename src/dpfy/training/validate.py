@@ -140,7 +140,7 @@ def check_module(
                 "set requires_grad=True on the parameters to train.",
             )
         )
-    owners: dict[int, str] = {}
+    owners: dict[int, tuple[int, str]] = {}  # parameter id -> (module id, module path)
     for path, module in model.named_modules(remove_duplicate=False):
         name = type(module).__name__
         for pname, p in module.named_parameters(recurse=False):
@@ -155,20 +155,20 @@ def check_module(
                         "run one forward pass on a dummy batch (or use the non-lazy layer).",
                     )
                 )
-            elif p.requires_grad and id(p) in owners and owners[id(p)] != path:
+                continue
+            owner = owners.setdefault(id(p), (id(module), path))
+            if p.requires_grad and owner[0] != id(module):
                 issues.append(
                     ModuleIssue(
                         path,
                         name,
-                        Severity.NOTE,
-                        f"parameter {pname!r} is shared with module {owners[id(p)]!r}; its "
-                        "per-example gradient is the sum of both uses.",
-                        "make sure the clipping engine treats tied parameters jointly "
-                        "(the vmap(grad) fallback does).",
+                        Severity.ERROR,
+                        f"parameter {pname!r} is tied to a parameter of module {owner[1]!r}: its "
+                        "per-example gradient is a sum over both modules, which per-layer "
+                        "norm rules cannot see, so the clipping engine refuses it.",
+                        "untie the parameters, or freeze one copy (requires_grad=False).",
                     )
                 )
-            else:
-                owners.setdefault(id(p), path)
         if isinstance(module, _BATCH_NORMS):
             issues.append(
                 ModuleIssue(
