@@ -584,7 +584,7 @@ def _choose_mode(epochs: Sequence[Epoch], method: str, threshold: float) -> str:
     return "plain"
 
 
-def default_samples(epochs: Sequence[Epoch], budget: float = 1.5e8) -> int:
+def default_samples(epochs: Sequence[Epoch], budget: float = 1e8) -> int:
     """Default sample count: about ``budget`` Gaussian draws, between 2^14 and 2^22 samples."""
     cost = sum(min(e.steps, 2_000) for e in epochs)
     return int(min(2**22, max(2**14, budget // max(cost, 1))))
@@ -878,35 +878,64 @@ class MonteCarloAccountant:
         return tuple(notes)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        r = monte_carlo_epsilon(epochs_of_event(event), delta, **self._options())
+        epochs = epochs_of_event(event)
+        r = monte_carlo_epsilon(epochs, delta, **self._options())
+        eps, provable, notes = r.epsilon_upper, False, self._notes(r)
+        fallback = _no_amplification_epsilon(epochs, delta)
+        if fallback <= eps:
+            eps, provable = fallback, True
+            notes = (*notes, NO_AMPLIFICATION_NOTE)
         return PrivacyResult(
-            epsilon=r.epsilon_upper,
+            epsilon=eps,
             delta=float(delta),
             method=self.name,
             adjacency=event.adjacency_relation.value,
-            provable=False,
+            provable=provable,
             epsilon_estimate=r.epsilon_estimate,
             epsilon_lower=r.epsilon_lower,
-            error_probability=r.error_probability,
-            notes=self._notes(r),
+            error_probability=None if provable else r.error_probability,
+            notes=notes,
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
-        r = monte_carlo_delta(epochs_of_event(event), epsilon, **self._options())
+        epochs = epochs_of_event(event)
+        r = monte_carlo_delta(epochs, epsilon, **self._options())
+        d, provable, notes = r.delta_upper, False, self._notes(r)
+        from dpfy.accounting.gaussian import gaussian_delta
+
+        fallback = float(gaussian_delta(_no_amplification_mu(epochs), epsilon))
+        if fallback <= d:
+            d, provable = fallback, True
+            notes = (*notes, NO_AMPLIFICATION_NOTE)
         return PrivacyResult(
             epsilon=float(epsilon),
-            delta=r.delta_upper,
+            delta=d,
             method=self.name,
             adjacency=event.adjacency_relation.value,
-            provable=False,
-            epsilon_estimate=None,
-            epsilon_lower=None,
-            error_probability=r.error_probability,
+            provable=provable,
+            error_probability=None if provable else r.error_probability,
             notes=(
-                *self._notes(r),
+                *notes,
                 f"delta estimate {r.delta_estimate:.6g}; certain lower bound {r.delta_lower:.6g}",
             ),
         )
+
+
+NO_AMPLIFICATION_NOTE = (
+    "the Monte Carlo bound was looser than the provable no-amplification bound (each example in "
+    "one batch per epoch: exact Gaussian composition; Balls-and-Bins is at least as private as "
+    "deterministic batching, Chua et al. 2025, Prop. 3.3), which is reported instead"
+)
+
+
+def _no_amplification_mu(epochs: Sequence[Epoch]) -> float:
+    return math.sqrt(sum(1.0 / e.noise_multiplier**2 for e in epochs))
+
+
+def _no_amplification_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
+    from dpfy.accounting.gaussian import gaussian_epsilon
+
+    return float(gaussian_epsilon(_no_amplification_mu(epochs), delta))
 
 
 register_accountant(MonteCarloAccountant(), auto=True)

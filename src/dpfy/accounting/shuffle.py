@@ -1,0 +1,246 @@
+"""The honest statement for shuffled and deterministic batches (DESIGN 4.4, guide Sec. 4.3).
+
+No amplification-by-shuffling bound for DP-SGD close to Poisson subsampling is known, and
+Chua et al. (2024a, "How private are DP-SGD implementations?", ICML) show shuffling can be far
+less private than Poisson accounting claims. So the ``shuffle`` accountant reports:
+
+* upper bound (provable): no amplification. Each example is in exactly one batch per epoch, so
+  E epochs are an adaptive composition of E Gaussian mechanisms: exactly mu-GDP with
+  mu = sqrt(E) / z (plus any plain Gaussians composed with it), converted exactly
+  (:mod:`dpfy.accounting.gaussian`). This assumes the other examples' batches do not depend on
+  the differing example, as under zero-out adjacency (it is replaced by a zero-weight
+  placeholder) -- the setting of Chua et al.; the guide (Sec. 2) treats zero-out and
+  add/remove as essentially equivalent.
+* lower bound (shuffle only): the pair of Chua et al. (2024a) that a shuffled run dominates.
+  With the non-differing examples' gradients -1 and the differing one +1 (vs. zeroed out), the
+  batch sums shifted by the batch size are
+      P_S = (1/T) sum_t N(2 e_t, z^2 I_T)   vs   Q_S = (1/T) sum_t N(e_t, z^2 I_T).
+  Any post-processing gives a lower bound; we use the bit 1{max_t x_t > c} per epoch (epochs
+  shuffle independently), whose counts are binomial, maximised over c and both directions.
+  For a deterministic run the same construction gives exactly the upper bound (tight).
+
+A Poisson RDP/PLD number for a shuffled run is refused by those accountants
+(``UnsupportedEventError``); the report can show it beside these bounds as what it is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from scipy import special, stats
+
+from dpfy import events as ev
+from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+from dpfy.accounting.gaussian import gaussian_delta, gaussian_epsilon
+
+__all__ = [
+    "ShuffleAccountant",
+    "no_amplification_mu",
+    "shuffle_lower_bound_delta",
+    "shuffle_lower_bound_epsilon",
+]
+
+UPPER_NOTE = (
+    "upper bound without amplification: each example is in one batch per epoch (exact Gaussian "
+    "composition, mu = sqrt(epochs)/z); assumes the other examples' batches do not depend on "
+    "the differing example (zero-out adjacency)"
+)
+LOWER_NOTE = (
+    "epsilon_lower: lower bound of Chua et al. (2024a) for shuffled batches (zero-out "
+    "adjacency); no tight upper bound with amplification is known for shuffling"
+)
+
+
+def _unsupported(event: ev.Event) -> str | None:
+    if isinstance(event, ev.Shuffled | ev.Deterministic | ev.Gaussian):
+        if event.adjacency_relation is ev.Adjacency.REPLACE_ONE:
+            return f"{type(event).__name__} with replace_one adjacency"
+        return None
+    if isinstance(event, ev.SelfComposed):
+        return _unsupported(event.event)
+    if isinstance(event, ev.Composed):
+        for e in event.events:
+            reason = _unsupported(e)
+            if reason is not None:
+                return reason
+        return None
+    return f"{type(event).__name__} is not a shuffled/deterministic run or a Gaussian"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Part:
+    kind: str  # "shuffle" or "gaussian" (a deterministic epoch is one Gaussian use)
+    noise_multiplier: float
+    steps: int
+
+
+def _parts(event: ev.Event) -> list[tuple[_Part, int]]:
+    """(part, count) pairs; a Deterministic epoch is a Gaussian with shift 1."""
+    if isinstance(event, ev.Shuffled):
+        return [(_Part("shuffle", event.noise_multiplier, event.steps_per_epoch), event.epochs)]
+    if isinstance(event, ev.Deterministic):
+        return [(_Part("gaussian", event.noise_multiplier, 1), event.epochs)]
+    if isinstance(event, ev.Gaussian):
+        return [(_Part("gaussian", event.noise_multiplier, 1), 1)]
+    if isinstance(event, ev.SelfComposed):
+        return [(p, k * event.count) for p, k in _parts(event.event)]
+    out: list[tuple[_Part, int]] = []
+    for e in event.events:
+        out.extend(_parts(e))
+    return out
+
+
+def _merge(parts: list[tuple[_Part, int]]) -> list[tuple[_Part, int]]:
+    counts: dict[_Part, int] = {}
+    for p, k in parts:
+        counts[p] = counts.get(p, 0) + k
+    return [(p, k) for p, k in counts.items() if k > 0]
+
+
+def no_amplification_mu(event: ev.Event) -> float:
+    """mu of the no-amplification bound: sqrt(sum over epochs and Gaussians of 1/z^2)."""
+    reason = _unsupported(event)
+    if reason is not None:
+        raise UnsupportedEventError(f"method='shuffle' cannot account this event: {reason}")
+    return math.sqrt(sum(k / p.noise_multiplier**2 for p, k in _parts(event)))
+
+
+def _bits(part: _Part, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(P(bit = 1), Q(bit = 1)) of one epoch for thresholds c = z s + shift."""
+    z, t = part.noise_multiplier, part.steps
+    if part.kind == "shuffle":
+        c = z * s + 1.5
+        log_rest = (t - 1) * special.log_ndtr(c / z)
+        log_p0 = special.log_ndtr((c - 2.0) / z) + log_rest
+        log_q0 = special.log_ndtr((c - 1.0) / z) + log_rest
+    else:
+        c = z * s + 0.5
+        log_p0 = special.log_ndtr((c - 1.0) / z)
+        log_q0 = special.log_ndtr(c / z)
+    return -np.expm1(log_p0), -np.expm1(log_q0)
+
+
+def _lower_on(parts: list[tuple[_Part, int]], epsilon: float, s: np.ndarray) -> np.ndarray:
+    dist_p = np.ones((1, len(s)))
+    dist_q = np.ones((1, len(s)))
+    for part, k in parts:
+        p1, q1 = _bits(part, s)
+        j = np.arange(k + 1)[:, None]
+        a = stats.binom.pmf(j, k, p1[None, :])
+        b = stats.binom.pmf(j, k, q1[None, :])
+        dist_p = _convolve(dist_p, a)
+        dist_q = _convolve(dist_q, b)
+    e = math.exp(min(epsilon, 700.0))
+    d1 = np.maximum(dist_p - e * dist_q, 0.0).sum(axis=0)
+    d2 = np.maximum(dist_q - e * dist_p, 0.0).sum(axis=0)
+    return np.maximum(d1, d2)
+
+
+def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.shape[0] == 1:
+        return b * a[0]
+    out = np.zeros((a.shape[0] + b.shape[0] - 1, a.shape[1]))
+    for i in range(b.shape[0]):
+        out[i : i + a.shape[0]] += a * b[i]
+    return out
+
+
+def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 513) -> float:
+    """A certain lower bound on delta(epsilon) of a shuffled/deterministic run (Chua et al. 2024a).
+
+    Example:
+      >>> e = ev.Shuffled(1.0, steps_per_epoch=100)
+      >>> 0.0 < shuffle_lower_bound_delta(e, 1.0) < 1.0
+      True
+    """
+    ev.check_range("epsilon", epsilon, 0.0, None)
+    reason = _unsupported(event)
+    if reason is not None:
+        raise UnsupportedEventError(f"method='shuffle' cannot account this event: {reason}")
+    parts = _merge(_parts(event))
+    z_max = max(p.noise_multiplier for p, _ in parts)
+    t_max = max(p.steps for p, _ in parts)
+    hi = max(10.0, z_max * epsilon + 8.0, math.sqrt(2.0 * math.log(t_max)) + 8.0)
+    s = np.linspace(-8.0, hi, grid)
+    vals = _lower_on(parts, epsilon, s)
+    i = int(np.argmax(vals))
+    fine = np.linspace(s[max(i - 1, 0)], s[min(i + 1, grid - 1)], 129)
+    return float(max(vals.max(), _lower_on(parts, epsilon, fine).max()))
+
+
+def shuffle_lower_bound_epsilon(event: ev.Event, delta: float) -> float:
+    """Largest epsilon certainly spent at ``delta`` (root of the lower-bound delta curve)."""
+    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if shuffle_lower_bound_delta(event, 0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while shuffle_lower_bound_delta(event, hi) > delta:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e4:
+            return math.inf
+    while hi - lo > 1e-6 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if shuffle_lower_bound_delta(event, mid) > delta:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _has_shuffle(event: ev.Event) -> bool:
+    return any(p.kind == "shuffle" for p, _ in _parts(event))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleAccountant:
+    """``shuffle``: no-amplification upper bound (provable) + Chua et al. lower bound."""
+
+    name: str = "shuffle"
+
+    def unsupported(self, event: ev.Event) -> str | None:
+        return _unsupported(event)
+
+    def _notes(self, event: ev.Event, mu: float) -> tuple[str, ...]:
+        notes = [f"{UPPER_NOTE}; mu = {mu:.6g}"]
+        if _has_shuffle(event):
+            notes.append(LOWER_NOTE)
+        else:
+            notes.append("deterministic batches: the lower bound equals the upper bound")
+        return tuple(notes)
+
+    def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
+        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        mu = no_amplification_mu(event)
+        upper = float(gaussian_epsilon(mu, delta))
+        lower = shuffle_lower_bound_epsilon(event, delta) if _has_shuffle(event) else upper
+        return PrivacyResult(
+            epsilon=upper,
+            delta=float(delta),
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            provable=True,
+            epsilon_lower=min(lower, upper),
+            notes=self._notes(event, mu),
+        )
+
+    def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
+        ev.check_range("epsilon", epsilon, 0.0, None)
+        mu = no_amplification_mu(event)
+        upper = float(gaussian_delta(mu, epsilon))
+        notes = self._notes(event, mu)
+        if _has_shuffle(event):
+            low = min(shuffle_lower_bound_delta(event, epsilon), upper)
+            notes = (*notes, f"delta lower bound (Chua et al. 2024a): {low:.6g}")
+        return PrivacyResult(
+            epsilon=float(epsilon),
+            delta=upper,
+            method=self.name,
+            adjacency=event.adjacency_relation.value,
+            provable=True,
+            notes=notes,
+        )
+
+
+register_accountant(ShuffleAccountant(), auto=True)
