@@ -114,6 +114,18 @@ def test_write_ahead_entry_is_on_disk_before_return(tmp_path, monkeypatch):
     last = path.read_text().splitlines()[-1]
     assert json.loads(last)["type"] == "sum_query"
     assert len(synced) == before + 1
+    # Several queries of one sample: all on disk, one fsync.
+    ledger.record_sum_queries(sid, [(1.0, 2.0, "a"), (0.5, 1.0, "b")])
+    assert [json.loads(x)["name"] for x in path.read_text().splitlines()[-2:]] == ["a", "b"]
+    assert len(synced) == before + 2
+    with pytest.raises(ValueError, match="noise_std must be in"):
+        ledger.record_sum_queries(sid, [(1.0, 2.0, "ok"), (1.0, math.nan, "bad")])
+    assert len(_sum_queries(ledger)) == 3  # nothing of the rejected batch was written
+
+
+def test_import_needs_no_torch():
+    code = "import sys, dpfy.ledger; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_resume_appends_and_keeps_ids_unique(tmp_path):

@@ -303,6 +303,9 @@ class Ledger:
         self._ends_truncated = False
         self._entries: list[Record] = []
         self._samples: dict[int, SampleRecord] = {}
+        self._ratio: dict[int, float] = {}  # sample -> sum_j S_j^2 / s_j^2 (McMahan Eq. 1)
+        self._nonprivate: dict[int, str] = {}  # sample -> first reason it is not private
+        self._spec_cache: dict[tuple, SampleSpec] = {}
         self._next_id = 0
         self._lock = threading.Lock()
         self._file = None
@@ -325,13 +328,16 @@ class Ledger:
             self._write({"type": "resume", "truncated_previous": False}, sync=True)
 
     def _write(self, obj: dict[str, Any], *, sync: bool) -> None:
+        # sync=False entries (samples, metadata) may stay buffered: they release nothing, and
+        # the next synced entry flushes them first (one file, in order).
         if self._file is None:
             return
         line = json.dumps(obj, separators=(",", ":"), allow_nan=False)
         self._file.write(line + "\n")
-        self._file.flush()
-        if sync and self.fsync:
-            os.fsync(self._file.fileno())
+        if sync:
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
 
     def _append(self, record: Record, *, sync: bool) -> None:
         if self.read_only:
@@ -343,9 +349,21 @@ class Ledger:
 
     def _add(self, record: Record) -> None:
         self._entries.append(record)
-        if isinstance(record, SampleRecord):
+        if isinstance(record, SumQueryRecord):
+            sid, sens, std = record.sample_id, record.sensitivity, record.noise_std
+            if sens == 0.0:
+                pass  # nothing data-dependent released
+            elif std == 0.0:
+                self._nonprivate.setdefault(
+                    sid, f"{record.name or 'sum query'}: released without noise"
+                )
+            else:
+                self._ratio[sid] = self._ratio.get(sid, 0.0) + (sens / std) ** 2
+        elif isinstance(record, SampleRecord):
             self._samples[record.sample_id] = record
             self._next_id = max(self._next_id, record.sample_id + 1)
+        elif isinstance(record, NonPrivateRecord) and record.sample_id is not None:
+            self._nonprivate.setdefault(record.sample_id, f"{record.name}: {record.reason}")
 
     def record_sample(self, spec: SampleSpec, *, epoch: int = 0, step: int | None = None) -> int:
         """Record that a batch was drawn with ``spec``; returns its ``sample_id``.
@@ -358,9 +376,9 @@ class Ledger:
         """
         if not isinstance(spec, SampleSpec):
             raise ValueError(f"spec must be a dpfy.ledger.SampleSpec, got spec={spec!r}")
-        ev.check_range("epoch", epoch, 0, None, integer=True)
+        _check_count("epoch", epoch)
         if step is not None:
-            ev.check_range("step", step, 0, None, integer=True)
+            _check_count("step", step)
             step = int(step)
         with self._lock:
             sid = self._next_id
@@ -382,12 +400,32 @@ class Ledger:
             0 with a positive sensitivity makes the ledger non-private.
           name: label (e.g. the parameter group), informative.
         """
-        ev.check_range("sensitivity", sensitivity, 0.0, math.inf, high_open=True)
-        ev.check_range("noise_std", noise_std, 0.0, math.inf, high_open=True)
+        _check_finite_nonneg("sensitivity", sensitivity)
+        _check_finite_nonneg("noise_std", noise_std)
         with self._lock:
             self._check_sample(sample_id)
             record = SumQueryRecord(int(sample_id), float(sensitivity), float(noise_std), str(name))
             self._append(record, sync=True)
+
+    def record_sum_queries(
+        self, sample_id: int, queries: Sequence[tuple[float, float, str]]
+    ) -> None:
+        """Record several sum queries of one sample with a single fsync (write-ahead).
+
+        Same as calling :meth:`record_sum_query` for each ``(sensitivity, noise_std, name)``,
+        but all entries are validated first and made durable together before returning.
+        """
+        records = []
+        for item in queries:
+            sensitivity, noise_std, name = item
+            _check_finite_nonneg("sensitivity", sensitivity)
+            _check_finite_nonneg("noise_std", noise_std)
+            records.append((float(sensitivity), float(noise_std), str(name)))
+        with self._lock:
+            self._check_sample(sample_id)
+            for i, (sens, std, name) in enumerate(records):
+                last = i == len(records) - 1
+                self._append(SumQueryRecord(int(sample_id), sens, std, name), sync=last)
 
     def record_non_private(self, sample_id: int | None, *, name: str, reason: str) -> None:
         """Record (write-ahead) a release without privacy: the ledger's epsilon becomes inf.
@@ -420,9 +458,12 @@ class Ledger:
             )
 
     def close(self) -> None:
-        """Close the file (entries are already durable); further appends raise."""
+        """Flush and close the file; further appends raise."""
         with self._lock:
             if self._file is not None:
+                self._file.flush()
+                if self.fsync:
+                    os.fsync(self._file.fileno())
                 self._file.close()
                 self._file = None
             self.read_only = True
@@ -486,13 +527,14 @@ class Ledger:
             sid = obj["sample_id"]
             if not isinstance(sid, int) or sid in self._samples:
                 raise ValueError(f"sample_id must be a new integer, got sample_id={sid!r}")
-            self._add(
-                SampleRecord(sid, SampleSpec.from_dict(obj["spec"]), obj["epoch"], obj.get("step"))
-            )
+            _check_count("epoch", obj["epoch"])
+            if obj.get("step") is not None:
+                _check_count("step", obj["step"])
+            self._add(SampleRecord(sid, self._spec(obj["spec"]), obj["epoch"], obj.get("step")))
         elif kind == "sum_query":
             self._check_sample(obj["sample_id"])
-            ev.check_range("sensitivity", obj["sensitivity"], 0.0, math.inf, high_open=True)
-            ev.check_range("noise_std", obj["noise_std"], 0.0, math.inf, high_open=True)
+            _check_finite_nonneg("sensitivity", obj["sensitivity"])
+            _check_finite_nonneg("noise_std", obj["noise_std"])
             self._add(
                 SumQueryRecord(
                     obj["sample_id"],
@@ -513,6 +555,15 @@ class Ledger:
             pass
         else:
             raise ValueError(f"unknown entry type {kind!r}")
+
+    def _spec(self, data: dict[str, Any]) -> SampleSpec:
+        if not isinstance(data, dict):
+            raise ValueError(f"spec must be an object, got {data!r}")
+        key = tuple(sorted(data.items()))
+        spec = self._spec_cache.get(key)
+        if spec is None:
+            spec = self._spec_cache[key] = SampleSpec.from_dict(data)
+        return spec
 
     def _recover_truncated(self, line: str, where: str) -> None:
         self.truncated_lines += 1
@@ -579,23 +630,12 @@ class Ledger:
         ``0.0`` marks a non-private sample (a non-private entry, or zero noise with a positive
         sensitivity); samples that released nothing data-dependent are omitted.
         """
-        sens: dict[int, list[float]] = {}
-        stds: dict[int, list[float]] = {}
-        nonprivate: set[int] = set()
-        for r in self._entries:
-            if isinstance(r, SumQueryRecord):
-                sens.setdefault(r.sample_id, []).append(r.sensitivity)
-                stds.setdefault(r.sample_id, []).append(r.noise_std)
-            elif isinstance(r, NonPrivateRecord) and r.sample_id is not None:
-                nonprivate.add(r.sample_id)
         out: dict[int, float] = {}
         for sid in self._samples:
-            if sid in nonprivate:
+            if sid in self._nonprivate:
                 out[sid] = 0.0
-            elif sid in sens:
-                z = effective_noise_multiplier(sens[sid], stds[sid])
-                if z != math.inf:
-                    out[sid] = z
+            elif sid in self._ratio:
+                out[sid] = 1.0 / math.sqrt(self._ratio[sid])
         return out
 
     # -- accounting -------------------------------------------------------------------------
@@ -621,10 +661,10 @@ class Ledger:
         """
         _ = self.unit  # one unit of privacy per ledger
         zs = self.noise_multipliers()
-        reasons = self._nonprivate_reasons()
+        reasons = self._nonprivate
         units: list[tuple[Any, ...]] = []  # (key, z, count); key identifies the spec / reason
         epoch_units: dict[tuple[SampleSpec, int], int] = {}
-        for rec in self.samples:
+        for rec in self._samples.values():
             spec = rec.spec
             if spec.sampler in _EPOCH_SAMPLERS:
                 key = (spec, rec.epoch)
@@ -685,15 +725,6 @@ class Ledger:
         )
         return out[0] if len(out) == 1 else ev.Composed(tuple(out))
 
-    def _nonprivate_reasons(self) -> dict[int, str]:
-        reasons: dict[int, str] = {}
-        for r in self._entries:
-            if isinstance(r, NonPrivateRecord) and r.sample_id is not None:
-                reasons.setdefault(r.sample_id, f"{r.name}: {r.reason}")
-            elif isinstance(r, SumQueryRecord) and r.noise_std == 0.0 and r.sensitivity > 0.0:
-                reasons.setdefault(r.sample_id, f"{r.name or 'sum query'}: released without noise")
-        return reasons
-
     def epsilon(self, delta: float, method: Any = "auto") -> Any:
         """Account the ledger: ``dpfy.accounting.epsilon(self.to_event(), delta, method)``.
 
@@ -713,6 +744,18 @@ class Ledger:
                 notes=("the ledger contains a non-private release: no finite epsilon holds",),
             )
         return accounting.epsilon(event, delta, method)
+
+
+def _check_finite_nonneg(name: str, value: Any) -> None:
+    if type(value) in (float, int) and 0.0 <= value < math.inf:
+        return
+    ev.check_range(name, value, 0.0, math.inf, high_open=True)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if type(value) is int and value >= 0:
+        return
+    ev.check_range(name, value, 0, None, integer=True)
 
 
 def _run_event(key: tuple[str, Any], z: float, count: int) -> ev.Event:

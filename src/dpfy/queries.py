@@ -586,10 +586,10 @@ class NestedQuery:
         _check_release_args(ledger, randomness)
         names = list(_flatten(clipped_sum))
         _check_partition(self.groups, names)
-        for g, s in self.specs.items():
-            ledger.record_sum_query(
-                sample_id, sensitivity=s.clip_norm, noise_std=s.noise_std, name=f"{self.name}/{g}"
-            )
+        ledger.record_sum_queries(
+            sample_id,
+            [(s.clip_norm, s.noise_std, f"{self.name}/{g}") for g, s in self.specs.items()],
+        )
         stds = {n: self.specs[g].noise_std for g, ns in self.groups.items() for n in ns}
         return _noisy(clipped_sum, stds, randomness)
 
@@ -822,9 +822,9 @@ class AdaptiveClipQuery:
         """Record both releases (write-ahead), noise the sum and the count, update C."""
         _check_release_args(ledger, randomness)
         (s, sd), (cs, csd) = self.privacy_tuples()
-        ledger.record_sum_query(sample_id, sensitivity=s, noise_std=sd, name=f"{self.name}/sum")
-        ledger.record_sum_query(
-            sample_id, sensitivity=cs, noise_std=csd, name=f"{self.name}/unclipped_count"
+        ledger.record_sum_queries(
+            sample_id,
+            [(s, sd, f"{self.name}/sum"), (cs, csd, f"{self.name}/unclipped_count")],
         )
         noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness)
         noisy_centred = self.pending_centred_count() + float(randomness.normal(1, csd)[0])
