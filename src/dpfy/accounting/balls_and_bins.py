@@ -74,6 +74,8 @@ __all__ = [
     "balls_and_bins_delta",
     "balls_and_bins_epsilon",
     "default_orders",
+    "default_samples",
+    "block_log_sums",
 ]
 
 Method = Literal["auto", "plain", "importance", "order_statistics"]
@@ -403,12 +405,28 @@ def _importance_add(z, steps, n, eps0, rng, chunk):
     return out, p_e
 
 
+def block_log_sums(scaled: np.ndarray, orders: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pathwise bounds on ``log sum_t exp(v_t)`` from the order statistics of n values v_t.
+
+    ``scaled[:, i]`` is the ``orders[i]``-th largest value (orders k_1 = 1 < ... < k_m = n).
+    Upper: each block [k_i, k_{i+1}) is at most its first value (Chua et al. 2025, Eq. 4);
+    lower: each block (k_{i-1}, k_i] is at least its last value (Eq. 5). Returns (upper, lower).
+    """
+    k = np.asarray(orders, dtype=np.int64)
+    if k[0] != 1 or k[-1] != n or np.any(np.diff(k) <= 0):
+        raise ValueError(f"orders must increase from 1 to n={n}, got orders={k!r}")
+    upper_w = np.log(np.diff(np.concatenate((k, [n + 1]))).astype(float))
+    lower_w = np.log(np.diff(np.concatenate(([0], k))).astype(float))
+    return _log_sum_exp_rows(scaled + upper_w), _log_sum_exp_rows(scaled + lower_w)
+
+
 def _order_statistic_losses(z, steps, n, rng, chunk, orders):
     """Pessimistic (remove, add) losses from order statistics of the T - 1 unshifted coordinates.
 
-    With g_(1) >= g_(2) >= ... the k-th largest of T - 1 standard normals, and blocks
-    [k_i, k_{i+1}) of the orders: sum_t e^{g_t/z} <= sum_i (k_{i+1} - k_i) e^{g_(k_i)/z} (upper,
-    k_1 = 1) and >= sum_i (k_i - k_{i-1}) e^{g_(k_i)/z} (lower, k_0 = 0, k_m = T - 1).
+    The k-th largest of T - 1 standard normals is -Phi^-1(U_(k)) with U_(k) the k-th smallest of
+    T - 1 uniforms, drawn jointly as exponential spacings U_(k) = G_k / G_T (Gamma partial
+    sums; equivalent to the Beta recursion of Chua et al., Alg. 6). :func:`block_log_sums`
+    bounds the sum above (remove direction) and below (add direction).
     """
     rem = np.empty(n)
     add = np.empty(n)
@@ -417,22 +435,17 @@ def _order_statistic_losses(z, steps, n, rng, chunk, orders):
     log_t = math.log(steps)
     n_rest = steps - 1
     k = np.asarray(orders, dtype=np.int64)
-    gaps = np.diff(np.concatenate(([0], k)))  # k_i - k_{i-1}
-    upper_w = np.log(np.diff(np.concatenate((k, [n_rest + 1]))).astype(float))  # k_{i+1} - k_i
-    lower_w = np.log(gaps.astype(float))
-    tail = n_rest + 1 - k[-1]
+    gaps = np.diff(np.concatenate(([0], k))).astype(float)  # k_i - k_{i-1}
+    tail = float(n_rest + 1 - k[-1])
     rows = max(1, chunk // (len(k) + 1))
     for start in range(0, n, rows):
         m = min(rows, n - start)
-        # Exponential spacings: the ascending uniforms U_(k) = G_k / G_{n+1}, G Gamma sums.
-        inc = rng.standard_gamma(np.broadcast_to(gaps.astype(float), (m, len(k))))
+        inc = rng.standard_gamma(np.broadcast_to(gaps, (m, len(k))))
         cum = np.cumsum(inc, axis=1)
-        total = cum[:, -1] + rng.standard_gamma(float(tail), m)
-        w = cum / total[:, None]  # ascending uniforms = upper-tail probabilities of the maxima
-        a = -special.ndtri(w) * inv_z  # k-th largest normal, divided by z
+        total = cum[:, -1] + rng.standard_gamma(tail, m)
+        a = -special.ndtri(cum / total[:, None]) * inv_z  # k-th largest normal, over z
         g1 = rng.standard_normal(m) * inv_z
-        up = _log_sum_exp_rows(a + upper_w)
-        low = _log_sum_exp_rows(a + lower_w)
+        up, low = block_log_sums(a, k, n_rest)
         rem[start : start + m] = np.logaddexp(g1 + 2 * c, up) - c - log_t
         add[start : start + m] = -(np.logaddexp(g1, low) - c - log_t)
     return rem, add
