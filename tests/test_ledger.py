@@ -228,6 +228,18 @@ def test_resume_after_truncation_marks_the_cut_line(tmp_path):
     assert [r.sample_id for r in _sum_queries(again)] == [0, 1]
 
 
+def test_resume_after_a_complete_line_without_newline(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _ledger_with(POISSON, [1.0], path=path).close()
+    path.write_text(path.read_text().rstrip("\n"))
+    resumed = Ledger(path)
+    resumed.record_sum_query(resumed.record_sample(POISSON), sensitivity=2.0, noise_std=2.0)
+    resumed.close()
+    assert Ledger.load(path).to_event() == ev.SelfComposed(
+        ev.PoissonSampled(0.01, ev.Gaussian(1.0)), 2
+    )
+
+
 _WRITER = """
 import sys
 from dpfy.ledger import Ledger, SampleSpec

@@ -320,12 +320,12 @@ class Ledger:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with self
         if not existing:
             self._write({"type": "header", "format": FORMAT, "version": VERSION}, sync=True)
-        elif self.truncated_lines and self._ends_truncated:
-            # Terminate the cut line and mark it, so later loads know it is not corruption.
-            self._file.write("\n")
-            self._write({"type": "resume", "truncated_previous": True}, sync=True)
         else:
-            self._write({"type": "resume", "truncated_previous": False}, sync=True)
+            if self._ends_truncated:
+                # Terminate the cut line; the marker tells later loads it is not corruption.
+                self._file.write("\n")
+            cut = bool(self.truncated_lines and self._ends_truncated)
+            self._write({"type": "resume", "truncated_previous": cut}, sync=True)
 
     def _write(self, obj: dict[str, Any], *, sync: bool) -> None:
         # sync=False entries (samples, metadata) may stay buffered: they release nothing, and
