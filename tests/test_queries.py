@@ -306,6 +306,8 @@ def test_structure_and_validation():
         nested.clip_weights({"z": torch.ones(3)})
     with pytest.raises(ValueError, match="noise_multiplier must be in"):
         GaussianSumQuery(1.0, 0.0)
+    with pytest.raises(ValueError, match=r"mask must be in \[0, 1\]"):
+        GaussianSumQuery(1.0, 1.0).clip_weights(torch.ones(2), mask=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="count_noise_std must be in"):
         AdaptiveClipQuery(1.0, 2.0, expected_batch_size=10.0, count_noise_std=0.5)
     with pytest.raises(ValueError, match="ledger must be"):

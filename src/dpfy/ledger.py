@@ -306,6 +306,7 @@ class Ledger:
         self._ratio: dict[int, float] = {}  # sample -> sum_j S_j^2 / s_j^2 (McMahan Eq. 1)
         self._nonprivate: dict[int, str] = {}  # sample -> first reason it is not private
         self._spec_cache: dict[tuple, SampleSpec] = {}
+        self._event_cache: tuple[int, ev.Event] | None = None
         self._next_id = 0
         self._lock = threading.Lock()
         self._file = None
@@ -659,6 +660,14 @@ class Ledger:
         Raises:
           ValueError: mixed units of privacy.
         """
+        cached = self._event_cache
+        if cached is not None and cached[0] == len(self._entries):
+            return cached[1]
+        event = self._build_event()
+        self._event_cache = (len(self._entries), event)
+        return event
+
+    def _build_event(self) -> ev.Event:
         _ = self.unit  # one unit of privacy per ledger
         zs = self.noise_multipliers()
         reasons = self._nonprivate

@@ -219,6 +219,10 @@ def _mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     m = torch.as_tensor(mask, device=like.device).to(torch.float64)
     if m.shape != like.shape:
         raise ValueError(f"mask must have shape {tuple(like.shape)}, got {tuple(m.shape)}")
+    if not bool(((m >= 0) & (m <= 1)).all()):
+        # A weight above 1 would scale an example past the clip norm (more sensitivity).
+        bad = m[~((m >= 0) & (m <= 1))][0].item()
+        raise ValueError(f"mask must be in [0, 1], got mask value {bad!r}")
     return m
 
 
