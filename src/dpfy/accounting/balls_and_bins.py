@@ -517,6 +517,9 @@ class MonteCarloEstimate:
       epsilon_lower / delta_lower: the certain (analytic) lower bound.
       direction: the adjacency direction attaining the maximum ("remove" or "add").
       samples, method, error_probability, seconds: how it was computed.
+      direction_estimates: delta estimates (remove, add) at the reported epsilon.
+      direction_scales: (remove, add) probability of the importance-sampling event (1 if none);
+        each direction's estimate is that scale times a mean of [0, 1]-valued samples.
     """
 
     epsilon_upper: float
@@ -530,6 +533,8 @@ class MonteCarloEstimate:
     method: str
     error_probability: float
     seconds: float
+    direction_estimates: tuple[float, float] = (math.nan, math.nan)
+    direction_scales: tuple[float, float] = (1.0, 1.0)
 
 
 class _Losses:
@@ -558,6 +563,11 @@ class _Losses:
             if ub > best[1]:
                 best = (w * m, ub, d)
         return est_max, best[1], best[2]
+
+    def by_direction(self, epsilon: float) -> tuple[tuple[float, float], tuple[float, float]]:
+        """((remove, add) estimates, (remove, add) importance scales) at epsilon."""
+        est = tuple(self.weights[d] * self.mean(d, epsilon) for d in _DIRECTIONS)
+        return est, tuple(self.weights[d] for d in _DIRECTIONS)  # type: ignore[return-value]
 
 
 def _smallest_epsilon(fn, delta: float, lo: float, hi: float) -> float:
@@ -737,6 +747,7 @@ def monte_carlo_delta(
         progress=progress,
     )
     est, ub, direction = losses.delta(float(epsilon), error_probability)
+    by_dir, scales = losses.by_direction(float(epsilon))
     low = lower_bound_delta(epochs, float(epsilon))
     return MonteCarloEstimate(
         epsilon_upper=float(epsilon),
@@ -750,6 +761,8 @@ def monte_carlo_delta(
         method=mode,
         error_probability=error_probability,
         seconds=time.perf_counter() - t0,
+        direction_estimates=by_dir,
+        direction_scales=scales,
     )
 
 
@@ -799,7 +812,8 @@ def monte_carlo_epsilon(
         lambda e: losses.delta(e, error_probability)[0], delta, threshold, top
     )
     at = eps_up if math.isfinite(eps_up) else top
-    est_d, ub_d, direction = losses.delta(at, error_probability)
+    _, _, direction = losses.delta(at, error_probability)
+    by_dir, scales = losses.by_direction(at)
     return MonteCarloEstimate(
         epsilon_upper=eps_up,
         epsilon_estimate=eps_est,
@@ -812,6 +826,8 @@ def monte_carlo_epsilon(
         method=mode,
         error_probability=error_probability,
         seconds=time.perf_counter() - t0,
+        direction_estimates=by_dir,
+        direction_scales=scales,
     )
 
 
