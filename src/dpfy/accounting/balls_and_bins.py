@@ -169,14 +169,37 @@ def kl_upper_bound(mean: float | np.ndarray, n: int, error_probability: float) -
     """
     ev.check_range("n", n, 1, None, integer=True)
     ev.check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
-    m = np.clip(np.asarray(mean, dtype=float), 0.0, 1.0)
     target = math.log(1.0 / error_probability) / n
+    if np.ndim(mean) == 0:
+        return np.asarray(_kl_ucb_scalar(float(mean), target))
+    m = np.clip(np.asarray(mean, dtype=float), 0.0, 1.0)
     lo, hi = m.copy(), np.ones_like(m)
     for _ in range(100):  # bisection to ~1e-30 relative; kl(m||q) increases in q >= m
         mid = 0.5 * (lo + hi)
         ok = _bernoulli_kl(m, mid) <= target
         lo = np.where(ok, mid, lo)
         hi = np.where(ok, hi, mid)
+    return hi
+
+
+def _kl_ucb_scalar(m: float, target: float) -> float:
+    m = min(max(m, 0.0), 1.0)
+    if m >= 1.0:
+        return 1.0
+
+    def kl(q: float) -> float:
+        a = m * (math.log(m) - math.log(q)) if m > 0 else 0.0
+        return a + (1 - m) * (math.log1p(-m) - math.log1p(-q))
+
+    lo, hi = m, 1.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid <= lo or mid >= hi:
+            break
+        if kl(mid) <= target:
+            lo = mid
+        else:
+            hi = mid
     return hi
 
 
@@ -551,6 +574,10 @@ class _Losses:
         v = v[v > epsilon]
         return float(np.sum(-np.expm1(epsilon - v)) / self.n)
 
+    def estimate(self, epsilon: float) -> float:
+        """Point estimate of delta at epsilon (maximum over directions)."""
+        return max(self.weights[d] * self.mean(d, epsilon) for d in _DIRECTIONS)
+
     def delta(self, epsilon: float, error_probability: float) -> tuple[float, float, str]:
         """(estimate, upper bound, direction of the upper bound) of delta at epsilon."""
         best = (-1.0, -1.0, "remove")
@@ -808,9 +835,7 @@ def monte_carlo_epsilon(
     eps_up = _smallest_epsilon(
         lambda e: losses.delta(e, error_probability)[1], delta, threshold, top
     )
-    eps_est = _smallest_epsilon(
-        lambda e: losses.delta(e, error_probability)[0], delta, threshold, top
-    )
+    eps_est = _smallest_epsilon(losses.estimate, delta, threshold, top)
     at = eps_up if math.isfinite(eps_up) else top
     _, _, direction = losses.delta(at, error_probability)
     by_dir, scales = losses.by_direction(at)
