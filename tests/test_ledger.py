@@ -294,6 +294,9 @@ def test_grouping_follows_mcmahan_equation_1(pairs):
 
 
 def test_effective_noise_multiplier_limits():
+    assert effective_noise_multiplier([1.0, 0.5], [1.2, 0.9]) == pytest.approx(
+        (1.0 / 1.2**2 + 0.5**2 / 0.9**2) ** -0.5, rel=1e-15
+    )
     assert effective_noise_multiplier([0.0, 0.0], [1.0, 0.0]) == math.inf
     assert effective_noise_multiplier([1.0, 1.0], [1.0, 0.0]) == 0.0
     assert effective_noise_multiplier([3.0], [6.0]) == 2.0
@@ -390,18 +393,41 @@ def test_non_private_ledger_reports_infinite_epsilon():
     assert ledger.epsilon(1e-5).epsilon == math.inf
 
 
-def test_accounting_the_ledger_equals_accounting_the_event():
-    import dpfy.accounting.rdp  # noqa: F401 - registers the "rdp" accountant
+_Z = effective_noise_multiplier([1.0, 0.5], [1.2, 0.9])  # McMahan Eq. 1 (checked above)
+
+
+@pytest.mark.parametrize(
+    ("spec", "direct", "method"),
+    [
+        (POISSON, ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(_Z)), 20), "rdp"),
+        (POISSON, ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(_Z)), 20), "pld"),
+        (
+            SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01, max_batch_size=30),
+            ev.TruncatedPoisson(0.01, _Z, 20, 1000, 30),
+            "rdp",
+        ),
+        (SampleSpec("full_batch"), ev.SelfComposed(ev.Gaussian(_Z), 20), "gaussian"),
+        (
+            SampleSpec("fixed_size", batch_size=10, dataset_size=1000),
+            ev.SelfComposed(ev.FixedSizeSampled(10, 1000, ev.Gaussian(_Z)), 20),
+            "rdp",
+        ),
+        (SampleSpec("deterministic", steps_per_epoch=10), ev.Deterministic(_Z, 10, 2), "gaussian"),
+        (SampleSpec("shuffle", steps_per_epoch=10), ev.Shuffled(_Z, 10, 2), "shuffle"),
+    ],
+    ids=["poisson-rdp", "poisson-pld", "truncated-rdp", "full-gaussian", "fixed-rdp",
+         "deterministic-gaussian", "shuffle-shuffle"],
+)
+def test_accounting_the_ledger_equals_accounting_the_event(spec, direct, method):
     from dpfy.accounting import epsilon
 
     ledger = Ledger()
-    for step in range(50):
-        sid = ledger.record_sample(POISSON, step=step)
+    for step in range(20):
+        sid = ledger.record_sample(spec, epoch=step // 10, step=step)
         ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.2, name="layer1")
         ledger.record_sum_query(sid, sensitivity=0.5, noise_std=0.9, name="layer2")
-    z = (1.0 / 1.2**2 + 0.5**2 / 0.9**2) ** -0.5
-    direct = ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(z)), 50)
-    got = ledger.epsilon(1e-5, method="rdp")
-    want = epsilon(direct, 1e-5, method="rdp")
+    assert ledger.to_event() == direct
+    got = ledger.epsilon(1e-5, method=method)
+    want = epsilon(direct, 1e-5, method=method)
     assert got.epsilon == pytest.approx(want.epsilon, rel=1e-12, abs=1e-12)
     assert 0 < got.epsilon < math.inf
