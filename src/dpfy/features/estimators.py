@@ -89,30 +89,68 @@ class _Params:
 
 try:  # scikit-learn is a dev/test dependency; derive from it only when it is there
     from sklearn.base import BaseEstimator, ClassifierMixin
+    from sklearn.exceptions import DataConversionWarning, NotFittedError
 
     _BASES: tuple[type, ...] = (ClassifierMixin, BaseEstimator)
 except ImportError:  # pragma: no cover - exercised only without scikit-learn
     _BASES = (_Params,)
 
+    class NotFittedError(ValueError, AttributeError):
+        """The estimator is used before ``fit``."""
+
+    class DataConversionWarning(UserWarning):
+        """A column-vector ``y`` was flattened."""
+
 
 def _features(X) -> torch.Tensor:
+    if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
+        raise TypeError("sparse input is not supported; pass a dense array (X.toarray())")
     if isinstance(X, torch.Tensor):
+        if X.is_complex():
+            raise ValueError("Complex data not supported")
         t = X.detach().to("cpu", torch.float64)
     else:
-        t = torch.as_tensor(np.asarray(X, dtype=np.float64))
+        a = np.asarray(X)
+        if np.iscomplexobj(a):
+            raise ValueError("Complex data not supported")
+        t = torch.as_tensor(np.asarray(a, dtype=np.float64))
     if t.ndim != 2:
-        raise ValueError(f"X must be 2-d [n_samples, n_features], got shape {tuple(t.shape)}")
+        raise ValueError(
+            f"Expected a 2-d array [n_samples, n_features], got shape {tuple(t.shape)}. Reshape "
+            "your data with X.reshape(-1, 1) for one feature or X.reshape(1, -1) for one sample."
+        )
+    if t.shape[0] == 0:
+        raise ValueError(
+            f"Found array with 0 sample(s) (shape={tuple(t.shape)}) while a minimum of 1 is "
+            "required."
+        )
+    if t.shape[1] == 0:
+        raise ValueError(
+            f"Found array with 0 feature(s) (shape={tuple(t.shape)}) while a minimum of 1 is "
+            "required."
+        )
     if not bool(torch.isfinite(t).all()):
-        raise ValueError("X must contain only finite values")
+        raise ValueError("Input X contains NaN or infinity")
     return t
 
 
 def _labels(y) -> np.ndarray:
+    if y is None:
+        raise ValueError("this estimator requires y to be passed, but the target y is None")
     if isinstance(y, torch.Tensor):
         y = y.detach().cpu().numpy()
     y = np.asarray(y)
+    if y.ndim == 2 and y.shape[1] == 1:
+        import warnings
+
+        warnings.warn("A column-vector y was passed when a 1d array was expected; it is "
+                      "flattened to shape (n_samples,).",
+                      DataConversionWarning, stacklevel=3)
+        y = y.ravel()
     if y.ndim != 1:
         raise ValueError(f"y must be 1-d class labels, got shape {y.shape}")
+    if y.dtype.kind == "f" and np.any(y != np.round(y)):
+        raise ValueError("Unknown label type: continuous (classification needs class labels)")
     return y
 
 
@@ -154,7 +192,7 @@ class _DPFeatureClassifier(*_BASES):
         if np.any(idx >= len(classes)) or np.any(classes[np.minimum(idx, len(classes) - 1)] != yy):
             raise ValueError("y holds a label that is not in classes")
         if len(classes) < 2:
-            raise ValueError(f"at least 2 classes are needed, got {len(classes)}")
+            raise ValueError("y holds only 1 class (one class); at least 2 are needed")
         self.classes_ = classes
         self.n_features_in_ = x.shape[1]
         return x, torch.as_tensor(idx, dtype=torch.long)
@@ -177,21 +215,62 @@ class _DPFeatureClassifier(*_BASES):
     def _clip_for_predict(self) -> float | None:
         return None
 
-    def decision_function(self, X) -> np.ndarray:
-        """Scores ``[n, n_classes]`` of (clipped, if the model was trained so) features."""
+    def _scores(self, X) -> np.ndarray:
         if not hasattr(self, "coef_"):
-            raise AttributeError(f"{type(self).__name__} is not fitted yet; call fit first")
+            raise NotFittedError(
+                f"This {type(self).__name__} instance is not fitted yet. Call 'fit' first."
+            )
         x = _features(X)
         if x.shape[1] != self.n_features_in_:
-            raise ValueError(f"X has {x.shape[1]} features, expected {self.n_features_in_}")
+            raise ValueError(
+                f"X has {x.shape[1]} features, but {type(self).__name__} is expecting "
+                f"{self.n_features_in_} features as input."
+            )
         clip = self._clip_for_predict()
         if clip is not None:
             x = clip_rows(x, clip)
         return (x @ torch.as_tensor(self.coef_).T).numpy()
 
+    def decision_function(self, X) -> np.ndarray:
+        """Scores ``[n, n_classes]``; for two classes ``[n]`` (positive: ``classes_[1]``)."""
+        s = self._scores(X)
+        return s[:, 1] - s[:, 0] if s.shape[1] == 2 else s
+
     def predict(self, X) -> np.ndarray:
         """Most likely class of each row."""
-        return self.classes_[np.argmax(self.decision_function(X), axis=1)]
+        best = np.argmax(self._scores(X), axis=1)
+        return self.classes_[best]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if isinstance(state.get("ledger_"), Ledger):  # holds a lock; pickle its records
+            state["ledger_"] = list(state["ledger_"].entries)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        records = state.get("ledger_")
+        if isinstance(records, list):
+            state["ledger_"] = _ledger_from_records(records)
+        self.__dict__.update(state)
+
+
+def _ledger_from_records(records: list[Any]) -> Ledger:
+    """Rebuild an in-memory ledger by replaying its records through the public API."""
+    from dpfy.ledger import MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
+
+    ledger, ids = Ledger(), {}
+    for r in records:
+        if isinstance(r, SampleRecord):
+            ids[r.sample_id] = ledger.record_sample(r.spec, epoch=r.epoch, step=r.step)
+        elif isinstance(r, SumQueryRecord):
+            ledger.record_sum_query(ids[r.sample_id], sensitivity=r.sensitivity,
+                                    noise_std=r.noise_std, name=r.name)
+        elif isinstance(r, NonPrivateRecord):
+            sid = None if r.sample_id is None else ids[r.sample_id]
+            ledger.record_non_private(sid, name=r.name, reason=r.reason)
+        elif isinstance(r, MetadataRecord):
+            ledger.record_metadata(**r.info)
+    return ledger
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
@@ -310,7 +389,7 @@ class DPNewtonClassifier(_DPFeatureClassifier):
 
     def predict_proba(self, X) -> np.ndarray:
         """One-vs-rest probabilities, normalised over classes (as scikit-learn's OvR)."""
-        p = 1.0 / (1.0 + np.exp(-self.decision_function(X)))
+        p = 1.0 / (1.0 + np.exp(-self._scores(X)))
         return p / p.sum(axis=1, keepdims=True)
 
 
@@ -372,7 +451,7 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
-        s = self.decision_function(X)
+        s = self._scores(X)
         if self.loss == "softmax":
             return _softmax(s)
         p = 1.0 / (1.0 + np.exp(-s))
@@ -419,7 +498,7 @@ class DPAdamClassifier(_DPFeatureClassifier):
 
     def predict_proba(self, X) -> np.ndarray:
         """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
-        s = self.decision_function(X)
+        s = self._scores(X)
         if self.loss == "softmax":
             return _softmax(s)
         p = 1.0 / (1.0 + np.exp(-s))
