@@ -5,8 +5,11 @@ Each accounting method lives in its own module and registers itself here.
 """
 
 from dpfy.accounting import (
+    balls_and_bins,  # noqa: F401  (registers the 'monte_carlo' accountant)
     gaussian,  # noqa: F401  (registers the 'gaussian' accountant)
+    pld,  # noqa: F401  (registers the 'pld' accountant)
     rdp,  # noqa: F401  (registers the 'rdp' accountant)
+    shuffle,  # noqa: F401  (registers the 'shuffle' accountant)
 )
 from dpfy.accounting._api import (
     Accountant,
