@@ -331,6 +331,42 @@ def report(
     console.print(f"report: {out_dir / 'report.md'}")
 
 
+@app.command()
+def plan(
+    dataset_size: DatasetSize,
+    target_epsilon: Annotated[
+        float, typer.Option("--target-epsilon", help="Epsilon budget of the final run.")
+    ],
+    delta: Delta,
+    max_steps: Annotated[
+        int | None, typer.Option("--max-steps", help="Most DP-SGD steps you will run.")
+    ] = None,
+    max_examples_processed: Annotated[
+        int | None,
+        typer.Option("--max-examples-processed", help="Compute budget: batch size x steps."),
+    ] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Recommend (batch size, noise multiplier, steps) that meet the budget (Poisson, PLD/RDP)."""
+    from dpfy.planning import plan as make_plan
+
+    if max_steps is not None:
+        from dpfy.events import check_range
+
+        check_range("max_steps", max_steps, 1, None, integer=True)
+    result = make_plan(
+        dataset_size,
+        target_epsilon,
+        delta,
+        max_steps=max_steps,
+        max_examples_processed=max_examples_processed,
+    )
+    if as_json:
+        print(json.dumps(result.to_dict(), default=str))
+        return
+    print(result.summary())
+
+
 # ---------------------------------------------------------------------------------------------
 # entry point: one-line errors, exit code 2
 # ---------------------------------------------------------------------------------------------
