@@ -419,7 +419,7 @@ _Z = effective_noise_multiplier([1.0, 0.5], [1.2, 0.9])  # McMahan Eq. 1 (checke
          "deterministic-gaussian", "shuffle-shuffle"],
 )
 def test_accounting_the_ledger_equals_accounting_the_event(spec, direct, method):
-    from dpfy.accounting import epsilon
+    from dpfy.accounting import delta, epsilon
 
     ledger = Ledger()
     for step in range(20):
@@ -431,3 +431,7 @@ def test_accounting_the_ledger_equals_accounting_the_event(spec, direct, method)
     want = epsilon(direct, 1e-5, method=method)
     assert got.epsilon == pytest.approx(want.epsilon, rel=1e-12, abs=1e-12)
     assert 0 < got.epsilon < math.inf
+    if method == "rdp":  # and the other direction
+        assert ledger.delta(got.epsilon, method=method).delta == pytest.approx(
+            delta(direct, got.epsilon, method=method).delta, rel=1e-12
+        )

@@ -754,6 +754,12 @@ class Ledger:
             )
         return accounting.epsilon(event, delta, method)
 
+    def delta(self, epsilon: float, method: Any = "auto") -> Any:
+        """Smallest delta at ``epsilon``: ``dpfy.accounting.delta(self.to_event(), ...)``."""
+        from dpfy import accounting
+
+        return accounting.delta(self.to_event(), epsilon, method)
+
 
 def _check_finite_nonneg(name: str, value: Any) -> None:
     if type(value) in (float, int) and 0.0 <= value < math.inf:

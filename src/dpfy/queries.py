@@ -74,7 +74,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -527,7 +527,7 @@ class NestedQuery:
         clip_norms: Mapping[str, float],
         noise_multiplier: float,
         *,
-        allocation: str = "proportional",
+        allocation: Literal["proportional", "dimension"] = "proportional",
         dims: Mapping[str, int] | None = None,
         name: str = "nested",
     ) -> NestedQuery:
@@ -966,7 +966,7 @@ def dimension_adjusted_noise(
 
 
 def split_clip_norm(
-    clip_norm: float, dims: Mapping[str, int], *, how: str = "equal"
+    clip_norm: float, dims: Mapping[str, int], *, how: Literal["equal", "dimension"] = "equal"
 ) -> dict[str, float]:
     """Split a total clip norm C over groups so that ``sum_j C_j^2 = C^2``.
 
