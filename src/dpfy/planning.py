@@ -365,7 +365,14 @@ def plan(
     if in_regime and _has_pld():
         # The PLD accountant is tighter than RDP: the z >= 2 boundary moves to a larger batch.
         b_pld = _pld_min_batch(n, s_best, target, delta, b_best)
-        b_best = b_pld if compute is None else max(b_best, min(b_pld, compute // s_best))
+        for _ in range(4):  # compute-bound: B_min S grows like sqrt(S), so shrink S to fit
+            if compute is None or b_pld * s_best <= compute or s_best <= s_floor:
+                break
+            shrink = (compute / (b_pld * s_best)) ** 2
+            s_best = max(s_floor, int(s_best * shrink * 0.999))
+            b_start = int(_min_batch_for_z(n, np.array([s_best]), target, delta)[0])
+            b_pld = _pld_min_batch(n, s_best, target, delta, b_start)
+        b_best = b_pld if compute is None else max(1, min(b_pld, compute // s_best))
 
     # 2. Candidate list: the pick and informative alternatives around it.
     cands: list[tuple[int, int, str, str]] = [
@@ -483,6 +490,11 @@ def _explain(
             f"{rec.steps} steps: larger batches keep eta_step={rec.eta_step:.3g} and only cost "
             f"compute. Compute: {rec.examples_processed:,} examples ({rec.epochs:.1f} epochs)."
         )
+        if rec.noise_multiplier < tan.CONSTANT_PRIVACY_NOISE_MULTIPLIER:
+            lines.append(
+                f"Note: z={rec.noise_multiplier:.3f} is just below 2 because the compute budget "
+                "caps the batch once the tighter PLD accountant sets the noise."
+            )
     else:
         lines.append(
             f"Compute: {compute:,} examples is too little to reach z >= 2 with at least "
