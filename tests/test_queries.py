@@ -19,6 +19,7 @@ from dpfy import events as ev
 from dpfy.ledger import Ledger, SampleSpec, SumQueryRecord
 from dpfy.queries import (
     AdaptiveClipQuery,
+    AdaptiveNestedQuery,
     AverageQuery,
     GaussianSumQuery,
     Group,
@@ -64,6 +65,11 @@ def _queries():
         ),
         "joint": (lambda: JointClipQuery(GROUPS, SCALES, 1.2, 0.9), scaled),
         "adaptive": (lambda: AdaptiveClipQuery(0.9, 1.1, expected_batch_size=40.0), flat),
+        "adaptive_nested": (
+            lambda: AdaptiveNestedQuery(GROUPS, {"g1": 0.6, "g2": 1.5}, 1.1,
+                                        expected_batch_size=40.0),
+            by_group,
+        ),
         "no_privacy": (lambda: NoPrivacyQuery(0.7), flat),
     }
 
@@ -119,7 +125,8 @@ def test_worst_case_sensitivity_equals_the_recorded_one(name):
     if name == "no_privacy":
         assert recorded == [] and ledger.epsilon(1e-5).epsilon == math.inf
         recorded = [(0.7, 0.0)]  # the clip bound still holds; there is just no noise
-    gradient_entries = recorded[:1] if name == "adaptive" else recorded
+    n_counts = {"adaptive": 1, "adaptive_nested": len(GROUPS)}.get(name, 0)
+    gradient_entries = recorded[: len(recorded) - n_counts]
     worst = np.zeros(len(gradient_entries))
     for x in _adversaries():
         base = factory().clip_and_sum(batch)
@@ -130,14 +137,19 @@ def test_worst_case_sensitivity_equals_the_recorded_one(name):
             assert norm <= recorded[j][0] * (1 + 1e-9)
             worst[j] = max(worst[j], norm)
     np.testing.assert_allclose(worst, [s for s, _ in gradient_entries], rtol=1e-9)
-    if name == "adaptive":  # the second release: the centred count of unclipped examples
+    if n_counts:  # the other releases: centred counts of unclipped examples
         changes = []
         for x in _adversaries():
             a, b = factory(), factory()
             a.clip_and_sum(batch)
             b.clip_and_sum(_add_row(batch, x))
-            changes.append(abs(b.pending_centred_count() - a.pending_centred_count()))
-        assert max(changes) == recorded[1][0] == 0.5
+            if name == "adaptive":
+                changes.append(abs(b.pending_centred_count() - a.pending_centred_count()))
+            else:
+                ca, cb = a.pending_centred_counts(), b.pending_centred_counts()
+                changes.extend(abs(cb[g] - ca[g]) for g in GROUPS)
+        assert max(changes) == 0.5
+        assert {s for s, _ in recorded[len(gradient_entries):]} == {0.5}
 
 
 @pytest.mark.parametrize("name", QUERY_NAMES)
@@ -390,3 +402,28 @@ def test_adaptive_state_round_trip():
     q.load_state_dict({"clip_norm": 0.25})
     assert q.clip_norm == 0.25 and q.pending_centred_count() == 0.0
     assert q.state_dict() == {"clip_norm": 0.25}
+
+
+def test_adaptive_nested_tracks_each_groups_quantile_at_the_requested_z():
+    rng_norms = np.random.default_rng(4)
+    m, z, target = 200, 1.2, 0.7
+    q = AdaptiveNestedQuery({"small": ["a"], "large": ["b"]}, 1.0, z, expected_batch_size=m,
+                            target_quantile=target, learning_rate=0.2)
+    ledger, rng = Ledger(), Randomness(seed=2)
+    zero = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    fractions = {"small": [], "large": []}
+    for step in range(300):
+        norms = {"small": torch.from_numpy(rng_norms.lognormal(-1.0, 0.5, m)),
+                 "large": torch.from_numpy(rng_norms.lognormal(2.0, 0.5, m))}
+        for g in norms:
+            fractions[g].append(float((norms[g] <= q.clip_norms[g]).double().mean()))
+        q.clip_weights(norms)
+        sid = ledger.record_sample(POISSON, step=step)
+        q.add_noise(zero, ledger=ledger, sample_id=sid, randomness=rng)
+    for g in fractions:
+        assert abs(np.mean(fractions[g][150:]) - target) < 0.05, g
+    assert q.clip_norms["large"] > 10 * q.clip_norms["small"]  # true quantiles: 9.6, 0.48
+    assert all(v == pytest.approx(z, rel=1e-12) for v in ledger.noise_multipliers().values())
+    assert isinstance(ledger.to_event(), ev.SelfComposed)
+    with pytest.raises(ValueError, match="count_noise_std must be in"):
+        AdaptiveNestedQuery(GROUPS, 1.0, 2.0, expected_batch_size=10.0, count_noise_std=1.0)

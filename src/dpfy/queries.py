@@ -17,6 +17,8 @@ appends the facts of that release to a :class:`dpfy.ledger.Ledger` *before* retu
   per-example norms (Andrew et al. 2021); the noisy count of unclipped examples is a second
   Gaussian release on the same sample, recorded in the ledger, and the gradient noise is raised
   so that the two together have exactly the requested effective noise multiplier.
+* :class:`AdaptiveNestedQuery` - per-group (e.g. per-layer) clipping, each group's clip norm
+  following the target quantile of that group's norms, with its own noisy count.
 * :class:`NoPrivacyQuery` - clip (optionally) and sum without noise, for debugging; it records a
   non-private entry, so the ledger reports epsilon = infinity.
 * Noise allocation (McMahan Sec. 4): :func:`proportional_noise`, :func:`dimension_adjusted_noise`
@@ -91,6 +93,7 @@ __all__ = [
     "NestedQuery",
     "JointClipQuery",
     "AdaptiveClipQuery",
+    "AdaptiveNestedQuery",
     "NoPrivacyQuery",
     "proportional_noise",
     "dimension_adjusted_noise",
@@ -864,6 +867,182 @@ class AdaptiveClipQuery:
     def __repr__(self) -> str:
         return (
             f"AdaptiveClipQuery(clip_norm={self.clip_norm}, "
+            f"noise_multiplier={self.noise_multiplier}, target_quantile={self.target_quantile})"
+        )
+
+
+class AdaptiveNestedQuery:
+    """Per-group clipping where each group's clip norm tracks a quantile of its own norms.
+
+    The per-group version of :class:`AdaptiveClipQuery` (Andrew et al. 2021, geometric update,
+    applied to each group of a :class:`NestedQuery`). Each release records, on the same sample,
+    one gradient sum per group with (C_g, s_g) and one centred unclipped count per group with
+    (1/2, count_noise_std). Noise is proportional to the clip norms,
+    ``s_g = z_g sqrt(k) C_g`` for k groups, with
+    ``z_g = (z^-2 - k (2 count_noise_std)^-2)^(-1/2)``, so that McMahan's effective noise
+    multiplier of the whole release is exactly the requested ``noise_multiplier`` z.
+
+    Stateful like :class:`AdaptiveClipQuery`: ``clip_weights`` accumulates each group's
+    unclipped count over the chunks of a logical step; ``add_noise`` releases and resets them
+    and updates every ``clip_norms[g]``.
+
+    Args:
+      groups: ``{group: param names}`` (disjoint).
+      initial_clip_norms: one C for every group, or ``{group: C_g}``.
+      noise_multiplier: requested effective z of one release (all sums and counts).
+      expected_batch_size: fixed denominator of the unclipped fractions.
+      target_quantile, learning_rate: as in :class:`AdaptiveClipQuery`.
+      count_noise_std: std of each count's noise; default ``expected_batch_size / 20``; must
+        exceed ``noise_multiplier x sqrt(k) / 2``.
+    """
+
+    def __init__(
+        self,
+        groups: Mapping[str, Sequence[str]],
+        initial_clip_norms: float | Mapping[str, float],
+        noise_multiplier: float,
+        expected_batch_size: float,
+        *,
+        target_quantile: float = 0.5,
+        learning_rate: float = 0.2,
+        count_noise_std: float | None = None,
+        name: str = "adaptive_nested",
+    ) -> None:
+        if not groups:
+            raise ValueError("groups must not be empty")
+        self.groups = {g: (ns,) if isinstance(ns, str) else tuple(ns) for g, ns in groups.items()}
+        _check_partition(self.groups, [])
+        if not isinstance(initial_clip_norms, Mapping):
+            initial_clip_norms = dict.fromkeys(self.groups, initial_clip_norms)
+        if set(initial_clip_norms) != set(self.groups):
+            raise ValueError(
+                f"initial_clip_norms must have the keys {sorted(self.groups)}, "
+                f"got {sorted(initial_clip_norms)}"
+            )
+        self.clip_norms = dict(_check_clips({g: initial_clip_norms[g] for g in self.groups}))
+        check_range(
+            "noise_multiplier", noise_multiplier, 0.0, math.inf, low_open=True, high_open=True
+        )
+        check_range(
+            "expected_batch_size", expected_batch_size, 0.0, math.inf, low_open=True,
+            high_open=True,
+        )
+        check_range("target_quantile", target_quantile, 0.0, 1.0)
+        check_range("learning_rate", learning_rate, 0.0, math.inf, high_open=True)
+        k = len(self.groups)
+        if count_noise_std is None:
+            count_noise_std = expected_batch_size / 20.0
+        check_range(
+            "count_noise_std", count_noise_std, noise_multiplier * math.sqrt(k) / 2.0, math.inf,
+            low_open=True, high_open=True,
+        )
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = float(expected_batch_size)
+        self.target_quantile = float(target_quantile)
+        self.learning_rate = float(learning_rate)
+        self.count_noise_std = float(count_noise_std)
+        self.name = name
+        self._unclipped = dict.fromkeys(self.groups, 0.0)
+        self._count = 0.0
+        self.last_unclipped_fractions: dict[str, float] | None = None
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """z_g: effective noise multiplier of the k gradient sums together."""
+        k = len(self.groups)
+        return (self.noise_multiplier**-2 - k * (2.0 * self.count_noise_std) ** -2) ** -0.5
+
+    def noise_stds(self) -> dict[str, float]:
+        """Current noise std per group: ``z_g sqrt(k) C_g``."""
+        scale = self.gradient_noise_multiplier * math.sqrt(len(self.groups))
+        return {g: scale * c for g, c in self.clip_norms.items()}
+
+    def privacy_tuples(self) -> tuple[tuple[float, float], ...]:
+        """(C_g, s_g) per group, then (1/2, count_noise_std) per group."""
+        stds = self.noise_stds()
+        sums = tuple((self.clip_norms[g], stds[g]) for g in self.groups)
+        return sums + ((0.5, self.count_noise_std),) * len(self.groups)
+
+    def clip_weights(
+        self, norms: Mapping[str, torch.Tensor], *, mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``{group: min(1, C_g / norm_g)}``; also accumulates this step's unclipped counts."""
+        gn = _group_norms(norms, self.groups)
+        first = next(iter(gn.values()))
+        real = torch.ones_like(first) if mask is None else _mask(mask, first)
+        for v in gn.values():
+            real = real * torch.isfinite(v)
+        out = {}
+        for g, v in gn.items():
+            out[g] = clip_weights_from_norms(v, self.clip_norms[g], mask)
+            self._unclipped[g] += float((real * (v <= self.clip_norms[g])).sum())
+        self._count += float(real.sum())
+        return out
+
+    def pending_centred_counts(self) -> dict[str, float]:
+        """Exact centred counts of this step (diagnostics and tests only; not private)."""
+        return {g: u - 0.5 * self._count for g, u in self._unclipped.items()}
+
+    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
+        flat = _flatten(per_example)
+        w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
+        summed = _weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
+        return _unflatten_like(summed, per_example)
+
+    def add_noise(
+        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+    ) -> dict:
+        """Record all 2k releases (write-ahead), noise sums and counts, update every C_g."""
+        _check_release_args(ledger, randomness)
+        _check_partition(self.groups, _flatten(clipped_sum))
+        stds = self.noise_stds()
+        entries = [(self.clip_norms[g], stds[g], f"{self.name}/{g}/sum") for g in self.groups]
+        entries += [
+            (0.5, self.count_noise_std, f"{self.name}/{g}/unclipped_count") for g in self.groups
+        ]
+        ledger.record_sum_queries(sample_id, entries)
+        per_param = {n: stds[g] for g, ns in self.groups.items() for n in ns}
+        noisy = _noisy(clipped_sum, per_param, randomness)
+        centred = self.pending_centred_counts()
+        noise = randomness.normal(len(self.groups), self.count_noise_std)
+        fractions = {}
+        for (g, c), e in zip(centred.items(), noise, strict=True):
+            fractions[g] = (c + float(e)) / self.expected_batch_size + 0.5
+            self.clip_norms[g] *= math.exp(
+                -self.learning_rate * (fractions[g] - self.target_quantile)
+            )
+        self.last_unclipped_fractions = fractions
+        self._unclipped = dict.fromkeys(self.groups, 0.0)
+        self._count = 0.0
+        return noisy
+
+    def release(
+        self,
+        per_example: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        mask: torch.Tensor | None = None,
+    ) -> dict:
+        clipped = self.clip_and_sum(per_example, mask=mask)
+        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
+
+    def state_dict(self) -> dict[str, dict[str, float]]:
+        """Checkpoint state (the current clip norms)."""
+        return {"clip_norms": dict(self.clip_norms)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        norms = state["clip_norms"]
+        if set(norms) != set(self.groups):
+            raise ValueError(f"clip_norms must have the keys {sorted(self.groups)}")
+        self.clip_norms = _check_clips({g: norms[g] for g in self.groups})
+        self._unclipped = dict.fromkeys(self.groups, 0.0)
+        self._count = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveNestedQuery(clip_norms={self.clip_norms}, "
             f"noise_multiplier={self.noise_multiplier}, target_quantile={self.target_quantile})"
         )
 
