@@ -1,0 +1,120 @@
+"""TAN figures (matplotlib, Agg backend; imported only when plotting).
+
+* :func:`privacy_wall` — the accountant's epsilon against the noise multiplier at constant
+  ``eta`` for several step counts, with eps_TAN and the regimes marked (TAN Fig. 2).
+* :func:`batch_scaling` — measured metric against batch size at constant ``eta_step`` and
+  ``S``, the log-linear fit and its extrapolation to the reference batch (TAN Fig. 4 style).
+
+Each function writes one PNG and returns its path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dpfy.accounting import tan
+
+__all__ = ["privacy_wall", "batch_scaling"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def privacy_wall(
+    path: str | Path,
+    *,
+    target_epsilons: Sequence[float] = (1.0, 8.0),
+    delta: float = 1e-5,
+    steps: Sequence[int] = (100, 1_000, 10_000, 100_000),
+    noise_multipliers: Sequence[float] | None = None,
+    method: str = "rdp",
+) -> Path:
+    """Epsilon vs noise multiplier at constant ``eta`` (one panel per eps_TAN target).
+
+    For each target the ``eta`` with ``eps_TAN(eta) = target`` is fixed; each curve is one step
+    count ``S`` and each point uses the sampling rate that keeps ``eta`` (TAN Fig. 2).
+    """
+    plt = _pyplot()
+    zs = np.geomspace(0.25, 10.0, 36) if noise_multipliers is None else np.asarray(
+        noise_multipliers, dtype=float
+    )
+    fig, axes = plt.subplots(
+        1, len(target_epsilons), figsize=(5.2 * len(target_epsilons), 4.0), dpi=120,
+        squeeze=False,
+    )
+    for ax, target in zip(axes[0], target_epsilons, strict=True):
+        eta_value = float(tan.eta_for_epsilon(target, delta))
+        for s in steps:
+            eps = tan.privacy_wall_curve(eta_value, int(s), zs, delta, method=method)
+            ax.plot(zs, eps, lw=2, label=f"S = {int(s):,}")
+        ax.axhline(target, color="black", ls="--", lw=1, label="eps_TAN")
+        ax.axvspan(zs.min(), tan.PRIVACY_WALL_NOISE_MULTIPLIER, color="red", alpha=0.08)
+        ax.axvline(tan.CONSTANT_PRIVACY_NOISE_MULTIPLIER, color="grey", ls=":", lw=1)
+        ax.text(0.27, target * 0.55, "privacy\nwall", color="darkred", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("noise multiplier z (log)")
+        ax.set_ylabel(f"epsilon ({method}, delta={delta:g})")
+        ax.set_title(f"constant eta = {eta_value:.3g} (eps_TAN = {target:g})")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle("The privacy wall: epsilon at constant TAN (Sander et al., Fig. 2)")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def batch_scaling(
+    fit: tan.BatchScalingFit,
+    path: str | Path,
+    *,
+    reference_batch: float | None = None,
+    reference_values: Sequence[float] = (),
+    metric: str = "test accuracy (%)",
+    title: str = "Batch scaling at constant eta_step and S",
+) -> Path:
+    """Measurements, the log-linear fit and its extrapolation (TAN Fig. 4 style).
+
+    ``reference_values`` (optional) are measurements at ``reference_batch`` to compare with the
+    extrapolation; they are not used in the fit.
+    """
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    b = np.asarray(fit.batch_sizes)
+    ax.scatter(b, fit.values, marker="x", color="C0", label="simulations (fitted)")
+    hi = max(b.max(), reference_batch or 0.0)
+    grid = np.geomspace(b.min(), hi, 100)
+    ax.plot(grid, fit.predict(grid), "--", color="C0",
+            label=f"fit: {fit.intercept:.2f} {fit.slope:+.3f} log B")
+    if reference_batch is not None:
+        pred = float(fit.predict(reference_batch))
+        err = float(fit.prediction_std(reference_batch))
+        ax.errorbar([reference_batch], [pred], yerr=[2 * err] if np.isfinite(err) else None,
+                    fmt="o", color="C1", capsize=4, label="extrapolated (±2 s.e.)")
+        if len(reference_values):
+            ax.scatter([reference_batch] * len(reference_values), reference_values, marker="*",
+                       s=120, color="C3", label="reference run(s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("batch size B (log)")
+    ax.set_ylabel(metric)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,18 @@
+"""TAN figures are written (smoke test on a tiny grid)."""
+
+from __future__ import annotations
+
+from dpfy import plots_tan
+from dpfy.accounting import tan
+
+
+def test_figures_are_written(tmp_path):
+    wall = plots_tan.privacy_wall(
+        tmp_path / "wall.png", target_epsilons=(2.0,), steps=(100, 1000),
+        noise_multipliers=[0.3, 1.0, 3.0],
+    )
+    fit = tan.fit_batch_scaling([32, 64, 128], [90.0, 89.5, 89.4])
+    scaling = plots_tan.batch_scaling(fit, tmp_path / "fit.png", reference_batch=512,
+                                      reference_values=[89.0])
+    for path in (wall, scaling):
+        assert path.exists() and path.stat().st_size > 5_000
