@@ -318,6 +318,8 @@ def test_structure_and_validation():
         nested.clip_weights({"z": torch.ones(3)})
     with pytest.raises(ValueError, match="noise_multiplier must be in"):
         GaussianSumQuery(1.0, 0.0)
+    with pytest.raises(ValueError, match=r"norms must be in \[0, inf\]"):
+        GaussianSumQuery(1.0, 1.0).clip_weights(torch.tensor([1.0, -2.0]))
     with pytest.raises(ValueError, match=r"mask must be in \[0, 1\]"):
         GaussianSumQuery(1.0, 1.0).clip_weights(torch.ones(2), mask=torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="count_noise_std must be in"):

@@ -194,6 +194,8 @@ def clip_weights_from_norms(
 ) -> torch.Tensor:
     """``min(1, clip_norm / norm)`` per example (float64); 0 for padding or non-finite norms."""
     norms = torch.as_tensor(norms).to(torch.float64)
+    if bool((norms < 0).any()):
+        raise ValueError(f"norms must be in [0, inf], got a norm of {float(norms.min())!r}")
     finite = torch.isfinite(norms)
     safe = torch.where(finite, norms, torch.ones_like(norms))
     w = torch.where(
