@@ -74,6 +74,8 @@ class _Evaluator:
     def __call__(self, x: float, coarse: bool) -> float:
         self.calls += 1
         event = self.make_event(x)
+        if _api.untruncated(event) != event:  # truncation is added centrally: use the API
+            return _api.epsilon(event, self.delta, method=self.method).epsilon
         if self.method == "pld":
             if coarse:
                 h = _pld.first_interval(event)
@@ -114,7 +116,7 @@ class _Evaluator:
 
 def _methods(make_event: Callable, x0: float, method: str) -> list[str]:
     """Accountant names to calibrate with: ``auto`` means every auto method supporting x0."""
-    event = make_event(x0)
+    event = _api.untruncated(make_event(x0))
     if method != "auto":
         _api._resolve(event, method)  # raises a clear error for bad or unsupported methods
         return [method]

@@ -80,6 +80,7 @@ MAX_GRID_SIZE = 1 << 23
 """Largest composed FFT grid (points) the coarse-to-fine loop may use."""
 
 _DIRECTIONS = ("remove", "add")
+_EPS_FLOOR = 1e-6  # below this epsilon the tolerance is absolute (tolerance * 1e-6)
 
 
 class _GridTooLarge(ValueError):
@@ -622,7 +623,7 @@ def epsilon_with_interval(
         return math.inf, math.nan
     tail = min(1e-12, float(delta) * tolerance * 1e-2)
     refined = _run(
-        event, lambda p: p.epsilon(delta), tolerance, interval, tail, max_size, 1e-2
+        event, lambda p: p.epsilon(delta), tolerance, interval, tail, max_size, _EPS_FLOOR
     )
     if refined is None:
         return 0.0, math.nan
@@ -643,7 +644,7 @@ def pld_epsilon(
       event: Gaussian, PoissonSampled(Gaussian), or SelfComposed/Composed of these.
       delta: target delta in (0, 1).
       tolerance: target relative error of epsilon; the loss grid is halved until a third of
-        the change between the last two grids is at most this (absolute 1e-2 * tolerance
+        the change between the last two grids is at most this (absolute 1e-6 * tolerance
         near epsilon = 0). Any grid gives a valid upper bound; this controls tightness only.
       interval: if given, use this one loss grid interval and skip the refinement.
       max_size: largest composed grid (points).
@@ -659,7 +660,7 @@ def pld_epsilon(
       >>> from dpfy import events as ev
       >>> step = ev.PoissonSampled(0.01, ev.Gaussian(1.0))
       >>> round(pld_epsilon(ev.SelfComposed(step, 1000), 1e-5).epsilon, 2)
-      1.92
+      1.83
     """
     ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     _check_tolerance(tolerance)
@@ -670,7 +671,7 @@ def pld_epsilon(
         return PrivacyResult(math.inf, float(delta), "pld", adjacency, notes=notes)
     tail = min(1e-12, float(delta) * tolerance * 1e-2)
     refined = _run(
-        event, lambda p: p.epsilon(delta), tolerance, interval, tail, max_size, 1e-2
+        event, lambda p: p.epsilon(delta), tolerance, interval, tail, max_size, _EPS_FLOOR
     )
     if refined is None:
         return PrivacyResult(0.0, float(delta), "pld", adjacency, notes=("no release",))
