@@ -300,7 +300,8 @@ def rdp_laplace(noise_multiplier: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarr
     _check_array("noise_multiplier", b, 0.0, None, low_open=True)
     a = _as_orders(orders)
     e = 1.0 / b[..., None]
-    return e + np.log1p((a - 1.0) / (2.0 * a - 1.0) * np.expm1(-(2.0 * a - 1.0) * e)) / (a - 1.0)
+    rdp = e + np.log1p((a - 1.0) / (2.0 * a - 1.0) * np.expm1(-(2.0 * a - 1.0) * e)) / (a - 1.0)
+    return np.maximum(rdp, 0.0)  # ~ a e^2 / 2 >= 0; only rounding can make it negative
 
 
 def rdp_sampled_without_replacement_gaussian(
