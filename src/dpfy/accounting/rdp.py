@@ -314,8 +314,9 @@ def rdp_sampled_without_replacement_gaussian(
       (a-1) RDP(a) <= log(1 + gamma^2 C(a,2) min(4 (e^{eps(2)} - 1), 2 e^{eps(2)})
                             + sum_{j=3}^{a} 2 gamma^j C(a,j) e^{(j-1) eps(j)}).
     Fractional orders interpolate (a-1) RDP(a) linearly between floor(a) and ceil(a)
-    (Cor. 10; valid because the cumulant generating function is convex). gamma = 1 gives the
-    plain Gaussian a / (2 s^2).
+    (Cor. 10; valid because the cumulant generating function is convex). The result is capped
+    by the plain Gaussian's a / (2 s^2), which subsampling cannot exceed (and which is exact
+    for gamma = 1).
 
     Args:
       sampling_rate: gamma = sample_size / dataset_size in (0, 1].
@@ -364,8 +365,10 @@ def rdp_sampled_without_replacement_gaussian(
         out[:, c] = ((1.0 - t) * cgf(f) + t * cgf(h)) / (order - 1.0) if f != h else cgf(f) / (
             order - 1.0
         )
-    full = gf == 1.0
-    out[full] = a[None, :] / (2.0 * sf[full, None] ** 2)
+    # Subsampling never hurts: a replace-one WOR sample of neighbours is a mixture of identical
+    # or neighbouring subsamples, and Rényi divergence is jointly quasi-convex, so the base
+    # Gaussian's a / (2 s^2) is also a bound (and exact for gamma = 1).
+    out = np.minimum(out, a[None, :] / (2.0 * sf[:, None] ** 2))
     return out.reshape(shape + (a.size,))
 
 
