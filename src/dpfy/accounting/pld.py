@@ -49,7 +49,7 @@ from collections.abc import Iterable
 
 import numpy as np
 from scipy import fft as sp_fft
-from scipy import signal, special
+from scipy import special
 
 from dpfy import events as ev
 from dpfy.accounting._api import (
@@ -98,6 +98,21 @@ def _flush_tiny(pmf: np.ndarray) -> tuple[np.ndarray, float]:
     return pmf, removed
 
 
+def _discounted_tail_sums(r: np.ndarray, h: float) -> np.ndarray:
+    """G_j = sum_{k >= j} r_k exp(-(k - j) h), without overflow, in blocks of loss width <= 300."""
+    n = r.size
+    block = max(1, int(300.0 / h))
+    out = np.empty(n)
+    carry = 0.0  # G at the start of the next block
+    for start in range(((n - 1) // block) * block, -1, -block):
+        stop = min(start + block, n)
+        offs = np.arange(stop - start) * h
+        local = np.cumsum((r[start:stop] * np.exp(-offs))[::-1])[::-1] * np.exp(offs)
+        out[start:stop] = local + carry * np.exp(-(stop - start - offs / h) * h)
+        carry = out[start]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class DiscretePLD:
     """A pessimistic discrete privacy loss distribution (one adjacency direction).
@@ -131,8 +146,7 @@ class DiscretePLD:
         r = self.pmf
         # A_j = infinity + mass above grid point j; G_j = sum_{k >= j} r_k exp(-(k - j) h).
         above = np.concatenate((np.cumsum(r[::-1])[::-1], [0.0])) + self.infinity_mass
-        g = signal.lfilter([1.0], [1.0, -math.exp(-h)], r[::-1])[::-1]
-        g = np.concatenate((g, [0.0]))
+        g = np.concatenate((_discounted_tail_sums(r, h), [0.0]))
         # delta at grid point j (j = -1 .. n-1) is above[j+1] - exp(-h) * g[j+1].
         d = above - math.exp(-h) * g
         # d[i] = delta at loss (offset + i - 1) * h, i = 0..n; nonincreasing in i.
