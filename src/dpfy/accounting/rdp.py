@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -121,16 +122,7 @@ def _log_a_int(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
     """
     out = np.empty((q.size, a.size))
     l1 = np.log1p(-q)  # q < 1 here
-    # Bucket orders by size so small orders do not pay for the largest order's k range.
-    edges = [0, 16, 64, 256, 1024, math.inf]
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        cols = np.flatnonzero((a > lo) & (a <= hi))
-        if cols.size == 0:
-            continue
-        ab = a[cols]
-        k = np.arange(2, int(ab.max()) + 1, dtype=np.float64)
-        valid = k[None, :] <= ab[:, None]
-        lb = np.where(valid, _log_binom(ab[:, None], np.minimum(k[None, :], ab[:, None])), -np.inf)
+    for cols, ab, k, lb in _int_tables(tuple(a.tolist())):
         # log of q^k (1-q)^(-k) expm1(k(k-1)/(2z^2)); the factor (1-q)^a leaves the sum over k.
         per_k = k * (np.log(q) - l1)[:, None] + _log_expm1(k * (k - 1.0) / (2.0 * z[:, None] ** 2))
         rows_per_block = max(1, _BLOCK_CELLS // (cols.size * k.size))
@@ -141,6 +133,27 @@ def _log_a_int(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
             log_a_minus_1 = log_sum + ab * l1[r0 : r0 + rows_per_block, None]
             out[r0 : r0 + rows_per_block][:, cols] = np.logaddexp(0.0, log_a_minus_1)
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _int_tables(orders: tuple[float, ...]) -> list[tuple[np.ndarray, ...]]:
+    """Order-only tables for _log_a_int: per size bucket (cols, orders, k >= 2, log binom)."""
+    a = np.asarray(orders)
+    tables = []
+    # Bucket orders by size so small orders do not pay for the largest order's k range.
+    edges = [0, 16, 64, 256, 1024, math.inf]
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        cols = np.flatnonzero((a > lo) & (a <= hi))
+        if cols.size == 0:
+            continue
+        ab = a[cols]
+        k = np.arange(2, int(ab.max()) + 1, dtype=np.float64)
+        valid = k[None, :] <= ab[:, None]
+        lb = np.where(valid, _log_binom(ab[:, None], np.minimum(k[None, :], ab[:, None])), -np.inf)
+        for arr in (cols, ab, k, lb):
+            arr.setflags(write=False)
+        tables.append((cols, ab, k, lb))
+    return tables
 
 
 def _log_phi_plus_shift(x: np.ndarray, k: np.ndarray, z0: np.ndarray, z: np.ndarray) -> np.ndarray:
