@@ -69,8 +69,13 @@ CONVS = [
 ]
 
 
+@pytest.mark.parametrize("mode", ["auto", "ghost", "materialize"])
 @pytest.mark.parametrize("conv", CONVS, ids=lambda c: repr(c))
-def test_conv_norms_and_sum_match_loop(conv):
+def test_conv_norms_and_sum_match_loop(conv, mode, monkeypatch):
+    import dpfy.training.norms.conv as conv_module
+
+    if mode != "auto":
+        monkeypatch.setattr(conv_module, "choose_mode", lambda *args: mode)
     torch.manual_seed(0)
     shape = (5, conv.in_channels, 9) if isinstance(conv, nn.Conv1d) else (5, conv.in_channels, 7, 8)
     x = torch.randn(*shape)

@@ -174,9 +174,9 @@ class PrivateGradient:
         if microbatch_mode == "average":
             _check_average_sensitivity(query)
         self.plans_: list[ModulePlan] = plan_modules(model)
-        self.param_names_: tuple[str, ...] = tuple(
-            n for n, p in model.named_parameters() if p.requires_grad
-        )
+        self._qnames = [{ln: plan.qualified(ln) for ln in plan.param_names} for plan in self.plans_]
+        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.param_names_: tuple[str, ...] = tuple(self._params)
         groups = getattr(query, "groups", None)
         self._owner: dict[str, str] | None = None
         if groups is not None:
@@ -282,42 +282,52 @@ class PrivateGradient:
                     f"chunk size {batch} must be a multiple of microbatch_size={k} in "
                     "microbatch_mode='average' (pad with weight-0 rows)"
                 )
-            mask = _check_weights(weights, batch, losses)
-            scale = mask if k == 1 else mask / k
-            captures = recorder.backward(losses, scale.to(losses.dtype))
+            if weights is None:
+                mask = None
+                scale = torch.full_like(losses, 1.0 / k).detach()
+            else:
+                mask = _check_weights(weights, batch, losses)
+                scale = mask if k == 1 else mask / k
+            captures = recorder.backward(losses, scale)
         with torch.no_grad():
+            n = batch // k
             layers = self._layer_grads(captures, batch, k)
-            real = mask if k == 1 else mask.reshape(-1, k).amax(1)
-            sq = self._squared_norms(layers, batch // k, losses.dtype)
-            total_sq = torch.stack(list(sq.values())).sum(0) if sq else None
+            if mask is None:
+                real = None
+            else:
+                real = mask if k == 1 else mask.reshape(n, k).amax(1)
+            sq = self._squared_norms(layers, n)
+            total_sq = torch.stack(list(sq.values())).sum(0) if sq else losses.new_zeros(n)
             nonfinite = 0
-            if total_sq is not None:
+            if not bool(torch.isfinite(total_sq).all()):
                 bad = ~torch.isfinite(total_sq)
-                if bool(bad.any()):
-                    nonfinite = int((bad & (real > 0)).sum())
-                    for lg in layers.values():
-                        lg.zero_rows(bad)
-                    for key in sq:
-                        sq[key] = torch.where(bad, torch.full_like(sq[key], math.inf), sq[key])
-                    total_sq = torch.where(bad, torch.full_like(total_sq, math.inf), total_sq)
-            weights_by_param = self._clip_weights(sq, total_sq, real, batch // k)
+                nonfinite = int((bad if real is None else bad & (real > 0)).sum())
+                for lg in layers.values():
+                    lg.zero_rows(bad)
+                inf = torch.full_like(total_sq, math.inf)
+                sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
+                total_sq = torch.where(bad, inf, total_sq)
+            weights_by_param = self._clip_weights(sq, total_sq, real, n, losses.dtype)
+            acc = self._sum
             for idx, lg in layers.items():
-                plan = self.plans_[idx]
-                local = {n: weights_by_param[plan.qualified(n)] for n in plan.param_names}
-                for n, g in lg.weighted_sum(local).items():
-                    qn = plan.qualified(n)
-                    if qn in self._sum:
-                        self._sum[qn].add_(g)
+                qnames = self._qnames[idx]
+                local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
+                for ln, g in lg.weighted_sum(local).items():
+                    qn = qnames[ln]
+                    if qn in acc:
+                        acc[qn].add_(g)
                     else:
-                        self._sum[qn] = g.detach().clone()
-            loss_sum = float((torch.where(mask > 0, losses.detach(), 0.0)).sum())
-        n_real = int(mask.sum())
+                        acc[qn] = g  # a fresh tensor computed by the rule
+            detached = losses.detach()
+            if mask is None:
+                loss_sum, n_real = float(detached.sum()), batch
+            else:
+                loss_sum = float(torch.where(mask > 0, detached, 0.0).sum())
+                n_real = int(mask.sum())
         self._loss_sum += loss_sum
         self._examples += n_real
         self._nonfinite += nonfinite
-        norms = None
-        if return_norms:
-            norms = total_sq.to(torch.float64).sqrt() if total_sq is not None else None
+        norms = total_sq.to(torch.float64).sqrt() if return_norms else None
         return ChunkStats(loss_sum, n_real, nonfinite, norms)
 
     def _layer_grads(self, captures, batch: int, k: int) -> dict[int, LayerGrads]:
@@ -342,36 +352,32 @@ class PrivateGradient:
                 )
         return layers
 
-    def _squared_norms(
-        self, layers: dict[int, LayerGrads], n: int, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
+    def _squared_norms(self, layers: dict[int, LayerGrads], n: int) -> dict[str, torch.Tensor]:
         sq: dict[str, torch.Tensor] = {}
         for idx, lg in layers.items():
-            plan = self.plans_[idx]
+            qnames = self._qnames[idx]
             for name, v in lg.squared_norms().items():
                 if v.shape != (n,):
                     raise RuntimeError(
-                        f"norm rule of {plan.name!r} returned shape {tuple(v.shape)}, expected {n}"
+                        f"norm rule of {self.plans_[idx].name!r} returned shape "
+                        f"{tuple(v.shape)}, expected ({n},)"
                     )
-                sq[plan.qualified(name)] = v
+                sq[qnames[name]] = v
         return sq
 
     def _clip_weights(
         self,
         sq: dict[str, torch.Tensor],
-        total_sq: torch.Tensor | None,
-        real: torch.Tensor,
+        total_sq: torch.Tensor,
+        real: torch.Tensor | None,
         n: int,
+        dtype: torch.dtype,
     ) -> dict[str, torch.Tensor]:
-        mask = real.to(torch.float64)
+        """Per-parameter clip weights [n] (0 for padding and non-finite units), in ``dtype``."""
+        mask = None if real is None else real.to(torch.float64)
         if self._owner is None:
-            flat = (
-                total_sq.to(torch.float64).sqrt()
-                if total_sq is not None
-                else torch.zeros(n, dtype=torch.float64)
-            )
-            w = self.query.clip_weights(flat, mask=mask)
-            return dict.fromkeys(self.param_names_, w)
+            w = self.query.clip_weights(total_sq.to(torch.float64).sqrt(), mask=mask)
+            return dict.fromkeys(self.param_names_, w.to(dtype))
         zeros = torch.zeros(n, dtype=torch.float64)
         group_sq: dict[str, torch.Tensor] = {g: zeros for g in self.query.groups}
         for name, v in sq.items():
@@ -379,8 +385,9 @@ class PrivateGradient:
             group_sq[g] = group_sq[g] + v.to(torch.float64)
         w = self.query.clip_weights({g: v.sqrt() for g, v in group_sq.items()}, mask=mask)
         if isinstance(w, torch.Tensor):
-            return dict.fromkeys(self.param_names_, w)
-        return {name: w[self._owner[name]] for name in self.param_names_}
+            return dict.fromkeys(self.param_names_, w.to(dtype))
+        wd = {g: v.to(dtype) for g, v in w.items()}
+        return {name: wd[self._owner[name]] for name in self.param_names_}
 
     def release(self, *, ledger: Any, sample_id: int, randomness: Any) -> StepStats:
         """Noise the accumulated clipped sum once, divide, write ``p.grad``; reset.
@@ -396,7 +403,7 @@ class PrivateGradient:
         Returns:
           :class:`StepStats` of the step.
         """
-        params = dict(self.model.named_parameters())
+        params = self._params
         clipped = {}
         for name in self.param_names_:
             p = params[name]
@@ -407,7 +414,10 @@ class PrivateGradient:
         )
         denom = self.denominator_
         for name in self.param_names_:
-            params[name].grad = (noisy[name] / denom).to(params[name].dtype)
+            p = params[name]
+            g = noisy[name]
+            g = g.div_(denom) if g.dtype == p.dtype and g is not clipped[name] else g / denom
+            p.grad = g.to(p.dtype)
         stats = StepStats(
             self._loss_sum,
             self._examples,
@@ -421,7 +431,7 @@ class PrivateGradient:
 
     def clipped_sum(self) -> dict[str, torch.Tensor]:
         """The accumulated clipped sum so far (before noise and division), per parameter."""
-        params = dict(self.model.named_parameters())
+        params = self._params
         return {
             n: self._sum[n].clone() if n in self._sum else torch.zeros_like(params[n])
             for n in self.param_names_

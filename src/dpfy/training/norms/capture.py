@@ -98,16 +98,23 @@ class LayerCapture:
     def _hook(self, index: int):
         plan = self.plans[index]
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        calls = self.calls[index]
+
+        def rule_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            # registered layers: one tensor input, one tensor output (fast path)
+            if not self.active or not output.requires_grad:
+                return
+            x = args[0] if args else kwargs["input"]
+            calls.append(_Call((x.detach(),), {}, [output], [output._version], None))
+
+        def generic_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.active or not torch.is_grad_enabled():
                 return
             leaves, spec = tree_flatten(output)
             outs = [o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point()]
             if not any(o.requires_grad for o in outs):
                 return
-            if plan.rule is not None and not args:
-                args, kwargs = (kwargs["input"],), {}
-            self.calls[index].append(
+            calls.append(
                 _Call(
                     tree_map(_detach, args),
                     tree_map(_detach, kwargs),
@@ -117,7 +124,7 @@ class LayerCapture:
                 )
             )
 
-        return hook
+        return rule_hook if plan.rule is not None else generic_hook
 
     def backward(self, losses: torch.Tensor, scale: torch.Tensor) -> list[list[Capture]]:
         """Gradients of ``sum_i scale_i * losses_i`` w.r.t. every recorded module output.
@@ -155,7 +162,8 @@ class LayerCapture:
                 )
                 caps.append(Capture(call.args, call.kwargs, gouts, call.spec))
             result.append(caps)
-        self.calls = [[] for _ in self.plans]
+        for calls in self.calls:
+            calls.clear()
         return result
 
 

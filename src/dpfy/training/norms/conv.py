@@ -1,24 +1,37 @@
-"""Convolutions (Conv1d, Conv2d): unfold to linear form, then ghost or materialised norms.
+"""Convolutions (Conv1d, Conv2d): materialised per-example gradients or ghost norms, by cost.
 
 A convolution is a Linear layer applied at every output position to the unfolded input patch
 (``F.unfold``), with weight [C_out, C_in/groups, *kernel] seen as ``groups`` blocks of shape
-[C_out/groups, C_in/groups * prod(kernel)]. Any stride, padding (ints, ``"same"``,
-``"valid"``; every ``padding_mode``), dilation and groups are supported. Conv1d runs as a
-Conv2d of height 1. The per-layer choice between ghost norms (T x T Gram matrices over the T
-output positions) and materialised per-example gradients is made by
-:func:`dpfy.training.norms.linear.choose_mode` from the shapes.
+[C_out/groups, C_in/groups * prod(kernel)]. The per-layer choice (Bu et al. 2023, mixed
+ghost clipping) is made by :func:`dpfy.training.norms.linear.choose_mode` from the shapes:
+
+* materialise (few channels, many positions -- small images): every example's weight
+  gradient comes from *one* grouped weight-gradient call with the batch folded into the
+  groups (no unfold; as fast as the ordinary weight gradient);
+* ghost (many channels, few positions): unfold to the linear form and take T x T Gram
+  matrices of the T output positions; the clipped sum is the book-keeping contraction.
+
+Any stride, padding (ints, ``"same"``, ``"valid"``; every ``padding_mode``), dilation and
+groups are supported. Conv1d runs as a Conv2d of height 1 in the unfold path.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpfy.training.norms.linear import LinearForm, fold_linear_form
-from dpfy.training.norms.registry import Capture, register_norm_rule
+from dpfy.training.norms.linear import LinearForm, choose_mode, fold_linear_form
+from dpfy.training.norms.registry import (
+    Capture,
+    MaterializedGrads,
+    fold_rows,
+    register_norm_rule,
+)
 
-__all__ = ["conv_rule", "unfold_conv_input"]
+__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_weight_grads"]
 
 
 def _explicit_padding(module: nn.Conv1d | nn.Conv2d) -> list[int]:
@@ -60,28 +73,96 @@ def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.T
     return cols.reshape(b, groups, ck // groups, length).transpose(2, 3)
 
 
+def per_example_conv_weight_grads(
+    module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, gy: torch.Tensor
+) -> torch.Tensor:
+    """Per-example weight gradients [B, *weight.shape] by one grouped weight-gradient call.
+
+    The batch is folded into the channels (``[1, B*C_in, ...]``) and the convolution is seen
+    as ``B * groups`` independent groups, so the library's (oneDNN) weight-gradient kernel
+    returns every example's gradient at the cost of one ordinary weight gradient.
+    """
+    b = x.shape[0]
+    pad = _explicit_padding(module)
+    symmetric = all(pad[i] == pad[i + 1] for i in range(0, len(pad), 2))
+    if module.padding_mode != "zeros" or not symmetric:
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, pad, mode=mode)
+        padding = [0] * (len(pad) // 2)
+    else:
+        padding = pad[::2][::-1]
+    spatial = x.shape[2:]
+    xg = x.reshape(1, b * x.shape[1], *spatial)
+    gg = gy.reshape(1, b * gy.shape[1], *gy.shape[2:])
+    w_shape = (b * module.out_channels, *module.weight.shape[1:])
+    weight = torch.empty(w_shape, dtype=x.dtype, device=x.device)
+    _, grad_w, _ = torch.ops.aten.convolution_backward(
+        gg,
+        xg,
+        weight,
+        None,
+        list(module.stride),
+        padding,
+        list(module.dilation),
+        False,
+        [0] * len(spatial),
+        b * module.groups,
+        [False, True, False],
+    )
+    return grad_w.reshape(b, *module.weight.shape)
+
+
 @register_norm_rule(nn.Conv1d, nn.Conv2d)
 def conv_rule(module: nn.Conv1d | nn.Conv2d, captures: list[Capture], group_size: int):
-    """Rule for ``nn.Conv1d`` / ``nn.Conv2d`` on batched inputs [B, C, *spatial]."""
-    acts, grads = [], []
+    """Rule for ``nn.Conv1d`` / ``nn.Conv2d`` on batched inputs [B, C, *spatial].
+
+    Materialises per-example weight gradients with one grouped weight-gradient call when that
+    is cheaper than ghost norms over the T output positions (most convolutions of small
+    images); otherwise unfolds to the linear form and uses Gram matrices (ghost norms).
+    """
+    want_w = module.weight.requires_grad
+    want_b = module.bias is not None and module.bias.requires_grad
+    ndim = 3 if isinstance(module, nn.Conv1d) else 4
+    for cap in captures:
+        if cap.args[0].dim() != ndim:
+            raise ValueError(
+                f"{type(module).__name__} input must be batched; got shape "
+                f"{tuple(cap.args[0].shape)}"
+            )
+    n = captures[0].args[0].shape[0]
+    positions = sum(math.prod(c.grad_outputs[0].shape[2:]) for c in captures)
     groups = module.groups
+    d = module.weight[0].numel()
+    o = module.out_channels // groups
+    mode = choose_mode(
+        n // group_size, groups, positions * group_size, d, o, module.weight.element_size()
+    )
+    if mode == "materialize":
+        grads: dict[str, torch.Tensor] = {}
+        if want_w:
+            pw = sum(
+                per_example_conv_weight_grads(module, c.args[0], c.grad_outputs[0])
+                for c in captures
+            )
+            grads["weight"] = fold_rows(pw, group_size)
+        if want_b:
+            pb = sum(c.grad_outputs[0].flatten(2).sum(2) for c in captures)
+            grads["bias"] = fold_rows(pb, group_size)
+        return MaterializedGrads(grads)
+    acts, gys = [], []
     for cap in captures:
         x, gy = cap.args[0], cap.grad_outputs[0]
-        if x.dim() != (3 if isinstance(module, nn.Conv1d) else 4):
-            raise ValueError(
-                f"{type(module).__name__} input must be batched; got shape {tuple(x.shape)}"
-            )
         acts.append(unfold_conv_input(module, x))
         b, c_out = gy.shape[:2]
-        g = gy.reshape(b, groups, c_out // groups, -1).transpose(2, 3)  # [B, groups, L, o]
-        grads.append(g)
+        gys.append(gy.reshape(b, groups, c_out // groups, -1).transpose(2, 3))  # [B, g, L, o]
     a = acts[0] if len(acts) == 1 else torch.cat(acts, dim=2)
-    g = grads[0] if len(grads) == 1 else torch.cat(grads, dim=2)
+    g = gys[0] if len(gys) == 1 else torch.cat(gys, dim=2)
     a, g = fold_linear_form(a, g, group_size)
     return LinearForm(
         a,
         g,
         module.weight.shape,
-        weight_name="weight" if module.weight.requires_grad else None,
-        bias_name="bias" if module.bias is not None and module.bias.requires_grad else None,
+        weight_name="weight" if want_w else None,
+        bias_name="bias" if want_b else None,
+        mode="ghost",
     )

@@ -87,10 +87,18 @@ class LinearForm:
     def squared_norms(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         a, g = self.a, self.g
+        n, h, t, _ = a.shape
+        if t == 1:
+            # outer products: ||a_n||^2 ||g_n||^2 per block; the bias norm reuses ||g_n||^2
+            g_sq = g.reshape(n, h, -1).square().sum(2)
+            if self.weight_name is not None:
+                a_sq = a.reshape(n, h, -1).square().sum(2)
+                out[self.weight_name] = (a_sq * g_sq).sum(1) if h > 1 else (a_sq * g_sq)[:, 0]
+            if self.bias_name is not None:
+                out[self.bias_name] = g_sq.sum(1) if h > 1 else g_sq[:, 0]
+            return out
         if self.weight_name is not None:
-            if a.shape[2] == 1:
-                sq = (a.square().sum(-1) * g.square().sum(-1)).sum((1, 2))
-            elif self.mode == "ghost":
+            if self.mode == "ghost":
                 gram_a = torch.matmul(a, a.transpose(-1, -2))
                 gram_g = torch.matmul(g, g.transpose(-1, -2))
                 sq = (gram_a * gram_g).sum((1, 2, 3))
@@ -120,17 +128,18 @@ class LinearForm:
                 ws = (w @ self._per_example.reshape(n, -1)).reshape(h, o, d)
             elif h == 1:
                 a2, g2 = a.reshape(n * t, d), g.reshape(n * t, o)
-                wr = w.repeat_interleave(t) if t > 1 else w
+                wr = (w.repeat_interleave(t) if t > 1 else w).unsqueeze(1)
                 if o <= d:
-                    ws = (g2 * wr[:, None]).t() @ a2
+                    ws = torch.mm((g2 * wr).t(), a2)
                 else:
-                    ws = g2.t() @ (a2 * wr[:, None])
+                    ws = torch.mm(g2.t(), a2 * wr)
             else:
                 ws = torch.einsum("nhto,nhtd->hod", g * w.reshape(n, 1, 1, 1), a)
             out[self.weight_name] = ws.reshape(self.weight_shape)
         if self.bias_name is not None:
             w = weights[self.bias_name].to(g.dtype)
-            out[self.bias_name] = (w @ g.sum(2).reshape(n, h * o)).reshape(h * o)
+            gb = g.reshape(n, h * o) if t == 1 else g.sum(2).reshape(n, h * o)
+            out[self.bias_name] = torch.mv(gb.t(), w)
         return out
 
 

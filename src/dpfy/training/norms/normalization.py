@@ -53,14 +53,40 @@ def layer_norm_rule(module: nn.LayerNorm, captures: list[Capture], group_size: i
 
 @register_norm_rule(nn.GroupNorm)
 def group_norm_rule(module: nn.GroupNorm, captures: list[Capture], group_size: int):
-    """Rule for ``nn.GroupNorm`` (affine) on inputs [B, C, *spatial]."""
-    pairs = []
+    """Rule for ``nn.GroupNorm`` (affine) on inputs [B, C, *spatial].
+
+    GroupNorm's statistics are per example, so a batch of B examples is one example with
+    B*C channels and B*groups groups: the library's GroupNorm backward on that view returns
+    per-example ``sum_spatial g * x_hat`` and ``sum_spatial g`` (its per-channel reductions)
+    without forming ``x_hat`` or ``g * x_hat``.
+    """
+    want_w = module.weight is not None and module.weight.requires_grad
+    want_b = module.bias is not None and module.bias.requires_grad
+    gw_sum: torch.Tensor | None = None
+    gb_sum: torch.Tensor | None = None
     for cap in captures:
-        x = cap.args[0]
-        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
-        pairs.append((xhat, cap.grad_outputs[0]))
-    dims = tuple(range(2, captures[0].args[0].dim()))
-    return _affine_grads(module, pairs, dims, group_size)
+        x, gy = cap.args[0], cap.grad_outputs[0]
+        b, c = x.shape[:2]
+        hw = x[0, 0].numel()
+        xx = x.reshape(1, b * c, hw)
+        _, mean, rstd = torch.ops.aten.native_group_norm(
+            xx, None, None, 1, b * c, hw, b * module.num_groups, module.eps
+        )
+        ones = torch.ones(b * c, dtype=x.dtype, device=x.device)
+        _, gw, gb = torch.ops.aten.native_group_norm_backward(
+            gy.reshape(1, b * c, hw), xx, mean, rstd, ones, 1, b * c, hw,
+            b * module.num_groups, [False, want_w, want_b],
+        )
+        if want_w:
+            gw_sum = gw.reshape(b, c) if gw_sum is None else gw_sum + gw.reshape(b, c)
+        if want_b:
+            gb_sum = gb.reshape(b, c) if gb_sum is None else gb_sum + gb.reshape(b, c)
+    grads: dict[str, torch.Tensor] = {}
+    if gw_sum is not None:
+        grads["weight"] = fold_rows(gw_sum, group_size)
+    if gb_sum is not None:
+        grads["bias"] = fold_rows(gb_sum, group_size)
+    return MaterializedGrads(grads)
 
 
 if hasattr(nn, "RMSNorm"):

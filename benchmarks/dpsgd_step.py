@@ -1,0 +1,265 @@
+"""DP-SGD step time relative to a plain PyTorch step: dpfy vs Opacus 1.6, side by side.
+
+One run times, on the same model, batch and thread count, a plain step (forward, backward,
+SGD step), dpfy's ``PrivateGradient`` step (accumulate + release + SGD step, including the
+ledger entries) and Opacus' modes (``hooks``, ``functorch``, ``ew``, ``ghost`` fast gradient
+clipping), all with flat clipping (C = 1) and noise multiplier 1. The methods are measured in
+interleaved rounds (every method once per round, in a rotating order) so that load from other
+processes hits them alike; the figure of merit is the median step time divided by the plain
+median (DESIGN.md section 9).
+
+Usage::
+
+    python benchmarks/dpsgd_step.py                 # table
+    python benchmarks/dpsgd_step.py --json out.json # also write JSON ("-" for stdout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dpfy.ledger import Ledger, SampleSpec
+from dpfy.queries import GaussianSumQuery
+from dpfy.randomness import Randomness
+from dpfy.training import PrivateGradient
+
+CLIP, Z, LR = 1.0, 1.0, 0.05
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
+
+
+def make_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.GroupNorm(4, 32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 10),
+    )
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn}
+Step = Callable[[], None]
+
+
+def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def dpfy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    batch = x.shape[0]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=batch)
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    ledger, rng = Ledger(), Randomness(seed=0)
+    spec = SampleSpec("poisson", dataset_size=60_000, sampling_rate=batch / 60_000)
+
+    def step() -> None:
+        sid = ledger.record_sample(spec)
+        pg.accumulate(x, y, loss_fn)
+        pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+        opt.step()
+
+    return step
+
+
+def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]:
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+        from opacus import PrivacyEngine
+
+        batch = x.shape[0]
+        data = torch.utils.data.TensorDataset(x.repeat(4, *([1] * (x.dim() - 1))), y.repeat(4))
+        loader = torch.utils.data.DataLoader(data, batch_size=batch)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        engine = PrivacyEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = engine.make_private(
+                module=model,
+                optimizer=opt,
+                criterion=nn.CrossEntropyLoss(),
+                data_loader=loader,
+                noise_multiplier=Z,
+                max_grad_norm=CLIP,
+                poisson_sampling=False,
+                grad_sample_mode=mode,
+            )
+        if mode == "ghost":
+            gmodel, dpopt, criterion, _ = out
+
+            def step() -> None:
+                dpopt.zero_grad(set_to_none=True)
+                criterion(gmodel(x), y).backward()
+                dpopt.step()
+
+        else:
+            gmodel, dpopt, _ = out
+            loss_fn = nn.CrossEntropyLoss()
+
+            def step() -> None:
+                dpopt.zero_grad(set_to_none=True)
+                loss_fn(gmodel(x), y).backward()
+                dpopt.step()
+
+        return step
+
+    return build
+
+
+METHODS = {
+    "plain": plain_step,
+    "dpfy": dpfy_step,
+    "opacus_hooks": opacus_step("hooks"),
+    "opacus_functorch": opacus_step("functorch"),
+    "opacus_ew": opacus_step("ew"),
+    "opacus_ghost": opacus_step("ghost"),
+}
+
+
+def measure(
+    model_name: str,
+    methods: list[str],
+    *,
+    batch: int,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    max_seconds: float,
+) -> dict[str, dict]:
+    """Median step time of each method, measured in interleaved rounds."""
+    torch.manual_seed(0)
+    base = MODELS[model_name]()
+    x = torch.randn(batch, 1, 28, 28)
+    y = torch.randint(0, 10, (batch,))
+    steps_fn: dict[str, Step] = {}
+    errors: dict[str, str] = {}
+    for m in methods:
+        try:
+            steps_fn[m] = METHODS[m](copy.deepcopy(base), x, y)
+            for _ in range(warmup):
+                steps_fn[m]()
+        except Exception as exc:  # a peer mode that cannot run this model is reported
+            errors[m] = f"{type(exc).__name__}: {exc}"[:200]
+            steps_fn.pop(m, None)
+    times: dict[str, list[float]] = {m: [] for m in steps_fn}
+    budget: dict[str, float] = dict.fromkeys(steps_fn, 0.0)
+    order = list(steps_fn)
+    for r in range(rounds):
+        rot = order[r % len(order) :] + order[: r % len(order)]
+        for m in rot:
+            if budget[m] > max_seconds and len(times[m]) >= 3:
+                continue  # very slow mode: enough samples for a median
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                steps_fn[m]()
+                dt = time.perf_counter() - t0
+                times[m].append(dt)
+                budget[m] += dt
+    plain = statistics.median(times["plain"]) if "plain" in times else float("nan")
+    result: dict[str, dict] = {}
+    for m in methods:
+        if m in errors:
+            result[m] = {"error": errors[m]}
+            continue
+        med = statistics.median(times[m])
+        result[m] = {
+            "median_ms": 1e3 * med,
+            "ratio_to_plain": med / plain,
+            "samples": len(times[m]),
+            "q25_ms": 1e3 * statistics.quantiles(times[m], n=4)[0],
+            "q75_ms": 1e3 * statistics.quantiles(times[m], n=4)[2],
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=2, help="steps per method per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--max-seconds", type=float, default=20.0, help="time budget per slow method and model"
+    )
+    parser.add_argument("--json", default=None, help="write results as JSON to this path (- = stdout)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    methods = list(dict.fromkeys(["plain", *args.methods]))
+    report = {
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "batch": args.batch,
+        "clip_norm": CLIP,
+        "noise_multiplier": Z,
+        "models": {},
+    }
+    try:
+        import opacus
+
+        report["opacus"] = opacus.__version__
+    except ImportError:
+        report["opacus"] = None
+    for name in args.models:
+        res = measure(
+            name, methods, batch=args.batch, rounds=args.rounds, steps=args.steps,
+            warmup=args.warmup, max_seconds=args.max_seconds,
+        )
+        report["models"][name] = res
+        print(f"\n{name} (batch {args.batch}, {args.threads} threads)")
+        print(f"  {'method':18s} {'median ms':>10s} {'x plain':>8s} {'IQR ms':>16s} {'n':>4s}")
+        for m, r in res.items():
+            if "error" in r:
+                print(f"  {m:18s} error: {r['error']}")
+                continue
+            iqr = f"{r['q25_ms']:.1f}-{r['q75_ms']:.1f}"
+            print(
+                f"  {m:18s} {r['median_ms']:10.2f} {r['ratio_to_plain']:8.2f} {iqr:>16s} "
+                f"{r['samples']:4d}"
+            )
+    if args.json:
+        text = json.dumps(report, indent=2)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
