@@ -310,6 +310,8 @@ def test_epsilon_monotone(q: float, z: float, t: int, d: float, f: float) -> Non
     assert _eps(q, z, t, min(d * f, 0.5)) <= base + slack
     assert _eps(q / f, z, t, d) <= base + slack
     assert _eps(q, z, int(t * f) + 1, d) >= base - slack
+    back, _ = delta_from_rdp(t * rdp_poisson_gaussian(q, z), DEFAULT_ORDERS, base)
+    assert back <= d * (1 + 1e-9)
 
 
 @settings(max_examples=20, deadline=None)
