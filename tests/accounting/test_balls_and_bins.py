@@ -76,8 +76,13 @@ def test_two_epochs_compose_like_a_gaussian():
 
 @pytest.mark.parametrize(("z", "t", "eps"), [(1.0, 10, 1.0), (0.8, 50, 1.5), (2.0, 5, 0.3)])
 def test_lower_bound_never_exceeds_estimate(z, t, eps):
-    r = balls_and_bins_delta(z, t, eps, samples=100_000, seed=2, error_probability=ERR, **FAST)
-    assert r.delta_lower <= r.delta_estimate <= r.delta_upper
+    for method in ("plain", "conditional"):
+        r = balls_and_bins_delta(z, t, eps, samples=100_000, seed=2, method=method,
+                                 error_probability=ERR, **FAST)
+        assert r.delta_lower <= r.delta_upper
+        assert r.delta_estimate <= r.delta_upper
+        if method == "plain":
+            assert r.delta_lower <= r.delta_estimate
 
 
 def test_importance_and_plain_agree_within_intervals():
@@ -125,14 +130,19 @@ def test_order_statistics_estimates_never_below_plain():
 
 
 def test_reproducible_from_seed_and_independent_of_executor():
-    kw = {"samples": 20_000, "seed": 42, **FAST}
+    kw = {"samples": 20_000, "seed": 42, "method": "plain", **FAST}
     a = balls_and_bins_epsilon(1.0, 20, 1e-2, **kw)
     b = balls_and_bins_epsilon(1.0, 20, 1e-2, **kw)
     with ThreadPoolExecutor(2) as pool:
         c = balls_and_bins_epsilon(1.0, 20, 1e-2, executor=pool, chunk_elements=1 << 16, **kw)
     assert a.epsilon_upper == b.epsilon_upper == c.epsilon_upper
     assert a.epsilon_estimate == c.epsilon_estimate
-    d = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=43, **FAST)
+    d = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=43, method="plain", **FAST)
+    e = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=42, method="conditional", **FAST)
+    with ThreadPoolExecutor(2) as pool:
+        f = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=42, method="conditional",
+                                   executor=pool, chunk_elements=1 << 16, **FAST)
+    assert e.epsilon_upper == f.epsilon_upper
     assert d.epsilon_estimate != a.epsilon_estimate
 
 
@@ -173,7 +183,7 @@ def test_events_and_accountant():
 
 
 def test_falls_back_to_provable_no_amplification_bound():
-    acc = MonteCarloAccountant(samples=2_000, seed=0, progress=False)
+    acc = MonteCarloAccountant(samples=2_000, seed=0, progress=False, method="plain")
     res = accounting.epsilon(ev.BallsAndBins(1.0, 50), 1e-6, method=acc)
     # 2,000 samples cannot certify delta = 1e-6: the provable Gaussian bound is reported
     assert res.provable and res.epsilon == pytest.approx(float(gaussian_epsilon(1.0, 1e-6)))
@@ -194,3 +204,40 @@ def test_validation():
         balls_and_bins_delta(1.0, 2, 1.0, epochs=2, samples=10, method="importance", **FAST)
     with pytest.raises(ValueError, match="samples must be"):
         balls_and_bins_delta(1.0, 2, 1.0, samples=0, **FAST)
+
+
+def test_conditional_matches_plain_and_bounds_it():
+    # one epoch, T = 20: conditional (Rao-Blackwellised + analytic tails) vs plain sampling
+    z, t, eps, n = 1.0, 20, 1.0, 100_000
+    plain = balls_and_bins_delta(z, t, eps, samples=n, seed=11, method="plain",
+                                 error_probability=ERR, **FAST)
+    cond = balls_and_bins_delta(z, t, eps, samples=n, seed=12, method="conditional",
+                                error_probability=ERR, **FAST)
+    assert cond.method == "conditional"
+    for d in range(2):
+        p_low, p_up = _kl_interval(plain.direction_estimates[d], n, ERR)
+        assert p_low <= cond.direction_estimates[d] <= p_up
+    assert cond.delta_upper >= plain.delta_estimate
+    assert cond.delta_lower <= cond.delta_estimate <= cond.delta_upper
+    # the conditional bound is much tighter for the same number of samples
+    assert cond.delta_upper - cond.delta_estimate < plain.delta_upper - plain.delta_estimate
+
+
+def test_conditional_tail_bounds_dominate_empirical_tails():
+    from dpfy.accounting.balls_and_bins import _SumTails
+
+    z, n_terms = 0.8, 50
+    rng = np.random.default_rng(0)
+    s = np.exp(rng.standard_normal((200_000, n_terms)) / z).sum(axis=1)
+    tails = _SumTails(z, n_terms)
+    for q in (0.5, 0.9, 0.99, 0.999):
+        x = np.quantile(s, q)
+        assert tails.right(np.array([x]))[0] >= (1 - q) * 0.9
+        y = np.quantile(s, 1 - q)
+        assert tails.left(np.array([y]))[0] >= (1 - q) * 0.9
+
+
+def test_conditional_epsilon_is_ordered_and_auto_uses_it():
+    r = balls_and_bins_epsilon(1.0, 200, 1e-4, samples=100_000, seed=0, **FAST)
+    assert r.method == "conditional"
+    assert r.epsilon_lower <= r.epsilon_estimate <= r.epsilon_upper < 1.2 * r.epsilon_estimate
