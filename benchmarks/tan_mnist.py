@@ -1,0 +1,235 @@
+"""TAN on MNIST: a reference DP-SGD run and its cheap simulations at constant eta_step and S.
+
+Sander et al. (2023, Sec. 3.4) claim that runs with the same number of steps ``S`` and the same
+per-step signal-to-noise ``eta_step = q / (sqrt(2) z)`` reach similar accuracy, so a reference
+configuration ``(B_ref, z_ref, S)`` can be simulated at ``B_ref / k`` with ``z_ref / k`` for
+about ``1/k`` of the compute (the simulations' own epsilons are much larger: they are tools for
+tuning non-privacy hyperparameters, not private runs).
+
+This benchmark trains dpfy's DP-SGD (:class:`dpfy.training.trainer.PrivateTrainer`, Poisson
+sampling, the ``tanh_cnn`` of the MNIST recipe) at the reference and at each ``k``, with the same
+learning rate, clip norm, initialisation and number of steps, and reports:
+
+* test accuracy of each run and its largest gap to the reference (TAN: within ~1 point);
+* training wall time and the speed-up over the reference (TAN: roughly ``k``);
+* each run's own epsilon (PLD, from its ledger) next to eps_TAN and the TAN regime;
+* the log-linear batch-scaling fit (TAN Fig. 4) through the simulations, extrapolated to
+  ``B_ref`` and compared with the measured reference;
+* figures: the batch-scaling fit and the privacy wall (TAN Fig. 2).
+
+Usage::
+
+    python benchmarks/tan_mnist.py                     # table; figures + JSON in results/
+    python benchmarks/tan_mnist.py --json -            # JSON on stdout too
+    python benchmarks/tan_mnist.py --ks 4 8 16 --seeds 2
+    python benchmarks/tan_mnist.py --quick             # smoke run (few steps, 5k images)
+
+Wall times on shared machines are noisy: compare the ratios, not the seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dpfy import datasets
+from dpfy.accounting import tan
+from dpfy.randomness import Randomness
+from dpfy.sampling import PoissonSampler
+from dpfy.training.recipes import make_model
+from dpfy.training.trainer import PrivateTrainer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_one(
+    cfg: tan.TanConfig,
+    data: tuple,
+    *,
+    seed: int,
+    lr: float,
+    momentum: float,
+    clip: float,
+    delta: float,
+) -> dict:
+    """Train ``cfg.steps`` DP-SGD steps at ``cfg`` and return accuracy, time and epsilon."""
+    x, y, xt, yt = data
+    n = len(x)
+    q = cfg.batch_size / n
+    torch.manual_seed(seed)  # same initialisation for the reference and its simulations
+    model = make_model("tanh_cnn")
+    base = Randomness(seed * 7919 + int(cfg.batch_size))
+    sampler = PoissonSampler(n, q, randomness=Randomness(int(base.uniform(1)[0] * 2**62)))
+    steps_per_epoch = int(sampler.steps_per_epoch)
+    # Fixed-shape chunks sized to the expected batch: a padded 1024-row chunk for a 64-example
+    # batch would hide the compute saving TAN is about.
+    physical = int(math.ceil(cfg.batch_size + 4 * math.sqrt(cfg.batch_size) + 1))
+    trainer = PrivateTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
+        nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        sampler,
+        clip_norm=clip,
+        epochs=max(1, math.ceil(cfg.steps / steps_per_epoch)),
+        delta=delta,
+        noise_multiplier=cfg.noise_multiplier,
+        max_physical_batch_size=physical,
+        randomness=Randomness(int(base.uniform(1)[0] * 2**62)),
+        test_data=(xt, yt),
+    )
+    result = trainer.fit(max_steps=cfg.steps)
+    accuracy = trainer.evaluate()
+    return {
+        "seed": seed,
+        "steps_run": result.steps,
+        "test_accuracy": 100.0 * float(accuracy),
+        "seconds": float(result.seconds),
+        "epsilon": float(result.privacy.epsilon),
+        "accounting": result.privacy.method,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=1024, help="reference batch size B_ref")
+    ap.add_argument("--noise", type=float, default=4.0, help="reference noise multiplier z_ref")
+    ap.add_argument("--steps", type=int, default=120, help="steps S (same for every run)")
+    ap.add_argument("--ks", type=int, nargs="+", default=[4, 16], help="simulation factors k")
+    ap.add_argument("--seeds", type=int, default=1, help="repetitions per configuration")
+    ap.add_argument("--lr", type=float, default=1.0)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--clip", type=float, default=0.1)
+    ap.add_argument("--delta", type=float, default=1e-5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 5k images, 8 steps")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for JSON and figures")
+    ap.add_argument("--json", default=None, help="also write JSON here ('-' for stdout)")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    limit = 5_000 if args.quick else None
+    steps = 8 if args.quick else args.steps
+    x, y = datasets.load("mnist", "train", limit=limit)
+    xt, yt = datasets.load("mnist", "test", limit=2_000 if args.quick else None)
+    data = (x, y, xt, yt)
+    n = len(x)
+    batch = min(args.batch, n // 4) if args.quick else args.batch
+    ref = tan.TanConfig(batch, args.noise, steps, n)
+    configs = {1: ref} | {k: tan.simulate_small_batch(ref, k) for k in sorted(set(args.ks))}
+
+    runs: dict[int, list[dict]] = {k: [] for k in configs}
+    for seed in range(args.seeds):
+        for k in sorted(configs, reverse=True):  # cheap simulations first, reference last
+            t0 = time.perf_counter()
+            runs[k].append(
+                run_one(configs[k], data, seed=seed, lr=args.lr, momentum=args.momentum,
+                        clip=args.clip, delta=args.delta)
+            )
+            print(f"  k={k:<3d} seed={seed} done in {time.perf_counter() - t0:.1f}s",
+                  file=sys.stderr)
+
+    rows = []
+    ref_acc = statistics.mean(r["test_accuracy"] for r in runs[1])
+    ref_time = statistics.mean(r["seconds"] for r in runs[1])
+    for k, cfg in configs.items():
+        accs = [r["test_accuracy"] for r in runs[k]]
+        secs = [r["seconds"] for r in runs[k]]
+        rows.append(
+            {
+                "k": k,
+                "batch_size": cfg.batch_size,
+                "noise_multiplier": cfg.noise_multiplier,
+                "steps": cfg.steps,
+                "eta_step": cfg.eta_step,
+                "regime": cfg.regime.value,
+                "epsilon": runs[k][0]["epsilon"],
+                "accounting": runs[k][0]["accounting"],
+                "epsilon_tan": cfg.epsilon_tan(args.delta),
+                "test_accuracy": statistics.mean(accs),
+                "test_accuracy_std": statistics.stdev(accs) if len(accs) > 1 else None,
+                "accuracy_gap_to_reference": statistics.mean(accs) - ref_acc,
+                "seconds": statistics.mean(secs),
+                "speedup": ref_time / statistics.mean(secs),
+                "runs": runs[k],
+            }
+        )
+
+    sims = [r for r in rows if r["k"] != 1]
+    fit = tan.fit_batch_scaling(
+        [r["batch_size"] for r in sims for _ in r["runs"]],
+        [run["test_accuracy"] for r in sims for run in r["runs"]],
+    )
+    predicted = float(fit.predict(ref.batch_size))
+    max_gap = max(abs(r["accuracy_gap_to_reference"]) for r in sims)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from dpfy import plots_tan
+
+    tag = "_quick" if args.quick else ""
+    fig_fit = plots_tan.batch_scaling(
+        fit, args.out / f"tan_mnist_batch_scaling{tag}.png", reference_batch=ref.batch_size,
+        reference_values=[r["test_accuracy"] for r in runs[1]],
+        title=f"MNIST, constant eta_step={ref.eta_step:.3g}, S={ref.steps}",
+    )
+    fig_wall = plots_tan.privacy_wall(args.out / "tan_privacy_wall.png", delta=args.delta)
+    report = {
+        "benchmark": "tan_mnist",
+        "dataset_size": n,
+        "delta": args.delta,
+        "learning_rate": args.lr,
+        "momentum": args.momentum,
+        "clip_norm": args.clip,
+        "threads": args.threads,
+        "seeds": args.seeds,
+        "quick": args.quick,
+        "reference": ref.to_dict(),
+        "rows": rows,
+        "max_abs_accuracy_gap": max_gap,
+        "tan_claim_within_1_point": bool(max_gap <= 1.0),
+        "batch_scaling_fit": fit.to_dict(),
+        "predicted_reference_accuracy": predicted,
+        "measured_reference_accuracy": ref_acc,
+        "figures": [str(fig_fit), str(fig_wall)],
+    }
+    out_json = args.out / f"tan_mnist{tag}.json"
+    out_json.write_text(json.dumps(report, indent=2))
+
+    head = (f"{'k':>3} {'B':>6} {'z':>7} {'S':>5} {'eta_step':>9} {'regime':>16} "
+            f"{'eps':>9} {'eps_TAN':>8} {'acc %':>7} {'gap':>6} {'time s':>7} {'speedup':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['k']:>3d} {r['batch_size']:>6.0f} {r['noise_multiplier']:>7.3f} {r['steps']:>5d} "
+            f"{r['eta_step']:>9.2e} {r['regime']:>16} {r['epsilon']:>9.3g} "
+            f"{r['epsilon_tan']:>8.3f} {r['test_accuracy']:>7.2f} "
+            f"{r['accuracy_gap_to_reference']:>+6.2f} {r['seconds']:>7.1f} {r['speedup']:>7.2f}"
+        )
+    print(
+        f"\nmax |accuracy gap| to the reference: {max_gap:.2f} points "
+        f"(TAN claim within 1 point: {'yes' if max_gap <= 1.0 else 'NO'})"
+    )
+    print(
+        f"batch-scaling fit through the simulations: acc = {fit.intercept:.2f} "
+        f"{fit.slope:+.3f} log B -> {predicted:.2f} % at B_ref={ref.batch_size:.0f} "
+        f"(measured {ref_acc:.2f} %)"
+    )
+    print(f"results: {out_json}; figures: {fig_fit}, {fig_wall}")
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
