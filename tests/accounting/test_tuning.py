@@ -148,3 +148,16 @@ def test_sequential_composition_validates():
         tuning.sequential_composition([], 1e-5)
     with pytest.raises(ValueError, match="delta must be in"):
         tuning.sequential_composition([ev.Gaussian(1.0)], 0.0)
+
+
+def test_coverage_final_only_vs_plus_tuning():
+    final = _run(0.01, 1.2, 500)
+    tuning_event = tuning.random_trials(_run(0.01, 1.2, 100), 8.0)
+    out = tuning.coverage(final, tuning_event, 1e-5)
+    assert set(out) == {"final run only", "final run plus tuning"}
+    assert out["final run only"].epsilon < out["final run plus tuning"].epsilon
+    selected = tuning.coverage(final, tuning.random_trials(final, 8.0), 1e-5,
+                               final_is_selected=True)
+    assert selected["final run plus tuning"].epsilon == pytest.approx(
+        accounting.epsilon(tuning.random_trials(final, 8.0), 1e-5).epsilon
+    )

@@ -61,6 +61,7 @@ __all__ = [
     "all_runs",
     "random_trials",
     "with_tuning",
+    "coverage",
     "draw_number_of_trials",
     "TuningOption",
     "compare_tuning",
@@ -318,6 +319,31 @@ def with_tuning(final: ev.Event, tuning: ev.Event) -> ev.Composed:
     account ``tuning`` alone instead.
     """
     return ev.Composed((tuning, final))
+
+
+def coverage(
+    final: ev.Event,
+    tuning: ev.Event,
+    delta: float,
+    *,
+    final_is_selected: bool = False,
+    method: str = "auto",
+) -> dict[str, PrivacyResult]:
+    """The two statements a report can make: "final run only" and "final run plus tuning".
+
+    Args:
+      final: the released training run (e.g. ``ledger.to_event()``).
+      tuning: the tuning procedure's event (:func:`all_runs`, :func:`random_trials`, ...).
+      delta: target delta.
+      final_is_selected: True when the released model *is* the selected trial of ``tuning``
+        (no retraining): then "plus tuning" is ``tuning`` alone; else tuning then ``final``.
+      method: accountant for both statements.
+    """
+    total = tuning if final_is_selected else with_tuning(final, tuning)
+    return {
+        "final run only": _epsilon(final, delta, method=method),
+        "final run plus tuning": _epsilon(total, delta, method=method),
+    }
 
 
 def sequential_composition(
