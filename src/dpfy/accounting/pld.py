@@ -26,9 +26,14 @@ How the numbers are made (all steps keep a valid upper bound on delta(eps)):
    multiplied (heterogeneous composition). The circular window is chosen from Chernoff bounds
    so that at most ``tail_mass`` of the composed distribution falls outside it on each side;
    wrapped-around mass only adds (pessimistic), and the bounded outside mass is added to delta.
-3. **Coarse to fine.** The grid interval starts coarse and is halved until epsilon (or delta)
-   changes by less than ``tolerance`` (relative) between refinements. Every level is a valid
-   upper bound; a finer grid only tightens it (the fine pair is dominated by the coarse one).
+   Long runs are composed in two stages: blocks of T1 steps on the fine grid, each block
+   re-discretised pessimistically (connect the dots again) onto a grid about sqrt(T1) times
+   coarser, then the blocks; both stages add discretisation error of the same small order.
+3. **Coarse to fine.** The grid interval starts at about half a step's loss standard
+   deviation and is halved until the estimated relative error of epsilon (or delta) is at most
+   ``tolerance``: connect-the-dots is second order, so the finer of two levels is off by about
+   a third of their difference. Every level is a valid upper bound; a finer grid only tightens
+   it (the fine pair is dominated by the coarse one), and the smallest value is reported.
 
 Floating point: FFT round-off is of order 1e-16 per grid point times the number of steps; it is
 far below the deltas of interest (>= 1e-12) but is not rigorously bounded.
@@ -74,7 +79,7 @@ __all__ = [
 ]
 
 DEFAULT_TOLERANCE = 1e-3
-"""Default relative change of epsilon between the last two grid refinements."""
+"""Default target relative error of epsilon (estimated from the last two grid refinements)."""
 
 MAX_GRID_SIZE = 1 << 23
 """Largest composed FFT grid (points) the coarse-to-fine loop may use."""
@@ -486,24 +491,29 @@ def _composed_pld(
     """
     total = sum(mechanisms.values())
     budget = tail / 4.0  # step truncation, stage-1 windows, final window (two sides), spare
-    blocks: list[tuple[DiscretePLD, int, int]] = []  # (pld, count, coarsening factor)
+    blocks: list[tuple[DiscretePLD, int]] = []
+    factors: list[int] = []  # coarsening each split mechanism allows
+    keep_fine = False  # a mechanism with many unsplit steps keeps the fine grid
     for (q, z), c in mechanisms.items():
         step = poisson_gaussian_pmf(q, z, h, tail_mass=budget / total)[direction]
         std = math.sqrt(max(_moments(step)[1], h * h))
         fill = (step.pmf.size * h / (_WINDOW_SIGMAS * std)) ** 2
         t1 = int(min(c, max(math.sqrt(c), fill)))
         if 4 * t1 > c:
-            blocks.append((step, c, 1))
+            blocks.append((step, c))
+            keep_fine = keep_fine or c > 16
             continue
         k = max(1, round(c / t1))
         t1, r = divmod(c, k)  # c = k * t1 + r with r < k: the r spare steps are coarsened
-        factor = max(1, int(_STAGE_RESOLUTION * math.sqrt(t1)))
+        factors.append(max(1, int(_STAGE_RESOLUTION * math.sqrt(t1))))
         stage_tail = budget / (2.0 * k * len(mechanisms))
-        blocks.append((compose([(step, t1)], tail_mass=stage_tail, max_size=max_size), k, factor))
+        blocks.append((compose([(step, t1)], tail_mass=stage_tail, max_size=max_size), k))
         if r:
-            blocks.append((step, r, factor))
-    factor = min(f for _, _, f in blocks)
-    parts = [(coarsen(p, factor), c) for p, c, _ in blocks]
+            blocks.append((step, r))
+    # Common final grid. Unsplit mechanisms with few steps are coarsened too: their extra
+    # error is at most that of one split block.
+    factor = 1 if keep_fine or not factors else min(factors)
+    parts = [(coarsen(p, factor), c) for p, c in blocks]
     return compose(parts, tail_mass=budget, max_size=max_size)
 
 
