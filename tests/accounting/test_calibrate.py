@@ -159,3 +159,13 @@ def test_bad_input(kwargs: dict, error: type, message: str) -> None:
 def test_unsupported_method_for_the_event() -> None:
     with pytest.raises(UnsupportedEventError, match="Shuffled"):
         calibrate_noise_multiplier(lambda z: ev.Shuffled(z, 100, 2), 1.0, 1e-5, method="pld")
+
+
+def test_configured_accountant_instance() -> None:
+    from dpfy.accounting.pld import PLDAccountant
+
+    acc = PLDAccountant(tolerance=1e-2)
+    make = lambda z: _poisson(0.05, z, 200)  # noqa: E731
+    z = calibrate_noise_multiplier(make, 3.0, 1e-6, method=acc, rtol=1e-3)
+    assert acc.epsilon(make(z), 1e-6).epsilon <= 3.0
+    assert acc.epsilon(make(z * 0.99), 1e-6).epsilon > 3.0

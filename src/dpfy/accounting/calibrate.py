@@ -16,7 +16,7 @@ Example:
   >>> make = lambda z: ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(z)), 1000)
   >>> z = calibrate_noise_multiplier(make, 2.0, 1e-5, method="rdp")
   >>> round(z, 2)
-  0.97
+  1.02
 """
 
 from __future__ import annotations
@@ -47,8 +47,27 @@ class CalibrationError(ValueError):
 # Evaluators: parameter -> epsilon upper bound, in a coarse (fast) or fine (final) mode
 # --------------------------------------------------------------------------------------------
 
-_COARSE_ORDERS = (1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0,
-                  64.0, 128.0, 256.0, 512.0, 1024.0)
+_COARSE_ORDERS = (
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    12.0,
+    16.0,
+    20.0,
+    24.0,
+    32.0,
+    48.0,
+    64.0,
+    128.0,
+    256.0,
+    512.0,
+    1024.0,
+)
 
 
 class _Evaluator:
@@ -62,19 +81,19 @@ class _Evaluator:
     * anything else: the registered accountant, both modes alike.
     """
 
-    def __init__(self, make_event: Callable, delta: float, method: str) -> None:
+    def __init__(self, make_event: Callable, delta: float, method: str | _api.Accountant) -> None:
         self.make_event = make_event
         self.delta = delta
         self.method = method
-        self.has_coarse = method in ("pld", "rdp")
+        self.has_coarse = isinstance(method, str) and method in ("pld", "rdp")
         self._interval: float | None = None
         self._order: float | None = None
-        self.calls = 0
 
     def __call__(self, x: float, coarse: bool) -> float:
-        self.calls += 1
         event = self.make_event(x)
         if _api.untruncated(event) != event:  # truncation is added centrally: use the API
+            return _api.epsilon(event, self.delta, method=self.method).epsilon
+        if not self.has_coarse:
             return _api.epsilon(event, self.delta, method=self.method).epsilon
         if self.method == "pld":
             if coarse:
@@ -104,20 +123,19 @@ class _Evaluator:
             if coarse:
                 self._order = float(order)
             return float(eps)
-        return _api.epsilon(event, self.delta, method=self.method).epsilon
-
+        raise AssertionError(f"no coarse mode for method {self.method!r}")  # pragma: no cover
 
     def verify(self, x: float) -> float:
-        """epsilon(x) exactly as the registered accountant reports it."""
-        if self.method == "rdp":  # fine rdp evaluations already bound the public value
-            return -math.inf
+        """epsilon(x) exactly as the public accountant reports it."""
         return _api.epsilon(self.make_event(x), self.delta, method=self.method).epsilon
 
 
-def _methods(make_event: Callable, x0: float, method: str) -> list[str]:
-    """Accountant names to calibrate with: ``auto`` means every auto method supporting x0."""
+def _methods(
+    make_event: Callable, x0: float, method: str | _api.Accountant
+) -> list[str | _api.Accountant]:
+    """Methods to calibrate with: ``auto`` means every auto accountant supporting x0."""
     event = _api.untruncated(make_event(x0))
-    if method != "auto":
+    if not isinstance(method, str) or method != "auto":
         _api._resolve(event, method)  # raises a clear error for bad or unsupported methods
         return [method]
     return [a.name for a in _api._resolve(event, "auto")]
@@ -280,8 +298,15 @@ def _calibrate(
     else:
         fine.append(fine[0])
     u_safe, _ = _solve(
-        lambda v: f_at(v, False), fine, resolution, integer, u_min, u_max,
-        max(resolution, abs(u1 - u_safe)), name, target,
+        lambda v: f_at(v, False),
+        fine,
+        resolution,
+        integer,
+        u_min,
+        u_max,
+        max(resolution, abs(u1 - u_safe)),
+        name,
+        target,
     )
     # Verify with exactly what the public accountant reports; step to the safe side if needed.
     step = resolution
@@ -311,7 +336,7 @@ def calibrate_noise_multiplier(
     make_event: Callable[[float], ev.Event],
     target_epsilon: float,
     delta: float,
-    method: str = "auto",
+    method: str | _api.Accountant = "auto",
     *,
     bracket: tuple[float, float] = (0.05, 1e4),
     rtol: float = 1e-4,
@@ -322,7 +347,8 @@ def calibrate_noise_multiplier(
       make_event: noise multiplier z -> event; epsilon must not increase with z.
       target_epsilon: target epsilon (> 0).
       delta: target delta in (0, 1).
-      method: accountant name, or ``auto`` (the smallest z any applicable method certifies).
+      method: ``auto`` (the smallest z any applicable method certifies), an accountant name,
+        or a configured accountant instance.
       bracket: allowed range (z_min, z_max). If even z_min meets the target, z_min is returned.
       rtol: relative resolution of the returned z (the result is never below the boundary).
 
@@ -342,8 +368,15 @@ def calibrate_noise_multiplier(
     best = math.inf
     for m in _methods(make_event, start, method):
         z = _calibrate(
-            _Evaluator(make_event, delta, m), target_epsilon, math.exp, math.log(start),
-            math.log(2.0), math.log(lo), math.log(hi), math.log1p(rtol), False,
+            _Evaluator(make_event, delta, m),
+            target_epsilon,
+            math.exp,
+            math.log(start),
+            math.log(2.0),
+            math.log(lo),
+            math.log(hi),
+            math.log1p(rtol),
+            False,
             "noise_multiplier",
         )
         best = min(best, z)
@@ -354,7 +387,7 @@ def calibrate_steps(
     make_event: Callable[[int], ev.Event],
     target_epsilon: float,
     delta: float,
-    method: str = "auto",
+    method: str | _api.Accountant = "auto",
     *,
     max_steps: int = 10**8,
 ) -> int:
@@ -376,8 +409,16 @@ def calibrate_steps(
         evaluate = _Evaluator(lambda x: make_event(int(round(x))), delta, m)
         try:
             t = _calibrate(
-                evaluate, target_epsilon, lambda u: -u, -1.0, 1.0, -float(max_steps), -1.0,
-                0.5, True, "steps",
+                evaluate,
+                target_epsilon,
+                lambda u: -u,
+                -1.0,
+                1.0,
+                -float(max_steps),
+                -1.0,
+                0.5,
+                True,
+                "steps",
             )
         except CalibrationError:
             continue
@@ -393,7 +434,7 @@ def calibrate_sampling_rate(
     make_event: Callable[[float], ev.Event],
     target_epsilon: float,
     delta: float,
-    method: str = "auto",
+    method: str | _api.Accountant = "auto",
     *,
     min_sampling_rate: float = 1e-8,
     rtol: float = 1e-4,
@@ -416,9 +457,16 @@ def calibrate_sampling_rate(
     for m in _methods(make_event, min(1.0, max(0.01, min_sampling_rate)), method):
         try:
             q = _calibrate(
-                _Evaluator(make_event, delta, m), target_epsilon,
-                lambda u: min(1.0, math.exp(-u)), -math.log(0.01), math.log(4.0), 0.0,
-                -math.log(min_sampling_rate), math.log1p(rtol), False, "sampling_rate",
+                _Evaluator(make_event, delta, m),
+                target_epsilon,
+                lambda u: min(1.0, math.exp(-u)),
+                -math.log(0.01),
+                math.log(4.0),
+                0.0,
+                -math.log(min_sampling_rate),
+                math.log1p(rtol),
+                False,
+                "sampling_rate",
             )
         except CalibrationError:
             continue

@@ -625,9 +625,7 @@ def _run(
     if interval is None:
         return _refine(mech, evaluate, tolerance, tail, max_size, floor)
     ev.check_range("interval", interval, 0.0, None, low_open=True)
-    value = max(
-        evaluate(_composed_pld(mech, interval, d, tail, max_size)) for d in _DIRECTIONS
-    )
+    value = max(evaluate(_composed_pld(mech, interval, d, tail, max_size)) for d in _DIRECTIONS)
     return _Refined(value, interval, True, 1)
 
 
@@ -727,9 +725,7 @@ def pld_delta(
         _mechanisms(event)
         notes = ("the event contains a non-private release: no finite epsilon holds",)
         return PrivacyResult(float(epsilon), 1.0, "pld", adjacency, notes=notes)
-    refined = _run(
-        event, lambda p: p.delta(epsilon), tolerance, interval, 1e-15, max_size, 1e-15
-    )
+    refined = _run(event, lambda p: p.delta(epsilon), tolerance, interval, 1e-15, max_size, 1e-15)
     if refined is None:
         return PrivacyResult(float(epsilon), 0.0, "pld", adjacency, notes=("no release",))
     return PrivacyResult(
