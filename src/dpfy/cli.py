@@ -6,6 +6,7 @@ Every command validates its input and, on bad input, exits with code 2 and a one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -365,6 +366,141 @@ def plan(
         print(json.dumps(result.to_dict(), default=str))
         return
     print(result.summary())
+
+
+class DatasetName(StrEnum):
+    mnist = "mnist"
+    fashion_mnist = "fashion-mnist"
+
+
+class TrainSampler(StrEnum):
+    poisson = "poisson"
+    balls_and_bins = "balls-and-bins"
+
+
+@app.command()
+def train(
+    dataset: Annotated[DatasetName, typer.Argument(help="Training data (offline packages).")],
+    target_epsilon: Annotated[
+        float, typer.Option("--target-epsilon", help="Privacy budget of the run.")
+    ] = 3.0,
+    delta: Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")] = 1e-5,
+    sampler: Annotated[
+        TrainSampler, typer.Option("--sampler", help="Batch sampler (decides the accounting).")
+    ] = TrainSampler.poisson,
+    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data.")] = 15,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Expected batch size.")] = 1024,
+    learning_rate: Annotated[float, typer.Option("--learning-rate")] = 1.0,
+    clip_norm: Annotated[float, typer.Option("--clip-norm", help="Per-example clip norm.")] = 0.1,
+    secure: Annotated[
+        bool, typer.Option("--secure/--seeded", help="CSPRNG noise and sampling.")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed (seeded mode).")] = 0,
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory.")] = None,
+    train_limit: Annotated[
+        int | None, typer.Option("--train-limit", help="Use only this many training images.")
+    ] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="Torch threads.")] = None,
+) -> None:
+    """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
+    import time
+
+    from dpfy.events import check_range
+
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("epochs", epochs, 1, None, integer=True)
+    check_range("batch_size", batch_size, 1, None, integer=True)
+    check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
+    check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = out if out is not None else Path("runs") / f"{dataset.value}-{stamp}"
+    if (out_dir / "ledger.jsonl").exists():
+        raise UsageProblem(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
+    run = train_and_report(
+        dataset=dataset.value,
+        out_dir=out_dir,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sampler=sampler.value.replace("-", "_"),
+        epochs=epochs,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        clip_norm=clip_norm,
+        secure=secure,
+        seed=seed,
+        train_limit=train_limit,
+        threads=threads,
+    )
+    from rich.console import Console
+
+    console = Console()
+    console.print(f"[bold]{run['statement']}[/bold]")
+    console.print(
+        f"test accuracy {100 * run['test_accuracy']:.2f} %, training took {run['seconds']:.0f} s"
+    )
+    console.print(f"run directory: {out_dir}   report: {out_dir / 'report.md'}")
+
+
+def train_and_report(
+    *, dataset: str, out_dir: Path, target_epsilon: float, delta: float, **options: Any
+) -> dict[str, Any]:
+    """Train with :func:`dpfy.training.recipes.train_image_classifier`, then account the ledger
+    (not the trainer's numbers) and write ``report.md``, ``report.json`` and figures."""
+    import shlex
+
+    from dpfy.ledger import Ledger
+    from dpfy.report import build_report, write_report
+    from dpfy.training.recipes import train_image_classifier
+
+    summary = train_image_classifier(
+        dataset,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        out_dir=out_dir,
+        progress=True,
+        **options,
+    )
+    accuracy_by_step = [
+        [int(e.steps), float(e.test_accuracy)]
+        for e in summary.history.epochs
+        if e.test_accuracy is not None
+    ]
+    argv = ["dpfy", "train", dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
+            f"{delta:g}", "--out", str(out_dir)]
+    keys = ("sampler", "epochs", "batch_size", "learning_rate", "clip_norm", "seed", "train_limit")
+    for key in keys:
+        if options.get(key) is not None:
+            value = str(options[key]).replace("_", "-") if key == "sampler" else options[key]
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    summary.ledger.record_metadata(
+        delta=delta,
+        target_epsilon=target_epsilon,
+        accuracy_by_step=accuracy_by_step,
+        train_command=shlex.join(argv),
+    )
+    ledger_path = Path(summary.ledger_path)
+    ledger = Ledger.load(ledger_path)
+    report = build_report(
+        ledger, delta=delta, method=summary.accounting, ledger_path=str(ledger_path)
+    )
+    report = dataclasses.replace(
+        report, reproduce={**report.reproduce, "train_command": shlex.join(argv)}
+    )
+    report = write_report(
+        report,
+        ledger,
+        out_dir,
+        target_epsilon=target_epsilon,
+        accuracy_by_step=[tuple(x) for x in accuracy_by_step],
+    )
+    return {
+        "statement": report.formal_statement,
+        "epsilon": report.epsilon,
+        "test_accuracy": summary.test_accuracy,
+        "seconds": summary.seconds,
+        "report": report,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,10 +121,8 @@ def build_report(
     delta: float,
     method: str | accounting.Accountant = "auto",
     utility: Mapping[str, Any] | None = None,
-    data_accesses: str = "the final training run only; hyperparameter tuning runs on the same "
-    "data are NOT covered",
-    released_output: str = "the final model; every intermediate model is covered too, since "
-    "the accounting composes every noisy step",
+    data_accesses: str | None = None,
+    released_output: str | None = None,
     ledger_path: str | None = None,
     reproduce_command: str | None = None,
 ) -> PrivacyReport:
@@ -134,11 +132,27 @@ def build_report(
       ledger: the run's ledger (``Ledger.load(path)``).
       delta: the delta of the formal statement, in (0, 1).
       method: accounting method (``auto`` takes the tightest valid one).
-      utility: measured utility figures (e.g. ``{"test_accuracy": 0.981}``).
-      data_accesses / released_output: what the statement covers, in words.
+      utility: measured utility figures (e.g. ``{"test_accuracy": 0.981}``); default: the
+        ``utility`` / ``test_accuracy`` the run recorded in the ledger's metadata.
+      data_accesses / released_output: what the statement covers, in words; default: what the
+        run recorded in the ledger's metadata, else the final run and the final model.
       ledger_path / reproduce_command: how a reader re-derives the statement.
     """
     ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    meta = ledger.metadata
+    if utility is None:
+        utility = dict(meta.get("utility", {}))
+        for key in ("test_accuracy", "wall_time_seconds"):
+            if key in meta:
+                utility.setdefault(key, meta[key])
+    data_accesses = data_accesses or meta.get("data_accesses") or (
+        "the final training run only; hyperparameter tuning runs on the same data are NOT covered"
+    )
+    released_output = released_output or meta.get("released_output") or "the final model"
+    released_output += (
+        "; every intermediate model is covered by the same statement, since the accounting "
+        "composes every noisy step"
+    )
     event = ledger.to_event()
     result = ledger.epsilon(delta, method)
     hyper = ledger_hyperparameters(ledger)
@@ -170,7 +184,7 @@ def build_report(
             else ""
         )
         statement = (
-            f"The training run satisfies ({result.epsilon:.4g}, {delta:g})-differential privacy "
+            f"The training run satisfies ({result.epsilon:.5g}, {delta:g})-differential privacy "
             f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
             f", accounted with {result.method}{confidence}."
         )
@@ -240,8 +254,13 @@ def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
         }
     out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
     meta = ledger.metadata
-    for key in ("clip_norm", "learning_rate", "optimizer", "model", "dataset", "microbatch_size"):
-        if key in meta:
+    keys = (
+        "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
+        "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
+        "target_epsilon",
+    )
+    for key in keys:
+        if meta.get(key) is not None:
             out[key] = meta[key]
     return out
 
@@ -440,7 +459,8 @@ def _fmt(value: Any) -> str:
 
 def _markdown(r: PrivacyReport) -> str:
     lines = ["# Privacy report", "", f"**{r.formal_statement}**", ""]
-    headline = f"- epsilon = **{_fmt(r.epsilon)}** at delta = {r.delta:g} ({r.accounting_method}"
+    eps = "infinity" if math.isinf(r.epsilon) else f"{r.epsilon:.5g}"
+    headline = f"- epsilon = **{eps}** at delta = {r.delta:g} ({r.accounting_method}"
     headline += f", {r.adjacency} adjacency, unit of privacy: {r.unit_of_privacy})"
     lines.append(headline)
     if r.epsilon_estimate is not None:
