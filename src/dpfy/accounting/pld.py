@@ -367,7 +367,7 @@ def compose(
     a_up = float(np.min((log_up - log_tau) / lambdas))
     b_lo = float(np.max((log_tau - log_dn) / lambdas))
     hi = min(support_hi, math.ceil(a_up / h))
-    lo = max(support_lo, math.floor(b_lo / h))
+    lo = min(max(support_lo, math.floor(b_lo / h)), hi)
     extra = 0.0
     if hi < support_hi:
         extra += tail_mass
