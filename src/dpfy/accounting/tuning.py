@@ -465,15 +465,11 @@ def compare_tuning(
     def total(tuning: ev.Event) -> ev.Event:
         return tuning if final is None else with_tuning(final, tuning)
 
+    alone = _epsilon(released, delta)
     rows = [
         TuningOption(
-            "final run only",
-            _epsilon(released, delta).epsilon,
-            delta,
-            _epsilon(released, delta).method,
-            "final run only",
-            "tuning not accounted",
-            released,
+            "final run only", alone.epsilon, delta, alone.method, "final run only",
+            "tuning not accounted", released,
         )
     ]
     seq_runs = [run] * trials + ([final] if final is not None else [])
