@@ -139,7 +139,10 @@ class PSDSolver:
 def residuals(scores: torch.Tensor, y: torch.Tensor, loss: Loss) -> torch.Tensor:
     """``d loss / d scores`` per example: ``softmax(s) - y`` or ``sigmoid(s) - y`` (``[n, m]``)."""
     if loss == "softmax":
-        return torch.softmax(scores, dim=1) - y
+        if scores.numel() >= 1 << 16:
+            return torch.softmax(scores, dim=1) - y
+        e = (scores - scores.amax(dim=1, keepdim=True)).exp()  # small inputs: avoids the
+        return e / e.sum(dim=1, keepdim=True) - y  # thread-pool overhead of torch.softmax
     if loss == "sigmoid":
         return torch.sigmoid(scores) - y
     raise ValueError(f"loss must be one of {LOSSES}, got loss={loss!r}")

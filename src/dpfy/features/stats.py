@@ -109,7 +109,7 @@ def sufficient_statistics(
     G = A = b = None
     rows = 0
     for x, y in batches:
-        x = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+        x = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x, dtype=np.float64))
         yy = label_matrix(y, num_classes, dtype=torch.float64)
         if x.ndim != 2 or yy.shape != (x.shape[0], num_classes):
             raise ValueError(

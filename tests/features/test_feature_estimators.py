@@ -1,0 +1,124 @@
+"""The DP feature classifiers follow scikit-learn's estimator conventions."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from dpfy.features import estimators as est
+
+sklearn_base = pytest.importorskip("sklearn.base")
+from sklearn.pipeline import make_pipeline  # noqa: E402
+from sklearn.preprocessing import Normalizer  # noqa: E402
+from sklearn.utils import estimator_checks as checks  # noqa: E402
+
+ESTIMATORS = [
+    est.DPLeastSquaresClassifier,
+    est.DPNewtonClassifier,
+    est.DPFeatureCovarianceClassifier,
+    est.DPAdamClassifier,
+]
+
+
+def _data(n=600, seed=0):
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, 6))
+    y = np.array(["cat", "dog", "eel"])[np.argmax(X[:, :3] + 0.2 * rng.normal(size=(n, 3)), 1)]
+    return X, y
+
+
+@pytest.mark.parametrize("cls", ESTIMATORS)
+def test_clone_pipeline_and_params(cls):
+    X, y = _data()
+    model = cls(epsilon=math.inf, random_state=0)
+    twin = sklearn_base.clone(model)
+    assert twin.get_params() == model.get_params() and twin is not model
+    twin.set_params(delta=1e-6)
+    assert twin.delta == 1e-6 and model.delta == 1e-5
+    with pytest.raises(ValueError):
+        twin.set_params(nonsense=1)
+    pipe = make_pipeline(Normalizer(), cls(epsilon=math.inf, random_state=0)).fit(X, y)
+    assert pipe.score(X, y) > 0.8  # non-private fit on an easy problem
+    assert set(pipe.predict(X)) <= {"cat", "dog", "eel"}
+    pipe.set_params(**{f"{cls.__name__.lower()}__epsilon": 2.0}).fit(X, y)
+    assert pipe[-1].privacy_.epsilon == pytest.approx(2.0, rel=1e-7)
+    assert pipe[-1].coef_.shape == (3, 6)
+
+
+@pytest.mark.parametrize("cls", ESTIMATORS)
+def test_numpy_and_torch_inputs_agree(cls):
+    X, y = _data(n=300)
+    codes = np.searchsorted(np.unique(y), y)
+    a = cls(epsilon=1.0, random_state=3).fit(X, codes)
+    b = cls(epsilon=1.0, random_state=3).fit(torch.tensor(X), torch.tensor(codes))
+    np.testing.assert_allclose(a.coef_, b.coef_)
+    np.testing.assert_array_equal(a.predict(X), b.predict(torch.tensor(X)))
+    if hasattr(a, "predict_proba"):
+        p = a.predict_proba(X)
+        np.testing.assert_allclose(p.sum(1), 1.0)
+        np.testing.assert_array_equal(a.classes_[p.argmax(1)], a.predict(X))
+
+
+@pytest.mark.parametrize("cls", ESTIMATORS)
+def test_pickle_keeps_the_ledger(cls):
+    X, y = _data(n=200)
+    m = cls(epsilon=1.0, random_state=0).fit(X, y)
+    back = pickle.loads(pickle.dumps(m))
+    np.testing.assert_array_equal(back.predict(X), m.predict(X))
+    assert back.ledger_.epsilon(1e-5, method="gaussian").epsilon == pytest.approx(
+        m.privacy_.epsilon, rel=1e-7)
+
+
+CHECKS = [
+    checks.check_get_params_invariance,
+    checks.check_set_params,
+    checks.check_dont_overwrite_parameters,
+    checks.check_estimators_unfitted,
+    checks.check_n_features_in_after_fitting,
+    checks.check_fit2d_predict1d,
+    checks.check_estimators_nan_inf,
+    checks.check_classifiers_regression_target,
+    checks.check_supervised_y_2d,
+    checks.check_classifiers_classes,
+    checks.check_estimators_pickle,
+]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_sklearn_checks(check):
+    for cls in ESTIMATORS:
+        model = cls(noise_multiplier=0.0, random_state=0)
+        if "steps" in model.get_params():
+            model.set_params(steps=5)
+        check(cls.__name__, model)
+
+
+def test_privacy_settings_are_validated():
+    X, y = _data(n=100)
+    with pytest.raises(ValueError, match="epsilon must be in"):
+        est.DPLeastSquaresClassifier(epsilon=-1.0).fit(X, y)
+    with pytest.raises(ValueError, match="one of epsilon or noise_multiplier"):
+        est.DPLeastSquaresClassifier(epsilon=None).fit(X, y)
+    with pytest.raises(ValueError, match="delta must be in"):
+        est.DPNewtonClassifier(delta=0.0).fit(X, y)
+    with pytest.raises(ValueError, match="not in classes"):
+        est.DPAdamClassifier(classes=["cat", "dog"]).fit(X, y)
+    m = est.DPLeastSquaresClassifier(epsilon=math.inf).fit(X, y)
+    assert math.isinf(m.privacy_.epsilon)  # non-private is reported as such
+
+
+def test_fit_statistics_matches_fit():
+    from dpfy.features.stats import sufficient_statistics
+
+    X, y = _data(n=400)
+    classes, codes = np.unique(y, return_inverse=True)
+    chunks = [(X[i : i + 64], codes[i : i + 64]) for i in range(0, 400, 64)]
+    stats = sufficient_statistics(chunks, clip_norm=1.0, num_classes=3)
+    a = est.DPLeastSquaresClassifier(epsilon=1.0, random_state=5).fit_statistics(stats, classes)
+    b = est.DPLeastSquaresClassifier(epsilon=1.0, random_state=5).fit(X, y)
+    np.testing.assert_allclose(a.coef_, b.coef_, rtol=1e-9, atol=1e-12)
+    assert a.privacy_ == b.privacy_
