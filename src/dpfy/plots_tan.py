@@ -17,7 +17,7 @@ import numpy as np
 
 from dpfy.accounting import tan
 
-__all__ = ["privacy_wall", "batch_scaling"]
+__all__ = ["privacy_wall", "batch_scaling", "plan_options"]
 
 
 def _pyplot():
@@ -112,6 +112,45 @@ def batch_scaling(
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plan_options(plan, path: str | Path) -> Path:
+    """A plan's options: compute (examples processed) against per-step signal-to-noise.
+
+    Each option of :func:`dpfy.planning.plan` is a point labelled with ``(B, z, S)`` and coloured
+    by its TAN regime; all meet the same budget, so the picture shows what compute buys.
+    """
+    plt = _pyplot()
+    colours = {
+        tan.Regime.CONSTANT_PRIVACY: "C2",
+        tan.Regime.TRANSITION: "C1",
+        tan.Regime.PRIVACY_WALL: "C3",
+    }
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    seen: set[tan.Regime] = set()
+    for i, o in enumerate((plan.recommendation, *plan.runner_ups)):
+        label = o.regime.value.replace("_", " ") if o.regime not in seen else None
+        seen.add(o.regime)
+        ax.scatter([o.examples_processed], [o.eta_step], s=120 if i == 0 else 50,
+                   marker="*" if i == 0 else "o", color=colours[o.regime], label=label)
+        ax.annotate(f"{o.label}\nB={o.batch_size}, z={o.noise_multiplier:.2f}, S={o.steps}",
+                    (o.examples_processed, o.eta_step), fontsize=7,
+                    xytext=(5, 4), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.margins(x=0.25, y=0.2)
+    ax.set_xlabel("compute: examples processed B x S (log)")
+    ax.set_ylabel("eta_step = q / (sqrt(2) z)")
+    ax.set_title(
+        f"Options at epsilon={plan.target_epsilon:g}, delta={plan.delta:g}, N={plan.dataset_size:,}"
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, title="TAN regime", title_fontsize=8)
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
