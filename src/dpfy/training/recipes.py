@@ -1,0 +1,281 @@
+"""Ready-made DP-SGD runs on the real image datasets (what ``dpfy train`` calls).
+
+:func:`train_image_classifier` trains a small CNN on MNIST or Fashion-MNIST with a sampler
+from :mod:`dpfy.sampling`, calibrates the noise to a target (epsilon, delta) from the sampler's
+event, and writes the released model, the ledger and a JSON summary into ``out_dir``.
+
+Models (both private by construction: no layer mixes examples):
+
+* ``"tanh_cnn"`` (default): the end-to-end CNN of Tramer & Boneh (2021) / Papernot et al.
+  (2021): conv16 8x8/2 - tanh - maxpool 2/1 - conv32 4x4/2 - tanh - maxpool 2/1 - fc32 - tanh -
+  fc10 (26k parameters). Bounded activations keep per-example gradients small, which suits
+  clipping.
+* ``"gn_cnn"``: conv16 3x3 - GroupNorm - ReLU - pool - conv32 3x3 - GroupNorm - ReLU - pool -
+  linear (the CNN of issue 5's step benchmark).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dpfy import datasets
+from dpfy.ledger import Ledger
+from dpfy.randomness import Randomness
+from dpfy.sampling import make_sampler
+from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
+
+__all__ = ["MODELS", "TrainResultSummary", "make_model", "train_image_classifier"]
+
+
+def _tanh_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, 1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.Tanh(),
+        nn.Linear(32, 10),
+    )
+
+
+def _gn_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.GroupNorm(4, 16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.GroupNorm(8, 32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 10),
+    )
+
+
+MODELS = {"tanh_cnn": _tanh_cnn, "gn_cnn": _gn_cnn}
+
+
+def make_model(name: str = "tanh_cnn") -> nn.Module:
+    """A fresh model by name (one of :data:`MODELS`)."""
+    if name not in MODELS:
+        raise ValueError(f"name must be one of {{{', '.join(MODELS)}}}, got name={name!r}")
+    return MODELS[name]()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResultSummary:
+    """What :func:`train_image_classifier` returns (and writes as ``summary.json``).
+
+    Attributes:
+      dataset, sampler, model_name: what ran.
+      test_accuracy: final accuracy of the released model on the 10k test images.
+      epsilon, delta, accounting: the final statement, from the ledger.
+      noise_multiplier, clip_norm, batch_size, epochs, steps, learning_rate: hyperparameters.
+      seconds: wall time of the training loop (data loading excluded).
+      stopped: ``completed`` or ``budget``.
+      history: per-step loss and per-epoch test accuracy / epsilon spent.
+      model_path, ledger_path: files in ``out_dir`` (None without ``out_dir``).
+      model: the released ``nn.Module``; ledger: the run's :class:`~dpfy.ledger.Ledger`.
+    """
+
+    dataset: str
+    sampler: str
+    model_name: str
+    test_accuracy: float
+    epsilon: float
+    delta: float
+    accounting: str
+    noise_multiplier: float
+    clip_norm: float
+    batch_size: int
+    epochs: int
+    steps: int
+    learning_rate: float
+    seconds: float
+    stopped: str
+    history: History
+    model_path: str | None
+    ledger_path: str | None
+    model: nn.Module
+    ledger: Ledger
+
+    def to_dict(self, *, include_history: bool = True) -> dict[str, Any]:
+        out = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("history", "model", "ledger")
+        }
+        if include_history:
+            out["history"] = self.history.to_dict()
+        return out
+
+
+def train_image_classifier(
+    dataset: str = "mnist",
+    *,
+    target_epsilon: float | None = 3.0,
+    delta: float = 1e-5,
+    noise_multiplier: float | None = None,
+    sampler: str = "poisson",
+    epochs: int = 15,
+    batch_size: int = 1024,
+    learning_rate: float = 1.0,
+    momentum: float = 0.9,
+    clip_norm: float = 0.1,
+    model: str = "tanh_cnn",
+    ema_decay: float | None = None,
+    max_physical_batch_size: int = 1024,
+    accounting: str = "pld",
+    out_dir: str | os.PathLike | None = None,
+    progress: bool = False,
+    secure: bool = False,
+    seed: int | None = 0,
+    threads: int | None = None,
+    train_limit: int | None = None,
+    callbacks: tuple = (),
+) -> TrainResultSummary:
+    """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
+
+    Unit of privacy: one training image; adjacency add-or-remove (Poisson, Balls-and-Bins).
+
+    Args:
+      dataset: ``"mnist"`` or ``"fashion-mnist"`` (see :mod:`dpfy.datasets`).
+      target_epsilon: budget; the noise multiplier is calibrated to it (and the guard armed).
+      delta: target delta.
+      noise_multiplier: fixed z instead of calibration (the guard still uses the target).
+      sampler: ``"poisson"`` or ``"balls_and_bins"`` (any :func:`dpfy.sampling.make_sampler`
+        kind works; shuffle runs get their honest accounting).
+      epochs, batch_size: expected batch size B (Poisson rate B / N) and epochs.
+      learning_rate, momentum: SGD with momentum (post-processing of the noisy gradient).
+      clip_norm: per-example clip norm C.
+      model: ``"tanh_cnn"`` or ``"gn_cnn"``.
+      ema_decay: EMA of the weights (the EMA model is released), or None.
+      max_physical_batch_size: rows per forward/backward pass.
+      accounting: accountant for calibration, the guard and the final statement.
+      out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
+      progress: show a progress bar (loss, accuracy, epsilon spent).
+      secure: draw sampling and noise from the OS CSPRNG (``seed`` is then ignored).
+      seed: seed of sampling, noise and initialisation in the default (fast) mode.
+      threads: ``torch.set_num_threads`` for the run (None: leave as is).
+      train_limit: use only the first ``train_limit`` training images (smoke tests).
+      callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
+
+    Returns:
+      :class:`TrainResultSummary`.
+    """
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
+    x_test, y_test = datasets.load(dataset, "test")
+    if secure:
+        sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
+    else:
+        base = Randomness(seed)
+        sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
+        noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
+        torch.manual_seed(0 if seed is None else int(seed))
+    net = make_model(model)
+    batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
+    optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
+    ledger_path = model_path = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        ledger_path = out / "ledger.jsonl"
+        if ledger_path.exists():
+            raise FileExistsError(
+                f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
+            )
+        model_path = out / "model.pt"
+    ledger = Ledger(ledger_path)
+    ledger.record_metadata(
+        dataset=dataset,
+        model=model,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        batch_size=batch_size,
+        unit_of_privacy="example (one training image)",
+        released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
+        data_accesses="final training run only (hyperparameter tuning not accounted)",
+    )
+    trainer = PrivateTrainer(
+        net,
+        optimizer,
+        nn.CrossEntropyLoss(reduction="none"),
+        x_train,
+        y_train,
+        batches,
+        clip_norm=clip_norm,
+        epochs=epochs,
+        delta=delta,
+        target_epsilon=target_epsilon,
+        noise_multiplier=noise_multiplier,
+        max_physical_batch_size=max_physical_batch_size,
+        accounting=accounting,
+        ledger=ledger,
+        randomness=noise_rng,
+        ema_decay=ema_decay,
+        test_data=(x_test, y_test),
+        progress=progress,
+        callbacks=callbacks,
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    seconds = time.perf_counter() - start
+    accuracy = trainer.evaluate()
+    ledger.record_metadata(
+        test_accuracy=accuracy,
+        wall_time_seconds=seconds,
+        epsilon=result.privacy.epsilon,
+        accounting=result.privacy.method,
+        stopped=result.stopped,
+    )
+    summary = TrainResultSummary(
+        dataset=dataset,
+        sampler=batches.kind,
+        model_name=model,
+        test_accuracy=float(accuracy),
+        epsilon=float(result.privacy.epsilon),
+        delta=float(delta),
+        accounting=result.privacy.method,
+        noise_multiplier=result.noise_multiplier,
+        clip_norm=float(clip_norm),
+        batch_size=int(batch_size),
+        epochs=int(epochs),
+        steps=result.steps,
+        learning_rate=float(learning_rate),
+        seconds=seconds,
+        stopped=result.stopped,
+        history=result.history,
+        model_path=None if model_path is None else str(model_path),
+        ledger_path=None if ledger_path is None else str(ledger_path),
+        model=result.model,
+        ledger=ledger,
+    )
+    if out_dir is not None:
+        torch.save(result.model.state_dict(), model_path)
+        with open(Path(out_dir) / "summary.json", "w", encoding="utf-8") as f:
+            json.dump(summary.to_dict(), f, indent=2, default=str)
+    return summary
+
+
+def _print_epoch(info: ProgressInfo) -> None:  # pragma: no cover - console helper
+    if info.kind == "epoch":
+        print(
+            f"epoch {info.epoch}: step {info.step}/{info.total_steps} loss {info.loss:.4f} "
+            f"test {info.test_accuracy} eps {info.epsilon}",
+            flush=True,
+        )

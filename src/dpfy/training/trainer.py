@@ -1,0 +1,838 @@
+"""The high-level DP-SGD trainer: calibrate, train, record, guard the budget, checkpoint.
+
+:class:`PrivateTrainer` runs DP-SGD (the guide's Alg. 1) on tensors with any sampler from
+:mod:`dpfy.sampling` and any ``torch.optim`` optimizer:
+
+1. validate the model (:mod:`dpfy.training.validate`: every layer that mixes examples is an
+   error with its fix);
+2. calibrate the noise multiplier from the *sampler's* privacy event
+   (``sampler.privacy_event(z, epochs=epochs)``) to the target epsilon with the chosen
+   accountant, unless a noise multiplier is given;
+3. per logical step: record the sampler's :class:`~dpfy.ledger.SampleSpec` in the ledger, cut
+   the batch into fixed-shape physical chunks with weight-0 padding
+   (:mod:`dpfy.training.data`), accumulate clipped per-example gradients, release the noisy
+   sum once (the query writes its ledger entry first), step the optimizer, update the EMA;
+4. before every epoch the :class:`BudgetGuard` asks the accountant how many of the epoch's
+   steps the ledger can still afford under the target; a refused step is never taken (the run
+   stops cleanly, or raises :class:`BudgetExceededError` with ``on_budget="raise"``);
+5. after every epoch: test accuracy, epsilon spent so far (a cheap accountant, RDP by
+   default, read from the ledger), optional checkpoint.
+
+The trainer never computes epsilon itself: every figure comes from ``ledger.epsilon``; the
+final one with the chosen ``accounting`` method (PLD by default).
+
+Unit of privacy and adjacency: one row of the training tensors, add-or-remove (the sampler's
+spec records both). Monitoring figures in :class:`History` (training loss and accuracy) are
+computed on private batches without noise: they are for the operator and are not covered by the
+guarantee. Test accuracy is computed on the test data you pass, which is not protected either.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpfy import events as ev
+from dpfy.ledger import Ledger
+from dpfy.randomness import Randomness
+from dpfy.training import checkpoint as ckpt
+from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
+from dpfy.training.step import PrivateGradient
+from dpfy.training.validate import validate_module
+
+__all__ = [
+    "BudgetExceededError",
+    "BudgetGuard",
+    "EpochRecord",
+    "History",
+    "PrivateTrainer",
+    "ProgressInfo",
+    "StepRecord",
+    "TrainResult",
+]
+
+OnBudget = Literal["stop", "raise"]
+
+
+# --------------------------------------------------------------------------------------------
+# Budget guard
+# --------------------------------------------------------------------------------------------
+
+
+class BudgetExceededError(RuntimeError):
+    """A step was refused because the ledger's epsilon would pass the target."""
+
+
+class BudgetGuard:
+    """Refuses steps whose ledger epsilon would exceed ``target_epsilon`` at ``delta``.
+
+    The guard asks the accountant about the ledger *plus* the steps to come, before they run:
+    ``epsilon(Composed(ledger.to_event(), next_steps_event), delta, method)``. The ledger is
+    the source of truth, so anything recorded (resumed runs, extra queries) counts.
+
+    Args:
+      target_epsilon: budget, > 0.
+      delta: target delta in (0, 1).
+      method: accountant name (the method the final statement uses).
+
+    Example:
+        >>> guard = BudgetGuard(3.0, 1e-5, method="rdp")
+        >>> guard.check(ledger, sampler.privacy_event(z, steps=1))  # doctest: +SKIP
+    """
+
+    def __init__(self, target_epsilon: float, delta: float, *, method: str = "auto") -> None:
+        ev.check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        self.target_epsilon = float(target_epsilon)
+        self.delta = float(delta)
+        self.method = method
+
+    def epsilon_after(self, ledger: Ledger, next_event: ev.Event | None) -> float:
+        """Epsilon of the ledger followed by ``next_event`` (None: the ledger alone)."""
+        from dpfy import accounting
+
+        events = [e for e in (_ledger_event(ledger), next_event) if e is not None]
+        if not events:
+            return 0.0
+        event = events[0] if len(events) == 1 else ev.Composed(tuple(events))
+        return float(accounting.epsilon(event, self.delta, self.method).epsilon)
+
+    def check(self, ledger: Ledger, next_event: ev.Event) -> None:
+        """Raise :class:`BudgetExceededError` if ``next_event`` would pass the target."""
+        eps = self.epsilon_after(ledger, next_event)
+        if eps > self.target_epsilon:
+            raise BudgetExceededError(self._message(ledger, eps))
+
+    def allowed_steps(
+        self, ledger: Ledger, make_event: Callable[[int], ev.Event], max_steps: int
+    ) -> int:
+        """Largest k in [0, max_steps] with epsilon(ledger + make_event(k)) <= target.
+
+        ``make_event(k)`` is the event of the next k steps (e.g.
+        ``lambda k: sampler.privacy_event(z, steps=k)``); epsilon is non-decreasing in k.
+        One accountant call when all ``max_steps`` fit, a binary search otherwise.
+        """
+        if max_steps <= 0:
+            return 0
+        if self.epsilon_after(ledger, make_event(max_steps)) <= self.target_epsilon:
+            return max_steps
+        lo, hi = 0, max_steps  # epsilon(lo) <= target (lo = 0 is checked by the caller)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.epsilon_after(ledger, make_event(mid)) <= self.target_epsilon:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _message(self, ledger: Ledger, eps: float) -> str:
+        return (
+            f"budget guard: the next step would raise the ledger's epsilon to {eps:.4g} > "
+            f"target_epsilon={self.target_epsilon!r} (delta={self.delta!r}, "
+            f"method={self.method!r}) after {ledger.iteration} recorded steps; the step was "
+            "refused. Raise the target, add noise, or train fewer steps."
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"BudgetGuard(target_epsilon={self.target_epsilon}, delta={self.delta}, "
+            f"method={self.method!r})"
+        )
+
+
+def _ledger_event(ledger: Ledger) -> ev.Event | None:
+    event = ledger.to_event()
+    if isinstance(event, ev.Composed) and not event.events:
+        return None
+    return event
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One logical step (monitoring only: loss/accuracy are of the private batch, not noised).
+
+    Attributes:
+      step: global step index (0-based). epoch: epoch index.
+      batch_size: real examples in the logical batch.
+      loss: mean per-example loss over the batch (nan for an empty batch).
+      accuracy: fraction of correct argmax predictions (classification), else nan.
+      num_nonfinite: examples dropped because their gradient was not finite.
+    """
+
+    step: int
+    epoch: int
+    batch_size: int
+    loss: float
+    accuracy: float
+    num_nonfinite: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EpochRecord:
+    """End-of-epoch summary.
+
+    Attributes:
+      epoch: epoch index. steps: global steps done at the end of the epoch.
+      train_loss: mean of the epoch's step losses (monitoring only).
+      test_accuracy: accuracy of the released model on the test data (None without test data).
+      model_test_accuracy: accuracy of the raw (non-EMA) weights when EMA is on, else None.
+      epsilon: ledger epsilon at ``delta`` so far (``monitor_accounting`` method).
+      seconds: wall time since the run started (this process).
+    """
+
+    epoch: int
+    steps: int
+    train_loss: float
+    test_accuracy: float | None
+    model_test_accuracy: float | None
+    epsilon: float
+    seconds: float
+
+
+@dataclasses.dataclass
+class History:
+    """Per-step and per-epoch records of a run."""
+
+    steps: list[StepRecord] = dataclasses.field(default_factory=list)
+    epochs: list[EpochRecord] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": [dataclasses.asdict(s) for s in self.steps],
+            "epochs": [dataclasses.asdict(e) for e in self.epochs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> History:
+        return cls(
+            [StepRecord(**s) for s in data.get("steps", [])],
+            [EpochRecord(**e) for e in data.get("epochs", [])],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressInfo:
+    """What a progress callback receives after each step (``kind="step"``) and epoch."""
+
+    kind: Literal["step", "epoch"]
+    epoch: int
+    step: int
+    total_steps: int
+    loss: float
+    accuracy: float
+    epsilon: float | None
+    test_accuracy: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What :meth:`PrivateTrainer.fit` returns.
+
+    Attributes:
+      model: the released model (the EMA copy when ``ema_decay`` is set, else the trained one).
+      ledger: the run's ledger (account it again with ``ledger.epsilon(delta, method)``).
+      privacy: final :class:`dpfy.accounting.PrivacyResult` from the ledger (``accounting``).
+      history: per-step and per-epoch records.
+      noise_multiplier: z used for every step (calibrated or given).
+      steps: logical steps taken in total. stopped: ``"completed"``, ``"budget"`` or
+        ``"max_steps"``.
+      seconds: wall time of this ``fit`` call.
+      trained_model: the raw trained model (same object as ``model`` without EMA).
+    """
+
+    model: nn.Module
+    ledger: Ledger
+    privacy: Any
+    history: History
+    noise_multiplier: float
+    steps: int
+    stopped: str
+    seconds: float
+    trained_model: nn.Module
+
+
+# --------------------------------------------------------------------------------------------
+# Trainer
+# --------------------------------------------------------------------------------------------
+
+
+class PrivateTrainer:
+    """DP-SGD on in-memory tensors with ledger accounting (see the module docstring).
+
+    Args:
+      model: the network (validated; use ``fix_module`` for BatchNorm models).
+      optimizer: any ``torch.optim`` optimizer over ``model``'s parameters.
+      loss_fn: per-example loss ``loss_fn(outputs, targets) -> Tensor[B]``
+        (e.g. ``nn.CrossEntropyLoss(reduction="none")``).
+      inputs, targets: the training set, leading dimension = number of examples; one row is
+        the unit of privacy.
+      sampler: a :mod:`dpfy.sampling` sampler over ``len(inputs)`` examples.
+      clip_norm: L2 clip norm C of each example's gradient.
+      epochs: number of epochs (``sampler.steps_per_epoch`` steps each).
+      delta: target delta.
+      target_epsilon: budget; calibrates z when ``noise_multiplier`` is None and arms the
+        budget guard in any case.
+      noise_multiplier: z (noise std / C); give this or ``target_epsilon`` (or both).
+      max_physical_batch_size: rows per forward/backward pass (memory bound).
+      accounting: accountant (name or configured instance) for calibration, the guard and the
+        final statement; must apply to the sampler (``"pld"`` or ``"rdp"`` for Poisson,
+        ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` picks the tightest that applies).
+      monitor_accounting: cheap accountant for the per-epoch "epsilon so far" (falls back to
+        ``accounting`` when it does not apply to the ledger).
+      ledger: where releases are recorded (default: a new in-memory ledger).
+      randomness: noise source (default: a fresh seeded generator; pass
+        ``Randomness.secure_mode()`` for production).
+      ema_decay: EMA of the weights with this decay (post-processing; warm-up
+        ``min(decay, (1 + t) / (10 + t))``); the EMA model is the released one.
+      test_data: ``(inputs, targets)`` to report test accuracy after every epoch.
+      on_budget: ``"stop"`` (finish cleanly before the refused step) or ``"raise"``.
+      callbacks: called with a :class:`ProgressInfo` after each step and epoch.
+      progress: show a rich progress bar (loss, accuracy, epsilon spent).
+      checkpoint_path: write a checkpoint here after every ``checkpoint_every`` epochs.
+      microbatch_size: split physical chunks into passes of this many rows (guide Alg. 3
+        option 1: same privacy, less memory).
+      validate: run :func:`dpfy.training.validate.validate_module` first.
+      device: device of the physical batches (default: the inputs' device).
+
+    Example:
+        >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
+        ...     nn.CrossEntropyLoss(reduction="none"), x, y,
+        ...     PoissonSampler(len(x), 256 / len(x), randomness=Randomness(0)),
+        ...     clip_norm=1.0, epochs=3, delta=1e-5, target_epsilon=3.0)  # doctest: +SKIP
+        >>> result = trainer.fit()  # doctest: +SKIP
+        >>> result.privacy.epsilon <= 3.0  # doctest: +SKIP
+        True
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        sampler: Any,
+        *,
+        clip_norm: float,
+        epochs: int,
+        delta: float,
+        target_epsilon: float | None = None,
+        noise_multiplier: float | None = None,
+        max_physical_batch_size: int = 256,
+        accounting: str = "pld",
+        monitor_accounting: str = "rdp",
+        ledger: Ledger | None = None,
+        randomness: Randomness | None = None,
+        ema_decay: float | None = None,
+        test_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+        on_budget: OnBudget = "stop",
+        callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
+        progress: bool = False,
+        checkpoint_path: str | Path | None = None,
+        checkpoint_every: int = 1,
+        microbatch_size: int | None = None,
+        validate: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.inputs = inputs
+        self.targets = targets
+        self.sampler = sampler
+        self.clip_norm = clip_norm
+        self.epochs = epochs
+        self.delta = delta
+        self.target_epsilon = target_epsilon
+        self.noise_multiplier = noise_multiplier
+        self.max_physical_batch_size = max_physical_batch_size
+        self.accounting = accounting
+        self.monitor_accounting = monitor_accounting
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.randomness = randomness if randomness is not None else Randomness()
+        self.ema_decay = ema_decay
+        self.test_data = test_data
+        self.on_budget = on_budget
+        self.callbacks = tuple(callbacks)
+        self.progress = progress
+        self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
+        self.checkpoint_every = checkpoint_every
+        self.microbatch_size = microbatch_size
+        self.validate = validate
+        self.device = device
+        # run state (fitted attributes end in "_")
+        self.noise_multiplier_: float | None = None
+        self.history_ = History()
+        self.global_step_ = 0
+        self.epoch_ = 0
+        self.ema_model_: nn.Module | None = None
+        self._ema_updates = 0
+        self._ready = False
+
+    # -- setup ------------------------------------------------------------------------------
+    def _check_args(self) -> None:
+        ev.check_range("clip_norm", self.clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+        ev.check_range("epochs", self.epochs, 1, None, integer=True)
+        ev.check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
+        ev.check_range(
+            "max_physical_batch_size", self.max_physical_batch_size, 1, None, integer=True
+        )
+        ev.check_range("checkpoint_every", self.checkpoint_every, 1, None, integer=True)
+        if self.target_epsilon is None and self.noise_multiplier is None:
+            raise ValueError(
+                "give target_epsilon (the noise multiplier is calibrated to it) or "
+                "noise_multiplier, got neither"
+            )
+        if self.target_epsilon is not None:
+            ev.check_range("target_epsilon", self.target_epsilon, 0.0, None, low_open=True)
+        if self.noise_multiplier is not None:
+            ev.check_range(
+                "noise_multiplier", self.noise_multiplier, 0.0, math.inf, low_open=True,
+                high_open=True,
+            )
+        if self.ema_decay is not None:
+            ev.check_range("ema_decay", self.ema_decay, 0.0, 1.0, high_open=True)
+        if self.on_budget not in ("stop", "raise"):
+            raise ValueError(
+                f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
+            )
+        if len(self.inputs) != self.sampler.dataset_size:
+            raise ValueError(
+                f"the sampler draws from {self.sampler.dataset_size} examples but inputs has "
+                f"{len(self.inputs)} rows"
+            )
+
+    def calibrate(self) -> float:
+        """The noise multiplier of the run: given, or calibrated from the sampler's event."""
+        if self.noise_multiplier_ is not None:
+            return self.noise_multiplier_
+        if self.noise_multiplier is not None:
+            self.noise_multiplier_ = float(self.noise_multiplier)
+        else:
+            from dpfy.accounting.calibrate import calibrate_noise_multiplier
+
+            epochs = int(self.epochs)
+            self.noise_multiplier_ = float(
+                calibrate_noise_multiplier(
+                    lambda z: self.sampler.privacy_event(z, epochs=epochs),
+                    float(self.target_epsilon),
+                    float(self.delta),
+                    self.accounting,
+                )
+            )
+        return self.noise_multiplier_
+
+    def _setup(self) -> None:
+        if self._ready:
+            return
+        self._check_args()
+        if self.validate:
+            validate_module(self.model)
+        z = self.calibrate()
+        from dpfy.queries import GaussianSumQuery
+
+        self.query_ = GaussianSumQuery(self.clip_norm, z, name="gradient")
+        self.private_gradient_ = PrivateGradient(
+            self.model,
+            self.query_,
+            expected_batch_size=self.sampler.expected_batch_size,
+            microbatch_size=self.microbatch_size,
+        )
+        self.batcher_ = PhysicalBatcher(
+            self.inputs,
+            self.targets,
+            max_physical_batch_size=self.max_physical_batch_size,
+            max_batch_size=self.sampler.max_batch_size,
+            device=self.device,
+        )
+        self.spec_ = self.sampler.sample_spec()
+        self.guard_ = (
+            BudgetGuard(self.target_epsilon, self.delta, method=self.accounting)
+            if self.target_epsilon is not None
+            else None
+        )
+        if self.ema_decay is not None and self.ema_model_ is None:
+            self.ema_model_ = copy.deepcopy(self.model).requires_grad_(False)
+        self._ready = True
+
+    @property
+    def total_steps(self) -> int:
+        """Planned logical steps: ``epochs x sampler.steps_per_epoch``."""
+        return int(self.epochs) * int(self.sampler.steps_per_epoch)
+
+    # -- one step ---------------------------------------------------------------------------
+    def _step(self, indices: np.ndarray, epoch: int) -> StepRecord:
+        sid = self.ledger.record_sample(self.spec_, epoch=epoch, step=self.global_step_)
+        hits: list[torch.Tensor] = []
+        correct = 0
+
+        def loss_fn(outputs: Any, targets: Any) -> torch.Tensor:
+            if (
+                isinstance(outputs, torch.Tensor)
+                and outputs.dim() == 2
+                and isinstance(targets, torch.Tensor)
+                and targets.dim() == 1
+                and not targets.is_floating_point()
+            ):
+                hits.append(outputs.detach().argmax(1) == targets)
+            return self.loss_fn(outputs, targets)
+
+        def on_chunk(chunk: Any, stats: Any) -> None:
+            nonlocal correct
+            if hits:
+                correct += int((torch.cat(hits) & (chunk.weights > 0)).sum())
+                hits.clear()
+
+        accumulate_logical_batch(
+            self.private_gradient_, self.batcher_, indices, loss_fn, on_chunk=on_chunk
+        )
+        step = self.private_gradient_.release(
+            ledger=self.ledger, sample_id=sid, randomness=self.randomness
+        )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._update_ema()
+        n = step.num_examples
+        record = StepRecord(
+            step=self.global_step_,
+            epoch=epoch,
+            batch_size=n,
+            loss=step.loss_sum / n if n else math.nan,
+            accuracy=correct / n if n else math.nan,
+            num_nonfinite=step.num_nonfinite,
+        )
+        self.global_step_ += 1
+        return record
+
+    def _update_ema(self) -> None:
+        if self.ema_model_ is None:
+            return
+        t = self._ema_updates
+        decay = min(float(self.ema_decay), (1.0 + t) / (10.0 + t))
+        with torch.no_grad():
+            ema = [p for p in self.ema_model_.parameters()]
+            cur = [p.detach() for p in self.model.parameters()]
+            torch._foreach_lerp_(ema, cur, 1.0 - decay)
+            for b_ema, b in zip(self.ema_model_.buffers(), self.model.buffers(), strict=True):
+                b_ema.copy_(b)
+        self._ema_updates += 1
+
+    # -- evaluation -------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module | None = None, batch_size: int = 1000) -> float | None:
+        """Test accuracy of ``model`` (default: the released model) on ``test_data``."""
+        if self.test_data is None:
+            return None
+        model = model if model is not None else self.released_model
+        x, y = self.test_data
+        was_training = model.training
+        model.eval()
+        correct = 0
+        for i in range(0, len(x), batch_size):
+            xb = x[i : i + batch_size]
+            if self.device is not None:
+                xb = xb.to(self.device)
+            out = model(xb)
+            correct += int((out.argmax(1).cpu() == y[i : i + batch_size]).sum())
+        model.train(was_training)
+        return correct / len(x)
+
+    @property
+    def released_model(self) -> nn.Module:
+        """The EMA model when EMA is on, else the trained model."""
+        return self.ema_model_ if self.ema_model_ is not None else self.model
+
+    def epsilon_spent(self, method: str | None = None) -> float:
+        """Ledger epsilon at ``delta`` so far (default: the cheap monitor method)."""
+        from dpfy.accounting import UnsupportedEventError
+
+        if self.ledger.iteration == 0:
+            return 0.0
+        method = method or self.monitor_accounting
+        try:
+            return float(self.ledger.epsilon(self.delta, method).epsilon)
+        except UnsupportedEventError:
+            return float(self.ledger.epsilon(self.delta, self.accounting).epsilon)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self, *, max_steps: int | None = None) -> TrainResult:
+        """Train until ``epochs`` are done, the budget guard refuses a step, or ``max_steps``.
+
+        Args:
+          max_steps: stop after this many global steps in total (e.g. to interrupt a run and
+            resume it from its checkpoint later).
+
+        Returns:
+          :class:`TrainResult` with the final privacy statement from the ledger.
+
+        Raises:
+          BudgetExceededError: with ``on_budget="raise"``, before a refused step.
+          dpfy.training.validate.UnsupportedModuleError: the model has non-private layers.
+        """
+        self._setup()
+        start = time.perf_counter()
+        z = self.noise_multiplier_
+        spe = int(self.sampler.steps_per_epoch)
+        stopped = "completed"
+        if self.global_step_ == 0 and self.ledger.iteration == 0:
+            self.ledger.record_metadata(**self._run_facts())
+        bar = _ProgressBar(self.total_steps, self.global_step_) if self.progress else None
+        try:
+            while self.epoch_ < int(self.epochs):
+                epoch = self.epoch_
+                done = self.global_step_ - epoch * spe
+                todo = spe - done
+                if max_steps is not None:
+                    todo = min(todo, max_steps - self.global_step_)
+                    if todo <= 0:
+                        stopped = "max_steps"
+                        break
+                allowed = todo
+                if self.guard_ is not None:
+                    allowed = self.guard_.allowed_steps(
+                        self.ledger, lambda k: self.sampler.privacy_event(z, steps=k), todo
+                    )
+                losses = []
+                for indices in _take(self.sampler.batches(epoch), allowed):
+                    rec = self._step(indices, epoch)
+                    self.history_.steps.append(rec)
+                    losses.append(rec.loss)
+                    self._notify("step", rec, None, None, bar)
+                if allowed < todo:
+                    stopped = "budget"
+                    message = self.guard_._message(
+                        self.ledger,
+                        self.guard_.epsilon_after(
+                            self.ledger, self.sampler.privacy_event(z, steps=1)
+                        ),
+                    )
+                    self._end_epoch(epoch, losses, start, bar, partial=True)
+                    if self.on_budget == "raise":
+                        raise BudgetExceededError(message)
+                    warnings.warn(message, stacklevel=2)
+                    break
+                if self.global_step_ - epoch * spe < spe:  # max_steps inside the epoch
+                    stopped = "max_steps"
+                    break
+                self.epoch_ += 1
+                self._end_epoch(epoch, losses, start, bar, partial=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        if stopped == "max_steps" and self.checkpoint_path is not None:
+            self.save_checkpoint(self.checkpoint_path)
+        privacy = self.ledger.epsilon(self.delta, self.accounting)
+        return TrainResult(
+            model=self.released_model,
+            ledger=self.ledger,
+            privacy=privacy,
+            history=self.history_,
+            noise_multiplier=float(z),
+            steps=self.global_step_,
+            stopped=stopped,
+            seconds=time.perf_counter() - start,
+            trained_model=self.model,
+        )
+
+    def _end_epoch(
+        self, epoch: int, losses: list[float], start: float, bar: Any, *, partial: bool
+    ) -> None:
+        finite = [v for v in losses if not math.isnan(v)]
+        test_acc = self.evaluate()
+        model_acc = self.evaluate(self.model) if self.ema_model_ is not None else None
+        record = EpochRecord(
+            epoch=epoch,
+            steps=self.global_step_,
+            train_loss=float(np.mean(finite)) if finite else math.nan,
+            test_accuracy=test_acc,
+            model_test_accuracy=model_acc,
+            epsilon=self.epsilon_spent(),
+            seconds=time.perf_counter() - start,
+        )
+        self.history_.epochs.append(record)
+        self._notify("epoch", None, record, test_acc, bar)
+        if (
+            not partial
+            and self.checkpoint_path is not None
+            and (self.epoch_ % int(self.checkpoint_every) == 0 or self.epoch_ == int(self.epochs))
+        ):
+            self.save_checkpoint(self.checkpoint_path)
+
+    def _notify(
+        self,
+        kind: str,
+        step: StepRecord | None,
+        epoch: EpochRecord | None,
+        test_acc: float | None,
+        bar: Any,
+    ) -> None:
+        last_epoch = self.history_.epochs[-1] if self.history_.epochs else None
+        info = ProgressInfo(
+            kind=kind,
+            epoch=step.epoch if step is not None else epoch.epoch,
+            step=self.global_step_,
+            total_steps=self.total_steps,
+            loss=step.loss if step is not None else epoch.train_loss,
+            accuracy=step.accuracy if step is not None else math.nan,
+            epsilon=last_epoch.epsilon if last_epoch is not None else None,
+            test_accuracy=last_epoch.test_accuracy if last_epoch is not None else test_acc,
+        )
+        if bar is not None:
+            bar.update(info)
+        for cb in self.callbacks:
+            cb(info)
+
+    def _run_facts(self) -> dict[str, Any]:
+        return {
+            "trainer": "dpfy.training.PrivateTrainer",
+            "noise_multiplier": float(self.noise_multiplier_),
+            "clip_norm": float(self.clip_norm),
+            "epochs": int(self.epochs),
+            "steps_per_epoch": int(self.sampler.steps_per_epoch),
+            "expected_batch_size": float(self.sampler.expected_batch_size),
+            "max_physical_batch_size": int(self.max_physical_batch_size),
+            "sampler": repr(self.sampler),
+            "target_epsilon": self.target_epsilon,
+            "target_delta": float(self.delta),
+            "accounting": getattr(self.accounting, "name", self.accounting),
+            "optimizer": type(self.optimizer).__name__,
+            "ema_decay": self.ema_decay,
+            "secure_randomness": bool(self.randomness.secure),
+            "calibrated": self.noise_multiplier is None,
+        }
+
+    # -- checkpointing ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (see :mod:`dpfy.training.checkpoint`)."""
+        self._setup()
+        state: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "randomness": None if self.randomness.secure else self.randomness.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "ledger": ckpt.ledger_state(self.ledger),
+            "noise_multiplier": self.noise_multiplier_,
+            "global_step": self.global_step_,
+            "epoch": self.epoch_,
+            "history": self.history_.to_dict(),
+            "ema": None if self.ema_model_ is None else self.ema_model_.state_dict(),
+            "ema_updates": self._ema_updates,
+            "query": self.query_.state_dict() if hasattr(self.query_, "state_dict") else None,
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into a trainer built with the same arguments.
+
+        The ledger must be the same file (``Ledger(path)``) or, for an in-memory ledger, a new
+        empty one (the checkpoint replays its entries).
+        """
+        if self.global_step_ or (self.ledger.iteration and self.ledger.path is None):
+            raise ckpt.CheckpointMismatchError("load a checkpoint into a fresh trainer")
+        ckpt.restore_ledger(self.ledger, state["ledger"])
+        self.noise_multiplier_ = float(state["noise_multiplier"])
+        if self.noise_multiplier is not None and not math.isclose(
+            self.noise_multiplier_, float(self.noise_multiplier), rel_tol=1e-12
+        ):
+            raise ckpt.CheckpointMismatchError(
+                f"the checkpoint used noise_multiplier={self.noise_multiplier_!r}, this trainer "
+                f"noise_multiplier={self.noise_multiplier!r}"
+            )
+        self._setup()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        if state["randomness"] is not None and not self.randomness.secure:
+            self.randomness.load_state_dict(state["randomness"])
+        torch.set_rng_state(state["torch_rng"])
+        self.global_step_ = int(state["global_step"])
+        self.epoch_ = int(state["epoch"])
+        self.history_ = History.from_dict(state["history"])
+        if state["ema"] is not None:
+            if self.ema_model_ is None:
+                raise ckpt.CheckpointMismatchError("the checkpoint has EMA weights; set ema_decay")
+            self.ema_model_.load_state_dict(state["ema"])
+        self._ema_updates = int(state["ema_updates"])
+        if state.get("query") is not None and hasattr(self.query_, "load_state_dict"):
+            self.query_.load_state_dict(state["query"])
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write :meth:`state_dict` atomically to ``path``."""
+        return ckpt.save_checkpoint(path, self.state_dict())
+
+    def resume(self, path: str | Path) -> PrivateTrainer:
+        """Load the checkpoint at ``path`` (see :meth:`load_state_dict`); returns ``self``."""
+        self.load_state_dict(ckpt.load_checkpoint(path))
+        return self
+
+
+def _take(iterator: Any, n: int):
+    """The first ``n`` items, without drawing the (n+1)-th from the sampler."""
+    if n <= 0:
+        return
+    for i, item in enumerate(iterator):
+        yield item
+        if i + 1 >= n:
+            return
+
+
+class _ProgressBar:
+    """A rich progress bar: steps, loss, batch accuracy, test accuracy, epsilon spent."""
+
+    def __init__(self, total: int, completed: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]DP-SGD[/bold] epoch {task.fields[epoch]}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("acc {task.fields[acc]}"),
+            TextColumn("test {task.fields[test]}"),
+            TextColumn("eps {task.fields[eps]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        self._progress.start()
+        self._task = self._progress.add_task(
+            "train", total=total, completed=completed, epoch=0, loss="-", acc="-", test="-",
+            eps="0",
+        )
+
+    def update(self, info: ProgressInfo) -> None:
+        fields: dict[str, Any] = {"epoch": info.epoch}
+        if not math.isnan(info.loss):
+            fields["loss"] = f"{info.loss:.3f}"
+        if not math.isnan(info.accuracy):
+            fields["acc"] = f"{info.accuracy:.3f}"
+        if info.test_accuracy is not None:
+            fields["test"] = f"{info.test_accuracy:.4f}"
+        if info.epsilon is not None:
+            fields["eps"] = f"{info.epsilon:.3f}"
+        self._progress.update(self._task, completed=info.step, **fields)
+
+    def close(self) -> None:
+        self._progress.stop()
