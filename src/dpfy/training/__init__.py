@@ -4,6 +4,41 @@ The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chun
 ``release`` once per logical step); per-layer norm rules live in :mod:`dpfy.training.norms`.
 """
 
+from dpfy.training.checkpoint import load_checkpoint, save_checkpoint
+from dpfy.training.data import PhysicalBatch, PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.step import ChunkStats, MicrobatchMode, PrivateGradient, StepStats
+from dpfy.training.trainer import (
+    BudgetExceededError,
+    BudgetGuard,
+    History,
+    PrivateTrainer,
+    ProgressInfo,
+    TrainResult,
+)
+from dpfy.training.validate import (
+    ModuleIssue,
+    UnsupportedModuleError,
+    check_module,
+    fix_module,
+    validate_module,
+)
 
 __all__ = ["ChunkStats", "MicrobatchMode", "PrivateGradient", "StepStats"]
+__all__ += [
+    "BudgetExceededError",
+    "BudgetGuard",
+    "History",
+    "ModuleIssue",
+    "PhysicalBatch",
+    "PhysicalBatcher",
+    "PrivateTrainer",
+    "ProgressInfo",
+    "TrainResult",
+    "UnsupportedModuleError",
+    "accumulate_logical_batch",
+    "check_module",
+    "fix_module",
+    "load_checkpoint",
+    "save_checkpoint",
+    "validate_module",
+]
