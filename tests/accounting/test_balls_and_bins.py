@@ -138,7 +138,8 @@ def test_reproducible_from_seed_and_independent_of_executor():
     assert a.epsilon_upper == b.epsilon_upper == c.epsilon_upper
     assert a.epsilon_estimate == c.epsilon_estimate
     d = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=43, method="plain", **FAST)
-    e = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=42, method="conditional", **FAST)
+    e = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=42, method="conditional",
+                               chunk_elements=1 << 16, **FAST)
     with ThreadPoolExecutor(2) as pool:
         f = balls_and_bins_epsilon(1.0, 20, 1e-2, samples=20_000, seed=42, method="conditional",
                                    executor=pool, chunk_elements=1 << 16, **FAST)
