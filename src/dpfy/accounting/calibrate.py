@@ -416,7 +416,7 @@ def calibrate_steps(
                 1.0,
                 -float(max_steps),
                 -1.0,
-                0.5,
+                1.0,  # adjacent integers
                 True,
                 "steps",
             )
