@@ -479,6 +479,7 @@ def train_and_report(
         accuracy_by_step=accuracy_by_step,
         train_command=shlex.join(argv),
     )
+    summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
     ledger_path = Path(summary.ledger_path)
     ledger = Ledger.load(ledger_path)
     report = build_report(
