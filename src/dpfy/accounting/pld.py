@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from scipy import fft as sp_fft
@@ -475,12 +475,33 @@ _WINDOW_SIGMAS = 15.0  # typical Chernoff window width in standard deviations (t
 _STAGE_RESOLUTION = 0.5  # stage-2 grid = this * sqrt(steps per block) * stage-1 grid
 
 
+def _level_value(
+    mechanisms: dict[tuple[float, float], int],
+    h: float,
+    tail: float,
+    max_size: int,
+    evaluate: Callable[[DiscretePLD], float],
+) -> float:
+    """``evaluate`` of the composed PLD on grid ``h``, maximised over the two directions.
+
+    Without subsampling (q = 1) the two directions are mirror images (x -> 1 - x swaps
+    N(0, z^2) and N(1, z^2)), so their hockey-stick curves coincide and one suffices.
+    """
+    total = sum(mechanisms.values())
+    steps = {
+        (q, z): poisson_gaussian_pmf(q, z, h, tail_mass=tail / 4.0 / total) for q, z in mechanisms
+    }
+    directions = ("remove",) if all(q == 1.0 for q, _ in mechanisms) else _DIRECTIONS
+    return max(evaluate(_composed_pld(mechanisms, h, d, tail, max_size, steps)) for d in directions)
+
+
 def _composed_pld(
     mechanisms: dict[tuple[float, float], int],
     h: float,
     direction: str,
     tail: float,
     max_size: int = MAX_GRID_SIZE,
+    steps: dict[tuple[float, float], dict[str, DiscretePLD]] | None = None,
 ) -> DiscretePLD:
     """Compose all mechanisms in one direction on grid ``h`` (two stages for long runs).
 
@@ -495,7 +516,10 @@ def _composed_pld(
     factors: list[int] = []  # coarsening each split mechanism allows
     keep_fine = False  # a mechanism with many unsplit steps keeps the fine grid
     for (q, z), c in mechanisms.items():
-        step = poisson_gaussian_pmf(q, z, h, tail_mass=budget / total)[direction]
+        if steps is None:
+            step = poisson_gaussian_pmf(q, z, h, tail_mass=budget / total)[direction]
+        else:
+            step = steps[(q, z)][direction]
         std = math.sqrt(max(_moments(step)[1], h * h))
         fill = (step.pmf.size * h / (_WINDOW_SIGMAS * std)) ** 2
         t1 = int(min(c, max(math.sqrt(c), fill)))
@@ -553,9 +577,7 @@ def _refine(
     levels = 0
     while True:
         try:
-            value = max(
-                evaluate(_composed_pld(mechanisms, h, d, tail, max_size)) for d in _DIRECTIONS
-            )
+            value = _level_value(mechanisms, h, tail, max_size, evaluate)
         except _GridTooLarge:
             if levels == 0:
                 raise
@@ -625,7 +647,7 @@ def _run(
     if interval is None:
         return _refine(mech, evaluate, tolerance, tail, max_size, floor)
     ev.check_range("interval", interval, 0.0, None, low_open=True)
-    value = max(evaluate(_composed_pld(mech, interval, d, tail, max_size)) for d in _DIRECTIONS)
+    value = _level_value(mech, interval, tail, max_size, evaluate)
     return _Refined(value, interval, True, 1)
 
 
