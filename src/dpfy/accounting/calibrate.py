@@ -37,6 +37,7 @@ __all__ = [
 
 _COARSE_PLD_TOLERANCE = 3e-2  # PLD tolerance while the search is far from the target
 _COARSE_RTOL = 1e-2  # parameter resolution of the coarse phase
+_MAX_EVALUATIONS = 200  # per phase; secant + bisection needs far fewer
 
 
 class CalibrationError(ValueError):
@@ -174,6 +175,8 @@ def _solve(
     stalled = 0
     best_abs = math.inf
     while True:
+        if len(pts) > _MAX_EVALUATIONS:
+            raise CalibrationError(f"calibration of {name} did not converge")
         safe = [u for u, f in pts if f <= 0.0]
         unsafe = [u for u, f in pts if f > 0.0]
         u_s = min(safe) if safe else None
