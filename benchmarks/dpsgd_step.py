@@ -157,6 +157,7 @@ def measure(
     steps: int,
     warmup: int,
     max_seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, dict]:
     """Median step time of each method, measured in interleaved rounds."""
     torch.manual_seed(0)
@@ -182,9 +183,9 @@ def measure(
             if budget[m] > max_seconds and len(times[m]) >= 3:
                 continue  # very slow mode: enough samples for a median
             for _ in range(steps):
-                t0 = time.perf_counter()
+                t0 = clock()
                 steps_fn[m]()
-                dt = time.perf_counter() - t0
+                dt = clock() - t0
                 times[m].append(dt)
                 budget[m] += dt
     plain = statistics.median(times["plain"]) if "plain" in times else float("nan")
@@ -216,13 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-seconds", type=float, default=20.0, help="time budget per slow method and model"
     )
-    parser.add_argument("--json", default=None, help="write results as JSON to this path (- = stdout)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time (the figure of merit) or process CPU time (steadier on a loaded machine)",
+    )
+    parser.add_argument("--json", default=None, help="write JSON to this path (- = stdout)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(["plain", *args.methods]))
     report = {
         "torch": torch.__version__,
         "threads": args.threads,
+        "clock": args.clock,
         "batch": args.batch,
         "clip_norm": CLIP,
         "noise_multiplier": Z,
@@ -238,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(
             name, methods, batch=args.batch, rounds=args.rounds, steps=args.steps,
             warmup=args.warmup, max_seconds=args.max_seconds,
+            clock=time.perf_counter if args.clock == "wall" else time.process_time,
         )
         report["models"][name] = res
-        print(f"\n{name} (batch {args.batch}, {args.threads} threads)")
+        print(f"\n{name} (batch {args.batch}, {args.threads} threads, {args.clock} clock)")
         print(f"  {'method':18s} {'median ms':>10s} {'x plain':>8s} {'IQR ms':>16s} {'n':>4s}")
         for m, r in res.items():
             if "error" in r:

@@ -191,7 +191,12 @@ class PrivateGradient:
 
     # ------------------------------------------------------------------------------------
     def _reset(self) -> None:
-        self._sum: dict[str, torch.Tensor] = {}
+        # The accumulator buffers persist across steps (no page faults from fresh allocations)
+        # and are zeroed lazily by the first chunk of the next step.
+        if not hasattr(self, "_buffers"):
+            self._buffers: dict[str, torch.Tensor] = {}
+        self._dirty = bool(self._buffers)
+        self._active = False
         self._loss_sum = 0.0
         self._examples = 0
         self._nonfinite = 0
@@ -308,16 +313,11 @@ class PrivateGradient:
                 sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
                 total_sq = torch.where(bad, inf, total_sq)
             weights_by_param = self._clip_weights(sq, total_sq, real, n, losses.dtype)
-            acc = self._sum
+            acc = self._accumulator()
             for idx, lg in layers.items():
                 qnames = self._qnames[idx]
                 local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
-                for ln, g in lg.weighted_sum(local).items():
-                    qn = qnames[ln]
-                    if qn in acc:
-                        acc[qn].add_(g)
-                    else:
-                        acc[qn] = g  # a fresh tensor computed by the rule
+                lg.weighted_sum(local, {ln: acc[qn] for ln, qn in qnames.items()})
             detached = losses.detach()
             if mask is None:
                 loss_sum, n_real = float(detached.sum()), batch
@@ -329,6 +329,19 @@ class PrivateGradient:
         self._nonfinite += nonfinite
         norms = total_sq.to(torch.float64).sqrt() if return_norms else None
         return ChunkStats(loss_sum, n_real, nonfinite, norms)
+
+    def _accumulator(self) -> dict[str, torch.Tensor]:
+        if not self._buffers:
+            self._buffers = {
+                n: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                for n, p in self._params.items()
+            }
+        elif self._dirty:
+            for b in self._buffers.values():
+                b.zero_()
+        self._dirty = False
+        self._active = True
+        return self._buffers
 
     def _layer_grads(self, captures, batch: int, k: int) -> dict[int, LayerGrads]:
         layers: dict[int, LayerGrads] = {}
@@ -404,20 +417,20 @@ class PrivateGradient:
           :class:`StepStats` of the step.
         """
         params = self._params
-        clipped = {}
-        for name in self.param_names_:
-            p = params[name]
-            s = self._sum.get(name)
-            clipped[name] = torch.zeros_like(p) if s is None else s.to(p.dtype)
+        if self._active:
+            clipped = dict(self._buffers)
+        else:  # nothing accumulated this step: the release is noise only
+            clipped = {n: torch.zeros_like(p) for n, p in params.items()}
         noisy = self.query.add_noise(
             clipped, ledger=ledger, sample_id=sample_id, randomness=randomness
         )
         denom = self.denominator_
         for name in self.param_names_:
-            p = params[name]
-            g = noisy[name]
-            g = g.div_(denom) if g.dtype == p.dtype and g is not clipped[name] else g / denom
-            p.grad = g.to(p.dtype)
+            p, g = params[name], noisy[name]
+            if g.dtype == p.dtype and g.data_ptr() != clipped[name].data_ptr():
+                p.grad = g.div_(denom)  # the query's fresh output: scale in place
+            else:  # never alias the accumulator buffers
+                p.grad = (g / denom).to(p.dtype)
         stats = StepStats(
             self._loss_sum,
             self._examples,
@@ -431,11 +444,9 @@ class PrivateGradient:
 
     def clipped_sum(self) -> dict[str, torch.Tensor]:
         """The accumulated clipped sum so far (before noise and division), per parameter."""
-        params = self._params
-        return {
-            n: self._sum[n].clone() if n in self._sum else torch.zeros_like(params[n])
-            for n in self.param_names_
-        }
+        if not self._active:
+            return {n: torch.zeros_like(p) for n, p in self._params.items()}
+        return {n: b.clone() for n, b in self._buffers.items()}
 
     def reset(self) -> None:
         """Discard the accumulated sum without releasing anything."""

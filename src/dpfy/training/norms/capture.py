@@ -85,6 +85,7 @@ class _Call:
     outputs: list[torch.Tensor]
     versions: list[int]
     spec: Any
+    extra: Any = None
 
 
 class LayerCapture:
@@ -99,13 +100,15 @@ class LayerCapture:
         plan = self.plans[index]
 
         calls = self.calls[index]
+        on_forward = getattr(plan.rule, "on_forward", None)
 
         def rule_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             # registered layers: one tensor input, one tensor output (fast path)
             if not self.active or not output.requires_grad:
                 return
             x = args[0] if args else kwargs["input"]
-            calls.append(_Call((x.detach(),), {}, [output], [output._version], None))
+            extra = None if on_forward is None else on_forward(module, x, output)
+            calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
 
         def generic_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.active or not torch.is_grad_enabled():
@@ -160,7 +163,7 @@ class LayerCapture:
                 gouts = tuple(
                     next(grads) if o.requires_grad else torch.zeros_like(o) for o in call.outputs
                 )
-                caps.append(Capture(call.args, call.kwargs, gouts, call.spec))
+                caps.append(Capture(call.args, call.kwargs, gouts, call.spec, call.extra))
             result.append(caps)
         for calls in self.calls:
             calls.clear()

@@ -40,12 +40,17 @@ class EmbeddingGrads:
         keep = (~rows).reshape(-1, 1, 1)
         self.g = torch.where(keep, self.g, torch.zeros((), dtype=self.g.dtype))
 
-    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def weighted_sum(
+        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         n, t = self.idx.shape
         w = weights["weight"].to(self.g.dtype)
-        table = self.g.new_zeros(self.num_embeddings, self.g.shape[-1])
+        if out is None:
+            table = self.g.new_zeros(self.num_embeddings, self.g.shape[-1])
+        else:
+            table = out["weight"]
         table.index_add_(0, self.idx.reshape(-1), (self.g * w[:, None, None]).reshape(n * t, -1))
-        return {"weight": table}
+        return {"weight": table} if out is None else out
 
 
 @register_norm_rule(nn.Embedding)

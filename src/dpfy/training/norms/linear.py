@@ -117,30 +117,44 @@ class LinearForm:
         if self._per_example is not None:
             self._per_example = torch.where(keep, self._per_example, zero)
 
-    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
+    def weighted_sum(
+        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         a, g = self.a, self.g
         n, h, t, d = a.shape
         o = g.shape[-1]
+        res: dict[str, torch.Tensor] = {} if out is None else out
         if self.weight_name is not None:
             w = weights[self.weight_name].to(a.dtype)
+            dst = None if out is None else out[self.weight_name]
             if self._per_example is not None:
-                ws = (w @ self._per_example.reshape(n, -1)).reshape(h, o, d)
+                flat = self._per_example.reshape(n, -1)
+                if dst is None:
+                    res[self.weight_name] = torch.mv(flat.t(), w).reshape(self.weight_shape)
+                else:
+                    dst.view(-1).addmv_(flat.t(), w)
             elif h == 1:
                 a2, g2 = a.reshape(n * t, d), g.reshape(n * t, o)
                 wr = (w.repeat_interleave(t) if t > 1 else w).unsqueeze(1)
-                if o <= d:
-                    ws = torch.mm((g2 * wr).t(), a2)
+                left, right = ((g2 * wr).t(), a2) if o <= d else (g2.t(), a2 * wr)
+                if dst is None:
+                    res[self.weight_name] = torch.mm(left, right).reshape(self.weight_shape)
                 else:
-                    ws = torch.mm(g2.t(), a2 * wr)
+                    dst.view(o, d).addmm_(left, right)
             else:
                 ws = torch.einsum("nhto,nhtd->hod", g * w.reshape(n, 1, 1, 1), a)
-            out[self.weight_name] = ws.reshape(self.weight_shape)
+                if dst is None:
+                    res[self.weight_name] = ws.reshape(self.weight_shape)
+                else:
+                    dst.add_(ws.reshape(self.weight_shape))
         if self.bias_name is not None:
             w = weights[self.bias_name].to(g.dtype)
             gb = g.reshape(n, h * o) if t == 1 else g.sum(2).reshape(n, h * o)
-            out[self.bias_name] = torch.mv(gb.t(), w)
-        return out
+            if out is None:
+                res[self.bias_name] = torch.mv(gb.t(), w)
+            else:
+                out[self.bias_name].addmv_(gb.t(), w)
+        return res
 
 
 def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> str:

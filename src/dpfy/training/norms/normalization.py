@@ -69,9 +69,12 @@ def group_norm_rule(module: nn.GroupNorm, captures: list[Capture], group_size: i
         b, c = x.shape[:2]
         hw = x[0, 0].numel()
         xx = x.reshape(1, b * c, hw)
-        _, mean, rstd = torch.ops.aten.native_group_norm(
-            xx, None, None, 1, b * c, hw, b * module.num_groups, module.eps
-        )
+        if cap.extra is not None:  # statistics autograd saved in the forward pass
+            mean, rstd = (t.reshape(1, -1) for t in cap.extra)
+        else:
+            _, mean, rstd = torch.ops.aten.native_group_norm(
+                xx, None, None, 1, b * c, hw, b * module.num_groups, module.eps
+            )
         ones = torch.ones(b * c, dtype=x.dtype, device=x.device)
         _, gw, gb = torch.ops.aten.native_group_norm_backward(
             gy.reshape(1, b * c, hw), xx, mean, rstd, ones, 1, b * c, hw,
@@ -87,6 +90,24 @@ def group_norm_rule(module: nn.GroupNorm, captures: list[Capture], group_size: i
     if gb_sum is not None:
         grads["bias"] = fold_rows(gb_sum, group_size)
     return MaterializedGrads(grads)
+
+
+def _group_norm_stats(module: nn.GroupNorm, x: torch.Tensor, output: torch.Tensor):
+    """Per-(example, group) mean and 1/std that autograd saved for GroupNorm's backward."""
+    fn = output.grad_fn
+    if type(fn).__name__ != "NativeGroupNormBackward0":
+        return None
+    try:
+        mean, rstd = fn._saved_result1, fn._saved_result2
+    except (AttributeError, RuntimeError):
+        return None
+    expected = (x.shape[0], module.num_groups)
+    if tuple(mean.shape) != expected or tuple(rstd.shape) != expected:
+        return None
+    return mean.detach(), rstd.detach()
+
+
+group_norm_rule.on_forward = _group_norm_stats  # type: ignore[attr-defined]
 
 
 if hasattr(nn, "RMSNorm"):

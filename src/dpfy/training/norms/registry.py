@@ -42,12 +42,15 @@ class Capture:
       grad_outputs: gradient of the (scaled) summed loss w.r.t. each tensor output, in the
         order of the flattened outputs; ``None`` where an output did not reach the loss.
       output_spec: pytree spec of the outputs (used by the generic fallback rule).
+      extra: what the rule's optional ``on_forward(module, input, output)`` returned during
+        the forward pass (e.g. statistics autograd saved), else ``None``.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     grad_outputs: tuple[torch.Tensor | None, ...]
     output_spec: Any = None
+    extra: Any = None
 
 
 class LayerGrads(Protocol):
@@ -61,8 +64,15 @@ class LayerGrads(Protocol):
         """Zero the contribution of the examples where the bool mask ``rows`` [N] is True."""
         ...
 
-    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``sum_i weights[name][i] * grad_i`` per local parameter name, in its shape."""
+    def weighted_sum(
+        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``sum_i weights[name][i] * grad_i`` per local parameter name, in its shape.
+
+        With ``out`` (``{name: tensor of the parameter's shape}``) the sums are *added* into
+        those tensors in place (gradient accumulation without new allocations); returns
+        ``out``.
+        """
         ...
 
 
@@ -71,7 +81,11 @@ _RULES: dict[type[nn.Module], NormRule] = {}
 
 
 def register_norm_rule(*module_types: type[nn.Module]) -> Callable[[NormRule], NormRule]:
-    """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types."""
+    """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types.
+
+    A rule may carry an attribute ``on_forward(module, input, output) -> Any``, called in the
+    forward hook; its result reaches the rule as :attr:`Capture.extra`.
+    """
 
     def deco(rule: NormRule) -> NormRule:
         for t in module_types:
@@ -107,16 +121,25 @@ class MaterializedGrads:
         self.grads = grads
 
     def squared_norms(self) -> dict[str, torch.Tensor]:
-        return {k: g.reshape(g.shape[0], -1).pow(2).sum(1) for k, g in self.grads.items()}
+        return {
+            k: torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
+            for k, g in self.grads.items()
+        }
 
     def zero_rows(self, rows: torch.Tensor) -> None:
         for k, g in self.grads.items():
             keep = (~rows).reshape(-1, *([1] * (g.dim() - 1)))
             self.grads[k] = torch.where(keep, g, torch.zeros((), dtype=g.dtype))
 
-    def weighted_sum(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
+    def weighted_sum(
+        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        res: dict[str, torch.Tensor] = {} if out is None else out
         for k, g in self.grads.items():
             w = weights[k].to(g.dtype)
-            out[k] = (w @ g.reshape(g.shape[0], -1)).reshape(g.shape[1:])
-        return out
+            flat = g.reshape(g.shape[0], -1)
+            if out is None:
+                res[k] = torch.mv(flat.t(), w).reshape(g.shape[1:])
+            else:
+                out[k].view(-1).addmv_(flat.t(), w)
+        return res
