@@ -138,7 +138,7 @@ def train_image_classifier(
     model: str = "tanh_cnn",
     ema_decay: float | None = None,
     max_physical_batch_size: int = 1024,
-    accounting: str = "pld",
+    accounting: str | None = None,
     out_dir: str | os.PathLike | None = None,
     progress: bool = False,
     secure: bool = False,
@@ -164,7 +164,8 @@ def train_image_classifier(
       model: ``"tanh_cnn"`` or ``"gn_cnn"``.
       ema_decay: EMA of the weights (the EMA model is released), or None.
       max_physical_batch_size: rows per forward/backward pass.
-      accounting: accountant for calibration, the guard and the final statement.
+      accounting: accountant for calibration, the guard and the final statement; default
+        ``"pld"`` for Poisson, ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` otherwise.
       out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
       progress: show a progress bar (loss, accuracy, epsilon spent).
       secure: draw sampling and noise from the OS CSPRNG (``seed`` is then ignored).
@@ -189,6 +190,8 @@ def train_image_classifier(
         torch.manual_seed(0 if seed is None else int(seed))
     net = make_model(model)
     batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
+    if accounting is None:
+        accounting = {"poisson": "pld", "balls_and_bins": "monte_carlo"}.get(batches.kind, "auto")
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
     ledger_path = model_path = None
     if out_dir is not None:
