@@ -15,8 +15,8 @@
 4. before every epoch the :class:`BudgetGuard` asks the accountant how many of the epoch's
    steps the ledger can still afford under the target; a refused step is never taken (the run
    stops cleanly, or raises :class:`BudgetExceededError` with ``on_budget="raise"``);
-5. after every epoch: test accuracy, epsilon spent so far (a cheap accountant, RDP by
-   default, read from the ledger), optional checkpoint.
+5. after every epoch: test accuracy, epsilon spent so far (read from the ledger with
+   ``monitor_accounting``, by default the final method), optional checkpoint.
 
 The trainer never computes epsilon itself: every figure comes from ``ledger.epsilon``; the
 final one with the chosen ``accounting`` method (PLD by default).
@@ -292,8 +292,9 @@ class PrivateTrainer:
       accounting: accountant (name or configured instance) for calibration, the guard and the
         final statement; must apply to the sampler (``"pld"`` or ``"rdp"`` for Poisson,
         ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` picks the tightest that applies).
-      monitor_accounting: cheap accountant for the per-epoch "epsilon so far" (falls back to
-        ``accounting`` when it does not apply to the ledger).
+      monitor_accounting: accountant for the per-epoch "epsilon so far" read from the ledger
+        (default: ``accounting``, so the curve ends at the final statement; ``"rdp"`` is
+        cheaper but looser). Falls back to ``accounting`` when it does not apply.
       ledger: where releases are recorded (default: a new in-memory ledger).
       randomness: noise source (default: a fresh seeded generator; pass
         ``Randomness.secure_mode()`` for production).
@@ -335,7 +336,7 @@ class PrivateTrainer:
         noise_multiplier: float | None = None,
         max_physical_batch_size: int = 256,
         accounting: str = "pld",
-        monitor_accounting: str = "rdp",
+        monitor_accounting: str | None = None,
         ledger: Ledger | None = None,
         randomness: Randomness | None = None,
         ema_decay: float | None = None,
@@ -563,7 +564,7 @@ class PrivateTrainer:
 
         if self.ledger.iteration == 0:
             return 0.0
-        method = method or self.monitor_accounting
+        method = method or self.monitor_accounting or self.accounting
         try:
             return float(self.ledger.epsilon(self.delta, method).epsilon)
         except UnsupportedEventError:
