@@ -265,3 +265,18 @@ def test_bad_arguments_raise():
         alg.dp_adam(x, y, clip_norm=1.0, noise_multiplier=1.0, loss="hinge")
     with pytest.raises(ValueError, match="steps must be an integer in"):
         alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=1.0, steps=0)
+
+
+def test_shared_covariance_statistics_give_identical_runs():
+    x, y = _data()
+    stats = sufficient_statistics([(x, y)], clip_norm=1.0, num_classes=3)
+    for fn, kw in [
+        (alg.dp_feature_covariance, dict(covariance_clip_norm=1.0, gradient_clip_norm=1.0,
+                                         steps=3, covariance_dtype=F64)),
+        (alg.dp_newton, dict(clip_norm=1.0, steps=2, hessian_dtype=F64)),
+    ]:
+        a = fn(x, y, noise_multiplier=1.0, randomness=Randomness(4), **kw)
+        b = fn(x, y, noise_multiplier=1.0, randomness=Randomness(4), covariance_stats=stats, **kw)
+        assert torch.allclose(a.weights, b.weights, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="clipped with clip_norm"):
+        alg.dp_newton(x, y, clip_norm=2.0, noise_multiplier=1.0, covariance_stats=stats)

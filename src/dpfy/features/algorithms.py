@@ -10,9 +10,10 @@ Regularisation coefficients are in the same "sum" units (a ridge of ``lam`` adds
 sum of ``n`` outer products), so ``l2 = 1 / C_sklearn`` reproduces scikit-learn's
 ``LogisticRegression(C=C_sklearn, fit_intercept=False)`` objective.
 
-Noisy symmetric matrices are symmetrised (``(M + M^T) / 2``) and projected onto the positive
-semi-definite cone (eigenvalues clipped at 0) before the ridge is added and the system solved.
-Both steps are post-processing and cost no privacy.
+Noisy symmetric matrices are symmetrised (``(M + M^T) / 2``) and, unless adding the ridge already
+makes them positive definite, projected onto the positive semi-definite cone (eigenvalues clipped
+at 0) before the ridge is added and the system solved (:class:`PSDSolver`). Both steps are
+post-processing and cost no privacy.
 
 Weights are returned as a float64 ``[d, m]`` tensor; scores are ``x @ weights`` (no intercept:
 append a constant feature to learn one).
@@ -103,23 +104,24 @@ def _full_batch(ledger: Ledger, n: int, step: int) -> int:
 
 
 class PSDSolver:
-    """Solve ``(P(S) + ridge I) w = r`` where ``P`` projects the symmetric ``S`` onto the PSD cone.
+    """Solve ``M w = r`` for a noisy symmetric ``S`` made positive definite (post-processing).
 
-    If ``S`` is already (numerically) PSD the projection is the identity and a Cholesky factor is
-    used; otherwise the eigen-decomposition clips the negative eigenvalues to zero.
+    ``M = S + ridge I`` when that is positive definite (checked by a Cholesky factorisation, the
+    cheap common case when the ridge is at least the noise level); otherwise ``M = P(S) + ridge
+    I`` where ``P`` projects ``S`` onto the PSD cone by clipping its negative eigenvalues to 0.
+    Either way ``M`` is a deterministic function of the released ``S``, so no privacy is spent.
     """
 
     def __init__(self, S: torch.Tensor, ridge: float) -> None:
         S = 0.5 * (S + S.T).to(_F64)
         d = S.shape[0]
         scale = float(S.diagonal().abs().max()) if d else 1.0
-        self.tiny = 1e-12 * max(scale, 1.0)
-        shift = max(float(ridge), self.tiny)
+        shift = max(float(ridge), 1e-12 * max(scale, 1.0))
         eye = torch.eye(d, dtype=_F64)
-        _, info = torch.linalg.cholesky_ex(S + self.tiny * eye)
+        chol, info = torch.linalg.cholesky_ex(S + shift * eye)
         self.projected = int(info) != 0
         if not self.projected:
-            self.chol, self.vecs, self.vals = torch.linalg.cholesky(S + shift * eye), None, None
+            self.chol, self.vecs, self.vals = chol, None, None
         else:
             vals, vecs = torch.linalg.eigh(S)
             self.chol, self.vecs = None, vecs
@@ -163,13 +165,20 @@ def clipped_gradient_sum(
 
 
 def newton_statistics(
-    x: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, *, hessian_dtype=torch.float32
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    hessian_dtype=torch.float32,
+    covariance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient sums ``[d, m]`` and Hessian sums ``[m, d, d]`` of the one-vs-rest logistic loss.
 
     ``x`` must already be clipped to norm ``C``. Class ``j``: ``g_j = sum_i (s_ij - y_ij) x_i``
     and ``H_j = sum_i s_ij (1 - s_ij) x_i x_i^T`` with ``s = sigmoid(x w)``. Add-or-remove
-    sensitivities over all ``m`` classes: ``sqrt(m) C`` and ``sqrt(m) C^2 / 4``.
+    sensitivities over all ``m`` classes: ``sqrt(m) C`` and ``sqrt(m) C^2 / 4``. At
+    ``weights = 0`` every ``s_ij = 1/2`` and ``H_j = G / 4``: a precomputed ``covariance``
+    ``G = sum_i x_i x_i^T`` of the same clipped ``x`` is then used instead of a new product.
     """
     z = x @ weights
     s = torch.sigmoid(z)
@@ -178,7 +187,9 @@ def newton_statistics(
     xh = x.to(hessian_dtype)
     m = weights.shape[1]
     same = bool((weights == weights[:, :1]).all()) if m > 1 else True
-    if same:  # identical columns (e.g. the zero start): one product serves every class
+    if covariance is not None and not bool(weights.any()):
+        hess = (0.25 * covariance.to(_F64)).expand(m, -1, -1).clone()
+    elif same:  # identical columns (e.g. the zero start): one product serves every class
         h = (xh.T @ (xh * curv[:, :1])).to(_F64)
         hess = h.expand(m, -1, -1).clone()
     else:
@@ -189,6 +200,16 @@ def newton_statistics(
 def _as_f64(x) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
     return t.to(_F64)
+
+
+def _checked_covariance(stats: SufficientStats | None, clip: float, name: str):
+    if stats is None:
+        return None
+    if stats.clip_norm != float(clip):
+        raise ValueError(
+            f"covariance_stats were clipped with clip_norm={stats.clip_norm}, but {name}={clip}"
+        )
+    return stats.covariance
 
 
 def _check_common(noise_multiplier: float, name: str = "noise_multiplier") -> None:
@@ -277,6 +298,7 @@ def dp_newton(
     learning_rate: float = 1.0,
     num_classes: int | None = None,
     hessian_dtype: torch.dtype = torch.float32,
+    covariance_stats: SufficientStats | None = None,
     ledger: Ledger | None = None,
     randomness: Randomness | None = None,
 ) -> Fitted:
@@ -292,9 +314,13 @@ def dp_newton(
       clip_norm: ``C``. noise_multiplier: ``sigma`` for both releases, or ``(grad, hessian)``.
       steps: ``T`` Newton steps. ridge: ``lambda`` (sum units). learning_rate: ``eta``.
       hessian_dtype: dtype of the Hessian products (a preconditioner; float32 is ample).
+      covariance_stats: statistics of the same data clipped to ``clip_norm`` (e.g. shared with
+        DP-LS / DP-FC runs); their covariance gives the first step's Hessians without a new
+        ``n d^2`` product. Never released by itself.
     """
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
     check_range("steps", steps, 1, None, integer=True)
+    cov = _checked_covariance(covariance_stats, clip_norm, "clip_norm")
     check_range("ridge", ridge, 0.0, math.inf, high_open=True)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     zg, zh = noise_multiplier if isinstance(noise_multiplier, tuple) else (noise_multiplier,) * 2
@@ -309,7 +335,7 @@ def dp_newton(
     for t in range(steps):
         sid = _full_batch(ledger, n, t)
         common = dict(ledger=ledger, sample_id=sid, randomness=rng)
-        grad, hess = newton_statistics(xc, yy, w, hessian_dtype=hessian_dtype)
+        grad, hess = newton_statistics(xc, yy, w, hessian_dtype=hessian_dtype, covariance=cov)
         g = _release(grad, sensitivity=math.sqrt(m) * clip_norm, noise_multiplier=zg,
                      name="gradient", **common)
         h = _release(hess, sensitivity=math.sqrt(m) * HESSIAN_BOUND * clip_norm**2,
@@ -338,6 +364,7 @@ def dp_feature_covariance(
     loss: Loss = "softmax",
     num_classes: int | None = None,
     covariance_dtype: torch.dtype = torch.float32,
+    covariance_stats: SufficientStats | None = None,
     ledger: Ledger | None = None,
     randomness: Randomness | None = None,
 ) -> Fitted:
@@ -357,6 +384,8 @@ def dp_feature_covariance(
       l2: L2 penalty of the objective ``sum_i loss_i + l2/2 ||w||^2`` (sum units).
       loss: ``"softmax"`` (multinomial logistic) or ``"sigmoid"`` (one-vs-rest logistic).
       covariance_dtype: dtype of the covariance product (a preconditioner; float32 is ample).
+      covariance_stats: statistics of the same ``x`` clipped to ``covariance_clip_norm``; their
+        covariance is used instead of recomputing it (it is released here, with its noise).
     """
     check_range("covariance_clip_norm", covariance_clip_norm, 0.0, math.inf, low_open=True,
                 high_open=True)
@@ -376,9 +405,12 @@ def dp_feature_covariance(
     n, d = x.shape
     m = yy.shape[1]
     ledger, rng = _ledger(ledger), _randomness(randomness)
-    xg = clip_rows(x, covariance_clip_norm).to(covariance_dtype)
+    cov = _checked_covariance(covariance_stats, covariance_clip_norm, "covariance_clip_norm")
+    if cov is None:
+        xg = clip_rows(x, covariance_clip_norm).to(covariance_dtype)
+        cov = (xg.T @ xg).to(_F64)
     sid = _full_batch(ledger, n, 0)
-    G = _release((xg.T @ xg).to(_F64), sensitivity=covariance_clip_norm**2, noise_multiplier=zc,
+    G = _release(cov, sensitivity=covariance_clip_norm**2, noise_multiplier=zc,
                  ledger=ledger, sample_id=sid, randomness=rng, name="covariance", symmetric=True)
     solver = PSDSolver(G, ridge)
     w = torch.zeros(d, m, dtype=_F64)
