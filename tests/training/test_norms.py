@@ -77,15 +77,18 @@ def test_conv_norms_and_sum_match_loop(conv, mode, monkeypatch):
     if mode != "auto":
         monkeypatch.setattr(conv_module, "choose_mode", lambda *args: mode)
     torch.manual_seed(0)
-    shape = (5, conv.in_channels, 9) if isinstance(conv, nn.Conv1d) else (5, conv.in_channels, 7, 8)
+    shape = (6, conv.in_channels, 9) if isinstance(conv, nn.Conv1d) else (6, conv.in_channels, 7, 8)
     x = torch.randn(*shape)
-    y = torch.randn(5, 1)
+    y = torch.randn(6, 1)
     model = _Head(conv)
-    norms, total = _norms_and_sum(model, x, y, _mse)
-    ref_norms, ref_total = _reference(model, x, y, _mse)
-    _close(norms, ref_norms)
-    for n in ref_total:
-        _close(total[n], ref_total[n])
+    per_ex = per_example_gradients(model, x, y, _mse)
+    for k in (1, 2):  # per example, and microbatches of two (summed, divided by k)
+        norms, total = _norms_and_sum(model, x, y, _mse, group_size=k)
+        units = {n: g.reshape(6 // k, k, *g.shape[1:]).sum(1) / k for n, g in per_ex.items()}
+        ref = sum(g.double().reshape(6 // k, -1).pow(2).sum(1) for g in units.values()).sqrt()
+        _close(norms, ref)
+        for n in units:
+            _close(total[n], units[n].sum(0))
 
 
 @pytest.mark.parametrize("mode", ["ghost", "materialize"])

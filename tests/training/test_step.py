@@ -254,3 +254,21 @@ def test_adaptive_query_and_bad_arguments():
     with pytest.raises(ValueError, match="weights must"):
         pg.accumulate(x, y, LOSS, torch.full((B,), 0.5))
     assert all(not m._forward_hooks for m in model.modules())
+
+
+def test_frozen_parameters_are_skipped_and_get_no_noise():
+    torch.manual_seed(5)
+    model, x, y = _data("cnn")
+    model.c1.weight.requires_grad_(False)
+    model.g1.requires_grad_(False)
+    pg = PrivateGradient(model, NoPrivacyQuery(0.3), expected_batch_size=8)
+    assert "c1.weight" not in pg.param_names_ and "c1.bias" in pg.param_names_
+    stats = pg.accumulate(x, y, LOSS, return_norms=True)
+    per_ex = per_example_gradients(model, x, y, LOSS)
+    ref_norms = sum(g.double().reshape(B, -1).pow(2).sum(1) for g in per_ex.values()).sqrt()
+    assert torch.allclose(stats.norms, ref_norms, rtol=1e-5)
+    assert _rel_err(pg.clipped_sum(), clipped_sum_reference(per_ex, 0.3)) <= 1e-5
+    ledger = Ledger()
+    sid = ledger.record_sample(SampleSpec("poisson", dataset_size=800, sampling_rate=0.01))
+    pg.release(ledger=ledger, sample_id=sid, randomness=Randomness(seed=0))
+    assert model.c1.weight.grad is None
