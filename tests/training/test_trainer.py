@@ -262,3 +262,18 @@ def test_secure_mode_trains_and_records():
 def test_query_noise_std_matches_gaussian_sum_query():
     q = GaussianSumQuery(0.5, 2.0)
     assert q.noise_std == pytest.approx(1.0)
+
+
+def test_guard_merges_repetitions_of_one_mechanism():
+    from dpfy import events as ev
+    from dpfy.training.trainer import _compose
+
+    step = ev.PoissonSampled(0.1, ev.Gaussian(1.0))
+    assert _compose(ev.SelfComposed(step, 3), ev.SelfComposed(step, 2)) == ev.SelfComposed(step, 5)
+    assert _compose(step, ev.SelfComposed(step, 2)) == ev.SelfComposed(step, 3)
+    other = ev.PoissonSampled(0.2, ev.Gaussian(1.0))
+    assert _compose(step, other) == ev.Composed((step, other))
+    bb = _compose(ev.BallsAndBins(1.0, 10, 1), ev.BallsAndBins(1.0, 10, 2))
+    assert bb == ev.BallsAndBins(1.0, 10, 3)
+    tp = ev.TruncatedPoisson(0.1, 1.0, 4, 100, 20)
+    assert _compose(tp, ev.TruncatedPoisson(0.1, 1.0, 6, 100, 20)).steps == 10

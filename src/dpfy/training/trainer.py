@@ -104,7 +104,7 @@ class BudgetGuard:
         events = [e for e in (_ledger_event(ledger), next_event) if e is not None]
         if not events:
             return 0.0
-        event = events[0] if len(events) == 1 else ev.Composed(tuple(events))
+        event = events[0] if len(events) == 1 else _compose(events[0], events[1])
         return float(accounting.epsilon(event, self.delta, self.method).epsilon)
 
     def check(self, ledger: Ledger, next_event: ev.Event) -> None:
@@ -148,6 +148,31 @@ class BudgetGuard:
             f"BudgetGuard(target_epsilon={self.target_epsilon}, delta={self.delta}, "
             f"method={self.method!r})"
         )
+
+
+def _compose(first: ev.Event, second: ev.Event) -> ev.Event:
+    """``first`` then ``second``; repetitions of one mechanism are merged into one count.
+
+    Merging is exact (it is the same composition) and lets the accountant see the run as the
+    calibration saw it (``SelfComposed(step, n + k)`` rather than two discretised parts).
+    """
+
+    def split(e: ev.Event) -> tuple[ev.Event, int]:
+        if isinstance(e, ev.SelfComposed):
+            return e.event, e.count
+        if isinstance(e, ev.TruncatedPoisson | ev.BallsAndBins):
+            field = "steps" if isinstance(e, ev.TruncatedPoisson) else "epochs"
+            return dataclasses.replace(e, **{field: 1}), getattr(e, field)
+        return e, 1
+
+    (a, n), (b, k) = split(first), split(second)
+    if a == b:
+        if isinstance(a, ev.TruncatedPoisson):
+            return dataclasses.replace(a, steps=n + k)
+        if isinstance(a, ev.BallsAndBins):
+            return dataclasses.replace(a, epochs=n + k)
+        return ev.SelfComposed(a, n + k)
+    return ev.Composed((first, second))
 
 
 def _ledger_event(ledger: Ledger) -> ev.Event | None:
