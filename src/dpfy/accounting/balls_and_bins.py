@@ -32,7 +32,7 @@ Samplers of the privacy loss (``method``):
     [0, tau]-valued samples (KL bound on a range tau << 1), the second is bounded analytically
     by Chernoff bounds on sums of log-normals. The other coordinates are stratified at a level
     m*: the rare stratum "their maximum exceeds m*" (exact probability) is sampled directly
-    with 1/8 of the samples (maximum placed first, Alg. 10), the rest has light tails. Same
+    with 1/16 of the samples (maximum placed first, Alg. 10), the rest has light tails. Same
     cost per sample as plain, but far fewer samples for the same bound (see the section below).
   * ``auto``: importance sampling for one epoch when P(E) < 1/4 in both directions, else
     ``conditional`` for one epoch with T >= 16; for several epochs order statistics when
@@ -674,11 +674,16 @@ class _Hist:
         self.s_mid = np.where(idx == 0, 0.0, np.where(idx == _HIST_BINS + 1, lower, mid))
 
 
+_BIG_FRACTION = 1.0 / 16.0  # share of samples drawn from the stratum "others' max > m*"
+_BIG_ERROR_SHARE = 0.1  # share of the error probability spent on that stratum's bound
+
+
 def _split_level(steps: int, n_big: int, delta_ref: float, error_probability: float) -> float:
-    """m*: P(max of the T - 1 others > m*) = p with p log(2/beta) / n_big ~ delta_ref / 20."""
+    """m*: P(max of the T - 1 others > m*) = p with p log(1/beta_B) / n_big ~ delta_ref / 20."""
     if n_big <= 0 or delta_ref <= 0.0:
         return math.inf
-    p = min(0.5, 0.05 * delta_ref * n_big / math.log(2.0 / error_probability))
+    beta_b = _BIG_ERROR_SHARE * error_probability
+    p = min(0.5, 0.05 * delta_ref * n_big / math.log(1.0 / beta_b))
     if p < 1e-12:
         return math.inf
     k = steps - 1
@@ -690,8 +695,8 @@ class _ConditionalLosses:
 
     Stratum A: all T - 1 other coordinates <= m* (probability 1 - p_big), light tails, capped
     range tau plus Chernoff tail integral. Stratum B: their maximum > m* (probability p_big,
-    sampled by placing the maximum first), range 1. Each stratum's KL bound uses half the
-    error probability when both are sampled.
+    sampled by placing the maximum first), range 1. When both are sampled, stratum B's KL
+    bound uses 10 % of the error probability and stratum A's the rest (union bound).
     """
 
     def __init__(self, results: list[dict[str, Any]], epoch: Epoch, error_probability: float,
@@ -714,7 +719,9 @@ class _ConditionalLosses:
             self.p_big = 0.0
             self.tails = _SumTails(self.z, k)
         both = self.p_big > 0 and self.b.n > 0
-        self.error_probability = error_probability / 2 if both else error_probability
+        share = _BIG_ERROR_SHARE if both else 0.0
+        self.error_probability = (1.0 - share) * error_probability
+        self.error_probability_big = max(share * error_probability, 1e-300)
         self._tail_grids()
         self.tau = {d: self._choose_tau(d, reference_epsilon) for d in _DIRECTIONS}
         self.weights = {d: 1.0 for d in _DIRECTIONS}
@@ -779,7 +786,7 @@ class _ConditionalLosses:
             return (1.0 - self.p_big) * ub + self.p_big
         rep_b = self.b.s_up if d == "remove" else self.b.s_low
         m_b = float(np.sum(self.b.counts * self._psi(d, rep_b, epsilon)) / self.b.n)
-        ub_b = float(kl_upper_bound(min(m_b, 1.0), self.b.n, beta))
+        ub_b = float(kl_upper_bound(min(m_b, 1.0), self.b.n, self.error_probability_big))
         return (1.0 - self.p_big) * ub + self.p_big * ub_b
 
     def _estimate(self, d: str, epsilon: float) -> float:
@@ -1079,9 +1086,9 @@ def _losses(
         results = _sample_losses(epochs, samples=samples, **kw)
         return _Losses(results, threshold, error_probability), mode
     # Split the other coordinates at m* so that the rare "some other batch has a huge value"
-    # stratum is sampled directly (1/8 of the samples) and the rest has light tails.
+    # stratum is sampled directly (1/16 of the samples) and the rest has light tails.
     delta_ref = delta if delta is not None else lower_bound_delta(epochs, threshold)
-    big_fraction = 0.125
+    big_fraction = _BIG_FRACTION
     m_star = _split_level(epochs[0].steps, int(samples * big_fraction), delta_ref,
                           error_probability)
     if not math.isfinite(m_star):
