@@ -5,15 +5,14 @@ names the :mod:`dpfy.events` event its batches give a Gaussian sum query
 (:meth:`privacy_event`) and the ledger entry describing it (:meth:`sample_spec`). Accounting
 therefore follows the sampler that actually ran, never a hyperparameter that claims to.
 
-=================  ========================================================  ====================
-sampler            batches                                                   event
-=================  ========================================================  ====================
-PoissonSampler     each example independently with probability q per step   PoissonSampled
-BallsAndBinsSampler each example in one uniformly random batch per epoch      BallsAndBins
-ShuffleSampler     permute each epoch, cut into fixed-size batches           Shuffled
-DeterministicSampler fixed order, fixed-size batches                         Deterministic
-FixedSizeSampler   ``batch_size`` examples without replacement per step      FixedSizeSampled
-=================  ========================================================  ====================
+* ``PoissonSampler``: each example joins each batch independently with probability q
+  -> ``PoissonSampled`` (``TruncatedPoisson`` with a maximum batch size).
+* ``BallsAndBinsSampler``: each example in one uniformly random batch per epoch
+  -> ``BallsAndBins`` (``TruncatedBallsAndBins``).
+* ``ShuffleSampler``: permute each epoch, cut into fixed-size batches -> ``Shuffled``.
+* ``DeterministicSampler``: fixed order, fixed-size batches -> ``Deterministic``.
+* ``FixedSizeSampler``: ``batch_size`` examples without replacement per step
+  -> ``FixedSizeSampled`` (replace-one adjacency).
 
 Maximum batch size (Poisson, Balls-and-Bins): a batch longer than ``max_batch_size`` is cut to a
 uniformly random subset of that size (``truncated_steps`` counts how often); the event then
