@@ -123,3 +123,19 @@ def test_shuffle_reports_honest_bounds(capsys):
     exact = accounting.epsilon(ev.Gaussian(1.0), 1e-5, method="gaussian").epsilon
     assert out["epsilon"] == pytest.approx(exact, rel=1e-6)
     assert out["epsilon_lower"] <= out["epsilon"]
+
+
+def test_plan_json_meets_budget_under_the_real_accountant(capsys):
+    out = run_json(
+        capsys,
+        ["plan", "--dataset-size", "60000", "--target-epsilon", "3", "--delta", "1e-5",
+         "--max-steps", "2000"],
+    )
+    rec = out["recommendation"]
+    event = ev.SelfComposed(
+        ev.PoissonSampled(rec["batch_size"] / 60000, ev.Gaussian(rec["noise_multiplier"])),
+        rec["steps"],
+    )
+    assert accounting.epsilon(event, 1e-5).epsilon <= 3.0
+    assert rec["steps"] <= 2000
+    assert out["explanation"]

@@ -346,6 +346,10 @@ def plan(
         int | None,
         typer.Option("--max-examples-processed", help="Compute budget: batch size x steps."),
     ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Write the options and privacy-wall figures to this folder."),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Recommend (batch size, noise multiplier, steps) that meet the budget (Poisson, PLD/RDP)."""
@@ -362,10 +366,25 @@ def plan(
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
     )
+    figures: list[Path] = []
+    if plot is not None:
+        from dpfy import plots_tan
+
+        figures.append(plots_tan.plan_options(result, plot / "plan_options.png"))
+        figures.append(
+            plots_tan.privacy_wall(
+                plot / "privacy_wall.png", target_epsilons=(target_epsilon,), delta=delta
+            )
+        )
     if as_json:
-        print(json.dumps(result.to_dict(), default=str))
+        payload = result.to_dict()
+        if figures:
+            payload["figures"] = [str(p) for p in figures]
+        print(json.dumps(payload, default=str))
         return
     print(result.summary())
+    for path in figures:
+        print(f"figure: {path}")
 
 
 class DatasetName(StrEnum):
