@@ -107,6 +107,9 @@ def batch_scaling(
             ax.scatter([reference_batch] * len(reference_values), reference_values, marker="*",
                        s=120, color="C3", label="reference run(s)")
     ax.set_xscale("log")
+    ticks = sorted(set(b.tolist()) | ({float(reference_batch)} if reference_batch else set()))
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("batch size B (log)")
     ax.set_ylabel(metric)
     ax.set_title(title)
