@@ -59,7 +59,7 @@ def truncation_delta(
       ``min(1, steps * P(Bin(N + 1, q) > B_max))``.
 
     Example:
-      >>> truncation_delta(0.01, 60_000, 800, 6_000) < 1e-20
+      >>> truncation_delta(0.01, 60_000, 800, 6_000) < 1e-10  # q N = 600, 6000 steps
       True
     """
     ev.check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
