@@ -29,9 +29,10 @@ from dpfy.training.norms.registry import (
     MaterializedGrads,
     fold_rows,
     register_norm_rule,
+    tensor_sum,
 )
 
-__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_weight_grads"]
+__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_grads"]
 
 
 def _explicit_padding(module: nn.Conv1d | nn.Conv2d) -> list[int]:
@@ -73,14 +74,20 @@ def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.T
     return cols.reshape(b, groups, ck // groups, length).transpose(2, 3)
 
 
-def per_example_conv_weight_grads(
-    module: nn.Conv1d | nn.Conv2d, x: torch.Tensor, gy: torch.Tensor
-) -> torch.Tensor:
-    """Per-example weight gradients [B, *weight.shape] by one grouped weight-gradient call.
+def per_example_conv_grads(
+    module: nn.Conv1d | nn.Conv2d,
+    x: torch.Tensor,
+    gy: torch.Tensor,
+    *,
+    weight: bool = True,
+    bias: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-example weight [B, *weight.shape] and bias [B, C_out] gradients in one call.
 
     The batch is folded into the channels (``[1, B*C_in, ...]``) and the convolution is seen
     as ``B * groups`` independent groups, so the library's (oneDNN) weight-gradient kernel
-    returns every example's gradient at the cost of one ordinary weight gradient.
+    returns every example's gradient at the cost of one ordinary weight gradient; the bias
+    gradient of the folded convolution is the per-example bias gradient.
     """
     b = x.shape[0]
     pad = _explicit_padding(module)
@@ -95,21 +102,23 @@ def per_example_conv_weight_grads(
     xg = x.reshape(1, b * x.shape[1], *spatial)
     gg = gy.reshape(1, b * gy.shape[1], *gy.shape[2:])
     w_shape = (b * module.out_channels, *module.weight.shape[1:])
-    weight = torch.empty(w_shape, dtype=x.dtype, device=x.device)
-    _, grad_w, _ = torch.ops.aten.convolution_backward(
+    w_dummy = torch.empty(w_shape, dtype=x.dtype, device=x.device)
+    _, grad_w, grad_b = torch.ops.aten.convolution_backward(
         gg,
         xg,
-        weight,
-        None,
+        w_dummy,
+        [b * module.out_channels] if bias else None,
         list(module.stride),
         padding,
         list(module.dilation),
         False,
         [0] * len(spatial),
         b * module.groups,
-        [False, True, False],
+        [False, weight, bias],
     )
-    return grad_w.reshape(b, *module.weight.shape)
+    pw = grad_w.reshape(b, *module.weight.shape) if weight else None
+    pb = grad_b.reshape(b, module.out_channels) if bias else None
+    return pw, pb
 
 
 @register_norm_rule(nn.Conv1d, nn.Conv2d)
@@ -138,16 +147,17 @@ def conv_rule(module: nn.Conv1d | nn.Conv2d, captures: list[Capture], group_size
         n // group_size, groups, positions * group_size, d, o, module.weight.element_size()
     )
     if mode == "materialize":
+        parts = [
+            per_example_conv_grads(
+                module, c.args[0], c.grad_outputs[0], weight=want_w, bias=want_b
+            )
+            for c in captures
+        ]
         grads: dict[str, torch.Tensor] = {}
         if want_w:
-            pw = sum(
-                per_example_conv_weight_grads(module, c.args[0], c.grad_outputs[0])
-                for c in captures
-            )
-            grads["weight"] = fold_rows(pw, group_size)
+            grads["weight"] = fold_rows(tensor_sum(p[0] for p in parts), group_size)
         if want_b:
-            pb = sum(c.grad_outputs[0].flatten(2).sum(2) for c in captures)
-            grads["bias"] = fold_rows(pb, group_size)
+            grads["bias"] = fold_rows(tensor_sum(p[1] for p in parts), group_size)
         return MaterializedGrads(grads)
     acts, gys = [], []
     for cap in captures:

@@ -12,7 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows, register_norm_rule
+from dpfy.training.norms.registry import (
+    Capture,
+    MaterializedGrads,
+    fold_rows,
+    register_norm_rule,
+    tensor_sum,
+)
 
 __all__ = ["layer_norm_rule", "group_norm_rule", "rms_norm_rule"]
 
@@ -30,10 +36,10 @@ def _affine_grads(
     bias = getattr(module, "bias", None)
     grads: dict[str, torch.Tensor] = {}
     if weight is not None and weight.requires_grad:
-        gw = sum(reduce(gy * xh) for xh, gy in xhat_and_grads)
+        gw = tensor_sum(reduce(gy * xh) for xh, gy in xhat_and_grads)
         grads["weight"] = fold_rows(gw, group_size)
     if bias is not None and bias.requires_grad:
-        gb = sum(reduce(gy) for _, gy in xhat_and_grads)
+        gb = tensor_sum(reduce(gy) for _, gy in xhat_and_grads)
         grads["bias"] = fold_rows(gb, group_size)
     return MaterializedGrads(grads)
 

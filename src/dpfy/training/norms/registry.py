@@ -29,6 +29,7 @@ __all__ = [
     "norm_rule_for",
     "registered_types",
     "fold_rows",
+    "tensor_sum",
 ]
 
 
@@ -103,6 +104,15 @@ def norm_rule_for(module: nn.Module) -> NormRule | None:
 def registered_types() -> tuple[type[nn.Module], ...]:
     """Module types with a registered norm rule."""
     return tuple(_RULES)
+
+
+def tensor_sum(tensors: list[torch.Tensor] | Any) -> torch.Tensor:
+    """Sum of tensors without the copy that ``sum(...)`` (which starts at 0) makes."""
+    it = iter(tensors)
+    total = next(it)
+    for t in it:
+        total = total + t
+    return total
 
 
 def fold_rows(x: torch.Tensor, group_size: int) -> torch.Tensor:
