@@ -36,6 +36,11 @@ Microbatching (guide Sec. 5.6, Alg. 3):
   microbatches independently); a partition that shifts every later row when one example is
   added changes many microbatches and has a larger sensitivity.
 
+Limits: layers must see batch-first inputs (dimension 0 = the example), module outputs must
+not be modified in place (``ReLU(inplace=True)``, ``out += x``: refused with a clear error),
+tied parameters are refused, and activation checkpointing is not supported (layers run
+without grad inside a checkpointed segment are invisible to the hooks).
+
 Example:
     >>> import torch
     >>> from torch import nn

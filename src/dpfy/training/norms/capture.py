@@ -136,6 +136,7 @@ class LayerCapture:
         recorded output was modified in place after the module returned it (its gradient
         would then be the one of the modified value).
         """
+        self.active = False  # nothing run during backward (e.g. recomputation) is recorded
         targets: list[torch.Tensor] = []
         for plan, calls in zip(self.plans, self.calls, strict=True):
             for call in calls:
