@@ -245,6 +245,9 @@ def image_features(
     np.save(final, features)
     for p in parts:
         p.unlink()
+    for p in parts_dir.glob("*.npy"):  # duplicates left by overlapping shard runs
+        p.unlink()
+    parts_dir.rmdir()
     return features, labels
 
 
