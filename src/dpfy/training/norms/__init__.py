@@ -1,9 +1,14 @@
 """Per-example gradient norms and clipped sums, one rule per layer family.
 
-Importing this package registers the rules for ``nn.Linear``, ``nn.Conv1d``, ``nn.Conv2d``,
-``nn.Embedding``, ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm``; every other module
-with trainable parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``).
-Register a rule for your own layer with :func:`register_norm_rule`.
+Importing this package registers the rules for ``nn.Linear`` (``linear.py``: outer-product
+ghost norms without sequence dims; Gram-matrix ghost norms or materialised per-example
+gradients with sequence dims, chosen per layer by cost), ``nn.Conv1d``/``nn.Conv2d``
+(``conv.py``: per-example gradients from one grouped weight-gradient call, or ghost norms on
+unfolded patches), ``nn.Embedding`` (``embedding.py``: row-sparse norms), ``nn.LayerNorm``,
+``nn.GroupNorm`` and ``nn.RMSNorm`` (``normalization.py``). Every other module with trainable
+parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``, chunked). Register
+a rule for your own layer with :func:`register_norm_rule`; check it against
+:func:`dpfy.training.norms.reference.per_example_gradients`.
 """
 
 from dpfy.training.norms import conv, embedding, linear, normalization  # noqa: F401 (register)
