@@ -44,7 +44,7 @@ def clip_rows(x: torch.Tensor, clip_norm: float) -> torch.Tensor:
 
 def label_matrix(y, num_classes: int | None = None, *, dtype=torch.float64) -> torch.Tensor:
     """Labels as an ``[n, m]`` 0/1 matrix: class indices ``[n]`` become one-hot rows."""
-    t = torch.as_tensor(np.asarray(y) if not isinstance(y, torch.Tensor) else y)
+    t = y if isinstance(y, torch.Tensor) else torch.from_numpy(np.array(y))
     if t.ndim == 2:
         if not bool(((t == 0) | (t == 1)).all()):
             raise ValueError("a 2-d label matrix must hold only 0 and 1")
