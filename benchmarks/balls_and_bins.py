@@ -48,7 +48,7 @@ def _samples(t: int, quick: bool, override: int | None) -> int:
         return override
     if quick:
         return {100: 200_000, 1000: 200_000}.get(t, 50_000)
-    return {100: 2_000_000, 1000: 1_000_000}.get(t, 150_000)
+    return {100: 2_000_000, 1000: 2_000_000}.get(t, 150_000)
 
 
 def run(quick: bool, samples: int | None, workers: int, error_probability: float) -> dict:
