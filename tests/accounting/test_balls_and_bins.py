@@ -242,3 +242,29 @@ def test_conditional_epsilon_is_ordered_and_auto_uses_it():
     r = balls_and_bins_epsilon(1.0, 200, 1e-4, samples=100_000, seed=0, **FAST)
     assert r.method == "conditional"
     assert r.epsilon_lower <= r.epsilon_estimate <= r.epsilon_upper < 1.2 * r.epsilon_estimate
+
+
+def test_pure_gaussian_compositions_are_left_to_the_exact_accountant():
+    # regression: auto on a pure Gaussian composition crashed (OverflowError in binom.pmf)
+    event = ev.SelfComposed(ev.Gaussian(3.0), 50)
+    acc = MonteCarloAccountant(progress=False)
+    assert "no Balls-and-Bins epoch" in acc.unsupported(event)
+    assert acc.unsupported(ev.SelfComposed(ev.BallsAndBins(1.0, 10), 0)) is not None
+    assert acc.unsupported(ev.Composed((ev.Gaussian(3.0), ev.BallsAndBins(1.0, 10)))) is None
+    res = accounting.epsilon(event, 1e-6)
+    exact = accounting.epsilon(event, 1e-6, method="gaussian").epsilon
+    assert res.epsilon == pytest.approx(exact, rel=1e-9)
+    assert res.method != "monte_carlo"
+
+
+@pytest.mark.parametrize(
+    "epochs",
+    [[Epoch(3.0, 1)] * 50, [Epoch(1.0, 10_000)] * 200, [Epoch(0.5, 1000)] * 40,
+     [Epoch(1.0, 59)] * 15 + [Epoch(2.0, 1)] * 3],
+)
+def test_lower_bound_survives_many_steps_and_epochs(epochs):
+    d = [lower_bound_delta(epochs, e) for e in (0.0, 1.0, 5.0, 50.0)]
+    assert all(0.0 <= x <= 1.0 for x in d) and d == sorted(d, reverse=True)
+    low = lower_bound_epsilon(epochs, 1e-5)
+    assert 0.0 <= low <= float(gaussian_epsilon(math.sqrt(sum(1 / e.noise_multiplier**2
+                                                                for e in epochs)), 1e-5))

@@ -117,6 +117,24 @@ class Epoch:
 
 
 def _unsupported(event: ev.Event) -> str | None:
+    reason = _unsupported_part(event)
+    if reason is None and not _has_balls_and_bins(event):
+        # pure Gaussian compositions are the exact "gaussian" accountant's job
+        return f"{type(event).__name__} contains no Balls-and-Bins epoch"
+    return reason
+
+
+def _has_balls_and_bins(event: ev.Event) -> bool:
+    if isinstance(event, ev.BallsAndBins | ev.TruncatedBallsAndBins):
+        return event.epochs > 0
+    if isinstance(event, ev.SelfComposed):
+        return event.count > 0 and _has_balls_and_bins(event.event)
+    if isinstance(event, ev.Composed):
+        return any(_has_balls_and_bins(e) for e in event.events)
+    return False
+
+
+def _unsupported_part(event: ev.Event) -> str | None:
     if isinstance(event, ev.BallsAndBins | ev.TruncatedBallsAndBins):
         if event.adjacency == ev.Adjacency.REPLACE_ONE.value:
             return f"{type(event).__name__} with replace_one adjacency"
@@ -124,10 +142,10 @@ def _unsupported(event: ev.Event) -> str | None:
     if isinstance(event, ev.Gaussian):
         return None
     if isinstance(event, ev.SelfComposed):
-        return _unsupported(event.event)
+        return _unsupported_part(event.event)
     if isinstance(event, ev.Composed):
         for e in event.events:
-            reason = _unsupported(e)
+            reason = _unsupported_part(e)
             if reason is not None:
                 return reason
         return None
@@ -225,24 +243,51 @@ def _log_cdf(x):
     return special.log_ndtr(x)
 
 
-def _max_bits(z: float, steps: int, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(P(max x > c), Q(max x > c)) for one epoch, vectorised over thresholds c."""
+def _max_bits(z: float, steps: int, c: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Log-probabilities of the bit 1{max_t x_t > c} for one epoch, vectorised over c.
+
+    Returns (log P(bit), log P(no bit), log Q(bit), log Q(no bit)); P(no bit) and Q(no bit)
+    are exact in log space, so probabilities near 0 or 1 keep their relative precision.
+    """
     log_q0 = steps * _log_cdf(c / z)  # log Q(max <= c)
     log_p0 = _log_cdf((c - 1.0) / z) + (steps - 1) * _log_cdf(c / z)
-    return -np.expm1(log_p0), -np.expm1(log_q0)
+    return _log1mexp(log_p0), log_p0, _log1mexp(log_q0), log_q0
 
 
-def _binomial_hockey(p1: np.ndarray, p0: np.ndarray, k: int, epsilon: float) -> np.ndarray:
-    """max over both directions of H_eps(Bin(k, p1) || Bin(k, p0)), vectorised over arrays."""
-    from scipy import stats
+def _log1mexp(a: np.ndarray) -> np.ndarray:
+    """log(1 - e^a) for a <= 0 (accurate on both sides of -log 2; -inf at a = 0)."""
+    a = np.minimum(np.asarray(a, dtype=float), 0.0)
+    with np.errstate(divide="ignore"):
+        return np.where(a > -math.log(2.0), np.log(-np.expm1(a)), np.log1p(-np.exp(a)))
 
-    j = np.arange(k + 1)[:, None]
-    a = stats.binom.pmf(j, k, p1[None, :])
-    b = stats.binom.pmf(j, k, p0[None, :])
-    e = math.exp(min(epsilon, 700.0))
-    d1 = np.maximum(a - e * b, 0.0).sum(axis=0)
-    d2 = np.maximum(b - e * a, 0.0).sum(axis=0)
-    return np.maximum(d1, d2)
+
+def _binom_logpmf(k: int, log_p: np.ndarray, log_1mp: np.ndarray) -> np.ndarray:
+    """log Binomial(k, p) pmf at j = 0..k (rows), vectorised over columns; never overflows."""
+    j = np.arange(k + 1, dtype=float)[:, None]
+    log_choose = special.gammaln(k + 1.0) - special.gammaln(j + 1.0) - special.gammaln(k - j + 1.0)
+    with np.errstate(invalid="ignore"):
+        a = np.where(j > 0, j * log_p[None, :], 0.0)  # 0 * log 0 = 0
+        b = np.where(k - j > 0, (k - j) * log_1mp[None, :], 0.0)
+    return log_choose + a + b
+
+
+def _hockey_log(log_a: np.ndarray, log_b: np.ndarray, epsilon: float) -> np.ndarray:
+    """max over both directions of sum_j (a_j - e^eps b_j)_+, from log-masses (columns)."""
+
+    def one(la: np.ndarray, lb: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(np.isfinite(la), epsilon + lb - la, np.inf)
+            term = np.where(diff < 0, np.exp(la) * -np.expm1(np.minimum(diff, 0.0)), 0.0)
+        return term.sum(axis=0)
+
+    return np.maximum(one(log_a, log_b), one(log_b, log_a))
+
+
+def _binomial_hockey(bits_p, bits_q, k: int, epsilon: float) -> np.ndarray:
+    """max over both directions of H_eps(Bin(k, p1) || Bin(k, p0)), vectorised over columns."""
+    log_a = _binom_logpmf(k, bits_p[0], bits_p[1])
+    log_b = _binom_logpmf(k, bits_q[0], bits_q[1])
+    return _hockey_log(log_a, log_b, epsilon)
 
 
 def lower_bound_delta(epochs: Sequence[Epoch], epsilon: float, *, grid: int = 513) -> float:
@@ -275,24 +320,17 @@ def _group(epochs: Sequence[Epoch]) -> list[tuple[Epoch, int]]:
 def _lower_delta_on(groups, epsilon: float, s: np.ndarray) -> np.ndarray:
     if len(groups) == 1:
         (e, k), = groups
-        p1, p0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
-        return _binomial_hockey(p1, p0, k, epsilon)
+        lp1, lp0, lq1, lq0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
+        return _binomial_hockey((lp1, lp0), (lq1, lq0), k, epsilon)
     # Several groups: the joint count distribution is a convolution of binomials (exact).
-    from scipy import stats
-
     dist_p = np.ones((1, len(s)))
     dist_q = np.ones((1, len(s)))
     for e, k in groups:
-        p1, p0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
-        j = np.arange(k + 1)[:, None]
-        a = stats.binom.pmf(j, k, p1[None, :])
-        b = stats.binom.pmf(j, k, p0[None, :])
-        dist_p = _convolve_columns(dist_p, a)
-        dist_q = _convolve_columns(dist_q, b)
-    e_eps = math.exp(min(epsilon, 700.0))
-    d1 = np.maximum(dist_p - e_eps * dist_q, 0.0).sum(axis=0)
-    d2 = np.maximum(dist_q - e_eps * dist_p, 0.0).sum(axis=0)
-    return np.maximum(d1, d2)
+        lp1, lp0, lq1, lq0 = _max_bits(e.noise_multiplier, e.steps, e.noise_multiplier * s + 0.5)
+        dist_p = _convolve_columns(dist_p, np.exp(_binom_logpmf(k, lp1, lp0)))
+        dist_q = _convolve_columns(dist_q, np.exp(_binom_logpmf(k, lq1, lq0)))
+    with np.errstate(divide="ignore"):
+        return _hockey_log(np.log(dist_p), np.log(dist_q), epsilon)
 
 
 def _convolve_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
