@@ -69,13 +69,16 @@ CONVS = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["auto", "ghost", "materialize"])
+@pytest.mark.parametrize("mode", ["auto", "ghost", "materialize", "grouped"])
 @pytest.mark.parametrize("conv", CONVS, ids=lambda c: repr(c))
 def test_conv_norms_and_sum_match_loop(conv, mode, monkeypatch):
     import dpfy.training.norms.conv as conv_module
 
     if mode != "auto":
-        monkeypatch.setattr(conv_module, "choose_mode", lambda *args: mode)
+        chosen = "ghost" if mode == "ghost" else "materialize"
+        monkeypatch.setattr(conv_module, "choose_mode", lambda *args: chosen)
+    # materialise by patches (few channels) or by one grouped weight-gradient call
+    monkeypatch.setattr(conv_module, "GROUPED_MIN_CHANNELS", 0 if mode == "grouped" else 10**9)
     torch.manual_seed(0)
     shape = (6, conv.in_channels, 9) if isinstance(conv, nn.Conv1d) else (6, conv.in_channels, 7, 8)
     x = torch.randn(*shape)

@@ -32,7 +32,7 @@ from dpfy.training.norms.registry import (
     tensor_sum,
 )
 
-__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_grads"]
+__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_grads", "GROUPED_MIN_CHANNELS"]
 
 
 def _explicit_padding(module: nn.Conv1d | nn.Conv2d) -> list[int]:
@@ -74,6 +74,11 @@ def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.T
     return cols.reshape(b, groups, ck // groups, length).transpose(2, 3)
 
 
+#: Below this many input channels per group the grouped weight-gradient call is slow with
+#: several threads (oneDNN splits tiny groups); patches are then copied and multiplied.
+GROUPED_MIN_CHANNELS = 16
+
+
 def per_example_conv_grads(
     module: nn.Conv1d | nn.Conv2d,
     x: torch.Tensor,
@@ -82,7 +87,68 @@ def per_example_conv_grads(
     weight: bool = True,
     bias: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Per-example weight [B, *weight.shape] and bias [B, C_out] gradients in one call.
+    """Per-example weight [B, *weight.shape] and bias [B, C_out] gradients.
+
+    Picks :func:`_grouped_conv_grads` (one grouped weight-gradient call) for layers with at
+    least ``GROUPED_MIN_CHANNELS`` input channels per group, else
+    :func:`_patch_conv_grads` (strided patch copy and one batched matmul).
+    """
+    if module.in_channels // module.groups >= GROUPED_MIN_CHANNELS:
+        return _grouped_conv_grads(module, x, gy, weight=weight, bias=bias)
+    return _patch_conv_grads(module, x, gy, weight=weight, bias=bias)
+
+
+def _patch_conv_grads(
+    module: nn.Conv1d | nn.Conv2d,
+    x: torch.Tensor,
+    gy: torch.Tensor,
+    *,
+    weight: bool = True,
+    bias: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-example gradients from a strided view of the input patches and one matmul."""
+    b = x.shape[0]
+    pw = None
+    if weight:
+        pad = _explicit_padding(module)
+        if any(pad):
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, pad, mode=mode)
+        x = x.contiguous()
+        if isinstance(module, nn.Conv1d):
+            x = x.unsqueeze(2)
+            gy4 = gy.unsqueeze(2)
+            kernel, dil, stride = (1, *module.kernel_size), (1, *module.dilation), (
+                1,
+                *module.stride,
+            )
+        else:
+            gy4 = gy
+            kernel, dil, stride = module.kernel_size, module.dilation, module.stride
+        c = x.shape[1]
+        ho, wo = gy4.shape[2:]
+        sb, sc, sh, sw = x.stride()
+        patches = x.as_strided(
+            (b, c, kernel[0], kernel[1], ho, wo),
+            (sb, sc, dil[0] * sh, dil[1] * sw, stride[0] * sh, stride[1] * sw),
+        )
+        g = module.groups
+        a = patches.reshape(b, g, (c // g) * kernel[0] * kernel[1], ho * wo)  # copies once
+        gg = gy4.reshape(b, g, gy4.shape[1] // g, ho * wo)
+        pw = torch.matmul(gg, a.transpose(-1, -2)).reshape(b, *module.weight.shape)
+    pb = gy.flatten(2).sum(2) if bias else None
+    return pw, pb
+
+
+def _grouped_conv_grads(
+    module: nn.Conv1d | nn.Conv2d,
+    x: torch.Tensor,
+    gy: torch.Tensor,
+    *,
+    weight: bool = True,
+    bias: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Per-example weight and bias gradients in one grouped weight-gradient call.
 
     The batch is folded into the channels (``[1, B*C_in, ...]``) and the convolution is seen
     as ``B * groups`` independent groups, so the library's (oneDNN) weight-gradient kernel
