@@ -325,12 +325,15 @@ class Shuffled(Event):
 
     No tight upper bound with amplification is known: accountants give the no-amplification
     upper bound (each example is used once per epoch) and the lower bound of Chua et al. 2024a.
+    Adjacency is ``zero_out`` (the differing example is replaced by a zero-weight placeholder,
+    so no other example changes batch): removing it outright would shift later examples into
+    other batches, which these bounds do not cover.
     """
 
     noise_multiplier: float
     steps_per_epoch: int
     epochs: int = 1
-    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    adjacency: str = Adjacency.ZERO_OUT.value
     kind: ClassVar[str] = "shuffled"
 
     def __post_init__(self) -> None:
@@ -346,12 +349,15 @@ class Shuffled(Event):
 @_register
 @dataclasses.dataclass(frozen=True, slots=True)
 class Deterministic(Event):
-    """Fixed order, fixed-size batches: each example is used once per epoch, no amplification."""
+    """Fixed order, fixed-size batches: each example is used once per epoch, no amplification.
+
+    Adjacency is ``zero_out``, as for :class:`Shuffled`.
+    """
 
     noise_multiplier: float
     steps_per_epoch: int
     epochs: int = 1
-    adjacency: str = Adjacency.ADD_OR_REMOVE.value
+    adjacency: str = Adjacency.ZERO_OUT.value
     kind: ClassVar[str] = "deterministic"
 
     def __post_init__(self) -> None:

@@ -96,8 +96,10 @@ class SampleSpec:
       steps_per_epoch: batches per epoch (``balls_and_bins``, ``shuffle``, ``deterministic``).
       max_batch_size: batches longer than this were truncated to a random subset (``poisson``
         and ``balls_and_bins`` only; needs ``dataset_size``).
-      adjacency: neighbouring relation, one of :class:`dpfy.events.Adjacency`. ``fixed_size``
-        is ``replace_one`` whatever is stated; ``poisson`` and ``full_batch`` need
+      adjacency: neighbouring relation, one of :class:`dpfy.events.Adjacency`; default (None):
+        the sampler's own (``zero_out`` for ``shuffle``/``deterministic``, whose bounds assume
+        no other example changes batch; ``add_or_remove`` otherwise). ``fixed_size`` is
+        ``replace_one`` whatever is stated; ``poisson`` and ``full_batch`` need
         ``add_or_remove``.
       unit: the unit of privacy ("example", "user", ...); one ledger uses one unit.
     """
@@ -108,13 +110,16 @@ class SampleSpec:
     batch_size: int | None = None
     steps_per_epoch: int | None = None
     max_batch_size: int | None = None
-    adjacency: str = ev.Adjacency.ADD_OR_REMOVE.value
+    adjacency: str | None = None
     unit: str = "example"
 
     def __post_init__(self) -> None:
         if self.sampler not in SAMPLERS:
             allowed = ", ".join(SAMPLERS)
             raise ValueError(f"sampler must be one of {{{allowed}}}, got sampler={self.sampler!r}")
+        if self.adjacency is None:
+            default = "zero_out" if self.sampler in ("shuffle", "deterministic") else None
+            object.__setattr__(self, "adjacency", default or ev.Adjacency.ADD_OR_REMOVE.value)
         object.__setattr__(self, "adjacency", ev._as_adjacency(self.adjacency))
         for name in ("dataset_size", "batch_size", "steps_per_epoch", "max_batch_size"):
             value = getattr(self, name)

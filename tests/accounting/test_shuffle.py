@@ -95,3 +95,21 @@ def test_unsupported_events_are_named():
     assert "replace_one" in acc.unsupported(ev.Shuffled(1.0, 10, adjacency="replace_one"))
     with pytest.raises(UnsupportedEventError):
         no_amplification_mu(ev.BallsAndBins(1.0, 10))
+
+
+def test_epoch_samplers_state_zero_out_and_refuse_add_or_remove():
+    import pytest as _pytest
+
+    from dpfy import accounting
+    from dpfy import events as ev
+    from dpfy.ledger import SampleSpec
+
+    for cls in (ev.Shuffled, ev.Deterministic):
+        res = accounting.epsilon(cls(1.0, 100, 2), 1e-5)
+        assert res.adjacency == "zero_out"
+        for method in ("auto", "shuffle", "gaussian"):
+            with _pytest.raises(accounting.UnsupportedEventError, match="add_or_remove"):
+                accounting.epsilon(cls(1.0, 100, 2, adjacency="add_or_remove"), 1e-5, method)
+    assert SampleSpec("shuffle", steps_per_epoch=10).adjacency == "zero_out"
+    assert SampleSpec("deterministic", steps_per_epoch=10).adjacency == "zero_out"
+    assert SampleSpec("poisson", sampling_rate=0.1).adjacency == "add_or_remove"

@@ -201,7 +201,9 @@ def _contains(event: ev.Event, cls: type) -> bool:
 
 
 def _reason(event: ev.Event, allow_zcdp: bool) -> str | None:
-    if isinstance(event, ev.Gaussian | ev.Deterministic | ev.Shuffled | ev.NonPrivate):
+    if isinstance(event, ev.Deterministic | ev.Shuffled):
+        return epoch_adjacency_reason(event)
+    if isinstance(event, ev.Gaussian | ev.NonPrivate):
         return None
     if isinstance(event, ev.ZCDP):
         return None if allow_zcdp else "ZCDP: a zCDP event is not a Gaussian mechanism"
@@ -221,6 +223,22 @@ def _reason(event: ev.Event, allow_zcdp: bool) -> str | None:
     if isinstance(event, ev.BallsAndBins):
         return "BallsAndBins: the exact Gaussian accountant does not model balls-and-bins sampling"
     return f"{_name(event)}: not a composition of Gaussian mechanisms"
+
+
+def epoch_adjacency_reason(event: ev.Deterministic | ev.Shuffled) -> str | None:
+    """Why a fixed-size epoch sampler's event has no no-amplification bound (None if it has).
+
+    The bound "one Gaussian per example per epoch" needs the other examples' batches to stay
+    put when the differing example changes: true under ``zero_out`` and ``replace_one``, not
+    under ``add_or_remove``, where removing an example shifts later examples between batches.
+    """
+    if event.adjacency_relation is ev.Adjacency.ADD_OR_REMOVE:
+        return (
+            f"{type(event).__name__} with add_or_remove adjacency: removing an example shifts "
+            "later examples between fixed-size batches, which the no-amplification bound does "
+            "not cover (use zero_out adjacency)"
+        )
+    return None
 
 
 def unsupported_reason(event: ev.Event) -> str | None:

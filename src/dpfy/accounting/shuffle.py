@@ -33,7 +33,7 @@ from scipy import special, stats
 
 from dpfy import events as ev
 from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
-from dpfy.accounting.gaussian import gaussian_delta, gaussian_epsilon
+from dpfy.accounting.gaussian import epoch_adjacency_reason, gaussian_delta, gaussian_epsilon
 
 __all__ = [
     "ShuffleAccountant",
@@ -54,6 +54,10 @@ LOWER_NOTE = (
 
 
 def _unsupported(event: ev.Event) -> str | None:
+    if isinstance(event, ev.Shuffled | ev.Deterministic):
+        reason = epoch_adjacency_reason(event)
+        if reason is not None:
+            return reason
     if isinstance(event, ev.Shuffled | ev.Deterministic | ev.Gaussian):
         if event.adjacency_relation is ev.Adjacency.REPLACE_ONE:
             return f"{type(event).__name__} with replace_one adjacency"
