@@ -101,7 +101,8 @@ class LinearForm:
             if self.mode == "ghost":
                 gram_a = torch.matmul(a, a.transpose(-1, -2))
                 gram_g = torch.matmul(g, g.transpose(-1, -2))
-                sq = (gram_a * gram_g).sum((1, 2, 3))
+                # the exact value is >= 0; rounding must not turn a tiny norm into NaN
+                sq = (gram_a * gram_g).sum((1, 2, 3)).clamp_(min=0.0)
             else:
                 sq = self._materialize().square().sum((1, 2, 3))
             out[self.weight_name] = sq
