@@ -39,7 +39,7 @@ def _progress(dataset: str):
             print(
                 f"[{dataset}] epoch {info.epoch + 1}: steps {info.step}/{info.total_steps} "
                 f"train loss {info.loss:.4f} test acc {info.test_accuracy:.4f} "
-                f"eps so far (rdp) {info.epsilon:.3f}",
+                f"epsilon so far {info.epsilon:.3f}",
                 file=sys.stderr,
                 flush=True,
             )
