@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads (1 is much faster than 2 on an oversubscribed machine)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="features")
+    p.add_argument("--epsilons", type=float, nargs="+", default=None,
+                   help="subset of epsilons to run (inf = non-private)")
+    p.add_argument("--fc-c", type=float, nargs="+", default=None,
+                   help="override the DP-FC ridge multipliers c")
     p.add_argument("--time-ls-only", action="store_true",
                    help="only time the DP-LS estimator on all Fashion-MNIST training features")
     args = p.parse_args(argv)
@@ -320,6 +324,13 @@ def main(argv: list[str] | None = None) -> int:
             return [hp for i, hp in enumerate(out) if hp not in out[:i]]
 
         METHODS["DP-Newton"] = (run, newton_grid)
+    if args.epsilons:
+        EPSILONS[:] = [e for e in EPSILONS if e in args.epsilons]
+    if args.fc_c:
+        for name in ("DP-FC (1 epoch)", "DP-FC (10 epochs)"):
+            run, grid = METHODS[name]
+            METHODS[name] = (run, lambda q, d, grid=grid: [
+                {**hp, "c": c} for hp in grid(True, d)[:1] for c in args.fc_c])
     results, ls_timing = [], None
     t_start = time.perf_counter()
     if args.time_ls_only:
