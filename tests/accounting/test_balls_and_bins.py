@@ -268,3 +268,58 @@ def test_lower_bound_survives_many_steps_and_epochs(epochs):
     low = lower_bound_epsilon(epochs, 1e-5)
     assert 0.0 <= low <= float(gaussian_epsilon(math.sqrt(sum(1 / e.noise_multiplier**2
                                                                 for e in epochs)), 1e-5))
+
+
+@pytest.mark.parametrize("eps", [0.5, 2.0, 3.0])
+def test_tilted_matches_the_exact_gaussian_composition(eps):
+    # two T = 1 epochs are one Gaussian with mu = sqrt(2); the tilted sampler (order-a mixture
+    # tilt, remove direction) must bracket it, and the add direction's Renyi bound lies above
+    exact = float(gaussian_delta(math.sqrt(2.0), eps))
+    n = 100_000
+    r = monte_carlo_delta([Epoch(1.0, 1)] * 2, eps, samples=n, seed=3, method="tilted",
+                          error_probability=ERR, **FAST)
+    assert r.method == "tilted"
+    assert r.delta_upper >= exact
+    est, scale = r.direction_estimates[0], r.direction_scales[0]
+    low, up = _kl_interval(est / scale, n, ERR)
+    assert low * scale <= exact <= up * scale
+
+
+def test_tilted_agrees_with_plain_and_bounds_both_directions():
+    z, t, e, n = 1.0, 10, 3, 100_000
+    for eps in (1.0, 2.0):
+        plain = balls_and_bins_delta(z, t, eps, epochs=e, samples=n, seed=1, method="plain",
+                                     error_probability=ERR, **FAST)
+        tilt = balls_and_bins_delta(z, t, eps, epochs=e, samples=n, seed=2, method="tilted",
+                                    error_probability=ERR, **FAST)
+        p_low, p_up = _kl_interval(plain.direction_estimates[0], n, ERR)
+        s = tilt.direction_scales[0]
+        i_low, i_up = _kl_interval(tilt.direction_estimates[0] / s, n, ERR)
+        assert max(p_low, i_low * s) <= min(p_up, i_up * s)  # remove direction
+        a_low, _ = _kl_interval(plain.direction_estimates[1], n, ERR)
+        assert tilt.delta_upper >= a_low  # add direction: the analytic bound is above
+        assert tilt.delta_upper >= max(p_low, a_low)
+
+
+def test_add_direction_moments_match_sampling():
+    from dpfy.accounting.balls_and_bins import _add_log_mgf
+
+    rng = np.random.default_rng(0)
+    z, t = 0.8, 20
+    lams = np.array([0.1, 0.5, 1.0, 2.0])
+    s = np.exp(rng.standard_normal((200_000, t)) / z).sum(axis=1)
+    loss = math.log(t) + 0.5 / z**2 - np.log(s)  # log Q/P under Q
+    sampled = np.log(np.mean(np.exp(lams[:, None] * loss[None, :]), axis=1))
+    quad = _add_log_mgf(z, t, lams)
+    np.testing.assert_allclose(quad, sampled, rtol=0.05, atol=2e-3)
+    assert np.all(_add_log_mgf(z, 1, lams) == lams * (lams + 1) / (2 * z * z))
+
+
+def test_several_epochs_give_a_useful_bound_by_default():
+    # before the tilted sampler, several epochs fell back to the no-amplification bound
+    acc = MonteCarloAccountant(samples=20_000, seed=0, progress=False)
+    res = accounting.epsilon(ev.BallsAndBins(1.0, 30, 4), 1e-5, method=acc)
+    assert not res.provable
+    assert res.epsilon_lower <= res.epsilon_estimate <= res.epsilon
+    assert res.epsilon < 1.1 * res.epsilon_estimate
+    assert res.epsilon < 0.5 * float(gaussian_epsilon(2.0, 1e-5))
