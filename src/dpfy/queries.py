@@ -285,9 +285,8 @@ def _noisy(
         if std == 0.0:
             out[n] = t.clone()
         else:
-            out[n] = t + randomness.torch_normal(
-                tuple(t.shape), std, dtype=t.dtype, device=t.device
-            )
+            noise = randomness.torch_normal(tuple(t.shape), std, dtype=t.dtype, device=t.device)
+            out[n] = noise.add_(t)  # reuse the noise buffer: no third tensor per parameter
     return _unflatten_like(out, clipped_sum)
 
 

@@ -102,7 +102,8 @@ class Randomness:
         if self._torch_gen is None:
             self._torch_gen = torch.Generator(device="cpu")
             self._torch_gen.manual_seed(int(self._np.integers(0, 2**63 - 1)))
-        noise = torch.randn(shape, generator=self._torch_gen, dtype=dtype) * std
+        # In place: one allocation, no temporary for the scaling (noise is on the hot path).
+        noise = torch.empty(shape, dtype=dtype).normal_(0.0, std, generator=self._torch_gen)
         return noise.to(device) if device is not None else noise
 
     # -- checkpointing ----------------------------------------------------------------------
