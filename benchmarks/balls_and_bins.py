@@ -47,59 +47,106 @@ def _samples(t: int, quick: bool, override: int | None) -> int:
     if override is not None:
         return override
     if quick:
-        return {100: 200_000, 1000: 200_000}.get(t, 50_000)
-    return {100: 2_000_000, 1000: 2_000_000}.get(t, 150_000)
+        return {100: 100_000, 1000: 100_000}.get(t, 20_000)
+    return {100: 250_000, 1000: 250_000}.get(t, 50_000)
+
+
+# Several epochs (training-like runs): (z, steps per epoch, epochs); default sample counts.
+EPOCH_CONFIGS = ((1.0, 59, 15), (2.0, 59, 15), (1.0, 235, 10), (0.8, 1000, 3))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (pool workers)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _mc(z: float, t: int, epochs: int, samples: int | None, workers: int,
+        error_probability: float):
+    """Monte Carlo epsilon on a fresh process pool, with (wall, CPU) seconds."""
+    from dpfy.accounting.balls_and_bins import balls_and_bins_epsilon
+
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    with ProcessPoolExecutor(workers) as pool:
+        mc = balls_and_bins_epsilon(
+            z, t, DELTA, epochs=epochs, samples=samples, seed=0,
+            error_probability=error_probability, executor=pool, progress=sys.stderr.isatty(),
+        )
+    return mc, time.perf_counter() - wall, _cpu_seconds() - cpu
+
+
+def run_epochs(workers: int, error_probability: float) -> list[dict]:
+    """Several epochs: Balls-and-Bins (default samples) beside Poisson PLD at q = 1/T."""
+    from dpfy import accounting
+    from dpfy import events as ev
+
+    rows = []
+    for z, t, e in EPOCH_CONFIGS:
+        mc, wall, cpu = _mc(z, t, e, None, workers, error_probability)
+        event = ev.SelfComposed(ev.PoissonSampled(1.0 / t, ev.Gaussian(z)), t * e)
+        t0 = time.perf_counter()
+        pld = accounting.epsilon(event, DELTA, method="pld").epsilon
+        row = {
+            "noise_multiplier": z, "steps": t, "epochs": e,
+            "bb_estimate": mc.epsilon_estimate, "bb_upper": mc.epsilon_upper,
+            "bb_lower": mc.epsilon_lower, "bb_method": mc.method, "bb_samples": mc.samples,
+            "bb_direction": mc.direction, "bb_wall_seconds": wall, "bb_cpu_seconds": cpu,
+            "poisson_pld": pld, "poisson_seconds": time.perf_counter() - t0,
+        }
+        rows.append(row)
+        if not args_json:
+            print(
+                f"z={z:<4} T={t:>5} E={e:>3} BB est={mc.epsilon_estimate:.4f} "
+                f"up={mc.epsilon_upper:.4f} low={mc.epsilon_lower:.4f} ({mc.method}, "
+                f"{mc.samples} samples, bound from {mc.direction}, {wall:.1f}s wall, "
+                f"{cpu:.1f}s CPU) | Poisson PLD {pld:.4f}",
+                flush=True,
+            )
+    return rows
 
 
 def run(quick: bool, samples: int | None, workers: int, error_probability: float) -> dict:
     from dpfy import events as ev
-    from dpfy.accounting.balls_and_bins import balls_and_bins_epsilon
     from dpfy.accounting.gaussian import gaussian_epsilon
     from dpfy.accounting.shuffle import shuffle_lower_bound_epsilon
 
     steps = (100, 1000) if quick else (100, 1000, 10000)
     zs = (0.6, 1.0, 2.0) if quick else (0.6, 0.8, 1.0, 1.5, 2.0)
     rows = []
-    with ProcessPoolExecutor(workers) as pool:
-        for t in steps:
-            for z in zs:
-                n = _samples(t, quick, samples)
-                mc = balls_and_bins_epsilon(
-                    z,
-                    t,
-                    DELTA,
-                    samples=n,
-                    seed=0,
-                    error_probability=error_probability,
-                    executor=pool,
-                    progress=sys.stderr.isatty(),
-                )
-                p_eps, p_method, p_time = _poisson(z, t)
-                t0 = time.perf_counter()
-                s_low = shuffle_lower_bound_epsilon(ev.Shuffled(z, t), DELTA)
-                s_time = time.perf_counter() - t0
-                row = {
-                    "steps": t,
-                    "noise_multiplier": z,
-                    "bb_estimate": mc.epsilon_estimate,
-                    "bb_upper": mc.epsilon_upper,
-                    "bb_lower": mc.epsilon_lower,
-                    "bb_gap": (mc.epsilon_upper / mc.epsilon_estimate - 1.0)
-                    if mc.epsilon_estimate > 0
-                    else math.inf,
-                    "bb_method": mc.method,
-                    "bb_samples": n,
-                    "bb_seconds": mc.seconds,
-                    "poisson_epsilon": p_eps,
-                    "poisson_method": p_method,
-                    "poisson_seconds": p_time,
-                    "shuffle_lower": s_low,
-                    "shuffle_seconds": s_time,
-                    "no_amplification": float(gaussian_epsilon(1.0 / z, DELTA)),
-                }
-                rows.append(row)
-                if not args_json:
-                    _print_row(row)
+    for t in steps:
+        for z in zs:
+            n = _samples(t, quick, samples)
+            mc, wall, cpu = _mc(z, t, 1, n, workers, error_probability)
+            p_eps, p_method, p_time = _poisson(z, t)
+            t0 = time.perf_counter()
+            s_low = shuffle_lower_bound_epsilon(ev.Shuffled(z, t), DELTA)
+            s_time = time.perf_counter() - t0
+            row = {
+                "steps": t,
+                "noise_multiplier": z,
+                "bb_estimate": mc.epsilon_estimate,
+                "bb_upper": mc.epsilon_upper,
+                "bb_lower": mc.epsilon_lower,
+                "bb_gap": (mc.epsilon_upper / mc.epsilon_estimate - 1.0)
+                if mc.epsilon_estimate > 0
+                else math.inf,
+                "bb_method": mc.method,
+                "bb_samples": n,
+                "bb_seconds": wall,
+                "bb_cpu_seconds": cpu,
+                "poisson_epsilon": p_eps,
+                "poisson_method": p_method,
+                "poisson_seconds": p_time,
+                "shuffle_lower": s_low,
+                "shuffle_seconds": s_time,
+                "no_amplification": float(gaussian_epsilon(1.0 / z, DELTA)),
+            }
+            rows.append(row)
+            if not args_json:
+                _print_row(row)
     goal = [r for r in rows if r["steps"] == 1000 and r["noise_multiplier"] == 1.0]
     out = {
         "delta": DELTA,
@@ -113,6 +160,7 @@ def run(quick: bool, samples: int | None, workers: int, error_probability: float
         out["goal"] = {
             "gap": g["bb_gap"],
             "seconds": g["bb_seconds"],
+            "cpu_seconds": g["bb_cpu_seconds"],
             "met": bool(g["bb_gap"] <= 0.05 and g["bb_seconds"] < 60.0),
         }
     return out
@@ -123,7 +171,8 @@ def _print_row(r: dict) -> None:
         f"T={r['steps']:>5} z={r['noise_multiplier']:<4} "
         f"BB est={r['bb_estimate']:.4f} up={r['bb_upper']:.4f} low={r['bb_lower']:.4f} "
         f"(+{100 * r['bb_gap']:.1f}%, {r['bb_method']}, {r['bb_samples']} samples, "
-        f"{r['bb_seconds']:.1f}s) | Poisson {r['poisson_method']}={r['poisson_epsilon']:.4f} "
+        f"{r['bb_seconds']:.1f}s wall, {r['bb_cpu_seconds']:.1f}s CPU) | "
+        f"Poisson {r['poisson_method']}={r['poisson_epsilon']:.4f} "
         f"({r['poisson_seconds']:.2f}s) | shuffle low={r['shuffle_lower']:.4f} "
         f"({r['shuffle_seconds']:.2f}s) | no-amp={r['no_amplification']:.3f}",
         flush=True,
@@ -175,9 +224,12 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2, help="processes for Monte Carlo")
     parser.add_argument("--error-probability", type=float, default=1e-3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-epochs", action="store_true", help="skip the several-epochs table")
     args = parser.parse_args()
     args_json = args.json
     result = run(args.quick, args.samples, args.workers, args.error_probability)
+    if not args.no_epochs:
+        result["several_epochs"] = run_epochs(args.workers, args.error_probability)
     name = "balls_and_bins_quick" if args.quick else "balls_and_bins"
     figure(result, args.out / f"{name}.png")
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
@@ -187,5 +239,6 @@ if __name__ == "__main__":
         g = result["goal"]
         print(
             f"goal (T=1000, z=1: upper within 5% of estimate in < 60 s): gap "
-            f"{100 * g['gap']:.1f}% in {g['seconds']:.1f}s -> {'met' if g['met'] else 'NOT met'}"
+            f"{100 * g['gap']:.1f}% in {g['seconds']:.1f}s wall ({g['cpu_seconds']:.1f}s CPU) -> "
+            f"{'met' if g['met'] else 'NOT met'}"
         )

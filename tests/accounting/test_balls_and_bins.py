@@ -238,10 +238,16 @@ def test_conditional_tail_bounds_dominate_empirical_tails():
         assert tails.left(np.array([y]))[0] >= (1 - q) * 0.9
 
 
-def test_conditional_epsilon_is_ordered_and_auto_uses_it():
-    r = balls_and_bins_epsilon(1.0, 200, 1e-4, samples=100_000, seed=0, **FAST)
+def test_conditional_epsilon_is_ordered_and_auto_uses_tilted():
+    r = balls_and_bins_epsilon(1.0, 200, 1e-4, samples=100_000, seed=0, method="conditional",
+                               **FAST)
     assert r.method == "conditional"
     assert r.epsilon_lower <= r.epsilon_estimate <= r.epsilon_upper < 1.2 * r.epsilon_estimate
+    t = balls_and_bins_epsilon(1.0, 200, 1e-4, samples=50_000, seed=0, **FAST)
+    assert t.method == "tilted"  # one epoch: tilted remove direction, conditional add direction
+    assert t.epsilon_lower <= t.epsilon_estimate <= t.epsilon_upper < 1.1 * t.epsilon_estimate
+    # both samplers estimate the same epsilon
+    assert abs(t.epsilon_estimate - r.epsilon_estimate) < 0.03 * r.epsilon_estimate
 
 
 def test_pure_gaussian_compositions_are_left_to_the_exact_accountant():

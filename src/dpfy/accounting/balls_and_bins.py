@@ -41,9 +41,11 @@ Samplers of the privacy loss (``method``):
     delta / B has to be resolved. The add direction gets the Renyi (Chernoff) bound from
     E_Q[(Q/P)^lam], computed by one-dimensional quadrature (an upper bound, not sampled).
     See the section "Tilted importance sampling" below.
+    For one epoch with T >= 16 the add direction instead comes from the ``conditional``
+    sampler (same sample count, independent stream), or the Renyi bound where that is smaller.
   * ``auto``: importance sampling for one epoch when P(E) < 1/4 in both directions, else
-    ``conditional`` for one epoch with T >= 16; for several epochs order statistics when
-    T > 20,000, ``tilted`` otherwise.
+    ``tilted`` (with the conditional add direction) for one epoch with T >= 16; for several
+    epochs order statistics when T > 20,000, ``tilted`` otherwise.
 
 The cheap lower bound (Chua et al., Eq. 6, extended to several epochs): post-process each epoch
 to the bit 1{max_t x_t > c}; the epochs' bits are binomial under both hypotheses, so their
@@ -581,7 +583,7 @@ def _psi_add(s: np.ndarray, z: float, steps: int, epsilon: float) -> np.ndarray:
     """E over g1 of (1 - kappa (e^{g1/z} + s))_+, kappa = e^{eps - 1/(2z^2)} / T (closed form)."""
     s = np.asarray(s, dtype=float)
     c = 0.5 / (z * z)
-    kappa = math.exp(epsilon - c) / steps
+    kappa = math.exp(min(epsilon - c, 700.0)) / steps
     rest = 1.0 - kappa * s
     with np.errstate(divide="ignore", invalid="ignore"):
         b = z * np.log(np.where(rest > 0, rest / kappa, 1.0))
@@ -1054,6 +1056,37 @@ class _TiltedLosses:
         return math.inf
 
 
+class _HybridLosses:
+    """One epoch: remove direction from the tilted sampler, add direction from the conditional.
+
+    Each direction's bound holds with probability >= 1 - error_probability on its own; the
+    dominating direction is fixed, so the maximum is a bound at that error probability.
+    """
+
+    def __init__(self, tilted: _TiltedLosses, conditional: _ConditionalLosses) -> None:
+        self.tilted, self.cond = tilted, conditional
+        self.error_probability = tilted.error_probability
+
+    def estimate(self, epsilon: float) -> float:
+        return max(self.tilted.estimate(epsilon), self.cond._estimate("add", epsilon))
+
+    def delta(self, epsilon: float, error_probability: float) -> tuple[float, float, str]:
+        rem = self.tilted._remove(epsilon)[1]
+        # the Renyi bound is certain, so the minimum keeps the conditional bound's error rate
+        add = min(self.cond._upper("add", epsilon), self.tilted.add_bound(epsilon))
+        return self.estimate(epsilon), max(rem, add), "remove" if rem >= add else "add"
+
+    def upper(self, epsilon: float) -> float:
+        return self.delta(epsilon, self.error_probability)[1]
+
+    def by_direction(self, epsilon: float) -> tuple[tuple[float, float], tuple[float, float]]:
+        est = (self.tilted.estimate(epsilon), self.cond._estimate("add", epsilon))
+        return est, (self.tilted._scale(epsilon), 1.0)
+
+    def top(self) -> float:
+        return math.inf
+
+
 # ---------------------------------------------------------------------------------------------
 # Jobs (top-level so a process pool can run them)
 # ---------------------------------------------------------------------------------------------
@@ -1245,7 +1278,7 @@ def _choose_mode(epochs: Sequence[Epoch], method: str, threshold: float) -> str:
         if max(p_rem, p_add) < 0.25:
             return "importance"
         if t >= 16:
-            return "conditional"
+            return "tilted"  # remove: tilted sampler; add: conditional sampler
     if max(e.steps for e in epochs) > 20_000:
         return "order_statistics"
     if len(epochs) > 1:
@@ -1338,7 +1371,17 @@ def _losses(
         delta_ref = delta if delta is not None else lower_bound_delta(epochs, threshold)
         order = _choose_tilt_order(epochs, min(max(delta_ref, 1e-300), 0.5))
         results = _sample_losses(epochs, samples=samples, tilt_order=order, **kw)
-        return _TiltedLosses(results, epochs, order, threshold, error_probability), mode
+        tilted = _TiltedLosses(results, epochs, order, threshold, error_probability)
+        if len(epochs) == 1 and epochs[0].steps >= 16:
+            # one epoch: the add direction by the conditional sampler instead of the looser
+            # Renyi bound (independent stream: seed + 1)
+            cond, _ = _losses(epochs, samples=samples, threshold=threshold,
+                              method="conditional", seed=None if seed is None else seed + 1,
+                              executor=executor,
+                              chunk_elements=chunk_elements, progress=progress,
+                              error_probability=error_probability, delta=delta)
+            return _HybridLosses(tilted, cond), mode
+        return tilted, mode
     if mode != "conditional":
         results = _sample_losses(epochs, samples=samples, **kw)
         return _Losses(results, threshold, error_probability), mode
