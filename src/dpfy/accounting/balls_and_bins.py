@@ -1663,6 +1663,14 @@ class MonteCarloAccountant:
         ]
         if r.method == "order_statistics":
             notes.append("order-statistics sampling: pessimistic bound on the privacy loss")
+        if r.method == "tilted":
+            notes.append(
+                "tilted sampling: remove direction by importance sampling; add direction by "
+                + ("the conditional sampler or " if r.direction_scales[1] == 1.0 else "")
+                + "its Renyi-moment bound (numerical quadrature); the estimate is "
+                + ("the larger direction's" if r.direction_scales[1] == 1.0 else
+                   "the remove direction's")
+            )
         if math.isinf(r.epsilon_upper):
             notes.append("too few samples to certify this delta; increase samples")
         return tuple(notes)
