@@ -195,15 +195,8 @@ def epsilon(
     epochs, steps = _resolve_steps(dataset_size, batch_size, epochs, steps)
     smp = _sampler(sampler, dataset_size, batch_size, max_batch_size)
     event = smp.privacy_event(noise_multiplier, epochs=epochs, steps=steps)
-    payload: dict[str, Any] = {
-        "sampler": sampler.value,
-        "dataset_size": dataset_size,
-        "batch_size": batch_size,
-        "sampling_rate": batch_size / dataset_size,
-        "noise_multiplier": noise_multiplier,
-        "steps": _total_steps(smp, epochs, steps),
-        "epochs": epochs,
-    }
+    payload = _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps)
+    payload["noise_multiplier"] = noise_multiplier
     if method is MethodName.all:
         results = accounting.compare(event, delta)
         best = accounting.epsilon(event, delta)
@@ -217,10 +210,17 @@ def epsilon(
     _emit(payload, as_json, "dpfy epsilon")
 
 
-def _total_steps(smp, epochs: float | None, steps: int | None) -> int:
-    if steps is not None:
-        return int(steps)
-    return int(math.ceil(epochs * smp.steps_per_epoch))
+def _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps) -> dict[str, Any]:
+    """The run's description shared by ``epsilon`` and ``calibrate`` output."""
+    total = int(steps) if steps is not None else math.ceil(epochs * smp.steps_per_epoch - 1e-9)
+    return {
+        "sampler": sampler.value,
+        "dataset_size": dataset_size,
+        "batch_size": batch_size,
+        "sampling_rate": batch_size / dataset_size,
+        "steps": total,
+        "epochs": epochs,
+    }
 
 
 @app.command()
@@ -259,16 +259,8 @@ def calibrate(
 
     z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
     res = accounting.epsilon(make_event(z), delta, method=acc)
-    payload: dict[str, Any] = {
-        "sampler": sampler.value,
-        "dataset_size": dataset_size,
-        "batch_size": batch_size,
-        "sampling_rate": batch_size / dataset_size,
-        "target_epsilon": target_epsilon,
-        "noise_multiplier": z,
-        "steps": _total_steps(smp, epochs, steps),
-        "epochs": epochs,
-    }
+    payload = _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps)
+    payload.update(target_epsilon=target_epsilon, noise_multiplier=z)
     payload.update(_result_fields(res))
     _emit(payload, as_json, "dpfy calibrate")
 

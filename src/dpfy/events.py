@@ -195,6 +195,17 @@ def _as_adjacency(value: Adjacency | str) -> str:
         ) from None
 
 
+def _validate_epochs(event: Event) -> None:
+    """Shared validation of the epoch-structured sampler events (noise, steps, epochs)."""
+    check_range("noise_multiplier", event.noise_multiplier, 0.0, None, low_open=True)
+    check_range("steps_per_epoch", event.steps_per_epoch, 1, None, integer=True)
+    check_range("epochs", event.epochs, 1, None, integer=True)
+    object.__setattr__(event, "noise_multiplier", float(event.noise_multiplier))
+    object.__setattr__(event, "steps_per_epoch", int(event.steps_per_epoch))
+    object.__setattr__(event, "epochs", int(event.epochs))
+    object.__setattr__(event, "adjacency", _as_adjacency(event.adjacency))
+
+
 # --------------------------------------------------------------------------------------------
 # Base mechanisms
 # --------------------------------------------------------------------------------------------
@@ -309,13 +320,7 @@ class BallsAndBins(Event):
     kind: ClassVar[str] = "balls_and_bins"
 
     def __post_init__(self) -> None:
-        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
-        check_range("epochs", self.epochs, 1, None, integer=True)
-        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
-        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
-        object.__setattr__(self, "epochs", int(self.epochs))
-        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+        _validate_epochs(self)
 
 
 @_register
@@ -337,13 +342,7 @@ class Shuffled(Event):
     kind: ClassVar[str] = "shuffled"
 
     def __post_init__(self) -> None:
-        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
-        check_range("epochs", self.epochs, 1, None, integer=True)
-        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
-        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
-        object.__setattr__(self, "epochs", int(self.epochs))
-        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+        _validate_epochs(self)
 
 
 @_register
@@ -361,13 +360,7 @@ class Deterministic(Event):
     kind: ClassVar[str] = "deterministic"
 
     def __post_init__(self) -> None:
-        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
-        check_range("epochs", self.epochs, 1, None, integer=True)
-        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
-        object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
-        object.__setattr__(self, "epochs", int(self.epochs))
-        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
+        _validate_epochs(self)
 
 
 @_register
