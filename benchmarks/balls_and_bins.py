@@ -4,8 +4,10 @@ For T in {100, 1000, 10000} steps per epoch and z in {0.6, 0.8, 1, 1.5, 2}: the 
 Monte Carlo estimate, upper confidence bound (error probability 1e-3) and certain lower bound;
 Poisson subsampling with q = 1/T accounted by PLD (``dpfy.accounting.epsilon(method="pld")``,
 RDP if PLD is unavailable); the shuffle lower bound of Chua et al. (2024a) and the
-no-amplification upper bound; wall time of each. Goal (issue 4): T = 1000, z = 1 upper bound
-within 5 % of the estimate in under 60 s on 2 cores.
+no-amplification upper bound; wall and CPU time of each (the machine may be shared: CPU
+seconds include the pool workers). Goal (issue 4): T = 1000, z = 1 upper bound within 5 % of
+the estimate in under 60 s on 2 cores. Then several epochs (training-like runs, default sample
+counts): (z, T, E) in EPOCH_CONFIGS beside Poisson PLD at q = 1/T over T * E steps.
 
 Writes ``benchmarks/results/balls_and_bins.png`` (epsilon vs z per T, like Chua et al. 2025,
 Fig. 2) and ``balls_and_bins.json``.
