@@ -399,10 +399,18 @@ def train(
     sampler: Annotated[
         TrainSampler, typer.Option("--sampler", help="Batch sampler (decides the accounting).")
     ] = TrainSampler.poisson,
-    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the data.")] = 15,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Expected batch size.")] = 1024,
-    learning_rate: Annotated[float, typer.Option("--learning-rate")] = 1.0,
-    clip_norm: Annotated[float, typer.Option("--clip-norm", help="Per-example clip norm.")] = 0.1,
+    epochs: Annotated[
+        int | None, typer.Option("--epochs", help="Passes over the data (default 10).")
+    ] = None,
+    batch_size: Annotated[
+        int | None, typer.Option("--batch-size", help="Expected batch size (default 1024).")
+    ] = None,
+    learning_rate: Annotated[
+        float | None, typer.Option("--learning-rate", help="SGD step size (default 2.0).")
+    ] = None,
+    clip_norm: Annotated[
+        float | None, typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).")
+    ] = None,
     secure: Annotated[
         bool, typer.Option("--secure/--seeded", help="CSPRNG noise and sampling.")
     ] = False,
@@ -420,10 +428,14 @@ def train(
 
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    check_range("epochs", epochs, 1, None, integer=True)
-    check_range("batch_size", batch_size, 1, None, integer=True)
-    check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
-    check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
+    if epochs is not None:
+        check_range("epochs", epochs, 1, None, integer=True)
+    if batch_size is not None:
+        check_range("batch_size", batch_size, 1, None, integer=True)
+    if learning_rate is not None:
+        check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
+    if clip_norm is not None:
+        check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = out if out is not None else Path("runs") / f"{dataset.value}-{stamp}"
     if (out_dir / "ledger.jsonl").exists():
@@ -464,6 +476,7 @@ def train_and_report(
     from dpfy.report import build_report, write_report
     from dpfy.training.recipes import train_image_classifier
 
+    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
     summary = train_image_classifier(
         dataset,
         target_epsilon=target_epsilon,
@@ -471,6 +484,12 @@ def train_and_report(
         out_dir=out_dir,
         progress=True,
         **options,
+    )
+    options.update(
+        epochs=summary.epochs,
+        batch_size=summary.batch_size,
+        learning_rate=summary.learning_rate,
+        clip_norm=summary.clip_norm,
     )
     accuracy_by_step = [
         [int(e.steps), float(e.test_accuracy)]
