@@ -21,7 +21,7 @@ from typing import Any
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.ledger import Ledger, NonPrivateRecord, SampleRecord, SumQueryRecord
+from dpfy.ledger import Ledger, MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
 
 __all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
 
@@ -320,13 +320,19 @@ def _rdp_curve(event: ev.Event) -> dict[str, list[float]] | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def prefix_ledger(ledger: Ledger, num_samples: int) -> Ledger:
-    """An in-memory copy of ``ledger`` holding its first ``num_samples`` samples and releases."""
-    out = Ledger()
+def prefix_ledger(
+    ledger: Ledger, num_samples: int | None = None, *, path: str | Path | None = None
+) -> Ledger:
+    """A copy of ``ledger`` holding its first ``num_samples`` samples (all: None) and their
+    releases, in memory or written to ``path``; metadata is copied along."""
+    out = Ledger(path)
     ids: dict[int, int] = {}
+    limit = math.inf if num_samples is None else num_samples
     for r in ledger.entries:
-        if isinstance(r, SampleRecord):
-            if len(ids) >= num_samples:
+        if isinstance(r, MetadataRecord):
+            out.record_metadata(**r.info)
+        elif isinstance(r, SampleRecord):
+            if len(ids) >= limit:
                 break
             ids[r.sample_id] = out.record_sample(r.spec, epoch=r.epoch, step=r.step)
         elif isinstance(r, SumQueryRecord) and r.sample_id in ids:

@@ -73,6 +73,12 @@ def _unsupported(event: ev.Event) -> str | None:
     return f"{type(event).__name__} is not a shuffled/deterministic run or a Gaussian"
 
 
+def _contains_epochs(event: ev.Event) -> bool:
+    if isinstance(event, ev.Shuffled | ev.Deterministic):
+        return True
+    return any(_contains_epochs(c) for c in ev._children(event))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Part:
     kind: str  # "shuffle" or "gaussian" (a deterministic epoch is one Gaussian use)
@@ -204,7 +210,13 @@ class ShuffleAccountant:
     name: str = "shuffle"
 
     def unsupported(self, event: ev.Event) -> str | None:
-        return _unsupported(event)
+        reason = _unsupported(event)
+        if reason is None and not _contains_epochs(event):
+            return (
+                f"{type(event).__name__} has no shuffled or deterministic epoch (pure Gaussian "
+                "compositions belong to the exact 'gaussian' accountant)"
+            )
+        return reason
 
     def _notes(self, event: ev.Event, mu: float) -> tuple[str, ...]:
         notes = [f"{UPPER_NOTE}; mu = {mu:.6g}"]
