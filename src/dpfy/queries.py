@@ -304,7 +304,24 @@ def _check_release_args(ledger: Any, randomness: Any) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class GaussianSumQuery:
+class _Releases:
+    """The one-call path shared by every query: clip, sum, then noise and record."""
+
+    def release(
+        self,
+        per_example: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        mask: torch.Tensor | None = None,
+    ) -> dict:
+        """``add_noise(clip_and_sum(per_example))`` (the ledger entry is written first)."""
+        clipped = self.clip_and_sum(per_example, mask=mask)
+        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
+
+
+class GaussianSumQuery(_Releases):
     """Flat clipping to ``clip_norm`` and Gaussian noise on the sum.
 
     Records one sum query per release: sensitivity ``S`` (= ``clip_norm`` unless given) and
@@ -368,19 +385,6 @@ class GaussianSumQuery:
         )
         return _noisy(clipped_sum, _const(clipped_sum, self.noise_std), randomness)
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        """``add_noise(clip_and_sum(per_example))``."""
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
-
     def __repr__(self) -> str:
         return (
             f"GaussianSumQuery(clip_norm={self.clip_norm}, "
@@ -392,7 +396,7 @@ def _const(tree: Tensors, value: float) -> dict[str, float]:
     return dict.fromkeys(_flatten(tree), value)
 
 
-class AverageQuery:
+class AverageQuery(_Releases):
     """A sum query divided by a fixed ``denominator`` (post-processing; same privacy).
 
     Use the *expected* batch size (q x N for Poisson sampling), never the realised one: the
@@ -435,18 +439,6 @@ class AverageQuery:
         )
         out = {n: t / self.denominator for n, t in _flatten(noisy).items()}
         return _unflatten_like(out, noisy)
-
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
 
     def __repr__(self) -> str:
         return f"AverageQuery({self.query!r}, denominator={self.denominator})"
@@ -493,7 +485,7 @@ class Group:
         object.__setattr__(self, "noise_std", float(self.noise_std))
 
 
-class NestedQuery:
+class NestedQuery(_Releases):
     """One Gaussian sum query per parameter group, each with its own (C_j, s_j).
 
     Each group is clipped separately to C_j and gets noise std s_j; one release records one
@@ -601,23 +593,11 @@ class NestedQuery:
         stds = {n: self.specs[g].noise_std for g, ns in self.groups.items() for n in ns}
         return _noisy(clipped_sum, stds, randomness)
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
-
     def __repr__(self) -> str:
         return f"NestedQuery({self.specs!r})"
 
 
-class JointClipQuery:
+class JointClipQuery(_Releases):
     """Joint clipping with per-group scale parameters (McMahan et al. 2018, Sec. 2).
 
     Each example's groups are rescaled ``x_g / gamma_g``, clipped *jointly* to ``clip_norm``
@@ -694,18 +674,6 @@ class JointClipQuery:
         stds = {n: per_group[g] for g, ns in self.groups.items() for n in ns}
         return _noisy(clipped_sum, stds, randomness)
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
-
     def __repr__(self) -> str:
         return (
             f"JointClipQuery(scales={self.scales}, clip_norm={self.clip_norm}, "
@@ -718,7 +686,7 @@ class JointClipQuery:
 # --------------------------------------------------------------------------------------------
 
 
-class AdaptiveClipQuery:
+class AdaptiveClipQuery(_Releases):
     """Flat clipping whose clip norm tracks a quantile of the per-example norms.
 
     Andrew, Thakkar, McMahan, Ramaswamy (2021), "Differentially private learning with adaptive
@@ -843,18 +811,6 @@ class AdaptiveClipQuery:
         self._count = 0.0
         return noisy
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
-
     def state_dict(self) -> dict[str, float]:
         """Checkpoint state (the current clip norm)."""
         return {"clip_norm": self.clip_norm}
@@ -872,7 +828,7 @@ class AdaptiveClipQuery:
         )
 
 
-class AdaptiveNestedQuery:
+class AdaptiveNestedQuery(_Releases):
     """Per-group clipping where each group's clip norm tracks a quantile of its own norms.
 
     The per-group version of :class:`AdaptiveClipQuery` (Andrew et al. 2021, geometric update,
@@ -1017,18 +973,6 @@ class AdaptiveNestedQuery:
         self._count = 0.0
         return noisy
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
-
     def state_dict(self) -> dict[str, dict[str, float]]:
         """Checkpoint state (the current clip norms)."""
         return {"clip_norms": dict(self.clip_norms)}
@@ -1053,7 +997,7 @@ class AdaptiveNestedQuery:
 # --------------------------------------------------------------------------------------------
 
 
-class NoPrivacyQuery:
+class NoPrivacyQuery(_Releases):
     """Clip (if ``clip_norm`` is given) and sum without noise; records a non-private entry.
 
     For debugging only: the ledger then reports epsilon = infinity, so a report can never
@@ -1094,18 +1038,6 @@ class NoPrivacyQuery:
             sample_id, name=self.name, reason="NoPrivacyQuery: released without noise (debugging)"
         )
         return _noisy(clipped_sum, _const(clipped_sum, 0.0), randomness)
-
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict:
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
 
 
 # --------------------------------------------------------------------------------------------
