@@ -22,6 +22,7 @@ __all__ = [
     "epsilon",
     "delta",
     "compare",
+    "contains",
     "contains_non_private",
     "untruncated",
 ]
@@ -94,11 +95,16 @@ def accountants() -> tuple[str, ...]:
     return tuple(_ACCOUNTANTS)
 
 
+def contains(event: ev.Event, kind: type | tuple[type, ...]) -> bool:
+    """True if ``event`` or any sub-event is an instance of ``kind``."""
+    if isinstance(event, kind):
+        return True
+    return any(contains(c, kind) for c in ev._children(event))
+
+
 def contains_non_private(event: ev.Event) -> bool:
     """True if any sub-event is :class:`dpfy.events.NonPrivate`."""
-    if isinstance(event, ev.NonPrivate):
-        return True
-    return any(contains_non_private(c) for c in ev._children(event))
+    return contains(event, ev.NonPrivate)
 
 
 def _resolve(event: ev.Event, method: str | Accountant) -> list[Accountant]:

@@ -31,7 +31,12 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
-from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+from dpfy.accounting._api import (
+    PrivacyResult,
+    UnsupportedEventError,
+    contains,
+    register_accountant,
+)
 
 __all__ = [
     "gaussian_delta",
@@ -194,12 +199,6 @@ def _name(event: ev.Event) -> str:
     return type(event).__name__
 
 
-def _contains(event: ev.Event, cls: type) -> bool:
-    if isinstance(event, cls):
-        return True
-    return any(_contains(c, cls) for c in ev._children(event))
-
-
 def _reason(event: ev.Event, allow_zcdp: bool) -> str | None:
     if isinstance(event, ev.Deterministic | ev.Shuffled):
         return epoch_adjacency_reason(event)
@@ -320,7 +319,7 @@ class GaussianAccountant:
             notes.append(f"exact Gaussian composition: mu-GDP with mu = {mu:.6g}")
         if s != 1.0:
             notes.append("replace_one adjacency: Gaussian sensitivity is 2 x clip norm")
-        if _contains(event, ev.Shuffled):
+        if contains(event, ev.Shuffled):
             notes.append(SHUFFLE_NOTE)
         return mu, rho, tuple(notes)
 

@@ -36,7 +36,12 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
-from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+from dpfy.accounting._api import (
+    PrivacyResult,
+    UnsupportedEventError,
+    contains,
+    register_accountant,
+)
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -516,12 +521,6 @@ def _gaussian_inner_z(event: ev.Event) -> float | None:
     return math.inf if s == 0 else 1.0 / math.sqrt(s)
 
 
-def _contains(event: ev.Event, cls: type) -> bool:
-    if isinstance(event, cls):
-        return True
-    return any(_contains(c, cls) for c in ev._children(event))
-
-
 def _name(event: ev.Event) -> str:
     return type(event).__name__
 
@@ -545,7 +544,7 @@ def _unsupported(event: ev.Event, adjacency: ev.Adjacency) -> str | None:
                 f"PoissonSampled: the Poisson RDP analysis is for add_or_remove adjacency, but "
                 f"this event tree is {adjacency.value}"
             )
-        if not (_contains(event.event, ev.NonPrivate)) and (
+        if not (contains(event.event, ev.NonPrivate)) and (
             _gaussian_inner_z(event.event) is None
         ):
             return (
@@ -559,7 +558,7 @@ def _unsupported(event: ev.Event, adjacency: ev.Adjacency) -> str | None:
                 "FixedSizeSampled: the sampling-without-replacement RDP bound (Wang et al. "
                 f"2019) is for replace_one adjacency, got adjacency={event.adjacency!r}"
             )
-        if not (_contains(event.event, ev.NonPrivate)) and (
+        if not (contains(event.event, ev.NonPrivate)) and (
             _gaussian_inner_z(event.event) is None
         ):
             return (
@@ -610,7 +609,7 @@ def rdp_of_event(event: ev.Event, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
     poisson: dict[tuple[float, float], int] = {}
     wor: dict[tuple[float, float], int] = {}
     for leaf, n in _leaves(event, 1):
-        if _contains(leaf, ev.NonPrivate):
+        if contains(leaf, ev.NonPrivate):
             return np.full(a.size, np.inf)
         if isinstance(leaf, ev.Gaussian):
             total += n * rdp_gaussian(leaf.noise_multiplier / scale, a)
@@ -660,7 +659,7 @@ class RdpAccountant:
         notes = [f"RDP over {len(self.orders)} orders; optimal order a={order:g}"]
         if event.adjacency_relation is ev.Adjacency.REPLACE_ONE:
             notes.append("replace_one adjacency: Gaussian sensitivity is 2 x clip norm")
-        if _contains(event, ev.FixedSizeSampled):
+        if contains(event, ev.FixedSizeSampled):
             notes.append(
                 "fixed-size sampling without replacement: Wang, Balle, Kasiviswanathan 2019, "
                 "Thm 9 (an upper bound)"

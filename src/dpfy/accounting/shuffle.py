@@ -32,7 +32,12 @@ import numpy as np
 from scipy import special, stats
 
 from dpfy import events as ev
-from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+from dpfy.accounting._api import (
+    PrivacyResult,
+    UnsupportedEventError,
+    contains,
+    register_accountant,
+)
 from dpfy.accounting.gaussian import epoch_adjacency_reason, gaussian_delta, gaussian_epsilon
 
 __all__ = [
@@ -71,12 +76,6 @@ def _unsupported(event: ev.Event) -> str | None:
                 return reason
         return None
     return f"{type(event).__name__} is not a shuffled/deterministic run or a Gaussian"
-
-
-def _contains_epochs(event: ev.Event) -> bool:
-    if isinstance(event, ev.Shuffled | ev.Deterministic):
-        return True
-    return any(_contains_epochs(c) for c in ev._children(event))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,7 +210,7 @@ class ShuffleAccountant:
 
     def unsupported(self, event: ev.Event) -> str | None:
         reason = _unsupported(event)
-        if reason is None and not _contains_epochs(event):
+        if reason is None and not contains(event, (ev.Shuffled, ev.Deterministic)):
             return (
                 f"{type(event).__name__} has no shuffled or deterministic epoch (pure Gaussian "
                 "compositions belong to the exact 'gaussian' accountant)"

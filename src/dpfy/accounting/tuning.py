@@ -46,6 +46,7 @@ from dpfy.accounting import rdp as _rdp
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
+    contains,
     register_accountant,
 )
 from dpfy.accounting._api import (
@@ -182,12 +183,6 @@ def rdp_repeat_and_select(
 # --------------------------------------------------------------------------------------------
 
 
-def _contains_repeat_and_select(event: ev.Event) -> bool:
-    if isinstance(event, ev.RepeatAndSelect):
-        return True
-    return any(_contains_repeat_and_select(c) for c in ev._children(event))
-
-
 class RdpTuningAccountant:
     """RDP accounting of event trees that contain :class:`dpfy.events.RepeatAndSelect`.
 
@@ -207,7 +202,7 @@ class RdpTuningAccountant:
         return np.asarray(_rdp.DEFAULT_ORDERS if self._orders is None else self._orders)
 
     def unsupported(self, event: ev.Event) -> str | None:
-        if not _contains_repeat_and_select(event):
+        if not contains(event, ev.RepeatAndSelect):
             return "the event has no RepeatAndSelect node (use the 'rdp' accountant)"
         return self._unsupported_node(event, event.adjacency_relation)
 
