@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from dpfy import events as ev
@@ -24,6 +25,7 @@ __all__ = [
     "compare",
     "contains",
     "contains_non_private",
+    "first_unsupported",
     "untruncated",
 ]
 
@@ -100,6 +102,24 @@ def contains(event: ev.Event, kind: type | tuple[type, ...]) -> bool:
     if isinstance(event, kind):
         return True
     return any(contains(c, kind) for c in ev._children(event))
+
+
+def first_unsupported(
+    event: ev.Event, leaf: Callable[[ev.Event], str | None]
+) -> str | None:
+    """Walk ``SelfComposed``/``Composed`` nodes; ``leaf`` judges every other node.
+
+    Returns the first reason ``leaf`` gives (naming the sub-event), or None if all pass.
+    """
+    if isinstance(event, ev.SelfComposed):
+        return first_unsupported(event.event, leaf)
+    if isinstance(event, ev.Composed):
+        for e in event.events:
+            reason = first_unsupported(e, leaf)
+            if reason is not None:
+                return reason
+        return None
+    return leaf(event)
 
 
 def contains_non_private(event: ev.Event) -> bool:

@@ -81,7 +81,7 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
-from dpfy.accounting._api import PrivacyResult, register_accountant
+from dpfy.accounting._api import PrivacyResult, first_unsupported, register_accountant
 
 __all__ = [
     "Epoch",
@@ -144,19 +144,15 @@ def _has_balls_and_bins(event: ev.Event) -> bool:
 
 
 def _unsupported_part(event: ev.Event) -> str | None:
+    return first_unsupported(event, _unsupported_leaf)
+
+
+def _unsupported_leaf(event: ev.Event) -> str | None:
     if isinstance(event, ev.BallsAndBins | ev.TruncatedBallsAndBins):
         if event.adjacency == ev.Adjacency.REPLACE_ONE.value:
             return f"{type(event).__name__} with replace_one adjacency"
         return None
     if isinstance(event, ev.Gaussian):
-        return None
-    if isinstance(event, ev.SelfComposed):
-        return _unsupported_part(event.event)
-    if isinstance(event, ev.Composed):
-        for e in event.events:
-            reason = _unsupported_part(e)
-            if reason is not None:
-                return reason
         return None
     return f"{type(event).__name__} is not a Balls-and-Bins epoch or a Gaussian"
 

@@ -36,6 +36,7 @@ from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
     contains,
+    first_unsupported,
     register_accountant,
 )
 from dpfy.accounting.gaussian import epoch_adjacency_reason, gaussian_delta, gaussian_epsilon
@@ -59,6 +60,10 @@ LOWER_NOTE = (
 
 
 def _unsupported(event: ev.Event) -> str | None:
+    return first_unsupported(event, _unsupported_leaf)
+
+
+def _unsupported_leaf(event: ev.Event) -> str | None:
     if isinstance(event, ev.Shuffled | ev.Deterministic):
         reason = epoch_adjacency_reason(event)
         if reason is not None:
@@ -66,14 +71,6 @@ def _unsupported(event: ev.Event) -> str | None:
     if isinstance(event, ev.Shuffled | ev.Deterministic | ev.Gaussian):
         if event.adjacency_relation is ev.Adjacency.REPLACE_ONE:
             return f"{type(event).__name__} with replace_one adjacency"
-        return None
-    if isinstance(event, ev.SelfComposed):
-        return _unsupported(event.event)
-    if isinstance(event, ev.Composed):
-        for e in event.events:
-            reason = _unsupported(e)
-            if reason is not None:
-                return reason
         return None
     return f"{type(event).__name__} is not a shuffled/deterministic run or a Gaussian"
 
