@@ -429,3 +429,18 @@ def test_adaptive_nested_tracks_each_groups_quantile_at_the_requested_z():
     assert isinstance(ledger.to_event(), ev.SelfComposed)
     with pytest.raises(ValueError, match="count_noise_std must be in"):
         AdaptiveNestedQuery(GROUPS, 1.0, 2.0, expected_batch_size=10.0, count_noise_std=1.0)
+
+
+def test_add_noise_writes_into_out_buffers():
+    sums = {"w": torch.randn(30, 20), "b": torch.randn(20)}
+    out = {"w": torch.empty(30, 20), "b": torch.empty(20)}
+    ledger = Ledger()
+    sid = ledger.record_sample(SampleSpec("poisson", dataset_size=100, sampling_rate=0.1))
+    q = GaussianSumQuery(1.0, 2.0)
+    got = q.add_noise(sums, ledger=ledger, sample_id=sid, randomness=Randomness(seed=1), out=out)
+    assert got["w"] is out["w"] and got["b"] is out["b"]
+    ref = q.add_noise(sums, ledger=ledger, sample_id=sid, randomness=Randomness(seed=1))
+    assert torch.equal(ref["w"], out["w"]) and torch.equal(ref["b"], out["b"])
+    with pytest.raises(ValueError, match=r"out\['b'\] must match the clipped sum"):
+        q.add_noise(sums, ledger=ledger, sample_id=sid, randomness=Randomness(seed=1),
+                    out={"w": torch.empty(30, 20), "b": torch.empty(21)})

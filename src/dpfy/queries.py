@@ -50,7 +50,9 @@ Every query offers two paths with identical privacy:
     every parameter, or (``NestedQuery``) a dict ``{group: Tensor[B]}``; see
     :func:`expand_weights`. ``mask`` (1 = real example, 0 = padding row) zeroes padding rows.
     ``add_noise`` must receive *every* parameter that is released (noise goes on parameters
-    with zero gradient too), exactly once per logical step.
+    with zero gradient too), exactly once per logical step. With ``out=`` (a tree of tensors
+    shaped like the sum) the noisy values are written there instead of into new tensors, so
+    a training loop can reuse its gradient buffers step after step.
 
 Clipping is ``w = min(1, C / norm)`` computed in float64; a non-finite norm gets weight 0. The
 sensitivity holds up to floating-point rounding of the caller's norms.
@@ -125,7 +127,13 @@ class Query(Protocol):
     ) -> dict[str, Any]: ...
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict[str, Any]: ...
 
     def release(
@@ -196,12 +204,8 @@ def clip_weights_from_norms(
     norms = torch.as_tensor(norms).to(torch.float64)
     if bool((norms < 0).any()):
         raise ValueError(f"norms must be in [0, inf], got a norm of {float(norms.min())!r}")
-    finite = torch.isfinite(norms)
-    safe = torch.where(finite, norms, torch.ones_like(norms))
-    w = torch.where(
-        safe > clip_norm, clip_norm / torch.clamp(safe, min=1e-300), torch.ones_like(safe)
-    )
-    w = torch.where(finite, w, torch.zeros_like(w))
+    # C / norm, capped at 1: norm 0 gives inf -> 1, norm inf gives 0, NaN stays NaN -> 0
+    w = torch.nan_to_num_((clip_norm / norms).clamp_(max=1.0), nan=0.0)
     return w if mask is None else w * _mask(mask, w)
 
 
@@ -276,18 +280,37 @@ def _weighted_sum(per_example: dict[str, torch.Tensor], weights: dict[str, torch
 
 
 def _noisy(
-    clipped_sum: Tensors, stds: Mapping[str, float], randomness: Randomness
+    clipped_sum: Tensors,
+    stds: Mapping[str, float],
+    randomness: Randomness,
+    out: Tensors | None = None,
 ) -> dict[str, Any]:
+    """``clipped_sum + N(0, std^2)`` per tensor, written to ``out`` (same tree) or new tensors.
+
+    All noise of one release is drawn in a single call (see :meth:`Randomness.normal_`).
+    """
     flat = _flatten(clipped_sum)
-    out = {}
+    if out is None:
+        fmt = torch.contiguous_format
+        dst = {n: torch.empty_like(t, memory_format=fmt) for n, t in flat.items()}
+    else:
+        dst = _flatten(out)
+        for n, t in flat.items():
+            o = dst.get(n)
+            if o is None or o.shape != t.shape or o.dtype != t.dtype:
+                got = None if o is None else (tuple(o.shape), o.dtype)
+                raise ValueError(
+                    f"out[{n!r}] must match the clipped sum ({tuple(t.shape)}, {t.dtype}), "
+                    f"got {got}"
+                )
+    noisy = [n for n in flat if stds[n] != 0.0]
+    randomness.normal_(
+        [dst[n] for n in noisy], [stds[n] for n in noisy], add=[flat[n] for n in noisy]
+    )
     for n, t in flat.items():
-        std = stds[n]
-        if std == 0.0:
-            out[n] = t.clone()
-        else:
-            noise = randomness.torch_normal(tuple(t.shape), std, dtype=t.dtype, device=t.device)
-            out[n] = noise.add_(t)  # reuse the noise buffer: no third tensor per parameter
-    return _unflatten_like(out, clipped_sum)
+        if stds[n] == 0.0:
+            dst[n].copy_(t)
+    return _unflatten_like(dst, clipped_sum)
 
 
 def _check_release_args(ledger: Any, randomness: Any) -> None:
@@ -376,14 +399,20 @@ class GaussianSumQuery(_Releases):
         return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record the release in ``ledger`` (write-ahead), then return ``sum + noise``."""
         _check_release_args(ledger, randomness)
         ledger.record_sum_query(
             sample_id, sensitivity=self.sensitivity, noise_std=self.noise_std, name=self.name
         )
-        return _noisy(clipped_sum, _const(clipped_sum, self.noise_std), randomness)
+        return _noisy(clipped_sum, _const(clipped_sum, self.noise_std), randomness, out)
 
     def __repr__(self) -> str:
         return (
@@ -431,14 +460,20 @@ class AverageQuery(_Releases):
         return self.query.clip_and_sum(per_example, mask=mask)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """The inner query's noisy sum (recorded write-ahead) divided by the denominator."""
         noisy = self.query.add_noise(
-            clipped_sum, ledger=ledger, sample_id=sample_id, randomness=randomness
+            clipped_sum, ledger=ledger, sample_id=sample_id, randomness=randomness, out=out
         )
-        out = {n: t / self.denominator for n, t in _flatten(noisy).items()}
-        return _unflatten_like(out, noisy)
+        scaled = {n: t.div_(self.denominator) for n, t in _flatten(noisy).items()}
+        return _unflatten_like(scaled, noisy)
 
     def __repr__(self) -> str:
         return f"AverageQuery({self.query!r}, denominator={self.denominator})"
@@ -580,7 +615,13 @@ class NestedQuery(_Releases):
         return _unflatten_like(summed, per_example)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record one entry per group (write-ahead), then add each group's noise."""
         _check_release_args(ledger, randomness)
@@ -591,7 +632,7 @@ class NestedQuery(_Releases):
             [(s.clip_norm, s.noise_std, f"{self.name}/{g}") for g, s in self.specs.items()],
         )
         stds = {n: self.specs[g].noise_std for g, ns in self.groups.items() for n in ns}
-        return _noisy(clipped_sum, stds, randomness)
+        return _noisy(clipped_sum, stds, randomness, out)
 
     def __repr__(self) -> str:
         return f"NestedQuery({self.specs!r})"
@@ -663,7 +704,13 @@ class JointClipQuery(_Releases):
         return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record (C, z C) write-ahead, then add noise ``gamma_g z C`` to group g."""
         _check_release_args(ledger, randomness)
@@ -672,7 +719,7 @@ class JointClipQuery(_Releases):
         ledger.record_sum_query(sample_id, sensitivity=s, noise_std=sd, name=self.inner.name)
         per_group = self.noise_stds()
         stds = {n: per_group[g] for g, ns in self.groups.items() for n in ns}
-        return _noisy(clipped_sum, stds, randomness)
+        return _noisy(clipped_sum, stds, randomness, out)
 
     def __repr__(self) -> str:
         return (
@@ -735,7 +782,11 @@ class AdaptiveClipQuery(_Releases):
             "noise_multiplier", noise_multiplier, 0.0, math.inf, low_open=True, high_open=True
         )
         check_range(
-            "expected_batch_size", expected_batch_size, 0.0, math.inf, low_open=True,
+            "expected_batch_size",
+            expected_batch_size,
+            0.0,
+            math.inf,
+            low_open=True,
             high_open=True,
         )
         check_range("target_quantile", target_quantile, 0.0, 1.0)
@@ -743,8 +794,12 @@ class AdaptiveClipQuery(_Releases):
         if count_noise_std is None:
             count_noise_std = expected_batch_size / 20.0
         check_range(
-            "count_noise_std", count_noise_std, noise_multiplier / 2.0, math.inf,
-            low_open=True, high_open=True,
+            "count_noise_std",
+            count_noise_std,
+            noise_multiplier / 2.0,
+            math.inf,
+            low_open=True,
+            high_open=True,
         )
         self.clip_norm = float(initial_clip_norm)
         self.noise_multiplier = float(noise_multiplier)
@@ -793,7 +848,13 @@ class AdaptiveClipQuery(_Releases):
         return self._unclipped - 0.5 * self._count
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record both releases (write-ahead), noise the sum and the count, update C."""
         _check_release_args(ledger, randomness)
@@ -802,7 +863,7 @@ class AdaptiveClipQuery(_Releases):
             sample_id,
             [(s, sd, f"{self.name}/sum"), (cs, csd, f"{self.name}/unclipped_count")],
         )
-        noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness)
+        noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness, out)
         noisy_centred = self.pending_centred_count() + float(randomness.normal(1, csd)[0])
         fraction = noisy_centred / self.expected_batch_size + 0.5
         self.last_unclipped_fraction = fraction
@@ -881,7 +942,11 @@ class AdaptiveNestedQuery(_Releases):
             "noise_multiplier", noise_multiplier, 0.0, math.inf, low_open=True, high_open=True
         )
         check_range(
-            "expected_batch_size", expected_batch_size, 0.0, math.inf, low_open=True,
+            "expected_batch_size",
+            expected_batch_size,
+            0.0,
+            math.inf,
+            low_open=True,
             high_open=True,
         )
         check_range("target_quantile", target_quantile, 0.0, 1.0)
@@ -890,8 +955,12 @@ class AdaptiveNestedQuery(_Releases):
         if count_noise_std is None:
             count_noise_std = expected_batch_size / 20.0
         check_range(
-            "count_noise_std", count_noise_std, noise_multiplier * math.sqrt(k) / 2.0, math.inf,
-            low_open=True, high_open=True,
+            "count_noise_std",
+            count_noise_std,
+            noise_multiplier * math.sqrt(k) / 2.0,
+            math.inf,
+            low_open=True,
+            high_open=True,
         )
         self.noise_multiplier = float(noise_multiplier)
         self.expected_batch_size = float(expected_batch_size)
@@ -947,7 +1016,13 @@ class AdaptiveNestedQuery(_Releases):
         return _unflatten_like(summed, per_example)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record all 2k releases (write-ahead), noise sums and counts, update every C_g."""
         _check_release_args(ledger, randomness)
@@ -959,7 +1034,7 @@ class AdaptiveNestedQuery(_Releases):
         ]
         ledger.record_sum_queries(sample_id, entries)
         per_param = {n: stds[g] for g, ns in self.groups.items() for n in ns}
-        noisy = _noisy(clipped_sum, per_param, randomness)
+        noisy = _noisy(clipped_sum, per_param, randomness, out)
         centred = self.pending_centred_counts()
         noise = randomness.normal(len(self.groups), self.count_noise_std)
         fractions = {}
@@ -1030,14 +1105,20 @@ class NoPrivacyQuery(_Releases):
         return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
-        self, clipped_sum: Tensors, *, ledger: Ledger, sample_id: int, randomness: Randomness
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
     ) -> dict:
         """Record a non-private entry (write-ahead) and return the sum unchanged (a copy)."""
         _check_release_args(ledger, randomness)
         ledger.record_non_private(
             sample_id, name=self.name, reason="NoPrivacyQuery: released without noise (debugging)"
         )
-        return _noisy(clipped_sum, _const(clipped_sum, 0.0), randomness)
+        return _noisy(clipped_sum, _const(clipped_sum, 0.0), randomness, out)
 
 
 # --------------------------------------------------------------------------------------------

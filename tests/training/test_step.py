@@ -272,3 +272,50 @@ def test_frozen_parameters_are_skipped_and_get_no_noise():
     sid = ledger.record_sample(SampleSpec("poisson", dataset_size=800, sampling_rate=0.01))
     pg.release(ledger=ledger, sample_id=sid, randomness=Randomness(seed=0))
     assert model.c1.weight.grad is None
+
+
+def _release_once(pg, x, y, rng, ledger):
+    sid = ledger.record_sample(SampleSpec("poisson", dataset_size=1000, sampling_rate=0.008))
+    pg.accumulate(x, y, LOSS)
+    return pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+
+
+def test_gradients_live_in_reused_buffers_and_match_a_fresh_release():
+    # p.grad is a buffer of the PrivateGradient, rewritten by every release; its values must
+    # be exactly those of a query that writes into fresh tensors.
+    torch.manual_seed(5)
+    model, x, y = _data("mlp")
+
+    class FreshOnly:  # a user query without ``out=``: the fallback path
+        def __init__(self, inner):
+            self.inner, self.groups = inner, None
+            self.clip_norm, self.noise_multiplier = inner.clip_norm, inner.noise_multiplier
+
+        def clip_weights(self, norms, *, mask=None):
+            return self.inner.clip_weights(norms, mask=mask)
+
+        def privacy_tuples(self):
+            return self.inner.privacy_tuples()
+
+        def add_noise(self, clipped_sum, *, ledger, sample_id, randomness):
+            return self.inner.add_noise(
+                clipped_sum, ledger=ledger, sample_id=sample_id, randomness=randomness
+            )
+
+    twin = MLP()
+    twin.load_state_dict(model.state_dict())
+    fast = PrivateGradient(model, GaussianSumQuery(0.5, 1.1), expected_batch_size=B)
+    slow = PrivateGradient(twin, FreshOnly(GaussianSumQuery(0.5, 1.1)), expected_batch_size=B)
+    rng_a, rng_b, ledger = Randomness(seed=8), Randomness(seed=8), Ledger()
+    _release_once(fast, x, y, rng_a, ledger)
+    _release_once(slow, x, y, rng_b, ledger)
+    first = {n: p.grad for n, p in model.named_parameters()}
+    saved = {n: g.clone() for n, g in first.items()}
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+    _release_once(fast, x, y, rng_a, ledger)
+    _release_once(slow, x, y, rng_b, ledger)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert p.grad is first[n]  # the same buffer, rewritten
+        assert not torch.equal(p.grad, saved[n])  # fresh noise
+        assert torch.equal(p.grad, q.grad), n

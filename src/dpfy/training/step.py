@@ -63,6 +63,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -152,7 +153,11 @@ class PrivateGradient:
         fallback_chunk_size: int = 32,
     ) -> None:
         check_range(
-            "expected_batch_size", expected_batch_size, 0.0, math.inf, low_open=True,
+            "expected_batch_size",
+            expected_batch_size,
+            0.0,
+            math.inf,
+            low_open=True,
             high_open=True,
         )
         if microbatch_size is not None:
@@ -192,6 +197,10 @@ class PrivateGradient:
                     f"trainable parameters {missing} belong to no group of the query; groups "
                     f"cover {sorted(self._owner)}"
                 )
+        self._query_takes_out = "out" in inspect.signature(query.add_noise).parameters
+        self._grads: dict[str, torch.Tensor] = {}
+        self._grads_flat: torch.Tensor | None = None
+        self._acc_flat: torch.Tensor | None = None
         self._reset()
 
     # ------------------------------------------------------------------------------------
@@ -337,13 +346,14 @@ class PrivateGradient:
 
     def _accumulator(self) -> dict[str, torch.Tensor]:
         if not self._buffers:
-            self._buffers = {
-                n: torch.zeros_like(p, memory_format=torch.contiguous_format)
-                for n, p in self._params.items()
-            }
-        elif self._dirty:
-            for b in self._buffers.values():
-                b.zero_()
+            self._acc_flat, self._buffers = _flat_buffers(self._params)
+            self._dirty = True
+        if self._dirty:
+            if self._acc_flat is not None:
+                self._acc_flat.zero_()
+            else:
+                for b in self._buffers.values():
+                    b.zero_()
         self._dirty = False
         self._active = True
         return self._buffers
@@ -412,6 +422,8 @@ class PrivateGradient:
 
         Every trainable parameter receives noise, also if no chunk produced a gradient for it.
         The query records its ledger entry before the noisy values exist outside it.
+        ``p.grad`` is a buffer owned by this object and rewritten in place by the next
+        release (like ``zero_grad(set_to_none=False)``): clone it to keep a step's gradient.
 
         Args:
           ledger: the run's :class:`dpfy.ledger.Ledger`.
@@ -426,16 +438,37 @@ class PrivateGradient:
             clipped = dict(self._buffers)
         else:  # nothing accumulated this step: the release is noise only
             clipped = {n: torch.zeros_like(p) for n, p in params.items()}
-        noisy = self.query.add_noise(
-            clipped, ledger=ledger, sample_id=sample_id, randomness=randomness
-        )
         denom = self.denominator_
-        for name in self.param_names_:
-            p, g = params[name], noisy[name]
-            if g.dtype == p.dtype and g.data_ptr() != clipped[name].data_ptr():
-                p.grad = g.div_(denom)  # the query's fresh output: scale in place
-            else:  # never alias the accumulator buffers
-                p.grad = (g / denom).to(p.dtype)
+        if self._query_takes_out:
+            # The noisy sum is written into persistent gradient buffers (no fresh allocation,
+            # no page faults for a large model) which then become ``p.grad``.
+            if not self._grads:
+                self._grads_flat, self._grads = _flat_buffers(params)
+            noisy = self.query.add_noise(
+                clipped,
+                ledger=ledger,
+                sample_id=sample_id,
+                randomness=randomness,
+                out=self._grads,
+            )
+            in_place = self._grads_flat is not None and all(
+                noisy[n] is self._grads[n] for n in self.param_names_
+            )
+            if in_place:
+                self._grads_flat.div_(denom)  # one kernel for the whole model
+            for name in self.param_names_:
+                g = noisy[name]
+                params[name].grad = g if in_place else g.div_(denom)
+        else:  # a user query without ``out=``
+            noisy = self.query.add_noise(
+                clipped, ledger=ledger, sample_id=sample_id, randomness=randomness
+            )
+            for name in self.param_names_:
+                p, g = params[name], noisy[name]
+                if g.dtype == p.dtype and g.data_ptr() != clipped[name].data_ptr():
+                    p.grad = g.div_(denom)  # the query's fresh output: scale in place
+                else:  # never alias the accumulator buffers
+                    p.grad = (g / denom).to(p.dtype)
         stats = StepStats(
             self._loss_sum,
             self._examples,
@@ -463,6 +496,26 @@ class PrivateGradient:
             f"expected_batch_size={self.expected_batch_size}, "
             f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r})"
         )
+
+
+def _flat_buffers(
+    params: Mapping[str, torch.Tensor],
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Uninitialised per-parameter buffers; views of one flat tensor when dtype and device agree.
+
+    One flat tensor lets a whole-model operation (zeroing, scaling) be a single kernel call.
+    """
+    kinds = {(p.dtype, p.device) for p in params.values()}
+    if len(kinds) != 1:
+        fmt = torch.contiguous_format
+        return None, {n: torch.empty_like(p, memory_format=fmt) for n, p in params.items()}
+    dtype, device = kinds.pop()
+    flat = torch.empty(sum(p.numel() for p in params.values()), dtype=dtype, device=device)
+    views, start = {}, 0
+    for n, p in params.items():
+        views[n] = flat[start : start + p.numel()].view(p.shape)
+        start += p.numel()
+    return flat, views
 
 
 def _check_average_sensitivity(query: Any) -> None:
