@@ -159,3 +159,11 @@ def test_any_sizes_fill_every_value_reproducibly(sizes, seed):
     for x, y in zip(a, b, strict=True):
         assert bool(torch.isfinite(x).all())
         assert torch.equal(x, y)
+
+
+def test_an_older_state_warns_that_the_noise_stream_restarts():
+    rng = Randomness(seed=1)
+    state = rng.state_dict()
+    state["torch"] = [0] * 16  # what dpfy <= 0.1 saved for its torch generator
+    with pytest.warns(UserWarning, match="noise stream cannot be continued"):
+        Randomness(seed=2).load_state_dict(state)

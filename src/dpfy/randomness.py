@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -199,6 +200,12 @@ class Randomness:
         self.seed = state["seed"]
         self._np.bit_generator.state = state["numpy"]
         self._noise = None
+        if "torch" in state and "noise" not in state:
+            warnings.warn(
+                "this Randomness state comes from an older dpfy (torch generator noise); its "
+                "noise stream cannot be continued and starts afresh from the sampling stream",
+                stacklevel=2,
+            )
         if "noise" in state:
             self._noise = np.random.PCG64()
             self._noise.state = state["noise"]
