@@ -328,7 +328,19 @@ def _check_release_args(ledger: Any, randomness: Any) -> None:
 
 
 class _Releases:
-    """The one-call path shared by every query: clip, sum, then noise and record."""
+    """What every query shares: clip and sum by ``clip_weights``, and the one-call release."""
+
+    groups: dict[str, tuple[str, ...]] | None
+
+    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
+        """Clip each example (leading batch dim) by ``clip_weights`` and sum; no noise.
+
+        Flat queries clip one norm per example, grouped queries one norm per group.
+        """
+        flat = _flatten(per_example)
+        w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
+        summed = _weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
+        return _unflatten_like(summed, per_example)
 
     def release(
         self,
@@ -391,12 +403,6 @@ class GaussianSumQuery(_Releases):
     def clip_weights(self, norms: Norms, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Per-example weights ``min(1, C / norm)`` from flat norms (or partial norms)."""
         return clip_weights_from_norms(_flat_norm(norms), self.clip_norm, mask)
-
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        """Clip each example (leading batch dim) to the clip norm and sum; no noise."""
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat), mask=mask)
-        return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
         self,
@@ -608,12 +614,6 @@ class NestedQuery(_Releases):
             g: clip_weights_from_norms(gn[g], self.specs[g].clip_norm, mask) for g in self.groups
         }
 
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
-        summed = _weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
-        return _unflatten_like(summed, per_example)
-
     def add_noise(
         self,
         clipped_sum: Tensors,
@@ -697,11 +697,6 @@ class JointClipQuery(_Releases):
         gn = _group_norms(norms, self.groups)
         joint = torch.stack([gn[g] / self.scales[g] for g in self.groups]).pow(2).sum(0).sqrt()
         return clip_weights_from_norms(joint, self.clip_norm, mask)
-
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
-        return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
         self,
@@ -834,11 +829,6 @@ class AdaptiveClipQuery(_Releases):
         self._unclipped += float((real * (flat <= self.clip_norm)).sum())
         self._count += float(real.sum())
         return w
-
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat), mask=mask)
-        return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def pending_centred_count(self) -> float:
         """The exact centred count ``sum_i (1[norm_i <= C] - 1/2)`` accumulated this step.
@@ -1009,12 +999,6 @@ class AdaptiveNestedQuery(_Releases):
         """Exact centred counts of this step (diagnostics and tests only; not private)."""
         return {g: u - 0.5 * self._count for g, u in self._unclipped.items()}
 
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
-        summed = _weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
-        return _unflatten_like(summed, per_example)
-
     def add_noise(
         self,
         clipped_sum: Tensors,
@@ -1098,11 +1082,6 @@ class NoPrivacyQuery(_Releases):
             w = torch.ones_like(flat)
             return w if mask is None else w * _mask(mask, w)
         return clip_weights_from_norms(flat, self.clip_norm, mask)
-
-    def clip_and_sum(self, per_example: Tensors, *, mask: torch.Tensor | None = None) -> dict:
-        flat = _flatten(per_example)
-        w = self.clip_weights(per_example_norms(flat), mask=mask)
-        return _unflatten_like(_weighted_sum(flat, dict.fromkeys(flat, w)), per_example)
 
     def add_noise(
         self,
