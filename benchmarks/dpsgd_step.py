@@ -32,6 +32,7 @@ from dpfy.ledger import Ledger, SampleSpec
 from dpfy.queries import GaussianSumQuery
 from dpfy.randomness import Randomness
 from dpfy.training import PrivateGradient
+from dpfy.training.recipes import make_model
 
 CLIP, Z, LR = 1.0, 1.0, 0.05
 
@@ -48,18 +49,8 @@ def make_mlp() -> nn.Module:
 
 
 def make_cnn() -> nn.Module:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1),
-        nn.GroupNorm(4, 16),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.GroupNorm(4, 32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 7 * 7, 10),
-    )
+    """conv16-GN-pool-conv32-GN-pool-linear on 28x28x1: the recipes' ``gn_cnn``."""
+    return make_model("gn_cnn")
 
 
 MODELS = {"mlp": make_mlp, "cnn": make_cnn}
