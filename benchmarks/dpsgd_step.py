@@ -149,8 +149,13 @@ def measure(
     warmup: int,
     max_seconds: float,
     clock: Callable[[], float] = time.perf_counter,
+    builders: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]] | None = None,
 ) -> dict[str, dict]:
-    """Median step time of each method, measured in interleaved rounds."""
+    """Median step time of each method, measured in interleaved rounds.
+
+    ``builders`` maps method names to step builders (default: this script's ``METHODS``).
+    """
+    builders = METHODS if builders is None else builders
     torch.manual_seed(0)
     base = MODELS[model_name]()
     x = torch.randn(batch, 1, 28, 28)
@@ -159,7 +164,7 @@ def measure(
     errors: dict[str, str] = {}
     for m in methods:
         try:
-            steps_fn[m] = METHODS[m](copy.deepcopy(base), x, y)
+            steps_fn[m] = builders[m](copy.deepcopy(base), x, y)
             for _ in range(warmup):
                 steps_fn[m]()
         except Exception as exc:  # a peer mode that cannot run this model is reported

@@ -444,3 +444,37 @@ def test_add_noise_writes_into_out_buffers():
     with pytest.raises(ValueError, match=r"out\['b'\] must match the clipped sum"):
         q.add_noise(sums, ledger=ledger, sample_id=sid, randomness=Randomness(seed=1),
                     out={"w": torch.empty(30, 20), "b": torch.empty(21)})
+
+
+@pytest.mark.parametrize("name", sorted(_queries()))
+def test_scale_post_processes_the_same_release(name):
+    # add_noise(s x sum, scale=s) == s x add_noise(sum): same draws, same ledger entries. The
+    # outputs go to views of one flat buffer (the fused noise path) and to separate tensors.
+    factory, _ = _queries()[name]
+    sums = {n: torch.randn(shape) for n, shape in SHAPES.items()}
+    s = 1.0 / 64
+    flat = torch.empty(sum(math.prod(v) for v in SHAPES.values()))
+    out, start = {}, 0
+    for n, shape in SHAPES.items():
+        out[n] = flat[start : start + math.prod(shape)].view(shape)
+        start += math.prod(shape)
+    results, entries = [], []
+    for kwargs in ({}, {"scale": s, "out": out}):
+        ledger = Ledger()
+        sid = ledger.record_sample(POISSON)
+        arg = sums if not kwargs else {n: v * s for n, v in sums.items()}
+        got = factory().add_noise(arg, ledger=ledger, sample_id=sid, randomness=Randomness(seed=2),
+                                  **kwargs)
+        results.append({n: v.clone() for n, v in got.items()})
+        entries.append([(e.sensitivity, e.noise_std) for e in ledger.entries
+                        if isinstance(e, SumQueryRecord)])
+    assert entries[0] == entries[1]
+    for n in SHAPES:
+        torch.testing.assert_close(results[1][n], results[0][n] * s, rtol=1e-5, atol=1e-6 * s)
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="scale must be in"):
+            factory().add_noise(sums, ledger=ledger, sample_id=sid,
+                                randomness=Randomness(seed=2), scale=bad)
+    assert not [e for e in ledger.entries if isinstance(e, SumQueryRecord)]  # nothing recorded

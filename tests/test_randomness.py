@@ -63,7 +63,7 @@ def test_in_place_add_and_one_draw_per_call():
     a.normal_([t], [2.0], add=[t])  # the tensor may be its own addend
     ref = torch.empty(1000)
     b.normal_([ref], [2.0])
-    assert torch.allclose(t, ref + 1.0)
+    assert torch.allclose(t, ref + 1.0, rtol=0.0, atol=1e-6)  # same draws, fused rounding
 
 
 def test_same_seed_same_noise_and_resume_continues_the_stream():
@@ -167,3 +167,28 @@ def test_an_older_state_warns_that_the_noise_stream_restarts():
     state["torch"] = [0] * 16  # what dpfy <= 0.1 saved for its torch generator
     with pytest.warns(UserWarning, match="noise stream cannot be continued"):
         Randomness(seed=2).load_state_dict(state)
+
+
+def test_a_state_with_a_pcg64_noise_stream_still_resumes_it():
+    # Before the noise stream moved to SFC64, checkpoints saved a PCG64 noise state; resuming
+    # one must continue that stream exactly, not start a new one.
+    rng = Randomness(seed=6)
+    _draw(rng, 10)
+    pcg = np.random.PCG64(123)
+    state = rng.state_dict()
+    state["noise"] = pcg.state
+    resumed = Randomness(seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["noise"]["bit_generator"] == "PCG64"
+    ref = Randomness(seed=0)
+    ref.load_state_dict(state)
+    assert np.array_equal(_draw(resumed, 1000), _draw(ref, 1000))
+    state["noise"] = dict(state["noise"], bit_generator="MT19937")
+    with pytest.raises(ValueError, match="unknown noise generator"):
+        Randomness(seed=0).load_state_dict(state)
+
+
+def test_new_noise_streams_are_sfc64():
+    rng = Randomness(seed=6)
+    _draw(rng, 10)
+    assert rng.state_dict()["noise"]["bit_generator"] == "SFC64"

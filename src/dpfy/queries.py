@@ -52,7 +52,10 @@ Every query offers two paths with identical privacy:
     ``add_noise`` must receive *every* parameter that is released (noise goes on parameters
     with zero gradient too), exactly once per logical step. With ``out=`` (a tree of tensors
     shaped like the sum) the noisy values are written there instead of into new tensors, so
-    a training loop can reuse its gradient buffers step after step.
+    a training loop can reuse its gradient buffers step after step. With ``scale=s`` the
+    caller passes ``s x`` the clipped sum (e.g. 1 / expected batch size folded into the clip
+    weights) and gets ``s x (sum + noise)``: the same release, post-processed, without a
+    separate pass over the result. The ledger records the unscaled sensitivity and noise.
 
 Clipping is ``w = min(1, C / norm)`` computed in float64; a non-finite norm gets weight 0. The
 sensitivity holds up to floating-point rounding of the caller's norms.
@@ -134,6 +137,7 @@ class Query(Protocol):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict[str, Any]: ...
 
     def release(
@@ -284,11 +288,16 @@ def _noisy(
     stds: Mapping[str, float],
     randomness: Randomness,
     out: Tensors | None = None,
+    scale: float = 1.0,
 ) -> dict[str, Any]:
-    """``clipped_sum + N(0, std^2)`` per tensor, written to ``out`` (same tree) or new tensors.
+    """``clipped_sum + N(0, (scale std)^2)`` per tensor, written to ``out`` or new tensors.
 
-    All noise of one release is drawn in a single call (see :meth:`Randomness.normal_`).
+    ``clipped_sum`` is the clipped sum already multiplied by ``scale`` (see the module
+    docstring). All noise of one release is drawn in a single call (see
+    :meth:`Randomness.normal_`).
     """
+    if scale != 1.0:
+        stds = {n: scale * sd for n, sd in stds.items()}
     flat = _flatten(clipped_sum)
     if out is None:
         fmt = torch.contiguous_format
@@ -313,7 +322,10 @@ def _noisy(
     return _unflatten_like(dst, clipped_sum)
 
 
-def _check_release_args(ledger: Any, randomness: Any) -> None:
+def _check_release_args(ledger: Any, randomness: Any, scale: float = 1.0) -> None:
+    """Checked before the ledger entry is written: a refused release records nothing."""
+    if scale != 1.0:
+        check_range("scale", scale, 0.0, math.inf, low_open=True, high_open=True)
     if not isinstance(ledger, Ledger):
         raise ValueError(f"ledger must be a dpfy.ledger.Ledger, got ledger={ledger!r}")
     if not isinstance(randomness, Randomness):
@@ -412,13 +424,14 @@ class GaussianSumQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record the release in ``ledger`` (write-ahead), then return ``sum + noise``."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         ledger.record_sum_query(
             sample_id, sensitivity=self.sensitivity, noise_std=self.noise_std, name=self.name
         )
-        return _noisy(clipped_sum, _const(clipped_sum, self.noise_std), randomness, out)
+        return _noisy(clipped_sum, _const(clipped_sum, self.noise_std), randomness, out, scale)
 
     def __repr__(self) -> str:
         return (
@@ -473,10 +486,16 @@ class AverageQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """The inner query's noisy sum (recorded write-ahead) divided by the denominator."""
         noisy = self.query.add_noise(
-            clipped_sum, ledger=ledger, sample_id=sample_id, randomness=randomness, out=out
+            clipped_sum,
+            ledger=ledger,
+            sample_id=sample_id,
+            randomness=randomness,
+            out=out,
+            scale=scale,
         )
         scaled = {n: t.div_(self.denominator) for n, t in _flatten(noisy).items()}
         return _unflatten_like(scaled, noisy)
@@ -622,9 +641,10 @@ class NestedQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record one entry per group (write-ahead), then add each group's noise."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         names = list(_flatten(clipped_sum))
         _check_partition(self.groups, names)
         ledger.record_sum_queries(
@@ -632,7 +652,7 @@ class NestedQuery(_Releases):
             [(s.clip_norm, s.noise_std, f"{self.name}/{g}") for g, s in self.specs.items()],
         )
         stds = {n: self.specs[g].noise_std for g, ns in self.groups.items() for n in ns}
-        return _noisy(clipped_sum, stds, randomness, out)
+        return _noisy(clipped_sum, stds, randomness, out, scale)
 
     def __repr__(self) -> str:
         return f"NestedQuery({self.specs!r})"
@@ -706,15 +726,16 @@ class JointClipQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record (C, z C) write-ahead, then add noise ``gamma_g z C`` to group g."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         _check_partition(self.groups, _flatten(clipped_sum))
         s, sd = self.inner.privacy_tuples()[0]
         ledger.record_sum_query(sample_id, sensitivity=s, noise_std=sd, name=self.inner.name)
         per_group = self.noise_stds()
         stds = {n: per_group[g] for g, ns in self.groups.items() for n in ns}
-        return _noisy(clipped_sum, stds, randomness, out)
+        return _noisy(clipped_sum, stds, randomness, out, scale)
 
     def __repr__(self) -> str:
         return (
@@ -845,15 +866,16 @@ class AdaptiveClipQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record both releases (write-ahead), noise the sum and the count, update C."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         (s, sd), (cs, csd) = self.privacy_tuples()
         ledger.record_sum_queries(
             sample_id,
             [(s, sd, f"{self.name}/sum"), (cs, csd, f"{self.name}/unclipped_count")],
         )
-        noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness, out)
+        noisy = _noisy(clipped_sum, _const(clipped_sum, sd), randomness, out, scale)
         noisy_centred = self.pending_centred_count() + float(randomness.normal(1, csd)[0])
         fraction = noisy_centred / self.expected_batch_size + 0.5
         self.last_unclipped_fraction = fraction
@@ -1007,9 +1029,10 @@ class AdaptiveNestedQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record all 2k releases (write-ahead), noise sums and counts, update every C_g."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         _check_partition(self.groups, _flatten(clipped_sum))
         stds = self.noise_stds()
         entries = [(self.clip_norms[g], stds[g], f"{self.name}/{g}/sum") for g in self.groups]
@@ -1018,7 +1041,7 @@ class AdaptiveNestedQuery(_Releases):
         ]
         ledger.record_sum_queries(sample_id, entries)
         per_param = {n: stds[g] for g, ns in self.groups.items() for n in ns}
-        noisy = _noisy(clipped_sum, per_param, randomness, out)
+        noisy = _noisy(clipped_sum, per_param, randomness, out, scale)
         centred = self.pending_centred_counts()
         noise = randomness.normal(len(self.groups), self.count_noise_std)
         fractions = {}
@@ -1091,13 +1114,14 @@ class NoPrivacyQuery(_Releases):
         sample_id: int,
         randomness: Randomness,
         out: Tensors | None = None,
+        scale: float = 1.0,
     ) -> dict:
         """Record a non-private entry (write-ahead) and return the sum unchanged (a copy)."""
-        _check_release_args(ledger, randomness)
+        _check_release_args(ledger, randomness, scale)
         ledger.record_non_private(
             sample_id, name=self.name, reason="NoPrivacyQuery: released without noise (debugging)"
         )
-        return _noisy(clipped_sum, _const(clipped_sum, 0.0), randomness, out)
+        return _noisy(clipped_sum, _const(clipped_sum, 0.0), randomness, out, scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -140,6 +140,24 @@ def test_clipped_sum_matches_per_example_loop(name, mb):
     assert all(float(v.abs().sum()) == 0 for v in pg.clipped_sum().values())  # reset
 
 
+@pytest.mark.parametrize("name", ["mlp", "seq", "cnn"])
+def test_stale_accumulator_contents_never_reach_the_next_step(name):
+    # The first chunk of a step writes its sums (beta = 0 GEMMs) instead of zeroing the
+    # accumulator first; layers without that ability, and parameters that got no gradient,
+    # are zeroed. Poison the buffers between steps: nothing of them may survive.
+    torch.manual_seed(3)
+    model, x, y = _data(name)
+    ref = clipped_sum_reference(per_example_gradients(model, x, y, LOSS), 0.4, weights=WEIGHTS)
+    pg = PrivateGradient(model, NoPrivacyQuery(0.4), expected_batch_size=6)
+    pg.accumulate(x, y, LOSS, WEIGHTS)
+    pg.reset()
+    for buf in pg._buffers.values():  # private: the accumulator of the discarded step
+        buf.fill_(math.nan)
+    pg.accumulate(x[:4], y[:4], LOSS, WEIGHTS[:4])
+    pg.accumulate(x[4:], y[4:], LOSS, WEIGHTS[4:])
+    assert _rel_err(pg.clipped_sum(), ref) <= 1e-5
+
+
 def test_per_layer_clipping_with_nested_query():
     torch.manual_seed(1)
     model, x, y = _data("mlp")
@@ -282,7 +300,8 @@ def _release_once(pg, x, y, rng, ledger):
 
 def test_gradients_live_in_reused_buffers_and_match_a_fresh_release():
     # p.grad is a buffer of the PrivateGradient, rewritten by every release; its values must
-    # be exactly those of a query that writes into fresh tensors.
+    # be those of a query that writes into fresh tensors: the same draws, up to the rounding
+    # of folding 1 / B into the clip weights and the noise std.
     torch.manual_seed(5)
     model, x, y = _data("mlp")
 
@@ -312,10 +331,10 @@ def test_gradients_live_in_reused_buffers_and_match_a_fresh_release():
     first = {n: p.grad for n, p in model.named_parameters()}
     saved = {n: g.clone() for n, g in first.items()}
     for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad), n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * 0.55 / B, msg=n)
     _release_once(fast, x, y, rng_a, ledger)
     _release_once(slow, x, y, rng_b, ledger)
     for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert p.grad is first[n]  # the same buffer, rewritten
         assert not torch.equal(p.grad, saved[n])  # fresh noise
-        assert torch.equal(p.grad, q.grad), n
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * 0.55 / B, msg=n)

@@ -63,6 +63,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -197,7 +198,10 @@ class PrivateGradient:
                     f"trainable parameters {missing} belong to no group of the query; groups "
                     f"cover {sorted(self._owner)}"
                 )
-        self._query_takes_out = "out" in inspect.signature(query.add_noise).parameters
+        takes = inspect.signature(query.add_noise).parameters
+        # Fast release: 1 / denominator is folded into the clip weights and the query writes
+        # the noisy gradient straight into persistent buffers (no division pass, no new tensors).
+        self._fast_release = "out" in takes and "scale" in takes
         self._grads: dict[str, torch.Tensor] = {}
         self._grads_flat: torch.Tensor | None = None
         self._acc_flat: torch.Tensor | None = None
@@ -318,7 +322,9 @@ class PrivateGradient:
             sq = self._squared_norms(layers, n)
             total_sq = torch.stack(list(sq.values())).sum(0) if sq else losses.new_zeros(n)
             nonfinite = 0
-            if not bool(torch.isfinite(total_sq).all()):
+            # a sum of squares is finite iff every term is (one scalar read; the elementwise
+            # test runs only when it is not, or overflows)
+            if not math.isfinite(float(total_sq.sum())):
                 bad = ~torch.isfinite(total_sq)
                 nonfinite = int((bad if real is None else bad & (real > 0)).sum())
                 for lg in layers.values():
@@ -327,11 +333,7 @@ class PrivateGradient:
                 sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
                 total_sq = torch.where(bad, inf, total_sq)
             weights_by_param = self._clip_weights(sq, total_sq, real, n, losses.dtype)
-            acc = self._accumulator()
-            for idx, lg in layers.items():
-                qnames = self._qnames[idx]
-                local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
-                lg.weighted_sum(local, {ln: acc[qn] for ln, qn in qnames.items()})
+            self._add_weighted_sums(layers, weights_by_param, sq)
             detached = losses.detach()
             if mask is None:
                 loss_sum, n_real = float(detached.sum()), batch
@@ -344,19 +346,43 @@ class PrivateGradient:
         norms = total_sq.to(torch.float64).sqrt() if return_norms else None
         return ChunkStats(loss_sum, n_real, nonfinite, norms)
 
-    def _accumulator(self) -> dict[str, torch.Tensor]:
+    def _add_weighted_sums(
+        self,
+        layers: dict[int, LayerGrads],
+        weights_by_param: dict[str, torch.Tensor],
+        sq: dict[str, torch.Tensor],
+    ) -> None:
+        """Add each layer's clipped weighted sum to the accumulator.
+
+        The first chunk of a step *writes* the sums where the layer supports it (no zeroing
+        pass over the accumulator); every other parameter's buffer is zeroed first.
+        """
         if not self._buffers:
             self._acc_flat, self._buffers = _flat_buffers(self._params)
             self._dirty = True
-        if self._dirty:
-            if self._acc_flat is not None:
+        acc, fresh = self._buffers, self._dirty
+        self._dirty, self._active = False, True
+        covered: set[str] = set()
+        for idx, lg in layers.items():
+            qnames = self._qnames[idx]
+            local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
+            dst = {ln: acc[qn] for ln, qn in qnames.items()}
+            if fresh and _overwrites(type(lg)):
+                lg.weighted_sum(local, dst, overwrite=True)
+                covered.update(qn for qn in qnames.values() if qn in sq)
+                continue
+            if fresh:
+                for t in dst.values():
+                    t.zero_()
+                covered.update(qnames.values())
+            lg.weighted_sum(local, dst)
+        if fresh and len(covered) < len(acc):
+            if not covered and self._acc_flat is not None:
                 self._acc_flat.zero_()
             else:
-                for b in self._buffers.values():
-                    b.zero_()
-        self._dirty = False
-        self._active = True
-        return self._buffers
+                for name, b in acc.items():
+                    if name not in covered:
+                        b.zero_()
 
     def _layer_grads(self, captures, batch: int, k: int) -> dict[int, LayerGrads]:
         layers: dict[int, LayerGrads] = {}
@@ -403,9 +429,10 @@ class PrivateGradient:
     ) -> dict[str, torch.Tensor]:
         """Per-parameter clip weights [n] (0 for padding and non-finite units), in ``dtype``."""
         mask = None if real is None else real.to(torch.float64)
+        scale = self._weight_scale
         if self._owner is None:
             w = self.query.clip_weights(total_sq.to(torch.float64).sqrt(), mask=mask)
-            return dict.fromkeys(self.param_names_, w.to(dtype))
+            return dict.fromkeys(self.param_names_, _scaled(w, scale, dtype))
         zeros = torch.zeros(n, dtype=torch.float64)
         group_sq: dict[str, torch.Tensor] = {g: zeros for g in self.query.groups}
         for name, v in sq.items():
@@ -413,9 +440,14 @@ class PrivateGradient:
             group_sq[g] = group_sq[g] + v.to(torch.float64)
         w = self.query.clip_weights({g: v.sqrt() for g, v in group_sq.items()}, mask=mask)
         if isinstance(w, torch.Tensor):
-            return dict.fromkeys(self.param_names_, w.to(dtype))
-        wd = {g: v.to(dtype) for g, v in w.items()}
+            return dict.fromkeys(self.param_names_, _scaled(w, scale, dtype))
+        wd = {g: _scaled(v, scale, dtype) for g, v in w.items()}
         return {name: wd[self._owner[name]] for name in self.param_names_}
+
+    @property
+    def _weight_scale(self) -> float:
+        """Factor folded into the clip weights: 1 / denominator on the fast release path."""
+        return 1.0 / self.denominator_ if self._fast_release else 1.0
 
     def release(self, *, ledger: Any, sample_id: int, randomness: Any) -> StepStats:
         """Noise the accumulated clipped sum once, divide, write ``p.grad``; reset.
@@ -439,9 +471,10 @@ class PrivateGradient:
         else:  # nothing accumulated this step: the release is noise only
             clipped = {n: torch.zeros_like(p) for n, p in params.items()}
         denom = self.denominator_
-        if self._query_takes_out:
-            # The noisy sum is written into persistent gradient buffers (no fresh allocation,
-            # no page faults for a large model) which then become ``p.grad``.
+        if self._fast_release:
+            # The accumulator holds clipped sum / denom (folded into the clip weights); the
+            # query adds noise scaled alike and writes into persistent gradient buffers (no
+            # fresh allocation, no division pass) which then become ``p.grad``.
             if not self._grads:
                 self._grads_flat, self._grads = _flat_buffers(params)
             noisy = self.query.add_noise(
@@ -450,16 +483,13 @@ class PrivateGradient:
                 sample_id=sample_id,
                 randomness=randomness,
                 out=self._grads,
+                scale=1.0 / denom,
             )
-            in_place = self._grads_flat is not None and all(
-                noisy[n] is self._grads[n] for n in self.param_names_
-            )
-            if in_place:
-                self._grads_flat.div_(denom)  # one kernel for the whole model
             for name in self.param_names_:
-                g = noisy[name]
-                params[name].grad = g if in_place else g.div_(denom)
-        else:  # a user query without ``out=``
+                p, g = params[name], noisy[name]
+                if p.grad is not g:
+                    p.grad = g
+        else:  # a user query without ``out=`` and ``scale=``
             noisy = self.query.add_noise(
                 clipped, ledger=ledger, sample_id=sample_id, randomness=randomness
             )
@@ -484,7 +514,10 @@ class PrivateGradient:
         """The accumulated clipped sum so far (before noise and division), per parameter."""
         if not self._active:
             return {n: torch.zeros_like(p) for n, p in self._params.items()}
-        return {n: b.clone() for n, b in self._buffers.items()}
+        scale = self._weight_scale
+        if scale == 1.0:
+            return {n: b.clone() for n, b in self._buffers.items()}
+        return {n: b / scale for n, b in self._buffers.items()}
 
     def reset(self) -> None:
         """Discard the accumulated sum without releasing anything."""
@@ -516,6 +549,20 @@ def _flat_buffers(
         views[n] = flat[start : start + p.numel()].view(p.shape)
         start += p.numel()
     return flat, views
+
+
+@functools.cache
+def _overwrites(kind: type) -> bool:
+    """Whether a LayerGrads type's ``weighted_sum`` takes ``overwrite=`` (see the protocol)."""
+    try:
+        return "overwrite" in inspect.signature(kind.weighted_sum).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Clip weights times ``scale`` (in float64), in the working dtype."""
+    return (w if scale == 1.0 else w * scale).to(dtype)
 
 
 def _check_average_sensitivity(query: Any) -> None:

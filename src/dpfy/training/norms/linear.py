@@ -90,12 +90,17 @@ class LinearForm:
         n, h, t, _ = a.shape
         if t == 1:
             # outer products: ||a_n||^2 ||g_n||^2 per block; the bias norm reuses ||g_n||^2
-            g_sq = g.reshape(n, h, -1).square().sum(2)
-            if self.weight_name is not None:
-                a_sq = a.reshape(n, h, -1).square().sum(2)
-                out[self.weight_name] = (a_sq * g_sq).sum(1) if h > 1 else (a_sq * g_sq)[:, 0]
+            if h == 1:
+                g_sq = _squared_rows(g.reshape(n, -1))
+                if self.weight_name is not None:
+                    out[self.weight_name] = _squared_rows(a.reshape(n, -1)).mul_(g_sq)
+            else:
+                g_sq = _squared_rows(g.reshape(n, h, -1))
+                if self.weight_name is not None:
+                    out[self.weight_name] = (_squared_rows(a.reshape(n, h, -1)) * g_sq).sum(1)
+                g_sq = g_sq.sum(1)
             if self.bias_name is not None:
-                out[self.bias_name] = g_sq.sum(1) if h > 1 else g_sq[:, 0]
+                out[self.bias_name] = g_sq
             return out
         if self.weight_name is not None:
             if self.mode == "ghost":
@@ -119,12 +124,17 @@ class LinearForm:
             self._per_example = torch.where(keep, self._per_example, zero)
 
     def weighted_sum(
-        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+        self,
+        weights: dict[str, torch.Tensor],
+        out: dict[str, torch.Tensor] | None = None,
+        *,
+        overwrite: bool = False,
     ) -> dict[str, torch.Tensor]:
         a, g = self.a, self.g
         n, h, t, d = a.shape
         o = g.shape[-1]
         res: dict[str, torch.Tensor] = {} if out is None else out
+        beta = 0.0 if overwrite else 1.0  # beta = 0: the old contents (even NaN) are ignored
         if self.weight_name is not None:
             w = weights[self.weight_name].to(a.dtype)
             dst = None if out is None else out[self.weight_name]
@@ -133,7 +143,7 @@ class LinearForm:
                 if dst is None:
                     res[self.weight_name] = torch.mv(flat.t(), w).reshape(self.weight_shape)
                 else:
-                    dst.view(-1).addmv_(flat.t(), w)
+                    dst.view(-1).addmv_(flat.t(), w, beta=beta)
             elif h == 1:
                 a2, g2 = a.reshape(n * t, d), g.reshape(n * t, o)
                 wr = (w.repeat_interleave(t) if t > 1 else w).unsqueeze(1)
@@ -141,11 +151,13 @@ class LinearForm:
                 if dst is None:
                     res[self.weight_name] = torch.mm(left, right).reshape(self.weight_shape)
                 else:
-                    dst.view(o, d).addmm_(left, right)
+                    dst.view(o, d).addmm_(left, right, beta=beta)
             else:
                 ws = torch.einsum("nhto,nhtd->hod", g * w.reshape(n, 1, 1, 1), a)
                 if dst is None:
                     res[self.weight_name] = ws.reshape(self.weight_shape)
+                elif overwrite:
+                    dst.copy_(ws.reshape(self.weight_shape))
                 else:
                     dst.add_(ws.reshape(self.weight_shape))
         if self.bias_name is not None:
@@ -154,8 +166,13 @@ class LinearForm:
             if out is None:
                 res[self.bias_name] = torch.mv(gb.t(), w)
             else:
-                out[self.bias_name].addmv_(gb.t(), w)
+                out[self.bias_name].addmv_(gb.t(), w, beta=beta)
         return res
+
+
+def _squared_rows(x: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norms over the last dimension, in one reduction (no squared copy of x)."""
+    return torch.linalg.vector_norm(x, dim=-1).square_()
 
 
 def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> str:

@@ -72,7 +72,9 @@ class LayerGrads(Protocol):
 
         With ``out`` (``{name: tensor of the parameter's shape}``) the sums are *added* into
         those tensors in place (gradient accumulation without new allocations); returns
-        ``out``.
+        ``out``. An implementation may also accept a keyword ``overwrite=True``: then it
+        *writes* the sums into ``out``, ignoring the old contents (even NaN), for every
+        parameter its ``squared_norms`` reports; this saves zeroing the accumulator.
         """
         ...
 
@@ -142,7 +144,11 @@ class MaterializedGrads:
             self.grads[k] = torch.where(keep, g, torch.zeros((), dtype=g.dtype))
 
     def weighted_sum(
-        self, weights: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None = None
+        self,
+        weights: dict[str, torch.Tensor],
+        out: dict[str, torch.Tensor] | None = None,
+        *,
+        overwrite: bool = False,
     ) -> dict[str, torch.Tensor]:
         res: dict[str, torch.Tensor] = {} if out is None else out
         for k, g in self.grads.items():
@@ -151,5 +157,5 @@ class MaterializedGrads:
             if out is None:
                 res[k] = torch.mv(flat.t(), w).reshape(g.shape[1:])
             else:
-                out[k].view(-1).addmv_(flat.t(), w)
+                out[k].view(-1).addmv_(flat.t(), w, beta=0.0 if overwrite else 1.0)
         return res
