@@ -29,7 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Per dataset: epochs, expected batch size, learning rate (SGD, momentum 0.9), clip norm.
 DEFAULTS = {
     "mnist": dict(epochs=10, batch_size=1024, learning_rate=2.0, clip_norm=0.1),
-    "fashion-mnist": dict(epochs=10, batch_size=2048, learning_rate=4.0, clip_norm=0.1),
+    "fashion-mnist": dict(epochs=40, batch_size=2048, learning_rate=4.0, clip_norm=0.1),
 }
 
 
