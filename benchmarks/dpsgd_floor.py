@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 
 import torch
-from dpsgd_step import CLIP, LR, MODELS, Z, dpfy_step, measure, plain_step
+from dpsgd_step import CLIP, LR, MODELS, Z, dpfy_step, measure, plain_step, write_json
 from torch import nn
 
 from dpfy.ledger import Ledger, SampleSpec
@@ -144,13 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  noise inside the step: {noise_ms:.2f} ms = "
           f"{noise_ms / res['plain']['median_ms']:.2f} x plain")
     if args.json:
-        text = json.dumps({"batch": args.batch, "threads": args.threads,
-                           "floor_relative_error": err, "models": {"mlp": res}}, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
+        report = {"batch": args.batch, "threads": args.threads,
+                  "floor_relative_error": err, "models": {"mlp": res}}
+        write_json(report, args.json)
     return 0
 
 

@@ -257,13 +257,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['samples']:4d}"
             )
     if args.json:
-        text = json.dumps(report, indent=2)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                fh.write(text + "\n")
+        write_json(report, args.json)
     return 0
+
+
+def write_json(report: dict, dest: str) -> None:
+    """Write ``report`` as indented JSON to the file ``dest`` ("-" = stdout)."""
+    text = json.dumps(report, indent=2)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
 
 
 if __name__ == "__main__":
