@@ -192,3 +192,28 @@ def test_new_noise_streams_are_sfc64():
     rng = Randomness(seed=6)
     _draw(rng, 10)
     assert rng.state_dict()["noise"]["bit_generator"] == "SFC64"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
+    seed=st.integers(0, 2**32),
+    std=st.floats(1e-3, 1e3),
+)
+def test_views_of_one_flat_buffer_get_the_same_draws_as_separate_tensors(sizes, seed, std):
+    # Views tiling one flat float32 buffer with one std take the fused path (std and addend
+    # folded into the transform); separate tensors take the general one. Same stream, so
+    # the same values up to rounding.
+    flat, base = torch.full((sum(sizes),), math.nan), torch.randn(sum(sizes))
+    views, adds, start = [], [], 0
+    for n in sizes:
+        views.append(flat[start : start + n])
+        adds.append(base[start : start + n])
+        start += n
+    separate = [torch.full((n,), math.nan) for n in sizes]
+    add_copies = [a.clone() for a in adds]
+    Randomness(seed=seed).normal_(views, [std] * len(sizes), add=adds)
+    Randomness(seed=seed).normal_(separate, [std] * len(sizes), add=add_copies)
+    assert bool(torch.isfinite(flat).all())
+    for v, s in zip(views, separate, strict=True):
+        torch.testing.assert_close(v, s, rtol=1e-5, atol=1e-6 * std)

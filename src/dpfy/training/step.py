@@ -203,7 +203,6 @@ class PrivateGradient:
         # the noisy gradient straight into persistent buffers (no division pass, no new tensors).
         self._fast_release = "out" in takes and "scale" in takes
         self._grads: dict[str, torch.Tensor] = {}
-        self._grads_flat: torch.Tensor | None = None
         self._acc_flat: torch.Tensor | None = None
         self._reset()
 
@@ -476,7 +475,8 @@ class PrivateGradient:
             # query adds noise scaled alike and writes into persistent gradient buffers (no
             # fresh allocation, no division pass) which then become ``p.grad``.
             if not self._grads:
-                self._grads_flat, self._grads = _flat_buffers(params)
+                # views of one flat buffer: the noise fills it in one fused pass
+                _, self._grads = _flat_buffers(params)
             noisy = self.query.add_noise(
                 clipped,
                 ledger=ledger,
