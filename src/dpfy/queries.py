@@ -162,10 +162,10 @@ def _flatten(tree: Tensors, prefix: str = "") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, name + "."))
-        elif isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor):  # before the (slower) abstract Mapping check
             out[name] = value
+        elif isinstance(value, Mapping):
+            out.update(_flatten(value, name + "."))
         else:
             raise ValueError(f"{name} must be a torch.Tensor or a dict of them, got {value!r}")
     return out
@@ -175,9 +175,8 @@ def _unflatten_like(flat: Mapping[str, torch.Tensor], tree: Tensors, prefix: str
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        out[key] = (
-            _unflatten_like(flat, value, name + ".") if isinstance(value, Mapping) else flat[name]
-        )
+        nested = not isinstance(value, torch.Tensor) and isinstance(value, Mapping)
+        out[key] = _unflatten_like(flat, value, name + ".") if nested else flat[name]
     return out
 
 
@@ -324,8 +323,8 @@ def _noisy(
 
 def _check_release_args(ledger: Any, randomness: Any, scale: float = 1.0) -> None:
     """Checked before the ledger entry is written: a refused release records nothing."""
-    if scale != 1.0:
-        check_range("scale", scale, 0.0, math.inf, low_open=True, high_open=True)
+    if scale != 1.0 and not 0.0 < scale < math.inf:
+        check_range("scale", scale, 0.0, math.inf, low_open=True, high_open=True)  # raises
     if not isinstance(ledger, Ledger):
         raise ValueError(f"ledger must be a dpfy.ledger.Ledger, got ledger={ledger!r}")
     if not isinstance(randomness, Randomness):
