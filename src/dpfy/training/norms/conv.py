@@ -54,20 +54,30 @@ def _explicit_padding(module: nn.Conv1d | nn.Conv2d) -> list[int]:
     return flat
 
 
-def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Input patches as [B, groups, L, C_in/groups * prod(kernel)] (L output positions)."""
+def _padded_as_2d(
+    module: nn.Conv1d | nn.Conv2d, x: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The input padded as the module pads it, a Conv1d seen as a Conv2d of height 1.
+
+    Returns ``(x [B, C, H, W], kernel, dilation, stride)`` with 2-D kernel, dilation, stride.
+    """
     pad = _explicit_padding(module)
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
     if isinstance(module, nn.Conv1d):
-        x = x.unsqueeze(2)
-        kernel, dilation, stride = (1, *module.kernel_size), (1, *module.dilation), (
-            1,
-            *module.stride,
+        return (
+            x.unsqueeze(2),
+            (1, *module.kernel_size),
+            (1, *module.dilation),
+            (1, *module.stride),
         )
-    else:
-        kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    return x, module.kernel_size, module.dilation, module.stride
+
+
+def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Input patches as [B, groups, L, C_in/groups * prod(kernel)] (L output positions)."""
+    x, kernel, dilation, stride = _padded_as_2d(module, x)
     cols = F.unfold(x, kernel, dilation=dilation, stride=stride)  # [B, C_in*k, L]
     b, ck, length = cols.shape
     groups = module.groups
@@ -110,21 +120,9 @@ def _patch_conv_grads(
     b = x.shape[0]
     pw = None
     if weight:
-        pad = _explicit_padding(module)
-        if any(pad):
-            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, pad, mode=mode)
+        x, kernel, dil, stride = _padded_as_2d(module, x)
         x = x.contiguous()
-        if isinstance(module, nn.Conv1d):
-            x = x.unsqueeze(2)
-            gy4 = gy.unsqueeze(2)
-            kernel, dil, stride = (1, *module.kernel_size), (1, *module.dilation), (
-                1,
-                *module.stride,
-            )
-        else:
-            gy4 = gy
-            kernel, dil, stride = module.kernel_size, module.dilation, module.stride
+        gy4 = gy.unsqueeze(2) if isinstance(module, nn.Conv1d) else gy
         c = x.shape[1]
         ho, wo = gy4.shape[2:]
         sb, sc, sh, sw = x.stride()
