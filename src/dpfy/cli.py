@@ -110,7 +110,7 @@ def _emit(payload: dict[str, Any], as_json: bool, title: str) -> None:
 
 
 def _resolve_steps(dataset_size: int, batch_size: int, epochs: float | None, steps: int | None):
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
 
     check_range("dataset_size", dataset_size, 1, None, integer=True)
     check_range("batch_size", batch_size, 1, dataset_size, integer=True)
@@ -243,8 +243,8 @@ def calibrate(
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
     from dpfy import accounting
+    from dpfy._validate import check_range
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
-    from dpfy.events import check_range
 
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
@@ -348,7 +348,7 @@ def plan(
     from dpfy.planning import plan as make_plan
 
     if max_steps is not None:
-        from dpfy.events import check_range
+        from dpfy._validate import check_range
 
         check_range("max_steps", max_steps, 1, None, integer=True)
     result = make_plan(
@@ -424,7 +424,7 @@ def train(
     """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
     import time
 
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
 
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
@@ -573,7 +573,7 @@ def features(
     import numpy as np
 
     from dpfy import features as feats
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
     from dpfy.features import extract
     from dpfy.ledger import Ledger
     from dpfy.report import build_report, prefix_ledger, write_report

@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 
 __all__ = [
     "DATASETS",

@@ -19,6 +19,8 @@ import enum
 import math
 from typing import Any, ClassVar
 
+from dpfy._validate import check_range  # noqa: F401  (re-exported for old imports)
+
 __all__ = [
     "Adjacency",
     "Event",
@@ -37,7 +39,6 @@ __all__ = [
     "Composed",
     "RepeatAndSelect",
     "event_from_dict",
-    "check_range",
 ]
 
 
@@ -47,52 +48,6 @@ class Adjacency(enum.StrEnum):
     ADD_OR_REMOVE = "add_or_remove"
     REPLACE_ONE = "replace_one"
     ZERO_OUT = "zero_out"
-
-
-def check_range(
-    name: str,
-    value: Any,
-    low: float | None = None,
-    high: float | None = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-    integer: bool = False,
-) -> None:
-    """Raise ``ValueError`` in the project's one template unless ``value`` lies in the range.
-
-    The message reads ``"{name} must be in {range}, got {name}={value!r}"``. NaN is never valid.
-    """
-    lo = "-inf" if low is None else repr(low)
-    hi = "inf" if high is None else repr(high)
-    left = "(" if low_open or low is None else "["
-    right = ")" if high_open or high is None else "]"
-    interval = f"{left}{lo}, {hi}{right}"
-    kind = "an integer in " if integer else "in "
-    message = f"{name} must be {kind}{interval}, got {name}={value!r}"
-    if isinstance(value, bool):
-        raise ValueError(message)
-    if integer:
-        if not isinstance(value, int) and not (
-            isinstance(value, float) and value.is_integer()
-        ):
-            try:
-                import numpy as np
-
-                if not isinstance(value, np.integer):
-                    raise ValueError(message)
-            except ImportError:  # pragma: no cover - numpy is a core dependency
-                raise ValueError(message) from None
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(message) from None
-    if math.isnan(v):
-        raise ValueError(message)
-    if low is not None and (v < low or (low_open and v == low)):
-        raise ValueError(message)
-    if high is not None and (v > high or (high_open and v == high)):
-        raise ValueError(message)
 
 
 _REGISTRY: dict[str, type[Event]] = {}

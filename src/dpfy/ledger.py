@@ -46,6 +46,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 
 __all__ = [
     "SAMPLERS",
@@ -124,10 +125,10 @@ class SampleSpec:
         for name in ("dataset_size", "batch_size", "steps_per_epoch", "max_batch_size"):
             value = getattr(self, name)
             if value is not None:
-                ev.check_range(name, value, 1, None, integer=True)
+                check_range(name, value, 1, None, integer=True)
                 object.__setattr__(self, name, int(value))
         if self.sampling_rate is not None:
-            ev.check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
+            check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
             object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
         if not isinstance(self.unit, str) or not self.unit:
             raise ValueError(f"unit must be a non-empty string, got unit={self.unit!r}")
@@ -152,7 +153,7 @@ class SampleSpec:
                 f"sampler={self.sampler!r} needs {', '.join(missing)}, got {self!r}"
             )
         if self.sampler == "fixed_size" and self.batch_size > self.dataset_size:
-            ev.check_range("batch_size", self.batch_size, 1, self.dataset_size, integer=True)
+            check_range("batch_size", self.batch_size, 1, self.dataset_size, integer=True)
         if self.sampler in ("poisson", "full_batch") and self.adjacency != "add_or_remove":
             raise ValueError(
                 f"adjacency must be 'add_or_remove' for sampler={self.sampler!r}, "
@@ -271,8 +272,8 @@ def effective_noise_multiplier(
     """
     total = 0.0
     for s, sigma in zip(sensitivities, noise_stds, strict=True):
-        ev.check_range("sensitivity", s, 0.0, math.inf, high_open=True)
-        ev.check_range("noise_std", sigma, 0.0, math.inf, high_open=True)
+        check_range("sensitivity", s, 0.0, math.inf, high_open=True)
+        check_range("noise_std", sigma, 0.0, math.inf, high_open=True)
         if s == 0.0:
             continue
         if sigma == 0.0:
@@ -749,7 +750,7 @@ class Ledger:
 
         event = self.to_event()
         if accounting.contains_non_private(event):
-            ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+            check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
             return accounting.PrivacyResult(
                 epsilon=math.inf,
                 delta=float(delta),
@@ -769,13 +770,13 @@ class Ledger:
 def _check_finite_nonneg(name: str, value: Any) -> None:
     if type(value) in (float, int) and 0.0 <= value < math.inf:
         return
-    ev.check_range(name, value, 0.0, math.inf, high_open=True)
+    check_range(name, value, 0.0, math.inf, high_open=True)
 
 
 def _check_count(name: str, value: Any) -> None:
     if type(value) is int and value >= 0:
         return
-    ev.check_range(name, value, 0, None, integer=True)
+    check_range(name, value, 0, None, integer=True)
 
 
 def _run_event(key: tuple[str, Any], z: float, count: int) -> ev.Event:

@@ -37,6 +37,7 @@ import numpy as np
 
 from dpfy import accounting
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting import tan
 
@@ -320,14 +321,14 @@ def plan(
       >>> p.recommendation.steps, p.recommendation.noise_multiplier >= 1.9
       (2000, True)
     """
-    ev.check_range("dataset_size", dataset_size, 1, None, integer=True)
-    ev.check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if max_steps is not None:
-        ev.check_range("max_steps", max_steps, 1, None, integer=True)
+        check_range("max_steps", max_steps, 1, None, integer=True)
     if max_examples_processed is not None:
-        ev.check_range("max_examples_processed", max_examples_processed, 1, None, integer=True)
-    ev.check_range("runner_ups", runner_ups, 0, None, integer=True)
+        check_range("max_examples_processed", max_examples_processed, 1, None, integer=True)
+    check_range("runner_ups", runner_ups, 0, None, integer=True)
     n = int(dataset_size)
     target = float(target_epsilon)
     s_cap = int(max_steps) if max_steps is not None else DEFAULT_MAX_STEPS
@@ -335,7 +336,7 @@ def plan(
     if compute is not None:
         s_cap = min(s_cap, compute)  # at least one example per step
     if min_steps is not None:
-        ev.check_range("min_steps", min_steps, 1, None, integer=True)
+        check_range("min_steps", min_steps, 1, None, integer=True)
         s_floor = min(int(min_steps), s_cap)
     else:
         s_floor = max(1, math.ceil(s_cap / 10))

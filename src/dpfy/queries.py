@@ -85,7 +85,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 from dpfy.ledger import Ledger, effective_noise_multiplier
 from dpfy.randomness import Randomness
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from dpfy import accounting
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.ledger import Ledger, MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
 
 __all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
@@ -138,7 +139,7 @@ def build_report(
         run recorded in the ledger's metadata, else the final run and the final model.
       ledger_path / reproduce_command: how a reader re-derives the statement.
     """
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     meta = ledger.metadata
     if utility is None:
         utility = dict(meta.get("utility", {}))

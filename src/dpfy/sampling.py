@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.randomness import Randomness
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,7 +95,7 @@ def pad_batch(indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
       ValueError: if the batch is longer than ``size`` (truncate first).
     """
     indices = np.asarray(indices, dtype=np.int64)
-    ev.check_range("size", size, len(indices), None, integer=True)
+    check_range("size", size, len(indices), None, integer=True)
     out = np.zeros(int(size), dtype=np.int64)
     out[: len(indices)] = indices
     weights = np.zeros(int(size), dtype=np.float32)
@@ -125,11 +126,11 @@ def _epochs_and_steps(
     if epochs is not None and steps is not None:
         raise ValueError(f"give epochs or steps, not both, got epochs={epochs!r}, steps={steps!r}")
     if steps is not None:
-        ev.check_range("steps", steps, 1, None, integer=True)
+        check_range("steps", steps, 1, None, integer=True)
         total = int(steps)
     else:
         e = 1.0 if epochs is None else epochs
-        ev.check_range("epochs", e, 0.0, None, low_open=True)
+        check_range("epochs", e, 0.0, None, low_open=True)
         total = max(1, math.ceil(float(e) * steps_per_epoch - 1e-9))
     return math.ceil(total / steps_per_epoch), total
 
@@ -148,9 +149,9 @@ class _BaseSampler:
         max_batch_size: int | None = None,
         randomness: Randomness | None = None,
     ) -> None:
-        ev.check_range("dataset_size", dataset_size, 1, None, integer=True)
+        check_range("dataset_size", dataset_size, 1, None, integer=True)
         if max_batch_size is not None:
-            ev.check_range("max_batch_size", max_batch_size, 1, None, integer=True)
+            check_range("max_batch_size", max_batch_size, 1, None, integer=True)
             max_batch_size = int(max_batch_size)
         self.dataset_size = int(dataset_size)
         self.max_batch_size = max_batch_size
@@ -179,7 +180,7 @@ class _BaseSampler:
         If a loaded checkpoint stopped inside ``epoch``, iteration resumes after the last batch
         the checkpoint covered. Batches longer than ``max_batch_size`` are truncated.
         """
-        ev.check_range("epoch", epoch, 0, None, integer=True)
+        check_range("epoch", epoch, 0, None, integer=True)
         epoch = int(epoch)
         resume = epoch == self._epoch and 0 < self._step < self.steps_per_epoch
         if not resume:
@@ -278,11 +279,11 @@ class PoissonSampler(_BaseSampler):
         randomness: Randomness | None = None,
     ) -> None:
         super().__init__(dataset_size, max_batch_size=max_batch_size, randomness=randomness)
-        ev.check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
+        check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
         self.sampling_rate = float(sampling_rate)
         if steps_per_epoch is None:
             steps_per_epoch = max(1, round(1.0 / self.sampling_rate))
-        ev.check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = self.sampling_rate * self.dataset_size
 
@@ -338,7 +339,7 @@ class BallsAndBinsSampler(_BaseSampler):
         randomness: Randomness | None = None,
     ) -> None:
         super().__init__(dataset_size, max_batch_size=max_batch_size, randomness=randomness)
-        ev.check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = self.dataset_size / self.steps_per_epoch
 
@@ -380,7 +381,7 @@ class _FixedBatchEpochSampler(_BaseSampler):
         randomness: Randomness | None = None,
     ) -> None:
         super().__init__(dataset_size, max_batch_size=None, randomness=randomness)
-        ev.check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+        check_range("batch_size", batch_size, 1, dataset_size, integer=True)
         self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
         full, rest = divmod(self.dataset_size, self.batch_size)
@@ -452,11 +453,11 @@ class FixedSizeSampler(_BaseSampler):
         randomness: Randomness | None = None,
     ) -> None:
         super().__init__(dataset_size, max_batch_size=None, randomness=randomness)
-        ev.check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+        check_range("batch_size", batch_size, 1, dataset_size, integer=True)
         self.batch_size = int(batch_size)
         if steps_per_epoch is None:
             steps_per_epoch = math.ceil(self.dataset_size / self.batch_size)
-        ev.check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = float(self.batch_size)
 
@@ -510,8 +511,8 @@ def make_sampler(
     if name not in SAMPLER_KINDS:
         allowed = ", ".join(SAMPLER_KINDS)
         raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")
-    ev.check_range("dataset_size", dataset_size, 1, None, integer=True)
-    ev.check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_range("batch_size", batch_size, 1, dataset_size, integer=True)
     if max_batch_size is not None and name not in ("poisson", "balls_and_bins"):
         raise ValueError(
             f"max_batch_size applies to poisson and balls_and_bins batches only, got "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 
 __all__ = [
     "PrivacyResult",
@@ -215,7 +216,7 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
     """
     from dpfy.accounting.truncation import event_truncation_probability, truncated_epsilon
 
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if not isinstance(event, ev.Event):
         raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
     if contains_non_private(event):
@@ -248,7 +249,7 @@ def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") ->
     """
     from dpfy.accounting.truncation import event_truncation_probability, truncated_delta
 
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     if not isinstance(event, ev.Event):
         raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
     if contains_non_private(event):
@@ -272,7 +273,7 @@ def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") ->
 
 def compare(event: ev.Event, delta: float) -> dict[str, PrivacyResult | str]:
     """Every registered method's epsilon at ``delta``, or the reason it does not apply."""
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     out: dict[str, PrivacyResult | str] = {}
     mechanism = untruncated(event)
     for name, acc in _ACCOUNTANTS.items():

@@ -81,6 +81,7 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting._api import PrivacyResult, first_unsupported, register_accountant
 
 __all__ = [
@@ -116,8 +117,8 @@ class Epoch:
     steps: int
 
     def __post_init__(self) -> None:
-        ev.check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        ev.check_range("steps", self.steps, 1, None, integer=True)
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps", self.steps, 1, None, integer=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,8 +204,8 @@ def kl_upper_bound(mean: float | np.ndarray, n: int, error_probability: float) -
     (Chernoff-Hoeffding; Hoeffding 1963, Thm. 1): the true mean exceeds it with probability at
     most ``error_probability``. Vectorised over ``mean``.
     """
-    ev.check_range("n", n, 1, None, integer=True)
-    ev.check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("n", n, 1, None, integer=True)
+    check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
     target = math.log(1.0 / error_probability) / n
     if np.ndim(mean) == 0:
         return np.asarray(_kl_ucb_scalar(float(mean), target))
@@ -303,7 +304,7 @@ def lower_bound_delta(epochs: Sequence[Epoch], epsilon: float, *, grid: int = 51
     c = z * s + 1/2 with one shared s, and are composed by pairing their count distributions.
     The best s on a grid (refined once) is returned; any s gives a valid lower bound.
     """
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     groups = _group(epochs)
     z_max = max(e.noise_multiplier for e, _ in groups)
     t_max = max(e.steps for e, _ in groups)
@@ -347,7 +348,7 @@ def _convolve_columns(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def lower_bound_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
     """Largest epsilon certainly spent at ``delta``: the root of ``lower_bound_delta = delta``."""
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if lower_bound_delta(epochs, 0.0) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -373,7 +374,7 @@ def lower_bound_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
 
 def default_orders(n: int, *, dense: int = 256, ratio: float = 1.005) -> np.ndarray:
     """Order-statistic indices 1 = k_1 < ... < k_m = n: dense at the top, then geometric."""
-    ev.check_range("n", n, 1, None, integer=True)
+    check_range("n", n, 1, None, integer=True)
     if n <= dense:
         return np.arange(1, n + 1)
     ks = list(range(1, dense + 1))
@@ -1449,8 +1450,8 @@ def _execute(jobs: list[_Job], executor: Executor | None, progress: bool) -> lis
 
 
 def _check_common(samples, error_probability, method) -> None:
-    ev.check_range("samples", samples, 1, None, integer=True)
-    ev.check_range(
+    check_range("samples", samples, 1, None, integer=True)
+    check_range(
         "error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True
     )
     if method not in _METHODS:
@@ -1486,7 +1487,7 @@ def monte_carlo_delta(
     """
     t0 = time.perf_counter()
     epochs = list(epochs)
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     samples = default_samples(epochs) if samples is None else samples
     _check_common(samples, error_probability, method)
     losses, mode = _losses(
@@ -1542,7 +1543,7 @@ def monte_carlo_epsilon(
     """
     t0 = time.perf_counter()
     epochs = list(epochs)
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     samples = default_samples(epochs) if samples is None else samples
     _check_common(samples, error_probability, method)
     eps_low = lower_bound_epsilon(epochs, delta)

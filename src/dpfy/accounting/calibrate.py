@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting import _api
 from dpfy.accounting import pld as _pld
 
@@ -326,8 +327,8 @@ def _calibrate(
 
 
 def _check_common(target_epsilon: float, delta: float) -> None:
-    ev.check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,9 +365,9 @@ def calibrate_noise_multiplier(
     """
     _check_common(target_epsilon, delta)
     lo, hi = bracket
-    ev.check_range("bracket[0]", lo, 0.0, None, low_open=True)
-    ev.check_range("bracket[1]", hi, lo, None, low_open=True)
-    ev.check_range("rtol", rtol, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("bracket[0]", lo, 0.0, None, low_open=True)
+    check_range("bracket[1]", hi, lo, None, low_open=True)
+    check_range("rtol", rtol, 0.0, 1.0, low_open=True, high_open=True)
     start = min(max(1.0, lo), hi)
     best = math.inf
     for m in _methods(make_event, start, method):
@@ -405,7 +406,7 @@ def calibrate_steps(
       CalibrationError: even one step exceeds the target.
     """
     _check_common(target_epsilon, delta)
-    ev.check_range("max_steps", max_steps, 1, None, integer=True)
+    check_range("max_steps", max_steps, 1, None, integer=True)
     max_steps = int(max_steps)
     best = 0
     for m in _methods(make_event, 1, method):
@@ -454,8 +455,8 @@ def calibrate_sampling_rate(
       CalibrationError: even ``min_sampling_rate`` exceeds the target.
     """
     _check_common(target_epsilon, delta)
-    ev.check_range("min_sampling_rate", min_sampling_rate, 0.0, 1.0, low_open=True)
-    ev.check_range("rtol", rtol, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("min_sampling_rate", min_sampling_rate, 0.0, 1.0, low_open=True)
+    check_range("rtol", rtol, 0.0, 1.0, low_open=True, high_open=True)
     best = 0.0
     for m in _methods(make_event, min(1.0, max(0.01, min_sampling_rate)), method):
         try:

@@ -31,6 +31,7 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -67,7 +68,7 @@ def _check(name: str, arr: np.ndarray, low: float, high: float | None, **kw: boo
     if high is not None:
         bad |= (arr > high) | ((arr == high) if kw.get("high_open") else False)
     if np.any(bad):
-        ev.check_range(name, float(arr[bad].flat[0]), low, high, **kw)
+        check_range(name, float(arr[bad].flat[0]), low, high, **kw)
 
 
 def _log_delta(m: np.ndarray, e: np.ndarray) -> np.ndarray:
@@ -324,7 +325,7 @@ class GaussianAccountant:
         return mu, rho, tuple(notes)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         mu, rho, notes = self._parts(event)
         if rho > 0:
             eps = zcdp_epsilon(rho + mu**2 / 2.0, delta)
@@ -339,7 +340,7 @@ class GaussianAccountant:
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
-        ev.check_range("epsilon", epsilon, 0.0, None)
+        check_range("epsilon", epsilon, 0.0, None)
         mu, rho, notes = self._parts(event)
         if rho > 0:
             d = zcdp_delta(rho + mu**2 / 2.0, epsilon)

@@ -57,6 +57,7 @@ from scipy import fft as sp_fft
 from scipy import special
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -593,7 +594,7 @@ def _refine(
 
 
 def _check_tolerance(tolerance: float) -> None:
-    ev.check_range("tolerance", tolerance, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("tolerance", tolerance, 0.0, 1.0, low_open=True, high_open=True)
 
 
 def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, ...]:
@@ -646,7 +647,7 @@ def _run(
         return None
     if interval is None:
         return _refine(mech, evaluate, tolerance, tail, max_size, floor)
-    ev.check_range("interval", interval, 0.0, None, low_open=True)
+    check_range("interval", interval, 0.0, None, low_open=True)
     value = _level_value(mech, interval, tail, max_size, evaluate)
     return _Refined(value, interval, True, 1)
 
@@ -660,7 +661,7 @@ def epsilon_with_interval(
     max_size: int = MAX_GRID_SIZE,
 ) -> tuple[float, float]:
     """(epsilon, loss grid interval used); see :func:`pld_epsilon`. Non-private gives inf."""
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     _check_tolerance(tolerance)
     if contains_non_private(event):
         _mechanisms(event)
@@ -706,7 +707,7 @@ def pld_epsilon(
       >>> round(pld_epsilon(ev.SelfComposed(step, 1000), 1e-5).epsilon, 2)
       1.83
     """
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     _check_tolerance(tolerance)
     adjacency = event.adjacency_relation.value
     if contains_non_private(event):
@@ -740,7 +741,7 @@ def pld_delta(
 
     The refinement stops when the estimated relative error of delta is at most ``tolerance``.
     """
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     _check_tolerance(tolerance)
     adjacency = event.adjacency_relation.value
     if contains_non_private(event):

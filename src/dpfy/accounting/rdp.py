@@ -36,6 +36,7 @@ import numpy as np
 from scipy import special
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -88,7 +89,7 @@ def _check_array(name: str, arr: np.ndarray, low: float, high: float | None, **k
     if high is not None:
         bad |= (arr > high) | (arr == high if kw.get("high_open") else False)
     if np.any(bad):
-        ev.check_range(name, float(arr[bad].flat[0]), low, high, **kw)
+        check_range(name, float(arr[bad].flat[0]), low, high, **kw)
 
 
 def _as_orders(orders: Any) -> np.ndarray:
@@ -667,7 +668,7 @@ class RdpAccountant:
         return tuple(notes)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         curve = rdp_of_event(event, self.orders)
         eps, order = epsilon_from_rdp(curve, self.orders, delta)
         return PrivacyResult(
@@ -679,7 +680,7 @@ class RdpAccountant:
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
-        ev.check_range("epsilon", epsilon, 0.0, None)
+        check_range("epsilon", epsilon, 0.0, None)
         curve = rdp_of_event(event, self.orders)
         d, order = delta_from_rdp(curve, self.orders, epsilon)
         return PrivacyResult(

@@ -32,6 +32,7 @@ import numpy as np
 from scipy import special, stats
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -161,7 +162,7 @@ def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 51
       >>> 0.0 < shuffle_lower_bound_delta(e, 1.0) < 1.0
       True
     """
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     reason = _unsupported(event)
     if reason is not None:
         raise UnsupportedEventError(f"method='shuffle' cannot account this event: {reason}")
@@ -178,7 +179,7 @@ def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 51
 
 def shuffle_lower_bound_epsilon(event: ev.Event, delta: float) -> float:
     """Largest epsilon certainly spent at ``delta`` (root of the lower-bound delta curve)."""
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if shuffle_lower_bound_delta(event, 0.0) <= delta:
         return 0.0
     lo, hi = 0.0, 1.0
@@ -223,7 +224,7 @@ class ShuffleAccountant:
         return tuple(notes)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         mu = no_amplification_mu(event)
         upper = float(gaussian_epsilon(mu, delta))
         lower = shuffle_lower_bound_epsilon(event, delta) if _has_shuffle(event) else upper
@@ -238,7 +239,7 @@ class ShuffleAccountant:
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
-        ev.check_range("epsilon", epsilon, 0.0, None)
+        check_range("epsilon", epsilon, 0.0, None)
         mu = no_amplification_mu(event)
         upper = float(gaussian_delta(mu, epsilon))
         notes = self._notes(event, mu)

@@ -50,6 +50,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
 
 __all__ = [
@@ -96,7 +97,7 @@ def _positive(name: str, value: ArrayLike, *, high: float | None = None) -> np.n
     bad = ~(arr > 0) | (arr > high if high is not None else np.zeros(arr.shape, bool))
     if np.any(bad):
         first = arr[bad].flat[0] if arr.ndim else arr
-        ev.check_range(name, float(first), 0.0, high, low_open=True)
+        check_range(name, float(first), 0.0, high, low_open=True)
     return arr
 
 
@@ -113,7 +114,7 @@ def eta(
     """Individual signal-to-noise ratio ``q sqrt(S) / (sqrt(2) z)`` (TAN Definition 3.1)."""
     s = np.asarray(steps, dtype=np.float64)
     if np.any(~(s >= 0)):
-        ev.check_range("steps", float(s[~(s >= 0)].flat[0]) if s.ndim else float(s), 0, None)
+        check_range("steps", float(s[~(s >= 0)].flat[0]) if s.ndim else float(s), 0, None)
     return _scalar_or_array(np.asarray(eta_step(sampling_rate, noise_multiplier)) * np.sqrt(s))
 
 
@@ -126,7 +127,7 @@ def total_amount_of_noise(
 
 
 def _log_inv_delta(delta: float) -> float:
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     return -math.log(delta)
 
 
@@ -134,7 +135,7 @@ def epsilon_tan_from_eta(eta_value: ArrayLike, delta: float) -> float | np.ndarr
     """``eps_TAN = eta^2 + 2 eta sqrt(log(1/delta))`` (TAN Eq. 4). A heuristic, not a bound."""
     e = np.asarray(eta_value, dtype=np.float64)
     if np.any(~(e >= 0)):
-        ev.check_range("eta", float(e[~(e >= 0)].flat[0]) if e.ndim else float(e), 0.0, None)
+        check_range("eta", float(e[~(e >= 0)].flat[0]) if e.ndim else float(e), 0.0, None)
     return _scalar_or_array(e * e + 2.0 * e * math.sqrt(_log_inv_delta(delta)))
 
 
@@ -179,7 +180,7 @@ def noise_multiplier_for_eta(
 
 def regime(noise_multiplier: float) -> Regime:
     """TAN regime: ``z >= 2`` constant privacy, ``z < 0.5`` privacy wall, else transition."""
-    ev.check_range("noise_multiplier", noise_multiplier, 0.0, None, low_open=True)
+    check_range("noise_multiplier", noise_multiplier, 0.0, None, low_open=True)
     if noise_multiplier >= CONSTANT_PRIVACY_NOISE_MULTIPLIER:
         return Regime.CONSTANT_PRIVACY
     if noise_multiplier < PRIVACY_WALL_NOISE_MULTIPLIER:
@@ -209,10 +210,10 @@ class TanConfig:
     dataset_size: int
 
     def __post_init__(self) -> None:
-        ev.check_range("dataset_size", self.dataset_size, 1, None, integer=True)
-        ev.check_range("batch_size", self.batch_size, 0.0, self.dataset_size, low_open=True)
-        ev.check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        ev.check_range("steps", self.steps, 1, None, integer=True)
+        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_range("batch_size", self.batch_size, 0.0, self.dataset_size, low_open=True)
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("steps", self.steps, 1, None, integer=True)
         object.__setattr__(self, "batch_size", float(self.batch_size))
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
         object.__setattr__(self, "steps", int(self.steps))
@@ -274,7 +275,7 @@ def simulate_small_batch(reference: TanConfig, k: float) -> TanConfig:
     (TAN Sec. 3.4: "Efficient TAN training"). The simulation is a tool for choosing non-privacy
     hyper-parameters: its own epsilon is typically far larger than the reference's.
     """
-    ev.check_range("k", k, 1.0, None)
+    check_range("k", k, 1.0, None)
     batch = max(1, round(reference.batch_size / k))
     z = reference.noise_multiplier * batch / reference.batch_size
     return TanConfig(batch, z, reference.steps, reference.dataset_size)
@@ -301,13 +302,13 @@ def constant_tan_family(
     out: list[TanConfig] = []
     if steps is not None:
         for s in steps:
-            ev.check_range("steps", s, 1, None, integer=True)
+            check_range("steps", s, 1, None, integer=True)
             b = b_ref * math.sqrt(s_ref / int(s))
             if b <= reference.dataset_size:
                 out.append(TanConfig(b, reference.noise_multiplier, int(s), reference.dataset_size))
     else:
         for b in batch_sizes or ():
-            ev.check_range("batch_size", b, 0.0, reference.dataset_size, low_open=True)
+            check_range("batch_size", b, 0.0, reference.dataset_size, low_open=True)
             s = max(1, round(s_ref * (b_ref / float(b)) ** 2))
             out.append(TanConfig(float(b), reference.noise_multiplier, s, reference.dataset_size))
     return out
@@ -409,8 +410,8 @@ def privacy_wall_curve(
     points needing ``q > 1`` are ``nan``. The flat part is close to eps_TAN; the rise at small
     ``z`` is the privacy wall. ``method`` is any accountant name (``rdp`` is vectorised).
     """
-    ev.check_range("eta", eta_value, 0.0, None, low_open=True)
-    ev.check_range("steps", steps, 1, None, integer=True)
+    check_range("eta", eta_value, 0.0, None, low_open=True)
+    check_range("steps", steps, 1, None, integer=True)
     zs = np.atleast_1d(_positive("noise_multipliers", noise_multipliers))
     qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(steps)
     out = np.full(zs.shape, np.nan)
@@ -451,7 +452,7 @@ def ratio_table(
     for i, target in enumerate(target_epsilons):
         eta_value = float(eta_for_epsilon(target, delta))
         for j, s in enumerate(steps):
-            ev.check_range("steps", s, 1, None, integer=True)
+            check_range("steps", s, 1, None, integer=True)
             qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(s)
             ok = qs <= 1.0
             if not np.any(ok):

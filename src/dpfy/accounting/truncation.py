@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 
 __all__ = [
     "truncation_delta",
@@ -62,10 +63,10 @@ def truncation_delta(
       >>> truncation_delta(0.01, 60_000, 800, 6_000) < 1e-10  # q N = 600, 6000 steps
       True
     """
-    ev.check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
-    ev.check_range("dataset_size", dataset_size, 1, None, integer=True)
-    ev.check_range("max_batch_size", max_batch_size, 1, None, integer=True)
-    ev.check_range("steps", steps, 0, None, integer=True)
+    check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
+    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_range("max_batch_size", max_batch_size, 1, None, integer=True)
+    check_range("steps", steps, 0, None, integer=True)
     from scipy import stats
 
     per_step = float(stats.binom.sf(int(max_batch_size), int(dataset_size) + 1, sampling_rate))
@@ -96,7 +97,7 @@ def event_truncation_probability(event: ev.Event) -> float:
 
 def truncated_delta(mechanism_delta: float, epsilon: float, probability: float) -> float:
     """Delta of the truncated run: ``mechanism_delta + (1 + e^epsilon) * probability`` (<= 1)."""
-    ev.check_range("epsilon", epsilon, 0.0, None)
+    check_range("epsilon", epsilon, 0.0, None)
     return min(1.0, mechanism_delta + (1.0 + math.exp(min(epsilon, 700.0))) * probability)
 
 
@@ -114,8 +115,8 @@ def truncated_epsilon(
     the answer is the least fixed point ``eps = epsilon_of_delta(delta - (1 + e^eps) p)``
     (returned slightly above it, so it is certified); ``inf`` if there is none.
     """
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    ev.check_range("probability", probability, 0.0, 1.0)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("probability", probability, 0.0, 1.0)
     if probability == 0.0:
         return float(epsilon_of_delta(delta))
     if 2.0 * probability >= delta:

@@ -42,6 +42,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting._api import (
     PrivacyResult,
@@ -82,8 +83,8 @@ def truncated_negative_binomial_mean(gamma: float, shape: float) -> float:
     geometric (mean ``1/gamma``), otherwise the mean is
     ``shape (1 - gamma) / (gamma (1 - gamma^shape))``.
     """
-    ev.check_range("gamma", gamma, 0.0, 1.0, low_open=True)
-    ev.check_range("shape", shape, 0.0, None, high_open=True)
+    check_range("gamma", gamma, 0.0, 1.0, low_open=True)
+    check_range("shape", shape, 0.0, None, high_open=True)
     if gamma == 1.0:
         return 1.0
     log_g = math.log(gamma)
@@ -100,8 +101,8 @@ def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
     Solved by bisection on ``log(gamma)``; the result errs on the side of a *smaller* gamma
     (mean at least the target), which can only increase the privacy bound.
     """
-    ev.check_range("shape", shape, 0.0, None, high_open=True)
-    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    check_range("shape", shape, 0.0, None, high_open=True)
+    check_range("mean", mean, 1.0, None, high_open=True)
     if shape == 1.0:
         return 1.0 / mean
     if mean == 1.0:
@@ -155,9 +156,9 @@ def rdp_repeat_and_select(
     if a.shape != r.shape or a.ndim != 1:
         raise ValueError(f"orders and rdp must be 1-d of equal length, got {a.shape}, {r.shape}")
     if np.any(~(a > 1)):
-        ev.check_range("orders", float(a[~(a > 1)][0]), 1.0, None, low_open=True)
-    ev.check_range("mean", mean, 1.0, None, high_open=True)
-    ev.check_range("shape", shape, 0.0, None)
+        check_range("orders", float(a[~(a > 1)][0]), 1.0, None, low_open=True)
+    check_range("mean", mean, 1.0, None, high_open=True)
+    check_range("shape", shape, 0.0, None)
     above_one = a > 1.0
     out = np.full(a.shape, np.inf)
     log_mean_term = np.full(a.shape, np.inf)
@@ -251,7 +252,7 @@ class RdpTuningAccountant:
         return np.asarray(_rdp.rdp_of_event(event, self.orders), dtype=np.float64)
 
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult:
-        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         curve = self.rdp(event)
         eps, order = _rdp.epsilon_from_rdp(curve, self.orders, delta)
         return PrivacyResult(
@@ -263,7 +264,7 @@ class RdpTuningAccountant:
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
-        ev.check_range("epsilon", epsilon, 0.0, None)
+        check_range("epsilon", epsilon, 0.0, None)
         curve = self.rdp(event)
         d, _ = _rdp.delta_from_rdp(curve, self.orders, epsilon)
         return PrivacyResult(
@@ -303,7 +304,7 @@ def random_trials(run: ev.Event, mean: float, shape: float = math.inf) -> ev.Rep
     ``shape=inf`` (default) draws the number of trials from Poisson(mean); ``shape=0``
     logarithmic, ``shape=1`` geometric, other ``shape >= 0`` truncated negative binomial.
     """
-    ev.check_range("mean", mean, 1.0, None, high_open=True)
+    check_range("mean", mean, 1.0, None, high_open=True)
     return ev.RepeatAndSelect(run, mean, shape)
 
 
@@ -351,7 +352,7 @@ def sequential_composition(
     runs = tuple(runs)
     if not runs:
         raise ValueError("runs must contain at least one event")
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     per_run = delta / len(runs)
     results = [_epsilon(r, per_run, method=method) for r in runs]
     methods = sorted({r.method for r in results})
@@ -376,8 +377,8 @@ def draw_number_of_trials(mean: float, shape: float, randomness: Any) -> int:
     Returns:
       ``K >= 0`` for Poisson (``K = 0`` means: release nothing), ``K >= 1`` otherwise.
     """
-    ev.check_range("mean", mean, 1.0, None, high_open=True)
-    ev.check_range("shape", shape, 0.0, None)
+    check_range("mean", mean, 1.0, None, high_open=True)
+    check_range("shape", shape, 0.0, None)
     u = float(np.asarray(randomness.uniform(1)).reshape(-1)[0])
     if math.isinf(shape):
         log_p = -mean  # P(K=0)
@@ -451,8 +452,8 @@ def compare_tuning(
     """
     from dpfy.accounting import _api
 
-    ev.check_range("trials", trials, 1, None, integer=True)
-    ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("trials", trials, 1, None, integer=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     trials = int(trials)
     released = final if final is not None else run
     known = set(_api.accountants())

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import optimize
 
+from dpfy._validate import check_range
 from dpfy.accounting import gaussian
-from dpfy.events import check_range
 
 __all__ = [
     "FeaturePrivacy",

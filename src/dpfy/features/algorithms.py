@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 from dpfy.features.stats import SufficientStats, clip_rows, label_matrix, sufficient_statistics
 from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 from dpfy.features import algorithms as alg
 from dpfy.features.accounting import FeaturePrivacy, mu_for_target, privacy_of_ledger
 from dpfy.features.stats import SufficientStats, clip_rows

@@ -129,7 +129,7 @@ def _image_key(dataset: str, split: str, resolution: int) -> str:
 
 
 def _check_image_args(dataset: str, split: str, resolution: int) -> str:
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
 
     dataset = dataset.lower().replace("_", "-")
     if dataset not in IMAGE_DATASETS:
@@ -157,7 +157,7 @@ def extract_image_shard(
     shared, loaded machine one thread per process wastes far less time in thread barriers);
     :func:`image_features` then assembles the chunks. Returns the number of chunks computed.
     """
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
 
     dataset = _check_image_args(dataset, split, resolution)
     check_range("num_shards", num_shards, 1, None, integer=True)
@@ -218,7 +218,7 @@ def image_features(
     Returns:
       ``(features, labels)``: float32 ``[N, 1280]`` and int64 ``[N]``.
     """
-    from dpfy.events import check_range
+    from dpfy._validate import check_range
 
     dataset = _check_image_args(dataset, split, resolution)
     key = _image_key(dataset, split, resolution)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 
 __all__ = [
     "SufficientStats",

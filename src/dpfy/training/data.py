@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 
 __all__ = ["PhysicalBatch", "PhysicalBatcher", "accumulate_logical_batch"]
 

@@ -73,7 +73,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpfy.events import check_range
+from dpfy._validate import check_range
 from dpfy.training.norms.capture import ModulePlan, capture_layers, plan_modules
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import LayerGrads

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from dpfy import events as ev
+from dpfy._validate import check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
@@ -91,8 +92,8 @@ class BudgetGuard:
     """
 
     def __init__(self, target_epsilon: float, delta: float, *, method: str = "auto") -> None:
-        ev.check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-        ev.check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         self.target_epsilon = float(target_epsilon)
         self.delta = float(delta)
         self.method = method
@@ -412,27 +413,27 @@ class PrivateTrainer:
 
     # -- setup ------------------------------------------------------------------------------
     def _check_args(self) -> None:
-        ev.check_range("clip_norm", self.clip_norm, 0.0, math.inf, low_open=True, high_open=True)
-        ev.check_range("epochs", self.epochs, 1, None, integer=True)
-        ev.check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
-        ev.check_range(
+        check_range("clip_norm", self.clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+        check_range("epochs", self.epochs, 1, None, integer=True)
+        check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range(
             "max_physical_batch_size", self.max_physical_batch_size, 1, None, integer=True
         )
-        ev.check_range("checkpoint_every", self.checkpoint_every, 1, None, integer=True)
+        check_range("checkpoint_every", self.checkpoint_every, 1, None, integer=True)
         if self.target_epsilon is None and self.noise_multiplier is None:
             raise ValueError(
                 "give target_epsilon (the noise multiplier is calibrated to it) or "
                 "noise_multiplier, got neither"
             )
         if self.target_epsilon is not None:
-            ev.check_range("target_epsilon", self.target_epsilon, 0.0, None, low_open=True)
+            check_range("target_epsilon", self.target_epsilon, 0.0, None, low_open=True)
         if self.noise_multiplier is not None:
-            ev.check_range(
+            check_range(
                 "noise_multiplier", self.noise_multiplier, 0.0, math.inf, low_open=True,
                 high_open=True,
             )
         if self.ema_decay is not None:
-            ev.check_range("ema_decay", self.ema_decay, 0.0, 1.0, high_open=True)
+            check_range("ema_decay", self.ema_decay, 0.0, 1.0, high_open=True)
         if self.on_budget not in ("stop", "raise"):
             raise ValueError(
                 f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
