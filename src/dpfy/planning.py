@@ -40,9 +40,8 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
-from dpfy.accounting import roots
+from dpfy.accounting import roots, tan
 from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
-from dpfy.accounting import tan
 
 __all__ = ["DEFAULT_MAX_STEPS", "PlanOption", "Plan", "plan"]
 

@@ -71,7 +71,9 @@ class PrivacyResult:
 class Accountant(Protocol):
     """What an accounting method provides (see ``register_accountant``)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The registry key (``method=name``)."""
 
     def unsupported(self, event: ev.Event) -> str | None:
         """None if the whole event tree is supported, else a reason naming the sub-event."""

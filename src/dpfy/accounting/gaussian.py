@@ -8,8 +8,8 @@ is (Balle & Wang 2018, Thm 8):
     delta(eps) = Phi(-eps/mu + mu/2) - exp(eps) Phi(-eps/mu - mu/2).
 
 This is tighter than going through zCDP (rho = mu^2 / 2) or RDP, so it is the right tool for
-DP-LS / DP-Newton / DP-FC (:mod:`dpfy.features.accounting`) and for the no-amplification bound of deterministic
-and shuffled batching (each example is in exactly one batch per epoch).
+DP-LS / DP-Newton / DP-FC (:mod:`dpfy.features.accounting`) and for the no-amplification bound
+of deterministic and shuffled batching (each example is in exactly one batch per epoch).
 
 Adjacency: add_or_remove unless the event tree says otherwise; under replace_one a clipped
 sum's sensitivity is twice the clip norm, so every ``mu`` doubles (``zero_out`` keeps it).
@@ -144,7 +144,8 @@ def gaussian_epsilon(mu: Any, delta: Any) -> Any:
 
     def excess(eps: FloatArray, mu_: FloatArray, d_: FloatArray) -> FloatArray:
         # <= 0 exactly when the test gaussian_delta(mu_, eps) <= d_ passes (non-increasing)
-        return np.exp(_log_delta(mu_, eps)) - d_
+        out: FloatArray = np.exp(_log_delta(mu_, eps)) - d_
+        return out
 
     # Make sure the upper end is feasible (it is in exact arithmetic); widen if rounding bites.
     for _ in range(60):

@@ -169,10 +169,10 @@ def safe_root(
     out = np.where(g_far <= 0.0, far_end, safe_end).astype(np.float64)
     search = g_far > 0.0
     if scalar and bool(search):
-        return _scalar_root(
-            lambda x: float(g(np.float64(x), *extra)), float(a), float(b), side, xtol, rtol,
-            maxiter,
-        )
+        def g_scalar(x: float) -> float:
+            return float(g(np.asarray(x, dtype=np.float64), *extra))
+
+        return _scalar_root(g_scalar, float(a), float(b), side, xtol, rtol, maxiter)
     if np.any(search):
         idx = np.flatnonzero(search)
         xl = a.ravel()[idx]
