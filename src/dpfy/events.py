@@ -53,7 +53,19 @@ class Adjacency(enum.StrEnum):
 _REGISTRY: dict[str, type[Event]] = {}
 
 
-def _register(cls: type[Event]) -> type[Event]:
+def _register(cls: type[Event], *, replace: bool = False) -> type[Event]:
+    """Make ``cls`` the event type for its ``kind`` (used as a class decorator).
+
+    Raises:
+      ValueError: another class already has this ``kind`` and ``replace`` is False
+        (``event_from_dict`` would otherwise build the wrong type without a word).
+    """
+    current = _REGISTRY.get(cls.kind)
+    if current is not None and current is not cls and not replace:
+        raise ValueError(
+            f"event kind {cls.kind!r} is already registered to {current.__qualname__}; pass "
+            "replace=True to replace it"
+        )
     _REGISTRY[cls.kind] = cls
     return cls
 

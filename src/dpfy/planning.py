@@ -22,9 +22,10 @@ The rule (TAN, Sander et al. 2023, Sec. 3.2-3.4; guide Sec. 5.4.1):
 So the recommendation is the largest ``S <= max_steps`` for which the smallest batch with
 ``z >= 2`` fits the compute budget, with that batch and its calibrated ``z``. If no such
 configuration fits the compute, the planner maximises ``eta`` within the compute instead and
-says so. The search uses integer-order RDP (fast, conservative); the chosen noise multiplier is
-then re-calibrated with the PLD accountant when available, and every listed option is verified
-with :func:`dpfy.accounting.epsilon`.
+says so. The batch search uses integer-order RDP (fast, conservative); each option's noise
+multiplier is calibrated by :mod:`dpfy.accounting.calibrate` with the RDP accountant, then
+re-calibrated with the PLD accountant when available, and every listed option is verified with
+:func:`dpfy.accounting.epsilon`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
-from dpfy.accounting import tan
+from dpfy.accounting import roots, tan
+from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
 
 __all__ = ["DEFAULT_MAX_STEPS", "PlanOption", "Plan", "plan"]
 
@@ -188,43 +190,27 @@ def _min_batch_for_z(n: int, steps: np.ndarray, target: float, delta: float) -> 
     """Per step count, the smallest integer batch whose calibrated ``z`` is >= 2 (else ``n``).
 
     Calibrated ``z >= 2`` iff ``eps(q, z=2, S) >= target`` (epsilon falls with ``z``, rises with
-    ``q``), so this is a bisection on the batch at ``z = 2``, vectorised over ``steps``.
+    ``q``), so this is a binary search on the batch at ``z = 2``, vectorised over ``steps``
+    (:func:`dpfy.accounting.roots.smallest_true_array`).
     """
-    lo = np.zeros(steps.shape, dtype=np.int64)  # eps(lo) < target (batch 0: no release)
-    hi = np.full(steps.shape, n, dtype=np.int64)
     reach = _search_eps(np.ones(steps.shape), _Z_THRESHOLD, steps, delta) >= target
     # Where even the full batch stays below the target at z = 2, z < 2 is forced: take n.
-    while True:
-        active = reach & (hi - lo > 1)
-        if not active.any():
-            break
-        mid = (lo + hi) // 2
-        eps = np.zeros(steps.shape)
-        eps[active] = _search_eps(mid[active] / n, _Z_THRESHOLD, steps[active], delta)
-        up = active & (eps >= target)
-        hi = np.where(up, mid, hi)
-        lo = np.where(active & ~up, mid, lo)
-    return hi
+    # Batch 0 releases nothing (never reaches); batch n reaches where ``reach`` holds.
+    lo = np.where(reach, 1, n).astype(np.int64)
+    flat_steps = steps.ravel()
+
+    def reaches(batch: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return _search_eps(batch / n, _Z_THRESHOLD, flat_steps[index], delta) >= target
+
+    return roots.smallest_true_array(reaches, lo, np.full(steps.shape, n, dtype=np.int64))
 
 
-def _calibrate_z_search(
-    q: np.ndarray, steps: np.ndarray, target: float, delta: float, rel_tol: float = 1e-4
-) -> np.ndarray:
-    """Smallest ``z`` (to ``rel_tol``, safe side) with integer-order RDP epsilon <= target."""
-    lo = np.full(q.shape, 1e-2)
-    hi = np.full(q.shape, 1e-1)
-    for _ in range(60):  # grow the upper end until it meets the target
-        bad = _search_eps(q, hi, steps, delta) > target
-        if not bad.any():
-            break
-        hi = np.where(bad, hi * 10.0, hi)
-        lo = np.where(bad, hi / 10.0, lo)
-    while np.any(hi / lo > 1.0 + rel_tol):
-        mid = np.sqrt(lo * hi)
-        ok = _search_eps(q, mid, steps, delta) <= target
-        hi = np.where(ok, mid, hi)
-        lo = np.where(ok, lo, mid)
-    return hi
+def _rdp_noise_multiplier(q: float, steps: int, target: float, delta: float) -> float:
+    """Smallest ``z`` (to relative 1e-4, never below) that the RDP accountant certifies."""
+    return calibrate_noise_multiplier(
+        lambda z: _event(q, z, steps), target, delta, method="rdp",
+        bracket=(1e-3, 1e8), rtol=1e-4,
+    )
 
 
 def _has_pld() -> bool:
@@ -237,8 +223,6 @@ def _tighten_noise_multiplier(
     """Re-calibrate ``z`` with the PLD accountant (tighter than RDP); keep ``z_rdp`` otherwise."""
     if not _has_pld():
         return z_rdp
-    from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
-
     try:
         z = calibrate_noise_multiplier(
             lambda x: _event(q, x, steps), target, delta, method="pld",
@@ -261,17 +245,11 @@ def _pld_min_batch(n: int, steps: int, target: float, delta: float, b_start: int
         return _pld.pld_epsilon(_event(b / n, _Z_THRESHOLD, steps), delta).epsilon >= target
 
     lo, hi = b_start - 1, b_start
-    while not reaches(hi):
+    while not reaches(hi):  # grow the bracket geometrically: the answer is near b_start
         if hi >= n:
             return n
         lo, hi = hi, min(n, int(math.ceil(hi * 1.25)))
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if reaches(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return roots.smallest_true(reaches, lo + 1, hi)  # reaches(lo) is False, reaches(hi) True
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,12 +386,10 @@ def plan(
     cands = cands[: 1 + runner_ups]
 
     # 3. Calibrate z for every option: RDP search, then PLD (tighter) when available; verify.
-    qs = np.array([b / n for b, _, _, _ in cands])
-    ss = np.array([s for _, s, _, _ in cands])
-    zs = _calibrate_z_search(qs, ss, target, delta)
     options: list[PlanOption] = []
-    for i, (b, s, label, reason) in enumerate(cands):
-        z = _tighten_noise_multiplier(b / n, s, target, delta, float(zs[i]))
+    for b, s, label, reason in cands:
+        z_rdp = _rdp_noise_multiplier(b / n, s, target, delta)
+        z = _tighten_noise_multiplier(b / n, s, target, delta, z_rdp)
         res = accounting.epsilon(_event(b / n, z, s), delta)
         if res.epsilon > target * (1.0 + 1e-12):  # cannot happen: z is certified by a method
             raise RuntimeError(f"planning bug: epsilon {res.epsilon} exceeds {target}")

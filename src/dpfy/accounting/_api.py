@@ -71,7 +71,9 @@ class PrivacyResult:
 class Accountant(Protocol):
     """What an accounting method provides (see ``register_accountant``)."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The registry key (``method=name``)."""
 
     def unsupported(self, event: ev.Event) -> str | None:
         """None if the whole event tree is supported, else a reason naming the sub-event."""
@@ -85,11 +87,34 @@ _ACCOUNTANTS: dict[str, Accountant] = {}
 _AUTO: list[str] = []
 
 
-def register_accountant(accountant: Accountant, *, auto: bool = True) -> Accountant:
-    """Add an accountant; ``auto=True`` lets ``method='auto'`` consider it."""
-    _ACCOUNTANTS[accountant.name] = accountant
-    if auto and accountant.name not in _AUTO:
-        _AUTO.append(accountant.name)
+def register_accountant(
+    accountant: Accountant, *, auto: bool = True, replace: bool = False
+) -> Accountant:
+    """Add an accountant under ``accountant.name``.
+
+    Args:
+      accountant: the accounting method.
+      auto: let ``method='auto'`` consider it.
+      replace: allow taking over a name that is already registered (e.g. a built-in); the
+        replacement keeps the old one's place among the auto methods when ``auto`` is True
+        and leaves them when it is False. Re-registering the very same object is a no-op.
+
+    Raises:
+      ValueError: the name is taken by another accountant and ``replace`` is False (a
+        silently replaced accountant would change every epsilon computed under that name).
+    """
+    name = accountant.name
+    current = _ACCOUNTANTS.get(name)
+    if current is not None and current is not accountant and not replace:
+        raise ValueError(
+            f"an accountant named {name!r} is already registered ({current!r}); pass "
+            "replace=True to replace it"
+        )
+    _ACCOUNTANTS[name] = accountant
+    if auto and name not in _AUTO:
+        _AUTO.append(name)
+    elif not auto and replace and name in _AUTO:
+        _AUTO.remove(name)
     return accountant
 
 

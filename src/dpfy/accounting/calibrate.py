@@ -1,7 +1,8 @@
 """Calibration: the noise multiplier, number of steps or sampling rate that meets (epsilon, delta).
 
 Every function takes a factory ``make_event(parameter) -> Event`` and searches the parameter
-by a safeguarded monotone root search (bisection with interpolation, DESIGN 3.5). The result is
+by a safeguarded monotone root search (secant steps kept inside a bracket, falling back to
+bisection; cheap searches use :mod:`dpfy.accounting.roots` instead). The result is
 always on the SAFE side: the chosen accounting method certifies ``epsilon <= target_epsilon``
 at the returned value (the noise multiplier is rounded up, steps and sampling rate down).
 Adjacency and unit of privacy are those of the events ``make_event`` builds.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -83,7 +85,9 @@ class _Evaluator:
     * anything else: the registered accountant, both modes alike.
     """
 
-    def __init__(self, make_event: Callable, delta: float, method: str | _api.Accountant) -> None:
+    def __init__(
+        self, make_event: Callable[[float], ev.Event], delta: float, method: str | _api.Accountant
+    ) -> None:
         self.make_event = make_event
         self.delta = delta
         self.method = method
@@ -132,8 +136,11 @@ class _Evaluator:
         return _api.epsilon(self.make_event(x), self.delta, method=self.method).epsilon
 
 
+_P = TypeVar("_P", int, float)
+
+
 def _methods(
-    make_event: Callable, x0: float, method: str | _api.Accountant
+    make_event: Callable[[_P], ev.Event], x0: _P, method: str | _api.Accountant
 ) -> list[str | _api.Accountant]:
     """Methods to calibrate with: ``auto`` means every auto accountant supporting x0."""
     event = _api.untruncated(make_event(x0))
@@ -219,6 +226,7 @@ def _solve(
                 step *= 2.0
             cand = max(cand, u_min)
         else:  # only unsafe points: move towards safer (larger u)
+            assert u_u is not None  # pts is never empty
             if cand is None or cand <= u_u:
                 cand = u_u + step
                 step *= 2.0
@@ -234,6 +242,7 @@ def _solve(
             elif u_s is not None:
                 cand = max(u_s - step, u_min)
             else:
+                assert u_u is not None  # pts is never empty
                 cand = min(u_u + step, u_max)
             if any(cand == u for u, _ in pts):
                 if u_s is not None:

@@ -8,8 +8,8 @@ is (Balle & Wang 2018, Thm 8):
     delta(eps) = Phi(-eps/mu + mu/2) - exp(eps) Phi(-eps/mu - mu/2).
 
 This is tighter than going through zCDP (rho = mu^2 / 2) or RDP, so it is the right tool for
-DP-LS / DP-Newton / DP-FC (DESIGN 3.3, 6) and for the no-amplification bound of deterministic
-and shuffled batching (each example is in exactly one batch per epoch).
+DP-LS / DP-Newton / DP-FC (:mod:`dpfy.features.accounting`) and for the no-amplification bound
+of deterministic and shuffled batching (each example is in exactly one batch per epoch).
 
 Adjacency: add_or_remove unless the event tree says otherwise; under replace_one a clipped
 sum's sensitivity is twice the clip norm, so every ``mu`` doubles (``zero_out`` keeps it).
@@ -28,10 +28,12 @@ import math
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from scipy import special
 
 from dpfy import events as ev
 from dpfy._validate import check_range
+from dpfy.accounting import roots
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -54,6 +56,8 @@ __all__ = [
 
 #: Note attached to every result that accounts a Shuffled event with this method.
 SHUFFLE_NOTE = "no amplification by shuffling assumed; upper bound"
+
+FloatArray = npt.NDArray[np.float64]
 
 # Orders (a - 1 log-spaced) over which the zCDP -> (eps, delta) conversion is optimised.
 _ZCDP_ORDERS = 1.0 + np.geomspace(1e-5, 1e9, 6000)
@@ -118,12 +122,16 @@ def gaussian_delta(mu: Any, epsilon: Any) -> Any:
 def gaussian_epsilon(mu: Any, delta: Any) -> Any:
     """Smallest epsilon >= 0 with gaussian_delta(mu, epsilon) <= delta (safe side), vectorised.
 
-    Bisection on [0, mu^2/2 + mu sqrt(2 log(1/delta))] (the zCDP bound is a valid upper end)
-    down to floating-point resolution; the returned value always satisfies the target.
+    Root search (:func:`dpfy.accounting.roots.safe_root`) on [0, mu^2/2 + mu sqrt(2 log(1/delta))]
+    (the zCDP bound is a valid upper end) down to floating-point resolution; the returned
+    value always satisfies the target, so it errs on the side of a larger epsilon.
 
     Args:
       mu: GDP parameter(s) >= 0 (inf gives inf).
       delta: target delta(s) in (0, 1); broadcasts with ``mu``.
+
+    Returns:
+      epsilon in nats: a float for scalar input, else an array.
     """
     m = np.asarray(mu, dtype=np.float64)
     d = np.asarray(delta, dtype=np.float64)
@@ -132,26 +140,22 @@ def gaussian_epsilon(mu: Any, delta: Any) -> Any:
     m, d = np.broadcast_arrays(m, d)
     finite = np.isfinite(m)
     mf = np.where(finite, m, 1.0)
-    lo = np.zeros(m.shape)
     hi = mf**2 / 2.0 + mf * np.sqrt(2.0 * np.log(1.0 / d))
-    # Make sure the upper end is feasible (it is in exact arithmetic); widen if rounding bites.
-    def feasible(eps: np.ndarray) -> np.ndarray:  # exactly the test gaussian_delta(.) <= d
-        return np.exp(_log_delta(mf, eps)) <= d
 
+    def excess(eps: FloatArray, mu_: FloatArray, d_: FloatArray) -> FloatArray:
+        # <= 0 exactly when the test gaussian_delta(mu_, eps) <= d_ passes (non-increasing)
+        out: FloatArray = np.exp(_log_delta(mu_, eps)) - d_
+        return out
+
+    # Make sure the upper end is feasible (it is in exact arithmetic); widen if rounding bites.
     for _ in range(60):
-        bad = ~feasible(hi)
+        bad = excess(hi, mf, d) > 0.0
         if not bad.any():
             break
         hi = np.where(bad, hi * 2.0 + 1e-12, hi)
-    at_zero = feasible(0.0 * mf)
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if np.all((mid <= lo) | (mid >= hi)):
-            break
-        ok = feasible(mid)
-        hi = np.where(ok, mid, hi)
-        lo = np.where(ok, lo, mid)
-    out = np.where(at_zero, 0.0, hi)
+    out = roots.safe_root(
+        excess, np.zeros(m.shape), hi, side="high", args=(mf, d), vectorized=True
+    )
     out = np.where(finite, out, np.inf)
     return _scalar_or_array(out)
 

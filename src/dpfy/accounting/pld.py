@@ -363,7 +363,7 @@ def compose(
     lam0 = math.sqrt(-2.0 * log_tau) / max(math.sqrt(var), h)
     lambdas = lam0 * 4.0 ** np.arange(-3, 4)
     both = np.concatenate((lambdas, -lambdas))
-    log_m = sum(c * _log_mgf(p, both) for p, c in parts)
+    log_m = sum((c * _log_mgf(p, both) for p, c in parts), np.zeros(both.size))
     log_up, log_dn = log_m[: lambdas.size], log_m[lambdas.size :]
     a_up = float(np.min((log_up - log_tau) / lambdas))
     b_lo = float(np.max((log_tau - log_dn) / lambdas))
@@ -399,13 +399,13 @@ def compose(
 # --------------------------------------------------------------------------------------------
 
 
-def _flatten(event: ev.Event, count: int, out: dict[float | tuple, int]) -> None:
+def _flatten(event: ev.Event, count: int, out: dict[tuple[float, float], int]) -> None:
     """Collect {(q, z): count} for a supported event tree (see ``_unsupported``)."""
     if count == 0:
         return
     if isinstance(event, ev.Gaussian):
         key = (1.0, event.noise_multiplier)
-    elif isinstance(event, ev.PoissonSampled):
+    elif isinstance(event, ev.PoissonSampled) and isinstance(event.event, ev.Gaussian):
         key = (event.sampling_rate, event.event.noise_multiplier)
     elif isinstance(event, ev.SelfComposed):
         _flatten(event.event, count * event.count, out)
@@ -560,7 +560,7 @@ class _Refined:
 
 def _refine(
     mechanisms: dict[tuple[float, float], int],
-    evaluate,
+    evaluate: Callable[[DiscretePLD], float],
     tolerance: float,
     tail: float,
     max_size: int,
@@ -635,8 +635,8 @@ def first_interval(event: ev.Event) -> float:
 
 def _run(
     event: ev.Event,
-    evaluate,
-    tolerance: float | None,
+    evaluate: Callable[[DiscretePLD], float],
+    tolerance: float,
     interval: float | None,
     tail: float,
     max_size: int,

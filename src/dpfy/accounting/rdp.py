@@ -105,12 +105,16 @@ def _log_expm1(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     with np.errstate(divide="ignore"):
         small = np.log(np.expm1(np.minimum(x, 30.0)))
-    return np.where(x > 30.0, x + np.log1p(-np.exp(-np.maximum(x, 30.0))), small)
+    out: np.ndarray = np.where(x > 30.0, x + np.log1p(-np.exp(-np.maximum(x, 30.0))), small)
+    return out
 
 
 def _log_binom(n: np.ndarray, k: np.ndarray) -> np.ndarray:
     """log|binom(n, k)| for real n and integer k >= 0 (gammaln is log|Gamma|)."""
-    return special.gammaln(n + 1.0) - special.gammaln(k + 1.0) - special.gammaln(n - k + 1.0)
+    out: np.ndarray = (
+        special.gammaln(n + 1.0) - special.gammaln(k + 1.0) - special.gammaln(n - k + 1.0)
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,7 +149,7 @@ def _log_a_int(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
 def _int_tables(orders: tuple[float, ...]) -> list[tuple[np.ndarray, ...]]:
     """Order-only tables for _log_a_int: per size bucket (cols, orders, k >= 2, log binom)."""
     a = np.asarray(orders)
-    tables = []
+    tables: list[tuple[np.ndarray, ...]] = []
     # Bucket orders by size so small orders do not pay for the largest order's k range.
     edges = [0, 16, 64, 256, 1024, math.inf]
     for lo, hi in zip(edges[:-1], edges[1:], strict=True):
@@ -305,7 +309,8 @@ def rdp_zcdp(rho: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
     """RDP rho * a of a rho-zCDP mechanism (Bun & Steinke 2016, Def. 1.1)."""
     r = np.asarray(rho, dtype=np.float64)
     _check_array("rho", r, 0.0, None)
-    return r[..., None] * _as_orders(orders)
+    out: np.ndarray = r[..., None] * _as_orders(orders)
+    return out
 
 
 def rdp_laplace(noise_multiplier: Any, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
@@ -499,11 +504,20 @@ _NOT_RDP = {
 }
 
 
+def _inner_z(leaf: ev.PoissonSampled | ev.FixedSizeSampled) -> float:
+    """:func:`_gaussian_inner_z` of a sampled leaf that ``unsupported_reason`` admitted."""
+    z = _gaussian_inner_z(leaf.event)
+    if z is None:  # unsupported_reason() admits Gaussian compositions only
+        raise UnsupportedEventError(f"method='rdp' cannot account the sampled event {leaf!r}")
+    return z
+
+
 def _gaussian_inner_z(event: ev.Event) -> float | None:
     """Equivalent noise multiplier of a composition of unsampled Gaussians on one sample.
 
     Gaussians of ratios 1/z_i on the same sample compose exactly to one Gaussian with
-    1/z^2 = sum 1/z_i^2 (DESIGN 3.4); None if ``event`` is not such a composition.
+    1/z^2 = sum 1/z_i^2 (Dong, Roth, Su 2022, Cor. 3.3); None if ``event`` is not such a
+    composition.
     """
     def inv_sq(e: ev.Event) -> float | None:
         if isinstance(e, ev.Gaussian):
@@ -513,7 +527,8 @@ def _gaussian_inner_z(event: ev.Event) -> float | None:
             return None if inner is None else e.count * inner
         if isinstance(e, ev.Composed):
             parts = [inv_sq(x) for x in e.events]
-            return None if any(p is None for p in parts) else float(sum(parts))
+            known = [p for p in parts if p is not None]
+            return float(sum(known)) if len(known) == len(parts) else None
         return None
 
     s = inv_sq(event)
@@ -619,12 +634,12 @@ def rdp_of_event(event: ev.Event, orders: Any = DEFAULT_ORDERS) -> np.ndarray:
         elif isinstance(leaf, ev.ZCDP):
             total += n * rdp_zcdp(leaf.rho * scale**2, a)
         elif isinstance(leaf, ev.PoissonSampled):
-            z = _gaussian_inner_z(leaf.event)
+            z = _inner_z(leaf)
             if z != math.inf:
                 key = (leaf.sampling_rate, z)
                 poisson[key] = poisson.get(key, 0) + n
         elif isinstance(leaf, ev.FixedSizeSampled):
-            z = _gaussian_inner_z(leaf.event)
+            z = _inner_z(leaf)
             if z != math.inf:
                 key = (leaf.sample_size / leaf.dataset_size, z / 2.0)
                 wor[key] = wor.get(key, 0) + n

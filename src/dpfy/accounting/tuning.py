@@ -1,4 +1,4 @@
-"""Accounting for hyperparameter tuning on private data (guide Sec. 5.4.2, Table 4; DESIGN 3.6).
+"""Accounting for hyperparameter tuning on private data (guide Sec. 5.4.2, Table 4).
 
 A report can cover the *final run only* or the *final run plus tuning*. The options of the
 guide's Table 4 map onto events and functions here:
@@ -44,6 +44,7 @@ from numpy.typing import ArrayLike
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import rdp as _rdp
+from dpfy.accounting import roots
 from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
@@ -98,8 +99,9 @@ def truncated_negative_binomial_mean(gamma: float, shape: float) -> float:
 def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
     """The ``gamma`` whose truncated negative binomial has the given ``mean`` (>= 1).
 
-    Solved by bisection on ``log(gamma)``; the result errs on the side of a *smaller* gamma
-    (mean at least the target), which can only increase the privacy bound.
+    Solved on ``log(gamma)`` by :func:`dpfy.accounting.roots.safe_log_root` to float
+    resolution; the result errs on the side of a *smaller* gamma (mean at least the target),
+    which can only increase the privacy bound.
     """
     check_range("shape", shape, 0.0, None, high_open=True)
     check_range("mean", mean, 1.0, None, high_open=True)
@@ -107,20 +109,14 @@ def truncated_negative_binomial_gamma(shape: float, mean: float) -> float:
         return 1.0 / mean
     if mean == 1.0:
         return 1.0
-    hi = 0.0  # log gamma = 0: mean 1 < target
-    lo = -1.0
-    while truncated_negative_binomial_mean(math.exp(lo), shape) < mean:
-        hi, lo = lo, 2.0 * lo
-    # Invariant: mean(exp(lo)) >= target > mean(exp(hi)); mean is decreasing in gamma.
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        if truncated_negative_binomial_mean(math.exp(mid), shape) >= mean:
-            lo = mid
-        else:
-            hi = mid
-    return math.exp(lo)
+    lo = 0.5  # gamma = 1: mean 1 < target; halve gamma until the mean reaches the target
+    while truncated_negative_binomial_mean(lo, shape) < mean:
+        lo *= lo
+
+    def shortfall(gamma: float) -> float:  # <= 0 iff the mean reaches the target (increasing)
+        return mean - truncated_negative_binomial_mean(gamma, shape)
+
+    return float(roots.safe_log_root(shortfall, lo, 1.0, side="low"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,10 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize
 
 from dpfy._validate import check_range
-from dpfy.accounting import gaussian
+from dpfy.accounting import gaussian, roots
 
 __all__ = [
     "FeaturePrivacy",
@@ -63,10 +62,12 @@ def mu_for_target(epsilon: float, delta: float) -> float:
     lo, hi = 1e-8, 1.0
     while gdp_delta(hi, epsilon) < delta:
         lo, hi = hi, hi * 2.0
-    mu = optimize.brentq(lambda m: gdp_delta(m, epsilon) - delta, lo, hi, xtol=1e-14, rtol=1e-12)
-    while gdp_delta(mu, epsilon) > delta:
-        mu *= 1.0 - 1e-10
-    return float(mu)
+    # gdp_delta(mu) - delta is increasing in mu: the largest mu with it <= 0, never above.
+    return float(
+        roots.safe_root(
+            lambda m: gdp_delta(m, epsilon) - delta, lo, hi, side="low", xtol=1e-14, rtol=1e-12
+        )
+    )
 
 
 def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:

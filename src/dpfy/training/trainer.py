@@ -127,14 +127,13 @@ class BudgetGuard:
             return 0
         if self.epsilon_after(ledger, make_event(max_steps)) <= self.target_epsilon:
             return max_steps
-        lo, hi = 0, max_steps  # epsilon(lo) <= target (lo = 0 is checked by the caller)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.epsilon_after(ledger, make_event(mid)) <= self.target_epsilon:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        from dpfy.accounting.roots import largest_true
+
+        def fits(k: int) -> bool:
+            return self.epsilon_after(ledger, make_event(k)) <= self.target_epsilon
+
+        # k = 0 fits (checked by the caller), k = max_steps does not: search in between.
+        return largest_true(fits, 0, max_steps - 1)
 
     def _message(self, ledger: Ledger, eps: float) -> str:
         return (
