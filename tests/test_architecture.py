@@ -1,0 +1,122 @@
+"""The layering rules of ``docs/architecture.md``, checked on the import graph.
+
+Every ``import`` statement is read from the source (module level and inside functions alike: a
+lazy import is still a dependency), so a rule broken anywhere fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dpfy"
+MAX_LINES = 900
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute names (``from x import y`` counts ``x.y`` too)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            out.add(module)
+            out.update(f"{module}.{alias.name}" for alias in node.names)
+    return out
+
+
+MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+IMPORTS = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _violations(owner: str, forbidden: tuple[str, ...]) -> list[str]:
+    bad = []
+    for module, imported in IMPORTS.items():
+        if not _in(module, owner):
+            continue
+        for target in sorted(imported):
+            if any(_in(target, f) for f in forbidden):
+                bad.append(f"{module} imports {target}")
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("owner", "forbidden"),
+    [
+        ("dpfy.events", ("torch", "dpfy.ledger", "dpfy.accounting", "dpfy.training")),
+        ("dpfy._validate", ("torch", "dpfy.events", "dpfy.ledger", "dpfy.accounting")),
+        ("dpfy.accounting", ("torch", "dpfy.ledger", "dpfy.training", "dpfy.sampling")),
+        ("dpfy.ledger", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.report")),
+        ("dpfy.sampling", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.ledger")),
+    ],
+)
+def test_lower_layers_do_not_import_upper_ones(owner: str, forbidden: tuple[str, ...]) -> None:
+    assert MODULES, "no sources found"
+    bad = _violations(owner, forbidden)
+    assert not bad, "\n".join(bad)
+
+
+#: The only ways training reaches accounting: noise calibration and the budget guard.
+TRAINING_TO_ACCOUNTING = {
+    "dpfy.accounting.calibrate",
+    "dpfy.accounting.calibrate.calibrate_noise_multiplier",
+    "dpfy.accounting",
+    "dpfy.accounting.epsilon",
+    "dpfy.accounting.UnsupportedEventError",
+}
+
+
+def test_training_reaches_accounting_only_through_calibration_and_the_budget_guard() -> None:
+    bad = []
+    for module, imported in IMPORTS.items():
+        if not _in(module, "dpfy.training"):
+            continue
+        for target in imported:
+            if _in(target, "dpfy.accounting") and target not in TRAINING_TO_ACCOUNTING:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_cli_holds_no_pipeline() -> None:
+    """``dpfy.cli`` parses and prints; training, ledgers and reports are reached via runs."""
+    imported = IMPORTS["dpfy.cli"]
+    reached = {
+        t
+        for t in imported
+        if any(_in(t, p) for p in ("dpfy.training", "dpfy.ledger", "dpfy.features.estimators"))
+    }
+    assert not reached, f"dpfy.cli reaches pipeline internals: {sorted(reached)}"
+    assert any(_in(t, "dpfy.runs") for t in imported)
+
+
+def test_no_source_file_is_over_the_line_limit() -> None:
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in MODULES.values()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_package_ships_a_typing_marker() -> None:
+    assert (SRC / "py.typed").is_file()
