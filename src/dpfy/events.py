@@ -162,7 +162,7 @@ def _as_adjacency(value: Adjacency | str) -> str:
         ) from None
 
 
-def _validate_epochs(event: Event) -> None:
+def _validate_epochs(event: BallsAndBins | Shuffled | Deterministic) -> None:
     """Shared validation of the epoch-structured sampler events (noise, steps, epochs)."""
     check_range("noise_multiplier", event.noise_multiplier, 0.0, None, low_open=True)
     check_range("steps_per_epoch", event.steps_per_epoch, 1, None, integer=True)
@@ -482,7 +482,7 @@ def _split_count(event: Event) -> tuple[Event, int]:
     if field is not None:
         n = int(getattr(event, field))
         if n >= 1:
-            return dataclasses.replace(event, **{field: 1}), n  # type: ignore[type-var]
+            return dataclasses.replace(event, **{field: 1}), n
     return event, 1
 
 
@@ -498,7 +498,7 @@ def repeat(event: Event, count: int) -> Event:
     unit, n = _split_count(event)
     field = unit.count_field
     if field is not None and getattr(unit, field) == 1:
-        return dataclasses.replace(unit, **{field: n * int(count)})  # type: ignore[type-var]
+        return dataclasses.replace(unit, **{field: n * int(count)})
     return SelfComposed(event, int(count))
 
 
@@ -575,4 +575,5 @@ def untruncated(event: Event) -> Event:
 
 
 def _untruncated_balls_and_bins(event: TruncatedBallsAndBins) -> BallsAndBins:
-    return BallsAndBins(event.noise_multiplier, event.steps_per_epoch, event.epochs, event.adjacency)
+    e = event
+    return BallsAndBins(e.noise_multiplier, e.steps_per_epoch, e.epochs, e.adjacency)

@@ -36,6 +36,13 @@ Example:
 
 from __future__ import annotations
 
+from dpfy.sampling.base import (
+    BaseSampler,
+    FixedBatchEpochSampler,
+    Sampler,
+    epochs_and_steps,
+    pad_batch,
+)
 from dpfy.sampling.kinds import (
     EventMap,
     SamplerClass,
@@ -47,21 +54,16 @@ from dpfy.sampling.kinds import (
     unregister_kind,
 )
 from dpfy.sampling.spec import SampleSpec, spec_event
-from dpfy.sampling.base import (  # noqa: I001  (after spec: the built-in rows need both)
-    BaseSampler,
-    FixedBatchEpochSampler,
-    Sampler,
-    epochs_and_steps,
-    pad_batch,
-)
 
-# The built-in kinds, in table order (each module registers its row on import).
+# The built-in kinds, in table order: each module registers its row on import.
+# isort: off
 from dpfy.sampling.poisson import PoissonSampler
 from dpfy.sampling.balls_and_bins import BallsAndBinsSampler, balls_and_bins_sizes
 from dpfy.sampling.shuffle import ShuffleSampler
 from dpfy.sampling.deterministic import DeterministicSampler
 from dpfy.sampling.fixed_size import FixedSizeSampler
 from dpfy.sampling import full_batch as _full_batch  # noqa: F401  (registers "full_batch")
+# isort: on
 from dpfy.sampling.factory import SAMPLER_KINDS, make_sampler
 
 __all__ = [

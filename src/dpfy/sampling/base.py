@@ -46,7 +46,7 @@ __all__ = [
 class Sampler(Protocol):
     """What every batch sampler provides (see the module docstring)."""
 
-    kind: str
+    kind: ClassVar[str]
     dataset_size: int
     steps_per_epoch: int
     expected_batch_size: float
@@ -212,7 +212,7 @@ class BaseSampler:
             return batch
         self.truncated_steps += 1
         keep = self.randomness.choice(len(batch), self.max_batch_size)
-        return batch[np.sort(keep)]
+        return np.asarray(batch[np.sort(keep)], dtype=np.int64)
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -66,9 +66,8 @@ class SampleSpec:
                 f"sampler must be one of {{{', '.join(names)}}}, got sampler={self.sampler!r}"
             )
         row = kind(self.sampler)
-        if self.adjacency is None:
-            object.__setattr__(self, "adjacency", row.adjacency)
-        object.__setattr__(self, "adjacency", ev._as_adjacency(self.adjacency))
+        adjacency = row.adjacency if self.adjacency is None else self.adjacency
+        object.__setattr__(self, "adjacency", ev._as_adjacency(adjacency))
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if value is not None:
@@ -94,8 +93,8 @@ class SampleSpec:
         if row.check is not None:
             row.check(self)
         if self.adjacency not in row.allowed_adjacency:
-            allowed = row.allowed_adjacency
-            must = repr(allowed[0]) if len(allowed) == 1 else f"one of {{{', '.join(allowed)}}}"
+            options = row.allowed_adjacency
+            must = repr(options[0]) if len(options) == 1 else f"one of {{{', '.join(options)}}}"
             raise ValueError(
                 f"adjacency must be {must} for sampler={self.sampler!r}, "
                 f"got adjacency={self.adjacency!r}"
