@@ -19,7 +19,9 @@ hyperparameter that claims to.
 Modules: :mod:`~dpfy.sampling.kinds` (the table and its registry), :mod:`~dpfy.sampling.spec`
 (``SampleSpec``, ``spec_event``), :mod:`~dpfy.sampling.base` (``Sampler``, shared base,
 ``pad_batch``), :mod:`~dpfy.sampling.factory` (``make_sampler``), and one module per kind, which
-holds the sampler and registers the kind's row. Adding a kind is one such module (see
+holds the sampler and registers the kind's row. (``dpfy.sampling.kinds`` as an attribute is
+the function listing the rows; import the module's names with ``from dpfy.sampling.kinds
+import ...``.) Adding a kind is one such module (see
 ``docs/architecture.md``, "How to add a sampler").
 
 All randomness comes from an injected :class:`dpfy.randomness.Randomness` (seeded or secure).
@@ -47,6 +49,7 @@ from dpfy.sampling.kinds import (
     EventMap,
     SamplerClass,
     SamplerKind,
+    column,
     kind,
     kind_names,
     kinds,
@@ -90,4 +93,5 @@ __all__ = [
     "kind",
     "kinds",
     "kind_names",
+    "column",
 ]

@@ -6,37 +6,18 @@ Driven by the table (:mod:`dpfy.sampling.kinds`): a kind's row names its sampler
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from dpfy._validate import check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import Sampler
-from dpfy.sampling.kinds import SamplerClass, kinds
+from dpfy.sampling.kinds import SamplerClass, column, kinds
 
 __all__ = ["SAMPLER_KINDS", "make_sampler"]
 
 
-class _SamplerClasses(Mapping[str, SamplerClass]):
-    """Live read-only view: kind name -> sampler class, for every kind that has one."""
-
-    def _table(self) -> dict[str, SamplerClass]:
-        return {r.name: r.sampler for r in kinds() if r.sampler is not None}
-
-    def __getitem__(self, name: str) -> SamplerClass:
-        return self._table()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def __repr__(self) -> str:
-        return f"SAMPLER_KINDS({self._table()!r})"
-
-
 #: Kind name -> sampler class, for every registered kind with a sampler (a live view).
-SAMPLER_KINDS: Mapping[str, SamplerClass] = _SamplerClasses()
+SAMPLER_KINDS: Mapping[str, SamplerClass] = column("sampler")
 
 
 def make_sampler(

@@ -15,8 +15,8 @@ This module imports neither torch nor :mod:`dpfy.accounting`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dpfy import events as ev
 
@@ -34,6 +34,7 @@ __all__ = [
     "kind",
     "kinds",
     "kind_names",
+    "column",
 ]
 
 #: ``(spec, noise_multiplier, count) -> event``: ``count`` steps, or epochs for an epoch kind.
@@ -163,3 +164,36 @@ def kinds() -> tuple[SamplerKind, ...]:
 def kind_names() -> tuple[str, ...]:
     """Names of every registered kind, in registration order."""
     return tuple(_KINDS)
+
+
+class _Column(Mapping[str, Any]):
+    """Live read-only view ``kind name -> row.<field>`` over the registry (None values skipped)."""
+
+    def __init__(self, field: str) -> None:
+        if field not in {f.name for f in dataclasses.fields(SamplerKind)}:
+            raise ValueError(f"field must be a SamplerKind field, got field={field!r}")
+        self._field = field
+
+    def _values(self) -> dict[str, Any]:
+        pairs = ((r.name, getattr(r, self._field)) for r in _KINDS.values())
+        return {name: value for name, value in pairs if value is not None}
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __repr__(self) -> str:
+        return f"column({self._field!r}): {self._values()!r}"
+
+
+def column(field: str) -> Mapping[str, Any]:
+    """A live view ``kind name -> value of field`` of the table, e.g. ``column("assumptions")``.
+
+    Kinds registered later appear in it; rows whose value is None are left out.
+    """
+    return _Column(field)
