@@ -12,7 +12,7 @@ import math
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import typer
 
@@ -39,8 +39,12 @@ def _sampler_enum(name: str, *, train: bool) -> Any:
     return StrEnum(name, {r.name: r.cli_name for r in rows})
 
 
-#: Samplers of the accounting commands (rows of dpfy.sampling.kinds with ``cli``).
-SamplerName = _sampler_enum("SamplerName", train=False)
+if TYPE_CHECKING:  # generated from the table at run time, so opaque to a type checker
+    SamplerName: TypeAlias = Any
+    TrainSampler: TypeAlias = Any
+else:
+    #: Samplers of the accounting commands (rows of dpfy.sampling.kinds with ``cli``).
+    SamplerName = _sampler_enum("SamplerName", train=False)
 
 
 class MethodName(StrEnum):
@@ -389,8 +393,9 @@ class DatasetName(StrEnum):
     fashion_mnist = "fashion-mnist"
 
 
-#: Samplers of ``dpfy train`` (rows of dpfy.sampling.kinds with ``cli_train``).
-TrainSampler = _sampler_enum("TrainSampler", train=True)
+if not TYPE_CHECKING:
+    #: Samplers of ``dpfy train`` (rows of dpfy.sampling.kinds with ``cli_train``).
+    TrainSampler = _sampler_enum("TrainSampler", train=True)
 
 
 @app.command()
