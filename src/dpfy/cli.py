@@ -12,7 +12,7 @@ import math
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import typer
 
@@ -31,11 +31,20 @@ app = typer.Typer(
 )
 
 
-class SamplerName(StrEnum):
-    poisson = "poisson"
-    balls_and_bins = "balls-and-bins"
-    shuffle = "shuffle"
-    deterministic = "deterministic"
+def _sampler_enum(name: str, *, train: bool) -> Any:
+    """A StrEnum of the sampler kinds the table offers on the command line (dashed spelling)."""
+    from dpfy.sampling import kinds
+
+    rows = [r for r in kinds() if (r.cli_train if train else r.cli)]
+    return StrEnum(name, {r.name: r.cli_name for r in rows})
+
+
+if TYPE_CHECKING:  # generated from the table at run time, so opaque to a type checker
+    SamplerName: TypeAlias = Any
+    TrainSampler: TypeAlias = Any
+else:
+    #: Samplers of the accounting commands (rows of dpfy.sampling.kinds with ``cli``).
+    SamplerName = _sampler_enum("SamplerName", train=False)
 
 
 class MethodName(StrEnum):
@@ -384,9 +393,9 @@ class DatasetName(StrEnum):
     fashion_mnist = "fashion-mnist"
 
 
-class TrainSampler(StrEnum):
-    poisson = "poisson"
-    balls_and_bins = "balls-and-bins"
+if not TYPE_CHECKING:
+    #: Samplers of ``dpfy train`` (rows of dpfy.sampling.kinds with ``cli_train``).
+    TrainSampler = _sampler_enum("TrainSampler", train=True)
 
 
 @app.command()

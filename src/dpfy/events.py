@@ -7,7 +7,11 @@ validate on construction and round-trip through JSON (``to_dict`` / ``event_from
 Promise: the meaning of an event type never changes once released. A new analysis gets a new
 event type, so a ledger written today is re-accounted tomorrow with the same semantics.
 
-Conventions (DESIGN.md section 2):
+Composition helpers: :class:`EventBuilder` (and :func:`compose`, :func:`repeat`) fold
+consecutive repetitions of one mechanism into a single count and flatten nested ``Composed``;
+:func:`untruncated` strips the truncation of truncated samplers.
+
+Conventions (``docs/architecture.md``, "Privacy events"):
   * ``noise_multiplier`` is the noise standard deviation divided by the L2 sensitivity.
   * Unless an event names another, adjacency is ``add_or_remove`` (one example added or removed).
 """
@@ -38,6 +42,10 @@ __all__ = [
     "SelfComposed",
     "Composed",
     "RepeatAndSelect",
+    "EventBuilder",
+    "compose",
+    "repeat",
+    "untruncated",
     "event_from_dict",
 ]
 
@@ -75,6 +83,10 @@ class Event:
     """Base class of all privacy events."""
 
     kind: ClassVar[str] = "event"
+    #: Name of the integer field that counts repetitions of this mechanism (``epochs`` or
+    #: ``steps``), so that ``n`` runs of it are the same event with the field times ``n``;
+    #: None when repetitions are expressed with :class:`SelfComposed`.
+    count_field: ClassVar[str | None] = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; ``event_from_dict`` inverts it."""
@@ -162,7 +174,7 @@ def _as_adjacency(value: Adjacency | str) -> str:
         ) from None
 
 
-def _validate_epochs(event: Event) -> None:
+def _validate_epochs(event: BallsAndBins | Shuffled | Deterministic) -> None:
     """Shared validation of the epoch-structured sampler events (noise, steps, epochs)."""
     check_range("noise_multiplier", event.noise_multiplier, 0.0, None, low_open=True)
     check_range("steps_per_epoch", event.steps_per_epoch, 1, None, integer=True)
@@ -285,6 +297,7 @@ class BallsAndBins(Event):
     epochs: int = 1
     adjacency: str = Adjacency.ADD_OR_REMOVE.value
     kind: ClassVar[str] = "balls_and_bins"
+    count_field: ClassVar[str | None] = "epochs"
 
     def __post_init__(self) -> None:
         _validate_epochs(self)
@@ -307,6 +320,7 @@ class Shuffled(Event):
     epochs: int = 1
     adjacency: str = Adjacency.ZERO_OUT.value
     kind: ClassVar[str] = "shuffled"
+    count_field: ClassVar[str | None] = "epochs"
 
     def __post_init__(self) -> None:
         _validate_epochs(self)
@@ -325,6 +339,7 @@ class Deterministic(Event):
     epochs: int = 1
     adjacency: str = Adjacency.ZERO_OUT.value
     kind: ClassVar[str] = "deterministic"
+    count_field: ClassVar[str | None] = "epochs"
 
     def __post_init__(self) -> None:
         _validate_epochs(self)
@@ -336,7 +351,7 @@ class TruncatedPoisson(Event):
     """``steps`` Poisson-sampled Gaussian steps whose batches are truncated to ``max_batch_size``.
 
     Truncation (a random subset of an over-full batch) costs extra delta; accountants add it
-    to every delta they report for this event (DESIGN 4.4).
+    to every delta they report for this event (``dpfy.accounting.truncation``).
     """
 
     sampling_rate: float
@@ -345,6 +360,7 @@ class TruncatedPoisson(Event):
     dataset_size: int
     max_batch_size: int
     kind: ClassVar[str] = "truncated_poisson"
+    count_field: ClassVar[str | None] = "steps"
 
     def __post_init__(self) -> None:
         check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
@@ -376,6 +392,7 @@ class TruncatedBallsAndBins(Event):
     max_batch_size: int
     adjacency: str = Adjacency.ADD_OR_REMOVE.value
     kind: ClassVar[str] = "truncated_balls_and_bins"
+    count_field: ClassVar[str | None] = "epochs"
 
     def __post_init__(self) -> None:
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
@@ -392,9 +409,7 @@ class TruncatedBallsAndBins(Event):
 
     def untruncated(self) -> BallsAndBins:
         """The mechanism without truncation (its delta excludes the truncation cost)."""
-        return BallsAndBins(
-            self.noise_multiplier, self.steps_per_epoch, self.epochs, self.adjacency
-        )
+        return _untruncated_balls_and_bins(self)
 
 
 # --------------------------------------------------------------------------------------------
@@ -458,3 +473,119 @@ class RepeatAndSelect(Event):
 def _check_event(name: str, value: Any) -> None:
     if not isinstance(value, Event):
         raise ValueError(f"{name} must be a dpfy.events.Event, got {name}={value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Building composed events
+# --------------------------------------------------------------------------------------------
+
+
+def _split_count(event: Event) -> tuple[Event, int]:
+    """(one repetition, number of repetitions) of ``event``; exact, no rounding.
+
+    ``SelfComposed(e, n)`` is ``n`` times ``e`` (recursively), and an event with a
+    :attr:`Event.count_field` of value ``n >= 1`` is ``n`` times the same event with that field
+    set to 1. Anything else is one repetition of itself.
+    """
+    if isinstance(event, SelfComposed) and event.count >= 1:
+        inner, n = _split_count(event.event)
+        return inner, n * event.count
+    field = event.count_field
+    if field is not None:
+        n = int(getattr(event, field))
+        if n >= 1:
+            return dataclasses.replace(event, **{field: 1}), n
+    return event, 1
+
+
+def repeat(event: Event, count: int) -> Event:
+    """``event`` run ``count`` times: the counted field scaled, else ``SelfComposed``.
+
+    ``repeat(e, 1)`` is ``e``; ``repeat(BallsAndBins(z, T, 1), 3)`` is ``BallsAndBins(z, T, 3)``;
+    ``repeat(Gaussian(z), 3)`` is ``SelfComposed(Gaussian(z), 3)``.
+    """
+    check_range("count", count, 1, None, integer=True)
+    if count == 1:
+        return event
+    unit, n = _split_count(event)
+    field = unit.count_field
+    if field is not None and getattr(unit, field) == 1:
+        return dataclasses.replace(unit, **{field: n * int(count)})
+    return SelfComposed(event, int(count))
+
+
+class EventBuilder:
+    """Adaptive composition built step by step, in order (idea as dp_accounting's builder).
+
+    :meth:`add` appends an event; consecutive repetitions of one mechanism are folded into one
+    count (``SelfComposed`` or the event's own ``epochs`` / ``steps`` field, see :func:`repeat`)
+    and a nested ``Composed`` is flattened. Both are exact rewrites of the same composition.
+    :meth:`build` returns the single event, or ``Composed`` of the parts (``Composed(())`` when
+    nothing was added).
+
+    Example:
+        >>> step = PoissonSampled(0.01, Gaussian(1.0))
+        >>> EventBuilder().add(step, 3).add(SelfComposed(step, 2)).build()
+        SelfComposed(event=PoissonSampled(sampling_rate=0.01, event=Gaussian(noise_multiplier=1.0)), count=5)
+    """  # noqa: E501
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[Event, int]] = []
+
+    def add(self, event: Event, count: int = 1) -> EventBuilder:
+        """Append ``event`` run ``count`` (>= 1) times; returns the builder."""
+        _check_event("event", event)
+        check_range("count", count, 1, None, integer=True)
+        if isinstance(event, Composed) and count == 1:
+            for part in event.events:
+                self.add(part)
+            return self
+        unit, n = _split_count(event)
+        n *= int(count)
+        if self._parts and self._parts[-1][0] == unit:
+            self._parts[-1] = (unit, self._parts[-1][1] + n)
+        else:
+            self._parts.append((unit, n))
+        return self
+
+    def compose(self, *events: Event) -> EventBuilder:
+        """Append each of ``events`` once, in order; returns the builder."""
+        for event in events:
+            self.add(event)
+        return self
+
+    def build(self) -> Event:
+        """The composed event (see the class docstring)."""
+        out = tuple(repeat(unit, n) for unit, n in self._parts)
+        return out[0] if len(out) == 1 else Composed(out)
+
+
+def compose(*events: Event) -> Event:
+    """``EventBuilder().compose(*events).build()``: the events in order, repetitions folded."""
+    return EventBuilder().compose(*events).build()
+
+
+def untruncated(event: Event) -> Event:
+    """The event with every truncated sampler replaced by its untruncated mechanism.
+
+    ``TruncatedPoisson`` becomes ``SelfComposed(PoissonSampled(q, Gaussian(z)), steps)`` and
+    ``TruncatedBallsAndBins`` becomes ``BallsAndBins``; the truncation's extra delta is then
+    added by the caller (``dpfy.accounting.truncation``).
+    """
+    if isinstance(event, TruncatedPoisson):
+        inner = PoissonSampled(event.sampling_rate, Gaussian(event.noise_multiplier))
+        return SelfComposed(inner, event.steps)
+    if isinstance(event, TruncatedBallsAndBins):
+        return _untruncated_balls_and_bins(event)
+    if isinstance(event, SelfComposed):
+        return SelfComposed(untruncated(event.event), event.count)
+    if isinstance(event, Composed):
+        return Composed(tuple(untruncated(e) for e in event.events))
+    if isinstance(event, PoissonSampled):
+        return PoissonSampled(event.sampling_rate, untruncated(event.event))
+    return event
+
+
+def _untruncated_balls_and_bins(event: TruncatedBallsAndBins) -> BallsAndBins:
+    e = event
+    return BallsAndBins(e.noise_multiplier, e.steps_per_epoch, e.epochs, e.adjacency)

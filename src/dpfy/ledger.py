@@ -47,6 +47,8 @@ from typing import Any, ClassVar
 
 from dpfy import events as ev
 from dpfy._validate import check_range
+from dpfy.sampling.kinds import kind, kind_names
+from dpfy.sampling.spec import SampleSpec, spec_event
 
 __all__ = [
     "SAMPLERS",
@@ -64,9 +66,9 @@ __all__ = [
 FORMAT = "dpfy-ledger"
 VERSION = 1
 
-#: Sampler kinds a :class:`SampleSpec` may name.
-SAMPLERS = ("poisson", "balls_and_bins", "shuffle", "deterministic", "fixed_size", "full_batch")
-_EPOCH_SAMPLERS = ("balls_and_bins", "shuffle", "deterministic")
+#: Built-in sampler kinds a :class:`SampleSpec` may name (the table in
+#: :mod:`dpfy.sampling.kinds`; ``dpfy.sampling.kind_names()`` also lists kinds registered later).
+SAMPLERS = kind_names()
 # Two noise multipliers closer than this (relative) are folded into one run, keeping the smaller.
 _Z_RTOL = 1e-12
 
@@ -82,97 +84,6 @@ class LedgerTruncationWarning(UserWarning):
 # --------------------------------------------------------------------------------------------
 # Records
 # --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SampleSpec:
-    """How one batch was drawn: the facts an accountant needs about the sampler.
-
-    Attributes:
-      sampler: one of :data:`SAMPLERS`.
-      dataset_size: number of units of privacy in the dataset (needed by ``fixed_size`` and by a
-        truncated ``poisson`` sampler).
-      sampling_rate: per-step inclusion probability q (``poisson``; expected batch q x N).
-      batch_size: batch size (``fixed_size``; informative for ``shuffle``/``deterministic``).
-      steps_per_epoch: batches per epoch (``balls_and_bins``, ``shuffle``, ``deterministic``).
-      max_batch_size: batches longer than this were truncated to a random subset (``poisson``
-        and ``balls_and_bins`` only; needs ``dataset_size``).
-      adjacency: neighbouring relation, one of :class:`dpfy.events.Adjacency`; default (None):
-        the sampler's own (``zero_out`` for ``shuffle``/``deterministic``, whose bounds assume
-        no other example changes batch; ``add_or_remove`` otherwise). ``fixed_size`` is
-        ``replace_one`` whatever is stated; ``poisson`` and ``full_batch`` need
-        ``add_or_remove``.
-      unit: the unit of privacy ("example", "user", ...); one ledger uses one unit.
-    """
-
-    sampler: str
-    dataset_size: int | None = None
-    sampling_rate: float | None = None
-    batch_size: int | None = None
-    steps_per_epoch: int | None = None
-    max_batch_size: int | None = None
-    adjacency: str | None = None
-    unit: str = "example"
-
-    def __post_init__(self) -> None:
-        if self.sampler not in SAMPLERS:
-            allowed = ", ".join(SAMPLERS)
-            raise ValueError(f"sampler must be one of {{{allowed}}}, got sampler={self.sampler!r}")
-        if self.adjacency is None:
-            default = "zero_out" if self.sampler in ("shuffle", "deterministic") else None
-            object.__setattr__(self, "adjacency", default or ev.Adjacency.ADD_OR_REMOVE.value)
-        object.__setattr__(self, "adjacency", ev._as_adjacency(self.adjacency))
-        for name in ("dataset_size", "batch_size", "steps_per_epoch", "max_batch_size"):
-            value = getattr(self, name)
-            if value is not None:
-                check_range(name, value, 1, None, integer=True)
-                object.__setattr__(self, name, int(value))
-        if self.sampling_rate is not None:
-            check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
-            object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
-        if not isinstance(self.unit, str) or not self.unit:
-            raise ValueError(f"unit must be a non-empty string, got unit={self.unit!r}")
-        needs = {
-            "poisson": ("sampling_rate",),
-            "balls_and_bins": ("steps_per_epoch",),
-            "shuffle": ("steps_per_epoch",),
-            "deterministic": ("steps_per_epoch",),
-            "fixed_size": ("batch_size", "dataset_size"),
-            "full_batch": (),
-        }[self.sampler]
-        if self.max_batch_size is not None:
-            if self.sampler not in ("poisson", "balls_and_bins"):
-                raise ValueError(
-                    "max_batch_size applies to the 'poisson' and 'balls_and_bins' samplers only, "
-                    f"got sampler={self.sampler!r} with max_batch_size={self.max_batch_size!r}"
-                )
-            needs = (*needs, "dataset_size")
-        missing = [n for n in needs if getattr(self, n) is None]
-        if missing:
-            raise ValueError(
-                f"sampler={self.sampler!r} needs {', '.join(missing)}, got {self!r}"
-            )
-        if self.sampler == "fixed_size" and self.batch_size > self.dataset_size:
-            check_range("batch_size", self.batch_size, 1, self.dataset_size, integer=True)
-        if self.sampler in ("poisson", "full_batch") and self.adjacency != "add_or_remove":
-            raise ValueError(
-                f"adjacency must be 'add_or_remove' for sampler={self.sampler!r}, "
-                f"got adjacency={self.adjacency!r}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable dict, omitting fields left at None."""
-        out = {"sampler": self.sampler}
-        for f in dataclasses.fields(self)[1:]:
-            value = getattr(self, f.name)
-            if value is not None:
-                out[f.name] = value
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SampleSpec:
-        """Inverse of :meth:`to_dict` (validates again)."""
-        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -677,68 +588,39 @@ class Ledger:
         _ = self.unit  # one unit of privacy per ledger
         zs = self.noise_multipliers()
         reasons = self._nonprivate
-        units: list[tuple[Any, ...]] = []  # (key, z, count); key identifies the spec / reason
-        epoch_units: dict[tuple[SampleSpec, int], int] = {}
+        # Runs in sample order: [key, z, count (+ samples of an epoch label)]; the key is
+        # ("step" | "epoch", spec) or ("nonprivate", reason).
+        units: list[list[Any]] = []
+        epoch_units: dict[tuple[SampleSpec, int], list[Any]] = {}
+        epochal: dict[str, bool] = {}
         for rec in self._samples.values():
             spec = rec.spec
-            if spec.sampler in _EPOCH_SAMPLERS:
-                key = (spec, rec.epoch)
-                if key not in epoch_units:
-                    epoch_units[key] = len(units)
-                    units.append([("epoch", spec), math.inf, 0, 0])
-                unit = units[epoch_units[key]]
-                unit[3] += 1  # samples in this epoch label
-                z = zs.get(rec.sample_id)
-                if z is not None:
-                    if z == 0.0:
-                        units.append([("nonprivate", reasons[rec.sample_id]), 0.0, 1])
-                    else:
-                        unit[1] = min(unit[1], z)
-                continue
+            if spec.sampler not in epochal:
+                epochal[spec.sampler] = kind(spec.sampler).epoch_structured
             z = zs.get(rec.sample_id)
-            if z is None:
-                continue
+            if epochal[spec.sampler]:
+                unit = epoch_units.get((spec, rec.epoch))
+                if unit is None:
+                    unit = epoch_units[(spec, rec.epoch)] = [("epoch", spec), math.inf, 0, 0]
+                    units.append(unit)
+                unit[3] += 1  # samples in this epoch label
+                if z is not None and z != 0.0:
+                    unit[1] = min(unit[1], z)
+            elif z is not None and z != 0.0:
+                units.append([("step", spec), z, 1])
             if z == 0.0:
                 units.append([("nonprivate", reasons[rec.sample_id]), 0.0, 1])
+        runs = _fold_runs(_charge_epochs(units))
+        builder = ev.EventBuilder()
+        for (tag, payload), z, count in runs:
+            if tag == "nonprivate":
+                builder.add(ev.NonPrivate(reason=payload), count)
             else:
-                units.append([("step", spec), z, 1])
-        # Epoch units: charge ceil(samples / steps_per_epoch) epochs; drop epochs without cost.
-        flat: list[list[Any]] = []
-        for u in units:
-            if u[0][0] == "epoch":
-                if u[1] == math.inf:
-                    continue
-                per_epoch = u[0][1].steps_per_epoch
-                epochs = -(-u[3] // per_epoch)
-                if epochs > 1:
-                    warnings.warn(
-                        f"{u[3]} samples were recorded under one epoch label with "
-                        f"steps_per_epoch={per_epoch}; charging {epochs} epochs",
-                        stacklevel=2,
-                    )
-                flat.append([u[0], u[1], epochs])
-            else:
-                flat.append(list(u))
-        # Fold consecutive runs of the same key and (nearly) the same z, keeping the smaller z.
-        runs: list[list[Any]] = []
-        for u in flat:
-            prev = runs[-1] if runs else None
-            if (
-                prev is not None
-                and prev[0] == u[0]
-                and abs(prev[1] - u[1]) <= _Z_RTOL * max(prev[1], u[1])
-            ):
-                prev[1] = min(prev[1], u[1])
-                prev[2] += u[2]
-            else:
-                runs.append(list(u))
-        out = [_run_event(key, z, count) for key, z, count in runs]
-        out.extend(
-            ev.NonPrivate(reason=f"{r.name}: {r.reason}")
-            for r in self._entries
-            if isinstance(r, NonPrivateRecord) and r.sample_id is None
-        )
-        return out[0] if len(out) == 1 else ev.Composed(tuple(out))
+                builder.add(spec_event(payload, z, count))
+        for r in self._entries:
+            if isinstance(r, NonPrivateRecord) and r.sample_id is None:
+                builder.add(ev.NonPrivate(reason=f"{r.name}: {r.reason}"))
+        return builder.build()
 
     def epsilon(self, delta: float, method: Any = "auto") -> Any:
         """Account the ledger: ``dpfy.accounting.epsilon(self.to_event(), delta, method)``.
@@ -779,35 +661,42 @@ def _check_count(name: str, value: Any) -> None:
     check_range(name, value, 0, None, integer=True)
 
 
-def _run_event(key: tuple[str, Any], z: float, count: int) -> ev.Event:
-    tag, payload = key
-    if tag == "nonprivate":
-        one = ev.NonPrivate(reason=payload)
-        return one if count == 1 else ev.SelfComposed(one, count)
-    spec: SampleSpec = payload
-    kind = spec.sampler
-    if kind == "balls_and_bins" and spec.max_batch_size is not None:
-        return ev.TruncatedBallsAndBins(
-            z, spec.steps_per_epoch, count, spec.dataset_size, spec.max_batch_size,
-            adjacency=spec.adjacency,
-        )
-    if kind == "balls_and_bins":
-        return ev.BallsAndBins(z, spec.steps_per_epoch, count, adjacency=spec.adjacency)
-    if kind == "shuffle":
-        return ev.Shuffled(z, spec.steps_per_epoch, count, adjacency=spec.adjacency)
-    if kind == "deterministic":
-        return ev.Deterministic(z, spec.steps_per_epoch, count, adjacency=spec.adjacency)
-    if kind == "poisson" and spec.max_batch_size is not None:
-        return ev.TruncatedPoisson(
-            spec.sampling_rate, z, count, spec.dataset_size, spec.max_batch_size
-        )
-    if kind == "poisson":
-        one: ev.Event = ev.PoissonSampled(spec.sampling_rate, ev.Gaussian(z))
-    elif kind == "fixed_size":
-        one = ev.FixedSizeSampled(spec.batch_size, spec.dataset_size, ev.Gaussian(z))
-    else:  # full_batch
-        one = ev.Gaussian(z)
-    return one if count == 1 else ev.SelfComposed(one, count)
+def _charge_epochs(units: list[list[Any]]) -> list[list[Any]]:
+    """Epoch runs charge ceil(samples / steps_per_epoch) epochs; epochs without cost drop."""
+    flat: list[list[Any]] = []
+    for u in units:
+        if u[0][0] != "epoch":
+            flat.append(list(u))
+            continue
+        if u[1] == math.inf:
+            continue
+        per_epoch = u[0][1].steps_per_epoch
+        epochs = -(-u[3] // per_epoch)
+        if epochs > 1:
+            warnings.warn(
+                f"{u[3]} samples were recorded under one epoch label with "
+                f"steps_per_epoch={per_epoch}; charging {epochs} epochs",
+                stacklevel=3,
+            )
+        flat.append([u[0], u[1], epochs])
+    return flat
+
+
+def _fold_runs(units: list[list[Any]]) -> list[list[Any]]:
+    """Fold consecutive runs of the same key and (nearly) the same z, keeping the smaller z."""
+    runs: list[list[Any]] = []
+    for u in units:
+        prev = runs[-1] if runs else None
+        if (
+            prev is not None
+            and prev[0] == u[0]
+            and abs(prev[1] - u[1]) <= _Z_RTOL * max(prev[1], u[1])
+        ):
+            prev[1] = min(prev[1], u[1])
+            prev[2] += u[2]
+        else:
+            runs.append(list(u))
+    return runs
 
 
 def _read_text(path: str) -> str:

@@ -23,6 +23,8 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.ledger import Ledger, MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
+from dpfy.sampling import column as sampler_column
+from dpfy.sampling import kind as sampler_kind
 
 __all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
 
@@ -47,21 +49,8 @@ REPORT_FIELDS = (
     "reproduce",
 )
 
-_SAMPLER_ASSUMPTIONS = {
-    "poisson": "each example is included in each step independently with probability q "
-    "(Poisson sampling, as the sampler actually ran); the denominator is the expected batch size",
-    "balls_and_bins": "each example is placed in exactly one uniformly random batch per epoch "
-    "(Balls-and-Bins, Chua et al. 2025); epsilon from Monte Carlo accounting of the dominating "
-    "pair is an upper confidence bound that fails with the stated error probability",
-    "shuffle": "data shuffled once per epoch and cut into fixed-size batches. No tight "
-    "amplification bound is known for shuffling: the reported epsilon assumes NO amplification "
-    "(a valid upper bound); the lower bound of Chua et al. 2024a shows how far a Poisson number "
-    "would be from the truth. A Poisson-sampling epsilon is NOT valid for this run.",
-    "deterministic": "fixed order and batch size: no amplification by sampling; each example "
-    "is used once per epoch",
-    "fixed_size": "fixed-size batches drawn without replacement; replace-one adjacency",
-    "full_batch": "every example used in every release (no sampling)",
-}
+#: Kind name -> what the report assumes about that sampler (the table in dpfy.sampling.kinds).
+_SAMPLER_ASSUMPTIONS = sampler_column("assumptions")
 
 
 def privacy_tier(epsilon: float) -> str:
@@ -354,10 +343,11 @@ def epsilon_history(
     if total == 0:
         return [], {}
     spec = ledger.samples[0].spec
-    if spec.sampler in ("balls_and_bins", "shuffle", "deterministic") and spec.steps_per_epoch:
-        per = spec.steps_per_epoch
+    row = sampler_kind(spec.sampler)
+    methods = row.history_methods or methods
+    if row.epoch_structured and spec.steps_per_epoch:
+        per = spec.steps_per_epoch  # one point per epoch boundary
         steps = sorted({min(total, per * k) for k in range(1, math.ceil(total / per) + 1)})
-        methods = ("monte_carlo",) if spec.sampler == "balls_and_bins" else ("shuffle",)
     else:
         steps = sorted({max(1, round(total * k / points)) for k in range(1, points + 1)})
     curves: dict[str, list[float]] = {}

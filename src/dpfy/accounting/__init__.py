@@ -21,6 +21,7 @@ from dpfy.accounting._api import (
     delta,
     epsilon,
     register_accountant,
+    untruncated,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "delta",
     "epsilon",
     "register_accountant",
+    "untruncated",
 ]
 
 from dpfy.accounting import tuning  # noqa: E402,F401  (registers "rdp_tuning": RepeatAndSelect)

@@ -200,20 +200,8 @@ def _method_name(method: str | Accountant) -> str:
     return method.name
 
 
-def untruncated(event: ev.Event) -> ev.Event:
-    """The event with every truncated sampler replaced by its untruncated mechanism."""
-    if isinstance(event, ev.TruncatedPoisson):
-        inner = ev.PoissonSampled(event.sampling_rate, ev.Gaussian(event.noise_multiplier))
-        return ev.SelfComposed(inner, event.steps)
-    if isinstance(event, ev.TruncatedBallsAndBins):
-        return event.untruncated()
-    if isinstance(event, ev.SelfComposed):
-        return ev.SelfComposed(untruncated(event.event), event.count)
-    if isinstance(event, ev.Composed):
-        return ev.Composed(tuple(untruncated(e) for e in event.events))
-    if isinstance(event, ev.PoissonSampled):
-        return ev.PoissonSampled(event.sampling_rate, untruncated(event.event))
-    return event
+# ``untruncated`` lives with the events (dpfy.events); re-exported here for old imports.
+untruncated = ev.untruncated
 
 
 def _truncation_note(probability: float) -> str:

@@ -29,6 +29,7 @@ from torch import nn
 from dpfy import datasets
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
+from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
@@ -164,8 +165,9 @@ def train_image_classifier(
       model: ``"tanh_cnn"`` or ``"gn_cnn"``.
       ema_decay: EMA of the weights (the EMA model is released), or None.
       max_physical_batch_size: rows per forward/backward pass.
-      accounting: accountant for calibration, the guard and the final statement; default
-        ``"pld"`` for Poisson, ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` otherwise.
+      accounting: accountant for calibration, the guard and the final statement; default: the
+        sampler kind's ``default_accountant`` (:mod:`dpfy.sampling.kinds`: ``"pld"`` for
+        Poisson, ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` otherwise).
       out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
       progress: show a progress bar (loss, accuracy, epsilon spent).
       secure: draw sampling and noise from the OS CSPRNG (``seed`` is then ignored).
@@ -191,7 +193,7 @@ def train_image_classifier(
     net = make_model(model)
     batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
     if accounting is None:
-        accounting = {"poisson": "pld", "balls_and_bins": "monte_carlo"}.get(batches.kind, "auto")
+        accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
     ledger_path = model_path = None
     if out_dir is not None:

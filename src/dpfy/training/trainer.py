@@ -154,28 +154,14 @@ def _compose(first: ev.Event, second: ev.Event) -> ev.Event:
     """``first`` then ``second``; repetitions of one mechanism are merged into one count.
 
     Merging is exact (it is the same composition) and lets the accountant see the run as the
-    calibration saw it (``SelfComposed(step, n + k)`` rather than two discretised parts).
+    calibration saw it (``SelfComposed(step, n + k)`` rather than two discretised parts); see
+    :class:`dpfy.events.EventBuilder`.
     """
-
-    def split(e: ev.Event) -> tuple[ev.Event, int]:
-        if isinstance(e, ev.SelfComposed):
-            return e.event, e.count
-        if isinstance(e, ev.TruncatedPoisson | ev.BallsAndBins):
-            field = "steps" if isinstance(e, ev.TruncatedPoisson) else "epochs"
-            return dataclasses.replace(e, **{field: 1}), getattr(e, field)
-        return e, 1
-
-    (a, n), (b, k) = split(first), split(second)
-    if a == b:
-        if isinstance(a, ev.TruncatedPoisson):
-            return dataclasses.replace(a, steps=n + k)
-        if isinstance(a, ev.BallsAndBins):
-            return dataclasses.replace(a, epochs=n + k)
-        return ev.SelfComposed(a, n + k)
-    return ev.Composed((first, second))
+    return ev.EventBuilder().compose(first, second).build()
 
 
 def _ledger_event(ledger: Ledger) -> ev.Event | None:
+    """The ledger's event, or None when it records no cost (``Composed(())``)."""
     event = ledger.to_event()
     if isinstance(event, ev.Composed) and not event.events:
         return None

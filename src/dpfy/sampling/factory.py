@@ -1,0 +1,62 @@
+"""Build a sampler by kind name from the practitioner's (expected) batch size.
+
+Driven by the table (:mod:`dpfy.sampling.kinds`): a kind's row names its sampler class, whose
+``from_batch_size`` does the kind-specific part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from dpfy._validate import check_range
+from dpfy.randomness import Randomness
+from dpfy.sampling.base import Sampler
+from dpfy.sampling.kinds import SamplerClass, column, kinds
+
+__all__ = ["SAMPLER_KINDS", "make_sampler"]
+
+
+#: Kind name -> sampler class, for every registered kind with a sampler (a live view).
+SAMPLER_KINDS: Mapping[str, SamplerClass] = column("sampler")
+
+
+def make_sampler(
+    kind: str,
+    dataset_size: int,
+    batch_size: int,
+    *,
+    max_batch_size: int | None = None,
+    randomness: Randomness | None = None,
+) -> Sampler:
+    """Build a sampler from the practitioner's (expected) batch size.
+
+    Args:
+      kind: one of ``SAMPLER_KINDS`` (``balls-and-bins`` with a dash is accepted).
+      dataset_size: number of examples N.
+      batch_size: expected batch size B: Poisson q = B / N; Balls-and-Bins T = round(N / B);
+        shuffle / deterministic / fixed_size use batches of exactly B (each class's
+        ``from_batch_size``).
+      max_batch_size: truncation threshold (kinds whose row ``truncates`` only).
+      randomness: source of randomness (default: a fresh seeded generator).
+
+    Raises:
+      ValueError: unknown kind, bad sizes, or a maximum batch size for a fixed-size sampler.
+    """
+    name = str(kind).replace("-", "_")
+    rows = {r.name: r for r in kinds() if r.sampler is not None}
+    if name not in rows:
+        allowed = ", ".join(rows)
+        raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")
+    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+    row = rows[name]
+    if max_batch_size is not None and not row.truncates:
+        truncating = " and ".join(r.name for r in rows.values() if r.truncates)
+        raise ValueError(
+            f"max_batch_size applies to {truncating} batches only, got "
+            f"max_batch_size={max_batch_size!r} for kind={kind!r} (its batches are fixed-size)"
+        )
+    assert row.sampler is not None
+    return row.sampler.from_batch_size(
+        dataset_size, batch_size, max_batch_size=max_batch_size, randomness=randomness
+    )
