@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ from dpfy.accounting.monte_carlo.epochs import Epoch
 
 __all__ = [
     "DIRECTIONS",
+    "AnyFloatArray",
     "Direction",
     "FloatArray",
     "IntArray",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.float64]
+AnyFloatArray = npt.NDArray[np.floating[Any]]  # float32 or float64 draws
 IntArray = npt.NDArray[np.int64]
 
 Direction = Literal["remove", "add"]

@@ -73,7 +73,8 @@ def psi_remove(s: FloatArray, z: float, steps: int, epsilon: float) -> FloatArra
         denom = np.exp(np.minimum(g / z + 2 * c, 700.0)) + s[..., None]
     inner = np.maximum(1.0 - np.exp(log_k) / denom, 0.0)
     dens = np.exp(-0.5 * g * g) / math.sqrt(2 * math.pi)
-    return np.minimum(np.sum(w * dens * inner, axis=-1), 1.0)
+    out: FloatArray = np.minimum(np.sum(w * dens * inner, axis=-1), 1.0)
+    return out
 
 
 def psi_add(s: FloatArray, z: float, steps: int, epsilon: float) -> FloatArray:

@@ -40,7 +40,8 @@ def kl_upper_bound(mean: float | FloatArray, n: int, error_probability: float) -
     if np.ndim(mean) == 0:
         return np.asarray(_kl_ucb_scalar(float(mean), target))
     m = np.clip(np.asarray(mean, dtype=float), 0.0, 1.0)
-    lo, hi = m.copy(), np.ones_like(m)
+    lo: FloatArray = m.copy()
+    hi: FloatArray = np.ones_like(m)
     for _ in range(100):  # bisection to ~1e-30 relative; kl(m||q) increases in q >= m
         mid = 0.5 * (lo + hi)
         ok = _bernoulli_kl(m, mid) <= target

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from scipy import special
 
-from dpfy.accounting.monte_carlo.base import FloatArray
+from dpfy.accounting.monte_carlo.base import AnyFloatArray, FloatArray
 
 __all__ = ["log_cdf", "log_sum_exp_rows", "truncated_normals_below"]
 
@@ -18,11 +18,13 @@ def log_cdf(x: Any) -> Any:
     return special.log_ndtr(x)
 
 
-def log_sum_exp_rows(a: FloatArray) -> FloatArray:
-    """log sum_j exp(a[i, j]) for every row i, stable for large entries."""
+def log_sum_exp_rows(a: AnyFloatArray) -> FloatArray:
+    """log sum_j exp(a[i, j]) for every row i, stable for large entries.
+
+    Computed in the precision of ``a``; returned as float64 (exact for float32 input).
+    """
     m = a.max(axis=1)
-    out: FloatArray = m + np.log(np.exp(a - m[:, None]).sum(axis=1))
-    return out
+    return np.asarray(m + np.log(np.exp(a - m[:, None]).sum(axis=1)), dtype=np.float64)
 
 
 def truncated_normals_below(
@@ -30,14 +32,14 @@ def truncated_normals_below(
     shape: tuple[int, ...],
     rng: np.random.Generator,
     dtype: type[np.floating[Any]] = np.float64,
-) -> FloatArray:
+) -> AnyFloatArray:
     """i.i.d. N(0,1) conditioned on <= bound (per row), via draw-and-fix-up.
 
     A draw above the bound is replaced by an exact conditional draw Phi^-1(u Phi(bound)); the
     mixture is exactly the conditional law. ``dtype`` is that of the draws (float32 halves
     memory for the samplers' fast paths).
     """
-    g: FloatArray = rng.standard_normal(shape, dtype=dtype)
+    g: AnyFloatArray = rng.standard_normal(shape, dtype=dtype)
     b = np.broadcast_to(bound.reshape(-1, *([1] * (len(shape) - 1))), shape)
     bad = g > b
     if bad.any():

@@ -23,7 +23,9 @@ GL64: QuadratureRule = np.polynomial.legendre.leggauss(64)
 GL400: QuadratureRule = np.polynomial.legendre.leggauss(400)
 
 
-def gauss_legendre(a: FloatArray, b: FloatArray, rule: QuadratureRule) -> tuple[FloatArray, FloatArray]:
+def gauss_legendre(
+    a: FloatArray, b: FloatArray, rule: QuadratureRule
+) -> tuple[FloatArray, FloatArray]:
     """Nodes and weights of ``rule`` mapped to [a, b] (broadcast over a trailing axis)."""
     x, w = rule
     half = (b - a)[..., None] / 2.0
@@ -74,10 +76,12 @@ class SumTails:
         s = np.asarray(s, dtype=float)
         chern = -self.lam[None] * s[:, None, None] + self.n * self.log_mgf[None]  # (S, M, L)
         best = np.logaddexp(self.log_union[None, :], chern.min(axis=-1))  # (S, M)
-        return np.minimum(np.exp(best.min(axis=-1)), 1.0)
+        out: FloatArray = np.minimum(np.exp(best.min(axis=-1)), 1.0)
+        return out
 
     def left(self, s: FloatArray) -> FloatArray:
         s = np.asarray(s, dtype=float)
         chern = self.lam_left[None, :] * s[:, None] + self.n * self.log_lt[None, :]
-        return np.minimum(np.exp(chern.min(axis=-1)), 1.0)
+        out: FloatArray = np.minimum(np.exp(chern.min(axis=-1)), 1.0)
+        return out
 

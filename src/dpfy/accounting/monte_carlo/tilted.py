@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from scipy import special
 
 from dpfy.accounting.monte_carlo.base import (
+    AnyFloatArray,
     Direction,
     DirectionPair,
     FloatArray,
@@ -81,13 +84,14 @@ def tilt_table(z: float, steps: int, order: int) -> tuple[FloatArray, FloatArray
     return counts, log_w - log_m, log_m
 
 
-def log_kappa(lam: FloatArray | float) -> FloatArray:
+def log_kappa(lam: AnyFloatArray | float) -> FloatArray:
     """log max_{u >= 0} e^(-lam u)(1 - e^-u) = log((lam/(lam+1))^lam / (lam+1)), lam > 0."""
-    lam = np.asarray(lam, dtype=float)
-    return lam * np.log(lam / (lam + 1.0)) - np.log1p(lam)
+    a = np.asarray(lam, dtype=np.float64)
+    out: FloatArray = a * np.log(a / (a + 1.0)) - np.log1p(a)
+    return out
 
 
-def tilt_log_moments(epochs: Sequence[Epoch], orders: FloatArray) -> FloatArray:
+def tilt_log_moments(epochs: Sequence[Epoch], orders: npt.NDArray[np.integer[Any]]) -> FloatArray:
     """sum over epochs of log M_a (remove direction), for each order a."""
     out = np.zeros(len(orders))
     for e, k in group_epochs(epochs):
@@ -163,7 +167,8 @@ def add_log_mgf(z: float, steps: int, lams: FloatArray) -> FloatArray:
     parts.append(special.logsumexp(lams[:, None] * w[None, :] + steps * env[None, :], axis=1)
                  + math.log(w[1] - w[0]) + 1.0)  # Riemann sum of a unimodal envelope, x e
     integral = special.logsumexp(np.stack(parts), axis=0)
-    return lams * (math.log(steps) + c) - special.gammaln(lams) + integral
+    out: FloatArray = lams * (math.log(steps) + c) - special.gammaln(lams) + integral
+    return out
 
 
 class TiltedLosses:
