@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -116,6 +116,7 @@ Sampler = Callable[[Job, np.random.Generator], JobResult]
 """A job's sampler: a pure function of the job and its generator."""
 
 
+@runtime_checkable
 class LossEstimator(Protocol):
     """Delta(epsilon) statements from merged job results, for both directions.
 
