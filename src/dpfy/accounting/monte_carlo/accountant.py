@@ -2,18 +2,18 @@
 (Chua et al. 2025).
 
 One epoch of T steps of Balls-and-Bins DP-SGD with noise multiplier z is tightly dominated by
-    P = (1/T) sum_t N(e_t, z^2 I_T),   Q = N(0, z^2 I_T)                 (Chua et al., Thm. 3.1)
+    P = (1/T) sum_t N(e_t, z^2 I_T),   Q = N(0, z^2 I_T)        (Chua et al. 2025, Thm. 3.1)
 with privacy loss L(x) = log P(x)/Q(x) = logsumexp_t((2 x_t - 1) / (2 z^2)) - log T. Several
 epochs (or any composition of Balls-and-Bins epochs and plain Gaussians, a Gaussian being the
 T = 1 case) compose as products, so L adds over epochs. For add/remove (and zero-out) adjacency
     delta(eps) = max( E_P[(1 - e^(eps - L))_+],  E_Q[(1 - e^(eps + L))_+] ),
 the "remove" and "add" directions. Both are means of [0, 1]-valued variables, estimated by
 Monte Carlo with an upper confidence bound from the Chernoff-Hoeffding (Bernoulli-KL) inequality
-(Chua et al., Alg. 4, Thm. 4.1; :mod:`.confidence`): with probability >= 1 - error_probability
-the true delta is at most the reported bound. The reported epsilon at a target delta is the
-smallest epsilon whose delta bound is <= delta; it is >= the true epsilon with the same
-probability (the bound is monotone in epsilon). The direction taking the maximum is fixed (if
-unknown), so each direction uses the full error probability.
+(Chua et al. 2025, Alg. 4, Thm. 4.1; :mod:`.confidence`): with probability
+>= 1 - error_probability the true delta is at most the reported bound. The reported epsilon at
+a target delta is the smallest epsilon whose delta bound is <= delta; it is >= the true epsilon
+with the same probability (the bound is monotone in epsilon). The direction taking the maximum
+is fixed (if unknown), so each direction uses the full error probability.
 
 Samplers (``method``, chosen in :mod:`.methods`): :mod:`.plain`, :mod:`.importance`,
 :mod:`.order_statistics`, :mod:`.conditional`, :mod:`.tilted` (with :mod:`.hybrid` for one
@@ -124,7 +124,7 @@ def monte_carlo_delta(
       samples: Monte Carlo samples per direction (default :func:`default_samples`).
       error_probability: probability that ``delta_upper`` is below the true delta.
       method: ``auto``, ``plain``, ``importance``, ``order_statistics``, ``conditional`` or
-        ``tilted`` (module docstring).
+        ``tilted`` (:mod:`dpfy.accounting.monte_carlo.methods`).
       seed: seed of the sampler (None: fresh OS entropy).
       executor: run chunks on this ``concurrent.futures.Executor`` (None: in this process).
       chunk_elements: Gaussian draws held in memory at once per job.
