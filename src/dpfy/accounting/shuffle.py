@@ -1,4 +1,4 @@
-"""The honest statement for shuffled and deterministic batches (DESIGN 4.4, guide Sec. 4.3).
+"""The honest statement for shuffled and deterministic batches (Chua et al. 2024a; guide Sec. 4.3).
 
 No amplification-by-shuffling bound for DP-SGD close to Poisson subsampling is known, and
 Chua et al. (2024a, "How private are DP-SGD implementations?", ICML) show shuffling can be far
@@ -16,7 +16,8 @@ less private than Poisson accounting claims. So the ``shuffle`` accountant repor
   batch sums shifted by the batch size are
       P_S = (1/T) sum_t N(2 e_t, z^2 I_T)   vs   Q_S = (1/T) sum_t N(e_t, z^2 I_T).
   Any post-processing gives a lower bound; we use the bit 1{max_t x_t > c} per epoch (epochs
-  shuffle independently), whose counts are binomial, maximised over c and both directions.
+  shuffle independently), whose counts are binomial, maximised over c and both directions
+  (:mod:`dpfy.accounting.lower_bounds`, shared with the Balls-and-Bins lower bound).
   For a deterministic run the same construction gives exactly the upper bound (tight).
 
 A Poisson RDP/PLD number for a shuffled run is refused by those accountants
@@ -28,9 +29,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-from scipy import special, stats
-
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting._api import (
@@ -41,6 +39,7 @@ from dpfy.accounting._api import (
     register_accountant,
 )
 from dpfy.accounting.gaussian import epoch_adjacency_reason, gaussian_delta, gaussian_epsilon
+from dpfy.accounting.lower_bounds import MaxBitPair, max_bit_lower_delta
 
 __all__ = [
     "ShuffleAccountant",
@@ -94,6 +93,8 @@ def _parts(event: ev.Event) -> list[tuple[_Part, int]]:
     if isinstance(event, ev.SelfComposed):
         return [(p, k * event.count) for p, k in _parts(event.event)]
     out: list[tuple[_Part, int]] = []
+    if not isinstance(event, ev.Composed):  # the caller checked the tree (_unsupported)
+        raise TypeError(f"{type(event).__name__} is not a shuffled/deterministic run or a Gaussian")
     for e in event.events:
         out.extend(_parts(e))
     return out
@@ -114,44 +115,15 @@ def no_amplification_mu(event: ev.Event) -> float:
     return math.sqrt(sum(k / p.noise_multiplier**2 for p, k in _parts(event)))
 
 
-def _bits(part: _Part, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(P(bit = 1), Q(bit = 1)) of one epoch for thresholds c = z s + shift."""
-    z, t = part.noise_multiplier, part.steps
+def _max_bit_pair(part: _Part) -> MaxBitPair:
+    """The pair of one use, for the shared max-bit lower bound (:mod:`.lower_bounds`).
+
+    A shuffled epoch puts the differing example's coordinate at mean 2 (P) or 1 (Q) on top of
+    the other batches' shift (Chua et al. 2024a); a Gaussian use is shift 1 against 0.
+    """
     if part.kind == "shuffle":
-        c = z * s + 1.5
-        log_rest = (t - 1) * special.log_ndtr(c / z)
-        log_p0 = special.log_ndtr((c - 2.0) / z) + log_rest
-        log_q0 = special.log_ndtr((c - 1.0) / z) + log_rest
-    else:
-        c = z * s + 0.5
-        log_p0 = special.log_ndtr((c - 1.0) / z)
-        log_q0 = special.log_ndtr(c / z)
-    return -np.expm1(log_p0), -np.expm1(log_q0)
-
-
-def _lower_on(parts: list[tuple[_Part, int]], epsilon: float, s: np.ndarray) -> np.ndarray:
-    dist_p = np.ones((1, len(s)))
-    dist_q = np.ones((1, len(s)))
-    for part, k in parts:
-        p1, q1 = _bits(part, s)
-        j = np.arange(k + 1)[:, None]
-        a = stats.binom.pmf(j, k, p1[None, :])
-        b = stats.binom.pmf(j, k, q1[None, :])
-        dist_p = _convolve(dist_p, a)
-        dist_q = _convolve(dist_q, b)
-    e = math.exp(min(epsilon, 700.0))
-    d1 = np.maximum(dist_p - e * dist_q, 0.0).sum(axis=0)
-    d2 = np.maximum(dist_q - e * dist_p, 0.0).sum(axis=0)
-    return np.maximum(d1, d2)
-
-
-def _convolve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    if a.shape[0] == 1:
-        return b * a[0]
-    out = np.zeros((a.shape[0] + b.shape[0] - 1, a.shape[1]))
-    for i in range(b.shape[0]):
-        out[i : i + a.shape[0]] += a * b[i]
-    return out
+        return MaxBitPair(part.noise_multiplier, part.steps, shift_p=2.0, shift_q=1.0)
+    return MaxBitPair(part.noise_multiplier, 1, shift_p=1.0, shift_q=0.0)
 
 
 def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 513) -> float:
@@ -166,15 +138,8 @@ def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 51
     reason = _unsupported(event)
     if reason is not None:
         raise UnsupportedEventError(f"method='shuffle' cannot account this event: {reason}")
-    parts = _merge(_parts(event))
-    z_max = max(p.noise_multiplier for p, _ in parts)
-    t_max = max(p.steps for p, _ in parts)
-    hi = max(10.0, z_max * epsilon + 8.0, math.sqrt(2.0 * math.log(t_max)) + 8.0)
-    s = np.linspace(-8.0, hi, grid)
-    vals = _lower_on(parts, epsilon, s)
-    i = int(np.argmax(vals))
-    fine = np.linspace(s[max(i - 1, 0)], s[min(i + 1, grid - 1)], 129)
-    return float(max(vals.max(), _lower_on(parts, epsilon, fine).max()))
+    groups = [(_max_bit_pair(p), k) for p, k in _merge(_parts(event))]
+    return max_bit_lower_delta(groups, epsilon, grid=grid, s_min=-8.0)
 
 
 def shuffle_lower_bound_epsilon(event: ev.Event, delta: float) -> float:
