@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 from scipy import special
 
-__all__ = ["MaxBitPair", "max_bit_lower_delta"]
+from dpfy.accounting import roots
+
+__all__ = ["MaxBitPair", "max_bit_lower_delta", "epsilon_from_lower_delta"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -154,3 +156,23 @@ def convolve_columns(a: FloatArray, b: FloatArray) -> FloatArray:
     for i in range(b.shape[0]):
         out[i : i + a.shape[0]] += a * b[i]
     return out
+
+
+def epsilon_from_lower_delta(lower_delta: Callable[[float], float], delta: float) -> float:
+    """Largest epsilon certainly spent at ``delta``, given a lower bound on delta(epsilon).
+
+    ``lower_delta`` is non-increasing in epsilon; the result e satisfies ``lower_delta(e) >=
+    delta`` (so it is itself a lower bound on the true epsilon), found to a relative 1e-9 by
+    :func:`dpfy.accounting.roots.safe_root`. ``0.0`` when even epsilon = 0 is below ``delta``;
+    ``inf`` when the bound still exceeds ``delta`` at epsilon = 1e4.
+    """
+    if lower_delta(0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while lower_delta(hi) > delta:
+        lo, hi = hi, 2.0 * hi
+        if hi > 1e4:
+            return math.inf
+    return roots.safe_root(
+        lambda e: delta - lower_delta(e), lo, hi, side="low", xtol=1e-9, rtol=1e-9
+    )

@@ -39,7 +39,11 @@ from dpfy.accounting._api import (
     register_accountant,
 )
 from dpfy.accounting.gaussian import epoch_adjacency_reason, gaussian_delta, gaussian_epsilon
-from dpfy.accounting.lower_bounds import MaxBitPair, max_bit_lower_delta
+from dpfy.accounting.lower_bounds import (
+    MaxBitPair,
+    epsilon_from_lower_delta,
+    max_bit_lower_delta,
+)
 
 __all__ = [
     "ShuffleAccountant",
@@ -145,20 +149,7 @@ def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 51
 def shuffle_lower_bound_epsilon(event: ev.Event, delta: float) -> float:
     """Largest epsilon certainly spent at ``delta`` (root of the lower-bound delta curve)."""
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if shuffle_lower_bound_delta(event, 0.0) <= delta:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while shuffle_lower_bound_delta(event, hi) > delta:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e4:
-            return math.inf
-    while hi - lo > 1e-6 * max(1.0, hi):
-        mid = 0.5 * (lo + hi)
-        if shuffle_lower_bound_delta(event, mid) > delta:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return epsilon_from_lower_delta(lambda e: shuffle_lower_bound_delta(event, e), delta)
 
 
 def _has_shuffle(event: ev.Event) -> bool:

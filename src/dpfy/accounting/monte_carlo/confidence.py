@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from dpfy._validate import check_range
+from dpfy.accounting import roots
 from dpfy.accounting.monte_carlo.base import FloatArray
 
 __all__ = ["kl_upper_bound"]
@@ -40,18 +41,21 @@ def kl_upper_bound(mean: float | FloatArray, n: int, error_probability: float) -
     if np.ndim(mean) == 0:
         return np.asarray(_kl_ucb_scalar(float(mean), target))
     m = np.clip(np.asarray(mean, dtype=float), 0.0, 1.0)
-    lo: FloatArray = m.copy()
-    hi: FloatArray = np.ones_like(m)
-    for _ in range(100):  # bisection to ~1e-30 relative; kl(m||q) increases in q >= m
-        mid = 0.5 * (lo + hi)
-        ok = _bernoulli_kl(m, mid) <= target
-        lo = np.where(ok, mid, lo)
-        hi = np.where(ok, hi, mid)
-    return hi
+    # kl(m || q) increases in q >= m: the certified side is q with kl(m || q) >= target.
+    return np.asarray(
+        roots.safe_root(
+            lambda q, m_: np.where(q >= 1.0, -np.inf, target - _bernoulli_kl(m_, q)),
+            m,
+            np.ones_like(m),
+            side="high",
+            args=(m,),
+            vectorized=True,
+        )
+    )
 
 
 def _kl_ucb_scalar(m: float, target: float) -> float:
-    """The scalar case of :func:`kl_upper_bound` (bisection in q on [m, 1])."""
+    """The scalar case of :func:`kl_upper_bound` (a root in q on [m, 1])."""
     m = min(max(m, 0.0), 1.0)
     if m >= 1.0:
         return 1.0
@@ -60,13 +64,4 @@ def _kl_ucb_scalar(m: float, target: float) -> float:
         a = m * (math.log(m) - math.log(q)) if m > 0 else 0.0
         return a + (1 - m) * (math.log1p(-m) - math.log1p(-q))
 
-    lo, hi = m, 1.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid <= lo or mid >= hi:
-            break
-        if kl(mid) <= target:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return roots.safe_root(lambda q: -math.inf if q >= 1.0 else target - kl(q), m, 1.0, side="high")

@@ -6,11 +6,14 @@ P = (1/T) sum_t N(e_t, z^2 I_T) vs Q = N(0, z^2 I_T) (shift 1 against 0).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from dpfy._validate import check_range
-from dpfy.accounting.lower_bounds import MaxBitPair, max_bit_lower_delta
+from dpfy.accounting.lower_bounds import (
+    MaxBitPair,
+    epsilon_from_lower_delta,
+    max_bit_lower_delta,
+)
 from dpfy.accounting.monte_carlo.epochs import Epoch, group_epochs
 
 __all__ = ["lower_bound_delta", "lower_bound_epsilon"]
@@ -32,19 +35,4 @@ def lower_bound_delta(epochs: Sequence[Epoch], epsilon: float, *, grid: int = 51
 def lower_bound_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
     """Largest epsilon certainly spent at ``delta``: the root of ``lower_bound_delta = delta``."""
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if lower_bound_delta(epochs, 0.0) <= delta:
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while lower_bound_delta(epochs, hi) > delta:
-        lo, hi = hi, 2.0 * hi
-        if hi > 1e4:
-            return math.inf
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        if lower_bound_delta(epochs, mid) > delta:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-6 * max(1.0, hi):
-            break
-    return lo
+    return epsilon_from_lower_delta(lambda e: lower_bound_delta(epochs, e), delta)

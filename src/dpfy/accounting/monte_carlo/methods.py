@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Literal
 
+from dpfy.accounting import roots
 from dpfy.accounting.monte_carlo.base import JobResult, LossEstimator, LossSamples, SumHistograms
 from dpfy.accounting.monte_carlo.conditional import BIG_FRACTION, ConditionalLosses, split_level
 from dpfy.accounting.monte_carlo.empirical import EmpiricalLosses
@@ -81,15 +82,7 @@ def smallest_epsilon(fn: Callable[[float], float], delta: float, lo: float, hi: 
         return lo
     if fn(hi) > delta:
         return math.inf
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if fn(mid) <= delta:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-6 * max(1.0, hi):
-            break
-    return hi
+    return roots.safe_root(lambda e: fn(e) - delta, lo, hi, side="high", xtol=1e-6, rtol=1e-6)
 
 
 def _loss_samples(results: Sequence[JobResult]) -> list[LossSamples]:
