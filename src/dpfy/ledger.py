@@ -5,17 +5,23 @@ Sec. 6): which sampler drew each batch (:meth:`Ledger.record_sample`) and, for e
 released from that batch, the L2 sensitivity and the noise standard deviation actually used
 (:meth:`Ledger.record_sum_query`). Afterwards :meth:`Ledger.to_event` turns the ledger into a
 :mod:`dpfy.events` tree that any accountant can process, so a bug in hyperparameter logic cannot
-make the reported epsilon too small, and a ledger can be re-accounted later with a tighter method.
+make the reported epsilon too small, and a ledger can be re-accounted later with a tighter method:
+``dpfy.accounting.epsilon(ledger, delta)`` accepts a ledger (it calls ``to_event()``); this
+module never imports the accountants.
 
-Storage is JSON lines (one object per line, first line a header). Write-ahead: a sum-query entry
+Storage is JSON lines: one record per line (``record.to_dict()``; read back by
+:func:`record_from_dict`), the first line a header. Loading a file, resuming a checkpoint and
+copying a prefix all replay records through one method, ``Ledger._replay``, which checks each
+record against the ledger exactly as when it was first recorded. Write-ahead: a sum-query entry
 is written, flushed and fsynced *before* :meth:`Ledger.record_sum_query` returns, i.e. before the
 caller releases the noisy value it describes. A crash can therefore only leave an entry whose value
 was never released (over-count), never a released value without an entry (under-count).
 
-Grouping (McMahan et al. 2018, Sec. 3, Eq. 1; DESIGN 3.4): all sum queries of one sample, with
+Grouping (McMahan et al. 2018, Sec. 3, Eq. 1): all sum queries of one sample, with
 sensitivities S_j and noise stds s_j, are one Gaussian sum query with noise multiplier
 ``z = (sum_j S_j^2 / s_j^2)^(-1/2)``. A query with ``noise_std = 0`` and ``S > 0`` is
-non-private, and a ledger containing a non-private entry reports epsilon = infinity.
+non-private, and a ledger containing a non-private entry has a ``NonPrivate`` sub-event in its
+event, which every accountant reports as epsilon = infinity.
 
 Units: sensitivities are the add/remove L2 sensitivity of the released sum in the units of the
 sum (for one example's clipped gradient: the clip norm), noise stds are in the same units.

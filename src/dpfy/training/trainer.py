@@ -18,8 +18,9 @@
 5. after every epoch: test accuracy, epsilon spent so far (read from the ledger with
    ``monitor_accounting``, by default the final method), optional checkpoint.
 
-The trainer never computes epsilon itself: every figure comes from ``ledger.epsilon``; the
-final one with the chosen ``accounting`` method (PLD by default).
+The trainer never computes epsilon itself: every figure is the ledger accounted,
+``dpfy.accounting.epsilon(ledger, delta, method)``; the final one with the chosen ``accounting``
+method (PLD by default).
 
 Unit of privacy and adjacency: one row of the training tensors, add-or-remove (the sampler's
 spec records both). Monitoring figures in :class:`History` (training loss and accuracy) are
