@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpfy import accounting
 from dpfy.features import accounting as acc
 from dpfy.features import algorithms as alg
 from dpfy.features.estimators import DPLeastSquaresClassifier
@@ -203,7 +204,7 @@ def evaluate(data, valid, method: str, eps: float, seeds: int, quick: bool) -> d
         fitted = run(data, eps, best, seed)
         times.append(time.perf_counter() - t0)
         accs.append(accuracy(fitted.weights, data["xte"], data["yte"]))
-        eps_ledger.append(acc.privacy_of_ledger(fitted.ledger, DELTA).epsilon)
+        eps_ledger.append(accounting.epsilon(fitted.ledger, DELTA, method="gaussian").epsilon)
     assert all(e <= eps * (1 + 1e-9) for e in eps_ledger), (method, eps, eps_ledger)
     return {
         "method": method, "epsilon": eps, "hyperparameters": best, "tuning": tuning,

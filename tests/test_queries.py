@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from dpfy import accounting
 from dpfy import events as ev
 from dpfy.ledger import Ledger, SampleSpec, SumQueryRecord
 from dpfy.queries import (
@@ -123,7 +124,7 @@ def test_worst_case_sensitivity_equals_the_recorded_one(name):
     batch = _batch(16)
     recorded, ledger = _recorded_tuples(factory())
     if name == "no_privacy":
-        assert recorded == [] and ledger.epsilon(1e-5).epsilon == math.inf
+        assert recorded == [] and accounting.epsilon(ledger, 1e-5).epsilon == math.inf
         recorded = [(0.7, 0.0)]  # the clip bound still holds; there is just no noise
     n_counts = {"adaptive": 1, "adaptive_nested": len(GROUPS)}.get(name, 0)
     gradient_entries = recorded[: len(recorded) - n_counts]
@@ -232,7 +233,7 @@ def test_no_privacy_adds_no_noise_and_is_never_private():
     for k in batch:
         assert torch.allclose(out[k], batch[k].sum(0), rtol=1e-12, atol=1e-12)
     assert _has_non_private(ledger.to_event())
-    assert ledger.epsilon(1e-5).epsilon == math.inf
+    assert accounting.epsilon(ledger, 1e-5).epsilon == math.inf
 
 
 def _has_non_private(event):
@@ -387,7 +388,7 @@ def test_adaptive_cost_is_in_the_ledger_and_in_epsilon():
     names = [r.name for r in _recorded(ledger)]
     assert names.count("adaptive/unclipped_count") == steps
     assert all(v == pytest.approx(z, rel=1e-12) for v in ledger.noise_multipliers().values())
-    got = ledger.epsilon(1e-5, method="rdp").epsilon
+    got = epsilon(ledger, 1e-5, method="rdp").epsilon
     want = epsilon(ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(z)), steps), 1e-5,
                    method="rdp").epsilon
     gradient_only = epsilon(

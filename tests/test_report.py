@@ -105,7 +105,7 @@ def test_cli_report_reaccounts_the_same_epsilon(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     data = json.loads(out)
-    expected = Ledger.load(path).epsilon(1e-5, "pld").epsilon
+    expected = accounting.epsilon(Ledger.load(path), 1e-5, "pld").epsilon
     assert data["epsilon"] == pytest.approx(expected, rel=1e-12)
     assert data["accounting_method"] == "pld"
     assert (tmp_path / "report.md").exists()
@@ -146,7 +146,9 @@ def test_train_end_to_end_small(tmp_path, capsys):
     data = json.loads((out / "report.json").read_text())
     assert data["epsilon"] <= 3.0
     ledger = Ledger.load(out / "ledger.jsonl")
-    assert data["epsilon"] == pytest.approx(ledger.epsilon(1e-5, "pld").epsilon, rel=1e-12)
+    assert data["epsilon"] == pytest.approx(
+        accounting.epsilon(ledger, 1e-5, "pld").epsilon, rel=1e-12
+    )
     assert data["hyperparameters"]["steps"] == ledger.iteration
     assert 0.0 <= data["utility"]["test_accuracy"] <= 1.0
     # dpfy report on the run's ledger reproduces the same epsilon

@@ -585,7 +585,7 @@ def features(
     from dpfy._validate import check_range
     from dpfy.features import extract
     from dpfy.ledger import Ledger
-    from dpfy.report import build_report, prefix_ledger, write_report
+    from dpfy.report import build_report, write_report
 
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
@@ -613,7 +613,7 @@ def features(
     seconds = time.perf_counter() - start
     accuracy = float(np.mean(estimator.predict(x_test) == np.asarray(y_test)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    ledger = prefix_ledger(estimator.ledger_, path=out_dir / "ledger.jsonl")
+    ledger = estimator.ledger_.prefix(path=out_dir / "ledger.jsonl")
     ledger.record_metadata(
         dataset=dataset.value,
         estimator=type(estimator).__name__,
@@ -631,7 +631,7 @@ def features(
 
     console = Console()
     console.print(f"[bold]{report.formal_statement}[/bold]")
-    rho = estimator.privacy_.zcdp_rho
+    rho = feats.gdp_figures(estimator.ledger_).zcdp_rho
     console.print(
         f"{type(estimator).__name__}: test accuracy {100 * accuracy:.2f} % (fit {seconds:.1f} s);"
         f" the paper's zCDP view of the same run: rho = {rho:.4g}"

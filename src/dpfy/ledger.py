@@ -5,17 +5,23 @@ Sec. 6): which sampler drew each batch (:meth:`Ledger.record_sample`) and, for e
 released from that batch, the L2 sensitivity and the noise standard deviation actually used
 (:meth:`Ledger.record_sum_query`). Afterwards :meth:`Ledger.to_event` turns the ledger into a
 :mod:`dpfy.events` tree that any accountant can process, so a bug in hyperparameter logic cannot
-make the reported epsilon too small, and a ledger can be re-accounted later with a tighter method.
+make the reported epsilon too small, and a ledger can be re-accounted later with a tighter method:
+``dpfy.accounting.epsilon(ledger, delta)`` accepts a ledger (it calls ``to_event()``); this
+module never imports the accountants.
 
-Storage is JSON lines (one object per line, first line a header). Write-ahead: a sum-query entry
+Storage is JSON lines: one record per line (``record.to_dict()``; read back by
+:func:`record_from_dict`), the first line a header. Loading a file, resuming a checkpoint and
+copying a prefix all replay records through one method, ``Ledger._replay``, which checks each
+record against the ledger exactly as when it was first recorded. Write-ahead: a sum-query entry
 is written, flushed and fsynced *before* :meth:`Ledger.record_sum_query` returns, i.e. before the
 caller releases the noisy value it describes. A crash can therefore only leave an entry whose value
 was never released (over-count), never a released value without an entry (under-count).
 
-Grouping (McMahan et al. 2018, Sec. 3, Eq. 1; DESIGN 3.4): all sum queries of one sample, with
+Grouping (McMahan et al. 2018, Sec. 3, Eq. 1): all sum queries of one sample, with
 sensitivities S_j and noise stds s_j, are one Gaussian sum query with noise multiplier
 ``z = (sum_j S_j^2 / s_j^2)^(-1/2)``. A query with ``noise_std = 0`` and ``S > 0`` is
-non-private, and a ledger containing a non-private entry reports epsilon = infinity.
+non-private, and a ledger containing a non-private entry has a ``NonPrivate`` sub-event in its
+event, which every accountant reports as epsilon = infinity.
 
 Units: sensitivities are the add/remove L2 sensitivity of the released sum in the units of the
 sum (for one example's clipped gradient: the clip norm), noise stds are in the same units.
@@ -36,14 +42,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, TextIO, TypeVar
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -57,7 +64,13 @@ __all__ = [
     "SumQueryRecord",
     "NonPrivateRecord",
     "MetadataRecord",
+    "HeaderRecord",
+    "ResumeRecord",
+    "Record",
+    "record_from_dict",
+    "register_record",
     "Ledger",
+    "ledger_hyperparameters",
     "LedgerFormatError",
     "LedgerTruncationWarning",
     "effective_noise_multiplier",
@@ -82,13 +95,118 @@ class LedgerTruncationWarning(UserWarning):
 
 
 # --------------------------------------------------------------------------------------------
-# Records
+# Record types and their registry (a split puts FORMAT/VERSION and everything from here to
+# "end of records" into ledger/records.py)
 # --------------------------------------------------------------------------------------------
 
 
+def _check_finite_nonneg(name: str, value: Any) -> None:
+    if type(value) in (float, int) and 0.0 <= value < math.inf:
+        return
+    check_range(name, value, 0.0, math.inf, high_open=True)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if type(value) is int and value >= 0:
+        return
+    check_range(name, value, 0, None, integer=True)
+
+
+def _check_sample_id(value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"sample_id must be an integer, got sample_id={value!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(items: tuple[tuple[str, Any], ...]) -> SampleSpec:
+    return SampleSpec.from_dict(dict(items))
+
+
+def _spec_from_dict(data: Any) -> SampleSpec:
+    """``SampleSpec.from_dict`` with a small cache: a long ledger repeats one spec per line."""
+    if not isinstance(data, dict):
+        raise ValueError(f"spec must be an object, got {data!r}")
+    items = tuple(sorted(data.items()))
+    try:
+        hash(items)
+    except TypeError:  # an unhashable value: validate without the cache (it will be refused)
+        return SampleSpec.from_dict(data)
+    return _cached_spec(items)
+
+
+_RecordT = TypeVar("_RecordT", bound="AnyRecord")
+_RECORD_TYPES: dict[str, Callable[[Mapping[str, Any]], AnyRecord]] = {}  # type -> from_dict
+
+
+def register_record(cls: type[_RecordT]) -> type[_RecordT]:
+    """Make ``record_from_dict`` dispatch ``{"type": cls.kind, ...}`` to ``cls.from_dict``.
+
+    Raises:
+      ValueError: another record type already uses the name ``cls.kind``.
+    """
+    if cls.kind in _RECORD_TYPES:
+        raise ValueError(f"record type {cls.kind!r} is already registered")
+    _RECORD_TYPES[cls.kind] = cls.from_dict
+    return cls
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeaderRecord:
+    """First line of every ledger file: format name and version (a marker, not a fact)."""
+
+    format: str = FORMAT
+    version: int = VERSION
+    kind: ClassVar[str] = "header"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "format": self.format, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeaderRecord:
+        """Refuses another format or version (this code reads only its own)."""
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format must be {FORMAT!r}, got format={data.get('format')!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"version must be {VERSION}, got version={data.get('version')!r}")
+        return cls()
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResumeRecord:
+    """Written when a file ledger is reopened to append (a marker, not a fact).
+
+    ``truncated_previous``: the line before it was cut short by a crash (and terminated on
+    resume), so a reader accepts that cut line in the middle of the file.
+    """
+
+    truncated_previous: bool = False
+    kind: ClassVar[str] = "resume"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.truncated_previous, bool):
+            raise ValueError(
+                f"truncated_previous must be a bool, got {self.truncated_previous!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "truncated_previous": self.truncated_previous}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResumeRecord:
+        return cls(data.get("truncated_previous", False))
+
+
+@register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampleRecord:
-    """One batch was drawn with ``spec`` (``sample_id`` is unique within the ledger)."""
+    """One batch was drawn with ``spec`` (``sample_id`` is unique within the ledger).
+
+    ``epoch`` (>= 0) groups the samples of epoch-structured samplers; ``step`` is informative.
+    """
 
     sample_id: int
     spec: SampleSpec
@@ -96,20 +214,36 @@ class SampleRecord:
     step: int | None = None
     kind: ClassVar[str] = "sample"
 
+    def __post_init__(self) -> None:
+        _check_sample_id(self.sample_id)
+        if not isinstance(self.spec, SampleSpec):
+            raise ValueError(f"spec must be a SampleSpec, got spec={self.spec!r}")
+        _check_count("epoch", self.epoch)
+        object.__setattr__(self, "epoch", int(self.epoch))
+        if self.step is not None:
+            _check_count("step", self.step)
+            object.__setattr__(self, "step", int(self.step))
+
     def to_dict(self) -> dict[str, Any]:
-        out = {"type": self.kind, "sample_id": self.sample_id, "epoch": self.epoch}
+        out: dict[str, Any] = {"type": self.kind, "sample_id": self.sample_id, "epoch": self.epoch}
         if self.step is not None:
             out["step"] = self.step
         out["spec"] = self.spec.to_dict()
         return out
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SampleRecord:
+        spec = _spec_from_dict(data["spec"])
+        return cls(data["sample_id"], spec, data["epoch"], data.get("step"))
 
+
+@register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class SumQueryRecord:
     """A Gaussian sum was released from sample ``sample_id``.
 
     ``sensitivity``: add/remove L2 sensitivity of the released sum; ``noise_std``: standard
-    deviation of the Gaussian noise added to each coordinate (same units).
+    deviation of the Gaussian noise added to each coordinate (same units); both finite, >= 0.
     """
 
     sample_id: int
@@ -117,6 +251,14 @@ class SumQueryRecord:
     noise_std: float
     name: str = ""
     kind: ClassVar[str] = "sum_query"
+
+    def __post_init__(self) -> None:
+        _check_sample_id(self.sample_id)
+        _check_finite_nonneg("sensitivity", self.sensitivity)
+        _check_finite_nonneg("noise_std", self.noise_std)
+        object.__setattr__(self, "sensitivity", float(self.sensitivity))
+        object.__setattr__(self, "noise_std", float(self.noise_std))
+        object.__setattr__(self, "name", str(self.name))
 
     def to_dict(self) -> dict[str, Any]:
         # Privacy-relevant fields first, so a truncated line is recovered when they survived.
@@ -128,7 +270,14 @@ class SumQueryRecord:
             "name": self.name,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SumQueryRecord:
+        return cls(
+            data["sample_id"], data["sensitivity"], data["noise_std"], data.get("name", "")
+        )
 
+
+@register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class NonPrivateRecord:
     """A release without a privacy guarantee (``sample_id`` None: not tied to a sample)."""
@@ -138,6 +287,11 @@ class NonPrivateRecord:
     reason: str
     kind: ClassVar[str] = "non_private"
 
+    def __post_init__(self) -> None:
+        _check_sample_id(self.sample_id, optional=True)
+        object.__setattr__(self, "name", str(self.name))
+        object.__setattr__(self, "reason", str(self.reason))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "type": self.kind,
@@ -146,19 +300,56 @@ class NonPrivateRecord:
             "reason": self.reason,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NonPrivateRecord:
+        return cls(data["sample_id"], data["name"], data["reason"])
 
+
+@register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class MetadataRecord:
-    """Free-form facts about the run (not privacy-relevant)."""
+    """Free-form, JSON-serialisable facts about the run (not privacy-relevant)."""
 
     info: dict[str, Any]
     kind: ClassVar[str] = "metadata"
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.info, dict):
+            raise ValueError(f"metadata info must be an object, got {self.info!r}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.kind, "info": self.info}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MetadataRecord:
+        return cls(data["info"])
 
+
+#: The facts a ledger holds (:attr:`Ledger.entries`).
 Record = SampleRecord | SumQueryRecord | NonPrivateRecord | MetadataRecord
+#: Lines of a ledger file that mark its structure and hold no fact.
+Marker = HeaderRecord | ResumeRecord
+AnyRecord = Record | Marker
+
+def record_from_dict(data: Mapping[str, Any]) -> AnyRecord:
+    """The record a ledger line or checkpoint entry holds: the inverse of ``record.to_dict()``.
+
+    Dispatches on ``data["type"]``; the record type validates its own fields.
+
+    Raises:
+      ValueError: not an object, unknown type, or a field out of range (``KeyError`` /
+        ``TypeError`` for a missing or ill-typed field).
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a record must be a JSON object, got {data!r}")
+    kind = data.get("type")
+    from_dict = _RECORD_TYPES.get(kind) if isinstance(kind, str) else None
+    if from_dict is None:
+        raise ValueError(f"unknown entry type {kind!r}")
+    return from_dict(data)
+
+
+# -- end of records ----------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +403,9 @@ class Ledger:
     Thread-safe: one lock serialises appends.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, fsync: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, *, fsync: bool = True
+    ) -> None:
         self.path = None if path is None else os.fspath(path)
         self.fsync = bool(fsync)
         self.truncated_lines = 0
@@ -222,28 +415,45 @@ class Ledger:
         self._samples: dict[int, SampleRecord] = {}
         self._ratio: dict[int, float] = {}  # sample -> sum_j S_j^2 / s_j^2 (McMahan Eq. 1)
         self._nonprivate: dict[int, str] = {}  # sample -> first reason it is not private
-        self._spec_cache: dict[tuple, SampleSpec] = {}
         self._event_cache: tuple[int, ev.Event] | None = None
         self._next_id = 0
         self._lock = threading.Lock()
-        self._file = None
+        self._file: TextIO | None = None
         if self.path is not None:
-            self._open_for_append()
+            self._open_for_append(self.path)
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Iterable[AnyRecord],
+        path: str | os.PathLike[str] | None = None,
+        *,
+        fsync: bool = True,
+    ) -> Ledger:
+        """A ledger holding ``records`` in order, in memory or written to ``path``.
+
+        Every record is checked exactly as when it was first recorded (see :meth:`replay`);
+        header and resume markers are skipped. ``path`` names a new file (an existing one is
+        resumed and the records appended, which refuses sample ids it already holds).
+        """
+        ledger = cls(path, fsync=fsync)
+        ledger.replay(records)
+        return ledger
 
     # -- writing ----------------------------------------------------------------------------
-    def _open_for_append(self) -> None:
-        existing = os.path.exists(self.path) and os.path.getsize(self.path) > 0
+    def _open_for_append(self, path: str) -> None:
+        existing = os.path.exists(path) and os.path.getsize(path) > 0
         if existing:
-            self._parse(_read_text(self.path), source=self.path)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with self
+            self._parse(_read_text(path), source=path)
+        self._file = file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives with self
         if not existing:
-            self._write({"type": "header", "format": FORMAT, "version": VERSION}, sync=True)
+            self._write(HeaderRecord().to_dict(), sync=True)
         else:
             if self._ends_truncated:
                 # Terminate the cut line; the marker tells later loads it is not corruption.
-                self._file.write("\n")
+                file.write("\n")
             cut = bool(self.truncated_lines and self._ends_truncated)
-            self._write({"type": "resume", "truncated_previous": cut}, sync=True)
+            self._write(ResumeRecord(cut).to_dict(), sync=True)
 
     def _write(self, obj: dict[str, Any], *, sync: bool) -> None:
         # sync=False entries (samples, metadata) may stay buffered: they release nothing, and
@@ -253,17 +463,57 @@ class Ledger:
         line = json.dumps(obj, separators=(",", ":"), allow_nan=False)
         self._file.write(line + "\n")
         if sync:
+            self._sync()
+
+    def _sync(self) -> None:
+        if self._file is not None:
             self._file.flush()
             if self.fsync:
                 os.fsync(self._file.fileno())
 
-    def _append(self, record: Record, *, sync: bool) -> None:
-        if self.read_only:
+    def _replay(self, record: AnyRecord, *, write: bool, sync: bool = False) -> None:
+        """The one way a record enters the ledger: recording, loading, resuming and copying.
+
+        Checks ``record`` against what the ledger holds (a sample id is new; a release names a
+        recorded sample), writes it to the file when ``write`` (``sync``: flush and fsync
+        before returning, the write-ahead rule), then indexes it. Header and resume markers
+        describe the file, not the run: they are dropped. Callers hold the lock (or own the
+        ledger alone, while it is being built).
+        """
+        if isinstance(record, HeaderRecord | ResumeRecord):
+            return
+        if write and self.read_only:
             raise RuntimeError(
                 "this ledger was loaded read-only; open it with Ledger(path) to append"
             )
-        self._write(record.to_dict(), sync=sync)
+        if isinstance(record, SampleRecord):
+            if record.sample_id in self._samples:
+                raise ValueError(
+                    f"sample_id must be a new integer, got sample_id={record.sample_id!r}"
+                )
+        elif isinstance(record, SumQueryRecord | NonPrivateRecord):
+            if record.sample_id is not None:
+                self._check_sample(record.sample_id)
+        if write:
+            self._write(record.to_dict(), sync=sync)
         self._add(record)
+
+    def replay(self, records: Iterable[AnyRecord]) -> None:
+        """Append existing records in order (a checkpoint's, or another ledger's).
+
+        Each record is checked as in :meth:`record_sample` and friends (records validate their
+        own fields; the ledger checks sample ids). A file-backed ledger writes them and makes
+        them durable once, at the end: copying a record releases nothing new.
+
+        Raises:
+          ValueError: a record reuses a sample id or names a sample this ledger lacks.
+        """
+        with self._lock:
+            try:
+                for record in records:
+                    self._replay(record, write=True)
+            finally:
+                self._sync()
 
     def _add(self, record: Record) -> None:
         self._entries.append(record)
@@ -300,7 +550,7 @@ class Ledger:
             step = int(step)
         with self._lock:
             sid = self._next_id
-            self._append(SampleRecord(sid, spec, int(epoch), step), sync=False)
+            self._replay(SampleRecord(sid, spec, int(epoch), step), write=True, sync=False)
             return sid
 
     def record_sum_query(
@@ -323,7 +573,7 @@ class Ledger:
         with self._lock:
             self._check_sample(sample_id)
             record = SumQueryRecord(int(sample_id), float(sensitivity), float(noise_std), str(name))
-            self._append(record, sync=True)
+            self._replay(record, write=True, sync=True)
 
     def record_sum_queries(
         self, sample_id: int, queries: Sequence[tuple[float, float, str]]
@@ -343,7 +593,8 @@ class Ledger:
             self._check_sample(sample_id)
             for i, (sens, std, name) in enumerate(records):
                 last = i == len(records) - 1
-                self._append(SumQueryRecord(int(sample_id), sens, std, name), sync=last)
+                record = SumQueryRecord(int(sample_id), sens, std, name)
+                self._replay(record, write=True, sync=last)
 
     def record_non_private(self, sample_id: int | None, *, name: str, reason: str) -> None:
         """Record (write-ahead) a release without privacy: the ledger's epsilon becomes inf.
@@ -356,7 +607,8 @@ class Ledger:
             if sample_id is not None:
                 self._check_sample(sample_id)
                 sample_id = int(sample_id)
-            self._append(NonPrivateRecord(sample_id, str(name), str(reason)), sync=True)
+            record = NonPrivateRecord(sample_id, str(name), str(reason))
+            self._replay(record, write=True, sync=True)
 
     def record_metadata(self, **info: Any) -> None:
         """Record free-form, JSON-serialisable run facts (not privacy-relevant)."""
@@ -365,7 +617,7 @@ class Ledger:
         except (TypeError, ValueError) as err:
             raise ValueError(f"metadata must be JSON-serialisable, got {info!r}: {err}") from None
         with self._lock:
-            self._append(MetadataRecord(dict(info)), sync=False)
+            self._replay(MetadataRecord(dict(info)), write=True, sync=False)
 
     def _check_sample(self, sample_id: Any) -> None:
         if isinstance(sample_id, bool) or not isinstance(sample_id, int) or (
@@ -379,9 +631,7 @@ class Ledger:
         """Flush and close the file; further appends raise."""
         with self._lock:
             if self._file is not None:
-                self._file.flush()
-                if self.fsync:
-                    os.fsync(self._file.fileno())
+                self._sync()
                 self._file.close()
                 self._file = None
             self.read_only = True
@@ -394,7 +644,7 @@ class Ledger:
 
     # -- reading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Ledger:
+    def load(cls, path: str | os.PathLike[str]) -> Ledger:
         """Read a ledger file (read-only).
 
         A last line cut short by a crash is read back with a :class:`LedgerTruncationWarning` and
@@ -403,8 +653,8 @@ class Ledger:
         malformed raises :class:`LedgerFormatError` naming the line.
         """
         ledger = cls(None)
-        ledger.path = os.fspath(path)
-        ledger._parse(_read_text(ledger.path), source=ledger.path)
+        ledger.path = source = os.fspath(path)
+        ledger._parse(_read_text(source), source=source)
         ledger.read_only = True
         return ledger
 
@@ -429,71 +679,24 @@ class Ledger:
                     continue
                 raise LedgerFormatError(f"{where}: not valid JSON ({err}): {line[:80]!r}") from None
             try:
-                self._load_object(obj, first=(i == 0))
+                if i == 0 and (obj.get("type") != HeaderRecord.kind or obj.get("format") != FORMAT):
+                    raise ValueError(f"the first line must be a {FORMAT} header, got {obj!r}")
+                self._replay(record_from_dict(obj), write=False)
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerFormatError(f"{where}: {err}") from None
-
-    def _load_object(self, obj: dict[str, Any], *, first: bool) -> None:
-        kind = obj.get("type")
-        if first:
-            if kind != "header" or obj.get("format") != FORMAT:
-                raise ValueError(f"the first line must be a {FORMAT} header, got {obj!r}")
-            if obj.get("version") != VERSION:
-                raise ValueError(f"version must be {VERSION}, got version={obj.get('version')!r}")
-            return
-        if kind == "sample":
-            sid = obj["sample_id"]
-            if not isinstance(sid, int) or sid in self._samples:
-                raise ValueError(f"sample_id must be a new integer, got sample_id={sid!r}")
-            _check_count("epoch", obj["epoch"])
-            if obj.get("step") is not None:
-                _check_count("step", obj["step"])
-            self._add(SampleRecord(sid, self._spec(obj["spec"]), obj["epoch"], obj.get("step")))
-        elif kind == "sum_query":
-            self._check_sample(obj["sample_id"])
-            _check_finite_nonneg("sensitivity", obj["sensitivity"])
-            _check_finite_nonneg("noise_std", obj["noise_std"])
-            self._add(
-                SumQueryRecord(
-                    obj["sample_id"],
-                    float(obj["sensitivity"]),
-                    float(obj["noise_std"]),
-                    str(obj.get("name", "")),
-                )
-            )
-        elif kind == "non_private":
-            if obj["sample_id"] is not None:
-                self._check_sample(obj["sample_id"])
-            self._add(NonPrivateRecord(obj["sample_id"], str(obj["name"]), str(obj["reason"])))
-        elif kind == "metadata":
-            if not isinstance(obj["info"], dict):
-                raise ValueError(f"metadata info must be an object, got {obj['info']!r}")
-            self._add(MetadataRecord(obj["info"]))
-        elif kind in ("header", "resume"):
-            pass
-        else:
-            raise ValueError(f"unknown entry type {kind!r}")
-
-    def _spec(self, data: dict[str, Any]) -> SampleSpec:
-        if not isinstance(data, dict):
-            raise ValueError(f"spec must be an object, got {data!r}")
-        key = tuple(sorted(data.items()))
-        spec = self._spec_cache.get(key)
-        if spec is None:
-            spec = self._spec_cache[key] = SampleSpec.from_dict(data)
-        return spec
 
     def _recover_truncated(self, line: str, where: str) -> None:
         self.truncated_lines += 1
         recovered = _recover_sum_query(line)
         counted = "nothing to recover"
         if recovered is not None and recovered.sample_id in self._samples:
-            self._add(recovered)
+            self._replay(recovered, write=False)
             counted = f"recovered and counted {recovered}"
         elif line.startswith('{"type":"non_private"'):
             sid = _int_field(line, "sample_id")
             sid = sid if sid in self._samples else None
-            self._add(NonPrivateRecord(sid, "truncated", "entry cut short by a crash"))
+            marker = NonPrivateRecord(sid, "truncated", "entry cut short by a crash")
+            self._replay(marker, write=False)
             counted = "counted as a non-private release"
         warnings.warn(
             f"{where} was cut short (crash mid-write); {counted}. By write-ahead its value was "
@@ -555,6 +758,19 @@ class Ledger:
             elif sid in self._ratio:
                 out[sid] = 1.0 / math.sqrt(self._ratio[sid])
         return out
+
+    def prefix(
+        self, num_samples: int | None = None, *, path: str | os.PathLike[str] | None = None
+    ) -> Ledger:
+        """A copy holding the first ``num_samples`` samples (all: None), in memory or at ``path``.
+
+        Keeps every record before the first sample beyond ``num_samples``: the kept samples,
+        their releases and the metadata recorded so far (sample ids unchanged). The copy goes
+        through :meth:`from_records`, so it is checked like any replayed ledger.
+        """
+        if num_samples is not None:
+            _check_count("num_samples", num_samples)
+        return type(self).from_records(_prefix(tuple(self._entries), num_samples), path)
 
     # -- accounting -------------------------------------------------------------------------
     def to_event(self) -> ev.Event:
@@ -622,44 +838,6 @@ class Ledger:
                 builder.add(ev.NonPrivate(reason=f"{r.name}: {r.reason}"))
         return builder.build()
 
-    def epsilon(self, delta: float, method: Any = "auto") -> Any:
-        """Account the ledger: ``dpfy.accounting.epsilon(self.to_event(), delta, method)``.
-
-        Returns a :class:`dpfy.accounting.PrivacyResult`; epsilon is ``inf`` when any release was
-        non-private (whatever the method).
-        """
-        from dpfy import accounting
-
-        event = self.to_event()
-        if accounting.contains_non_private(event):
-            check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-            return accounting.PrivacyResult(
-                epsilon=math.inf,
-                delta=float(delta),
-                method=method if isinstance(method, str) else getattr(method, "name", "?"),
-                adjacency=event.adjacency_relation.value,
-                notes=("the ledger contains a non-private release: no finite epsilon holds",),
-            )
-        return accounting.epsilon(event, delta, method)
-
-    def delta(self, epsilon: float, method: Any = "auto") -> Any:
-        """Smallest delta at ``epsilon``: ``dpfy.accounting.delta(self.to_event(), ...)``."""
-        from dpfy import accounting
-
-        return accounting.delta(self.to_event(), epsilon, method)
-
-
-def _check_finite_nonneg(name: str, value: Any) -> None:
-    if type(value) in (float, int) and 0.0 <= value < math.inf:
-        return
-    check_range(name, value, 0.0, math.inf, high_open=True)
-
-
-def _check_count(name: str, value: Any) -> None:
-    if type(value) is int and value >= 0:
-        return
-    check_range(name, value, 0, None, integer=True)
-
 
 def _charge_epochs(units: list[list[Any]]) -> list[list[Any]]:
     """Epoch runs charge ceil(samples / steps_per_epoch) epochs; epochs without cost drop."""
@@ -699,6 +877,19 @@ def _fold_runs(units: list[list[Any]]) -> list[list[Any]]:
     return runs
 
 
+def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Record]:
+    kept: set[int] = set()
+    for record in entries:
+        if isinstance(record, SampleRecord):
+            if num_samples is not None and len(kept) >= num_samples:
+                return
+            kept.add(record.sample_id)
+        elif isinstance(record, SumQueryRecord | NonPrivateRecord):
+            if record.sample_id is not None and record.sample_id not in kept:
+                continue
+        yield record
+
+
 def _read_text(path: str) -> str:
     with open(path, encoding="utf-8", errors="strict", newline="") as f:
         return f.read()
@@ -706,12 +897,10 @@ def _read_text(path: str) -> str:
 
 def _is_resume_after_truncation(line: str) -> bool:
     try:
-        obj = json.loads(line)
-    except ValueError:
+        record = record_from_dict(json.loads(line))
+    except (ValueError, TypeError, KeyError):
         return False
-    return (
-        isinstance(obj, dict) and obj.get("type") == "resume" and obj.get("truncated_previous")
-    )
+    return isinstance(record, ResumeRecord) and record.truncated_previous
 
 
 _NUM = r"(-?[0-9.]+(?:[eE][-+]?[0-9]+)?)[,}]"
@@ -733,6 +922,59 @@ def _recover_sum_query(line: str) -> SumQueryRecord | None:
     sid = _int_field(line, "sample_id")
     s = _float_field(line, "sensitivity")
     sigma = _float_field(line, "noise_std")
-    if sid is None or s is None or sigma is None or s < 0 or sigma < 0:
+    if sid is None or s is None or sigma is None:
+        return None
+    if not (0.0 <= s < math.inf and 0.0 <= sigma < math.inf):
         return None
     return SumQueryRecord(sid, s, sigma, "truncated")
+
+
+def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
+    """DP hyperparameters as the ledger recorded them (never as the training code intended).
+
+    Read from the first sample's spec (``sampler_changes`` counts distinct specs when there
+    are several), the effective noise multipliers (one float, or ``{"min", "max"}``), the
+    sensitivities of each named sum query, and known metadata keys (``clip_norm``,
+    ``learning_rate``, ...). ``epochs``: expected epochs (steps x q) for ``poisson``, distinct
+    epoch labels for epoch samplers. No accounting happens here.
+    """
+    samples = ledger.samples
+    specs = list(dict.fromkeys(r.spec for r in samples))
+    zs = [z for z in ledger.noise_multipliers().values() if z > 0]
+    sens: dict[str, set[float]] = {}
+    for r in ledger.entries:
+        if isinstance(r, SumQueryRecord):
+            sens.setdefault(r.name or "sum", set()).add(r.sensitivity)
+    spec = specs[0].to_dict() if specs else {}
+    out: dict[str, Any] = {"_spec": spec, "steps": len(samples)}
+    if len(specs) > 1:
+        out["sampler_changes"] = len(specs)
+    if spec.get("sampling_rate") is not None:
+        out["sampling_rate"] = spec["sampling_rate"]
+        if spec.get("dataset_size"):
+            out["expected_batch_size"] = spec["sampling_rate"] * spec["dataset_size"]
+            out["epochs"] = len(samples) * spec["sampling_rate"]
+    if spec.get("steps_per_epoch"):
+        out["steps_per_epoch"] = spec["steps_per_epoch"]
+        out["epochs"] = len({r.epoch for r in samples})
+        if spec.get("dataset_size"):
+            out["expected_batch_size"] = spec["dataset_size"] / spec["steps_per_epoch"]
+    for key in ("batch_size", "max_batch_size", "dataset_size"):
+        if spec.get(key) is not None:
+            out[key] = spec[key]
+    if zs:
+        out["noise_multiplier"] = min(zs) if max(zs) - min(zs) < 1e-12 * max(zs) else {
+            "min": min(zs),
+            "max": max(zs),
+        }
+    out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
+    meta = ledger.metadata
+    keys = (
+        "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
+        "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
+        "target_epsilon",
+    )
+    for key in keys:
+        if meta.get(key) is not None:
+            out[key] = meta[key]
+    return out

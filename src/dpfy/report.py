@@ -22,11 +22,14 @@ from typing import Any
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
-from dpfy.ledger import Ledger, MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
+from dpfy.ledger import Ledger, NonPrivateRecord, ledger_hyperparameters
 from dpfy.sampling import column as sampler_column
 from dpfy.sampling import kind as sampler_kind
 
 __all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
+
+# Ledger operations that used to live here (ledger_hyperparameters too, imported above).
+prefix_ledger = Ledger.prefix  # prefix_ledger(ledger, num_samples=None, *, path=None)
 
 #: Every field a report carries (a test checks each is present and consistent with the ledger).
 REPORT_FIELDS = (
@@ -144,7 +147,7 @@ def build_report(
         "composes every noisy step"
     )
     event = ledger.to_event()
-    result = ledger.epsilon(delta, method)
+    result = accounting.epsilon(ledger, delta, method)
     hyper = ledger_hyperparameters(ledger)
     spec = hyper.pop("_spec", {})
     n = spec.get("dataset_size")
@@ -211,50 +214,6 @@ def build_report(
     )
 
 
-def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
-    """DP hyperparameters as the ledger recorded them (never as the training code intended)."""
-    samples = ledger.samples
-    specs = list(dict.fromkeys(r.spec for r in samples))
-    zs = [z for z in ledger.noise_multipliers().values() if z > 0]
-    sens: dict[str, set[float]] = {}
-    for r in ledger.entries:
-        if isinstance(r, SumQueryRecord):
-            sens.setdefault(r.name or "sum", set()).add(r.sensitivity)
-    spec = specs[0].to_dict() if specs else {}
-    out: dict[str, Any] = {"_spec": spec, "steps": len(samples)}
-    if len(specs) > 1:
-        out["sampler_changes"] = len(specs)
-    if spec.get("sampling_rate") is not None:
-        out["sampling_rate"] = spec["sampling_rate"]
-        if spec.get("dataset_size"):
-            out["expected_batch_size"] = spec["sampling_rate"] * spec["dataset_size"]
-            out["epochs"] = len(samples) * spec["sampling_rate"]
-    if spec.get("steps_per_epoch"):
-        out["steps_per_epoch"] = spec["steps_per_epoch"]
-        out["epochs"] = len({r.epoch for r in samples})
-        if spec.get("dataset_size"):
-            out["expected_batch_size"] = spec["dataset_size"] / spec["steps_per_epoch"]
-    for key in ("batch_size", "max_batch_size", "dataset_size"):
-        if spec.get(key) is not None:
-            out[key] = spec[key]
-    if zs:
-        out["noise_multiplier"] = min(zs) if max(zs) - min(zs) < 1e-12 * max(zs) else {
-            "min": min(zs),
-            "max": max(zs),
-        }
-    out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
-    meta = ledger.metadata
-    keys = (
-        "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
-        "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
-        "target_epsilon",
-    )
-    for key in keys:
-        if meta.get(key) is not None:
-            out[key] = meta[key]
-    return out
-
-
 def _other_methods(event: ev.Event, delta: float, chosen: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, res in accounting.compare(event, delta).items():
@@ -310,31 +269,6 @@ def _rdp_curve(event: ev.Event) -> dict[str, list[float]] | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def prefix_ledger(
-    ledger: Ledger, num_samples: int | None = None, *, path: str | Path | None = None
-) -> Ledger:
-    """A copy of ``ledger`` holding its first ``num_samples`` samples (all: None) and their
-    releases, in memory or written to ``path``; metadata is copied along."""
-    out = Ledger(path)
-    ids: dict[int, int] = {}
-    limit = math.inf if num_samples is None else num_samples
-    for r in ledger.entries:
-        if isinstance(r, MetadataRecord):
-            out.record_metadata(**r.info)
-        elif isinstance(r, SampleRecord):
-            if len(ids) >= limit:
-                break
-            ids[r.sample_id] = out.record_sample(r.spec, epoch=r.epoch, step=r.step)
-        elif isinstance(r, SumQueryRecord) and r.sample_id in ids:
-            out.record_sum_query(
-                ids[r.sample_id], sensitivity=r.sensitivity, noise_std=r.noise_std, name=r.name
-            )
-        elif isinstance(r, NonPrivateRecord) and (r.sample_id is None or r.sample_id in ids):
-            sid = None if r.sample_id is None else ids[r.sample_id]
-            out.record_non_private(sid, name=r.name, reason=r.reason)
-    return out
-
-
 def epsilon_history(
     ledger: Ledger, delta: float, *, points: int = 25, methods: tuple[str, ...] = ("rdp", "pld")
 ) -> tuple[list[int], dict[str, list[float]]]:
@@ -355,7 +289,7 @@ def epsilon_history(
         values = []
         try:
             for m in steps:
-                values.append(prefix_ledger(ledger, m).epsilon(delta, name).epsilon)
+                values.append(accounting.epsilon(ledger.prefix(m), delta, name).epsilon)
         except (ValueError, KeyError):
             continue
         curves[name] = values

@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
+from dpfy import accounting
 from dpfy import events as ev
 from dpfy.features import accounting as acc
 from dpfy.features import algorithms as alg
@@ -68,24 +69,22 @@ def _fit_all(eps: float):
 def test_estimator_epsilon_is_the_exact_gaussian_composition(eps):
     delta = 1e-5
     for name, model in _fit_all(eps).items():
-        p = model.privacy_
+        p, g = model.privacy_, acc.gdp_figures(model.ledger_)
         assert p.epsilon <= eps and p.epsilon == pytest.approx(eps, rel=1e-7), name
         # independent recomputation from the released (sensitivity, std) pairs
         ratios = [r.sensitivity / r.noise_std for r in model.ledger_.entries
                   if type(r).__name__ == "SumQueryRecord"]
         mu = math.sqrt(sum(r * r for r in ratios))
-        assert p.mu == pytest.approx(mu, rel=1e-12)
-        assert p.releases == len(ratios)
+        assert g.mu == pytest.approx(mu, rel=1e-12)
+        assert g.releases == len(ratios)
         composed = ev.Composed(tuple(ev.Gaussian(1.0 / r) for r in ratios))
-        from dpfy import accounting
-
         exact = accounting.epsilon(composed, delta, method="gaussian").epsilon
         assert p.epsilon == pytest.approx(exact, rel=1e-7)
-        assert model.ledger_.epsilon(delta, method="gaussian").epsilon == pytest.approx(
-            exact, rel=1e-7)
-        assert p.zcdp_rho == pytest.approx(mu * mu / 2)
-        assert p.zcdp_epsilon > p.epsilon  # the generic zCDP conversion is looser
-        assert (p.adjacency, p.unit) == ("add_or_remove", "example")
+        assert accounting.epsilon(model.ledger_, delta, method="gaussian").epsilon == (
+            pytest.approx(exact, rel=1e-7))
+        assert g.zcdp_rho == pytest.approx(mu * mu / 2)
+        assert g.zcdp_epsilon(delta) > p.epsilon  # the generic zCDP conversion is looser
+        assert (p.adjacency, model.ledger_.unit) == ("add_or_remove", "example")
 
 
 def test_paper_zcdp_figures_match_the_ledger():
@@ -105,20 +104,20 @@ def test_paper_zcdp_figures_match_the_ledger():
                                 randomness=Randomness(0)), T),
     }
     for name, (fitted, steps) in cases.items():
-        mu, _ = acc.ledger_mu(fitted.ledger)
+        mu = acc.gdp_figures(fitted.ledger).mu
         assert mu * mu / 2 == pytest.approx(acc.paper_zcdp_rho(name, sigma, steps)), name
 
 
-def test_ledger_mu_refuses_sampled_runs_and_flags_non_private():
+def test_gdp_figures_refuse_sampled_runs_and_non_private_is_infinite():
     led = Ledger()
     sid = led.record_sample(SampleSpec("poisson", dataset_size=10, sampling_rate=0.1))
     led.record_sum_query(sid, sensitivity=1.0, noise_std=1.0)
     with pytest.raises(ValueError, match="full-batch runs only"):
-        acc.ledger_mu(led)
+        acc.gdp_figures(led)
     led = Ledger()
     sid = led.record_sample(SampleSpec("full_batch", dataset_size=10))
     led.record_sum_query(sid, sensitivity=1.0, noise_std=0.0)
-    assert math.isinf(acc.privacy_of_ledger(led, 1e-5).epsilon)
+    assert math.isinf(accounting.epsilon(led, 1e-5, method="gaussian").epsilon)
 
 
 def test_covariance_share_moves_budget_but_keeps_epsilon():

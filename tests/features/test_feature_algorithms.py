@@ -173,8 +173,8 @@ def test_least_squares_without_noise_is_the_closed_form():
         sel = xc[Y[:, j] == 1]
         want = np.linalg.solve(sel.T @ sel + alpha * G + ridge * np.eye(5), sel.sum(0))
         np.testing.assert_allclose(fitted.weights[:, j].numpy(), want, rtol=1e-10, atol=1e-12)
-    assert math.isinf(__import__("dpfy.features", fromlist=["x"]).privacy_of_ledger(
-        fitted.ledger, 1e-5).epsilon)
+    assert math.isinf(__import__("dpfy.accounting", fromlist=["x"]).epsilon(
+        fitted.ledger, 1e-5, method="gaussian").epsilon)
 
 
 def test_newton_without_noise_reaches_the_logistic_optimum():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dpfy import accounting
 from dpfy.features import estimators as est
 
 sklearn_base = pytest.importorskip("sklearn.base")
@@ -69,7 +70,7 @@ def test_pickle_keeps_the_ledger(cls):
     m = cls(epsilon=1.0, random_state=0).fit(X, y)
     back = pickle.loads(pickle.dumps(m))
     np.testing.assert_array_equal(back.predict(X), m.predict(X))
-    assert back.ledger_.epsilon(1e-5, method="gaussian").epsilon == pytest.approx(
+    assert accounting.epsilon(back.ledger_, 1e-5, method="gaussian").epsilon == pytest.approx(
         m.privacy_.epsilon, rel=1e-7)
 
 

@@ -154,7 +154,7 @@ def test_ledger_accounts_the_sampler_event(kind):
     assert result.privacy.epsilon == pytest.approx(expected, rel=1e-9, abs=1e-9)
     assert result.ledger.to_event() == event
     if kind == "poisson":
-        assert result.ledger.epsilon(1e-5, "pld").epsilon == pytest.approx(
+        assert accounting.epsilon(result.ledger, 1e-5, "pld").epsilon == pytest.approx(
             accounting.epsilon(event, 1e-5, "pld").epsilon, rel=1e-9
         )
     assert [e.epoch for e in result.history.epochs] == [0, 1]
@@ -208,7 +208,7 @@ def test_budget_guard_stops_or_raises_before_passing_the_target():
     )
     with pytest.raises(BudgetExceededError, match="target_epsilon=4.0"):
         raising.fit()
-    assert raising.ledger.epsilon(1e-5, "rdp").epsilon <= target
+    assert accounting.epsilon(raising.ledger, 1e-5, "rdp").epsilon <= target
     assert raising.ledger.iteration == result.steps
 
 

@@ -1,6 +1,7 @@
 """Privacy accounting (NumPy/SciPy only; importing this package never imports torch).
 
-Entry points: :func:`epsilon`, :func:`delta`, :func:`compare` over :mod:`dpfy.events` trees.
+Entry points: :func:`epsilon`, :func:`delta`, :func:`compare` over :mod:`dpfy.events` trees or
+anything with a ``to_event()`` method (:class:`EventSource`, e.g. a ledger).
 Each accounting method lives in its own module and registers itself here.
 """
 
@@ -13,6 +14,7 @@ from dpfy.accounting import (
 )
 from dpfy.accounting._api import (
     Accountant,
+    EventSource,
     PrivacyResult,
     UnsupportedEventError,
     accountants,
@@ -26,6 +28,7 @@ from dpfy.accounting._api import (
 
 __all__ = [
     "Accountant",
+    "EventSource",
     "PrivacyResult",
     "UnsupportedEventError",
     "accountants",

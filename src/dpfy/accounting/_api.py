@@ -8,6 +8,7 @@ An accountant is a thin object over pure math functions. It says which events it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ from dpfy._validate import check_range
 __all__ = [
     "PrivacyResult",
     "Accountant",
+    "EventSource",
     "UnsupportedEventError",
     "register_accountant",
     "accountants",
@@ -211,15 +213,41 @@ def _truncation_note(probability: float) -> str:
     )
 
 
-def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") -> PrivacyResult:
+class EventSource(Protocol):
+    """Anything that describes its privacy event, e.g. a :class:`dpfy.ledger.Ledger`."""
+
+    def to_event(self) -> ev.Event: ...
+
+
+def _as_event(source: ev.Event | EventSource) -> ev.Event:
+    """``source`` itself if it is an event, else ``source.to_event()``."""
+    if isinstance(source, ev.Event):
+        return source
+    to_event = getattr(source, "to_event", None)
+    event = to_event() if callable(to_event) else None
+    if not isinstance(event, ev.Event):
+        raise ValueError(
+            "event must be a dpfy.events.Event or have a to_event() method returning one "
+            f"(e.g. a ledger), got event={source!r}"
+        )
+    return event
+
+
+def epsilon(
+    event: ev.Event | EventSource, delta: float, method: str | Accountant = "auto"
+) -> PrivacyResult:
     """Smallest epsilon the chosen method certifies for ``event`` at ``delta``.
 
     Truncated samplers (``TruncatedPoisson``, ``TruncatedBallsAndBins``) are accounted as their
     untruncated mechanism plus the truncation term of :mod:`dpfy.accounting.truncation`, so the
     returned epsilon holds at the stated delta *including* the cost of truncation.
 
+    An event (or source) containing a :class:`dpfy.events.NonPrivate` release gets
+    ``epsilon = inf`` whatever the method, with a note saying why.
+
     Args:
-      event: a :mod:`dpfy.events` tree.
+      event: a :mod:`dpfy.events` tree, or an :class:`EventSource` such as a ledger
+        (accounted as ``event.to_event()``).
       delta: target delta, in (0, 1).
       method: ``auto`` (tightest valid registered method), an accountant name, or a configured
         accountant instance (e.g. a Monte Carlo accountant with its own sample size and seed).
@@ -230,8 +258,7 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
     from dpfy.accounting.truncation import event_truncation_probability, truncated_epsilon
 
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if not isinstance(event, ev.Event):
-        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    event = _as_event(event)
     if contains_non_private(event):
         return _infinite(event, _method_name(method), float(delta))
     mechanism = untruncated(event)
@@ -242,9 +269,8 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
         if probability == 0.0:
             results.append(acc.epsilon(mechanism, float(delta)))
             continue
-        eps = truncated_epsilon(
-            lambda d, acc=acc: acc.epsilon(mechanism, d).epsilon, float(delta), probability
-        )
+        epsilon_of_delta = functools.partial(_epsilon_at, acc, mechanism)
+        eps = truncated_epsilon(epsilon_of_delta, float(delta), probability)
         base = acc.epsilon(mechanism, float(delta))
         results.append(
             dataclasses.replace(
@@ -255,16 +281,23 @@ def epsilon(event: ev.Event, delta: float, method: str | Accountant = "auto") ->
     return min(results, key=lambda r: (r.epsilon, not r.provable, r.epsilon_lower is None))
 
 
-def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") -> PrivacyResult:
+def _epsilon_at(acc: Accountant, mechanism: ev.Event, delta: float) -> float:
+    return acc.epsilon(mechanism, delta).epsilon
+
+
+def delta(
+    event: ev.Event | EventSource, epsilon: float, method: str | Accountant = "auto"
+) -> PrivacyResult:
     """Smallest delta the chosen method certifies for ``event`` at ``epsilon`` (>= 0).
 
-    Includes the truncation term for truncated samplers (see :func:`epsilon`).
+    ``event``: an event or an :class:`EventSource` (e.g. a ledger). Includes the truncation
+    term for truncated samplers; a non-private release gives ``delta = 1`` (see
+    :func:`epsilon`).
     """
     from dpfy.accounting.truncation import event_truncation_probability, truncated_delta
 
     check_range("epsilon", epsilon, 0.0, None)
-    if not isinstance(event, ev.Event):
-        raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    event = _as_event(event)
     if contains_non_private(event):
         res = _infinite(event, _method_name(method), 1.0)
         return dataclasses.replace(res, epsilon=float(epsilon))
@@ -284,9 +317,13 @@ def delta(event: ev.Event, epsilon: float, method: str | Accountant = "auto") ->
     return min(results, key=lambda r: (r.delta, not r.provable))
 
 
-def compare(event: ev.Event, delta: float) -> dict[str, PrivacyResult | str]:
-    """Every registered method's epsilon at ``delta``, or the reason it does not apply."""
+def compare(event: ev.Event | EventSource, delta: float) -> dict[str, PrivacyResult | str]:
+    """Every registered method's epsilon at ``delta``, or the reason it does not apply.
+
+    ``event``: an event or an :class:`EventSource` (e.g. a ledger).
+    """
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    event = _as_event(event)
     out: dict[str, PrivacyResult | str] = {}
     mechanism = untruncated(event)
     for name, acc in _ACCOUNTANTS.items():

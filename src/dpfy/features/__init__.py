@@ -8,14 +8,13 @@ in :mod:`dpfy.features.extract` (imported on demand; it needs the ``features`` e
 """
 
 from dpfy.features.accounting import (
-    FeaturePrivacy,
+    GDPFigures,
     gdp_delta,
     gdp_epsilon,
-    ledger_mu,
+    gdp_figures,
     mu_for_target,
     noise_multipliers,
     paper_zcdp_rho,
-    privacy_of_ledger,
 )
 from dpfy.features.algorithms import (
     Fitted,
@@ -37,8 +36,8 @@ __all__ = [
     "DPFeatureCovarianceClassifier",
     "DPLeastSquaresClassifier",
     "DPNewtonClassifier",
-    "FeaturePrivacy",
     "Fitted",
+    "GDPFigures",
     "SufficientStats",
     "dp_adam",
     "dp_feature_covariance",
@@ -46,10 +45,9 @@ __all__ = [
     "dp_newton",
     "gdp_delta",
     "gdp_epsilon",
-    "ledger_mu",
+    "gdp_figures",
     "mu_for_target",
     "noise_multipliers",
     "paper_zcdp_rho",
-    "privacy_of_ledger",
     "sufficient_statistics",
 ]

@@ -1,4 +1,4 @@
-"""Exact accounting and noise calibration for the feature algorithms (DESIGN 3.3 and 6).
+"""Noise calibration and the GDP/zCDP figures of the feature algorithms (Mehta et al. 2023).
 
 DP-LS, DP-Newton, DP-FC and full-batch DP-SGD/DP-Adam release sums over the *whole* dataset with
 Gaussian noise and no sampling. A composition of Gaussian mechanisms with sensitivity-to-noise
@@ -12,10 +12,16 @@ paper (Mehta et al., Theorems 2.1-2.3) reports; converting zCDP to (epsilon, del
 generic bound ``epsilon = rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke 2016, Prop. 1.3) is
 looser, so calibrating with the exact curve needs less noise for the same target.
 
+The (epsilon, delta) statement of a fitted model is not computed here: its ledger is accounted
+like every other one, ``dpfy.accounting.epsilon(ledger, delta, method="gaussian")`` (ledger ->
+``to_event()`` -> the exact Gaussian accountant -> ``PrivacyResult``). This module calibrates
+the noise before training (:func:`mu_for_target`, :func:`noise_multipliers`) and states the
+figures the paper reports beside epsilon (:func:`gdp_figures`, :func:`paper_zcdp_rho`).
+
 Adjacency is add-or-remove one example; the unit of privacy is one example (one feature vector
 with its labels). The released sums never divide by the (private) dataset size.
 
-This module imports NumPy/SciPy only.
+This module imports NumPy/SciPy and the ledger only (no torch).
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import gaussian, roots
+from dpfy.ledger import Ledger, NonPrivateRecord, SumQueryRecord
 
 __all__ = [
-    "FeaturePrivacy",
-    "ledger_mu",
-    "privacy_of_ledger",
+    "GDPFigures",
+    "gdp_figures",
     "gdp_delta",
     "gdp_epsilon",
     "mu_for_target",
@@ -113,78 +120,57 @@ def paper_zcdp_rho(algorithm: str, noise_multiplier: float, steps: int = 1) -> f
 
 
 @dataclass(frozen=True, slots=True)
-class FeaturePrivacy:
-    """The privacy statement of one fitted model (a composition of unsampled Gaussians).
+class GDPFigures:
+    """The GDP and zCDP view of a full-batch run, beside its (epsilon, delta) statement.
+
+    The statement itself is ``dpfy.accounting.epsilon(ledger, delta, method="gaussian")``, the
+    exact epsilon of this ``mu``-GDP composition (Dong, Roth, Su 2019; Balle & Wang 2018).
 
     Attributes:
-      epsilon: exact epsilon of the ``mu``-GDP composition at ``delta``.
-      delta: the target delta.
-      mu: GDP parameter, ``sqrt(sum_i (S_i / s_i)^2)`` over every release in the ledger.
-      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3.
-      zcdp_epsilon: epsilon from the generic zCDP conversion (looser; for comparison).
-      releases: number of noisy releases (Gaussian sum queries).
-      method: ``"gaussian (exact GDP composition)"``.
-      adjacency: ``"add_or_remove"``. unit: ``"example"``.
+      mu: GDP parameter, ``sqrt(sum_i (S_i / s_i)^2)`` over every release in the ledger
+        (``inf`` if some release was non-private).
+      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3 (Mehta et al.).
+      releases: number of releases recorded (noisy sums and non-private releases).
     """
 
-    epsilon: float
-    delta: float
     mu: float
     zcdp_rho: float
-    zcdp_epsilon: float
     releases: int
-    method: str = "gaussian (exact GDP composition)"
-    adjacency: str = "add_or_remove"
-    unit: str = "example"
 
-    @classmethod
-    def from_mu(cls, mu: float, delta: float, releases: int) -> FeaturePrivacy:
-        rho = mu * mu / 2.0
-        return cls(
-            epsilon=gdp_epsilon(mu, delta),
-            delta=float(delta),
-            mu=float(mu),
-            zcdp_rho=float(rho),
-            zcdp_epsilon=zcdp_epsilon(rho, delta) if math.isfinite(rho) else math.inf,
-            releases=int(releases),
-        )
+    def zcdp_epsilon(self, delta: float) -> float:
+        """Epsilon by the paper's generic zCDP conversion (looser than the exact GDP curve)."""
+        return zcdp_epsilon(self.zcdp_rho, delta) if math.isfinite(self.zcdp_rho) else math.inf
 
-    def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self.__slots__}
+    def to_dict(self) -> dict[str, float | int]:
+        return {"mu": self.mu, "zcdp_rho": self.zcdp_rho, "releases": self.releases}
 
 
-def ledger_mu(ledger) -> tuple[float, int]:
-    """``(mu, releases)`` of a ledger holding only full-batch Gaussian sum queries.
+def gdp_figures(ledger: Ledger) -> GDPFigures:
+    """``mu``, the paper's ``rho`` and the release count of a ledger of unsampled Gaussians.
 
-    ``mu^2 = sum_i (S_i / s_i)^2`` over every sum query; a non-private release (or a noise std of
-    0 with a positive sensitivity) gives ``mu = inf``.
+    ``mu`` is read from ``ledger.to_event()`` (:func:`dpfy.accounting.gaussian.mu_of_event`),
+    the event every accountant sees, so it is the ``mu`` behind the reported epsilon.
 
     Raises:
-      ValueError: the ledger holds a sample that is not ``full_batch`` (use
-        :meth:`dpfy.ledger.Ledger.epsilon` for sampled runs).
+      ValueError: the ledger holds a sampled (not full-batch) step; account sampled runs with
+        :func:`dpfy.accounting.epsilon`.
     """
-    from dpfy.ledger import NonPrivateRecord, SampleRecord, SumQueryRecord
-
-    mu2, releases = 0.0, 0
-    for rec in ledger.entries:
-        if isinstance(rec, SampleRecord) and rec.spec.sampler != "full_batch":
-            raise ValueError(
-                "ledger_mu accounts full-batch runs only, got a sample with "
-                f"sampler={rec.spec.sampler!r}"
-            )
-        if isinstance(rec, NonPrivateRecord):
-            return math.inf, releases + 1
-        if isinstance(rec, SumQueryRecord):
-            releases += 1
-            if rec.sensitivity == 0.0:
-                continue
-            if rec.noise_std == 0.0:
-                return math.inf, releases
-            mu2 += (rec.sensitivity / rec.noise_std) ** 2
-    return math.sqrt(mu2), releases
+    event = ledger.to_event()
+    reason = _not_full_batch(event)
+    if reason is not None:
+        raise ValueError(f"gdp_figures accounts full-batch runs only, got {reason}")
+    mu = float(gaussian.mu_of_event(event))
+    releases = sum(isinstance(r, SumQueryRecord | NonPrivateRecord) for r in ledger.entries)
+    return GDPFigures(mu=mu, zcdp_rho=mu * mu / 2.0, releases=releases)
 
 
-def privacy_of_ledger(ledger, delta: float) -> FeaturePrivacy:
-    """The exact privacy statement of a full-batch ledger at ``delta`` (see :func:`ledger_mu`)."""
-    mu, releases = ledger_mu(ledger)
-    return FeaturePrivacy.from_mu(mu, delta, releases)
+def _not_full_batch(event: ev.Event) -> str | None:
+    """None if ``event`` composes only unsampled Gaussians (and non-private releases)."""
+    if isinstance(event, ev.Gaussian | ev.NonPrivate):
+        return None
+    if isinstance(event, ev.SelfComposed):
+        return _not_full_batch(event.event)
+    if isinstance(event, ev.Composed):
+        reasons = (_not_full_batch(e) for e in event.events)
+        return next((r for r in reasons if r is not None), None)
+    return f"a {type(event).__name__} event"

@@ -6,9 +6,11 @@ Each estimator follows scikit-learn's conventions: ``__init__`` only stores its 
 * ``coef_`` ``[n_classes, n_features]`` (scores are ``clip(X) @ coef_.T``, no intercept),
 * ``classes_``, ``n_features_in_``,
 * ``ledger_``: the :class:`dpfy.ledger.Ledger` of every noisy release,
-* ``privacy_``: a :class:`dpfy.features.accounting.FeaturePrivacy` statement (epsilon at
-  ``delta``, exact GDP ``mu``, the paper's zCDP ``rho``, adjacency add-or-remove, unit example),
-  computed from the ledger, not from the hyperparameters.
+* ``privacy_``: a :class:`dpfy.accounting.PrivacyResult`, the ledger accounted like any other,
+  ``dpfy.accounting.epsilon(ledger_, delta, method="gaussian")`` (exact GDP composition; epsilon
+  at ``delta``, adjacency add-or-remove, unit example): computed from the ledger, not from the
+  hyperparameters. The exact GDP ``mu`` and the paper's zCDP ``rho`` of the same run:
+  :func:`dpfy.features.accounting.gdp_figures` of ``ledger_``.
 
 Privacy is set either by a target ``epsilon`` (with ``delta``): the noise is calibrated with the
 exact GDP curve and split evenly over the releases (as the paper's theorems assume) -- or by an
@@ -43,9 +45,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dpfy import accounting
 from dpfy._validate import check_range
 from dpfy.features import algorithms as alg
-from dpfy.features.accounting import FeaturePrivacy, mu_for_target, privacy_of_ledger
+from dpfy.features.accounting import mu_for_target
 from dpfy.features.stats import SufficientStats, clip_rows
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
@@ -209,7 +212,9 @@ class _DPFeatureClassifier(*_BASES):
     def _finish(self, fitted: alg.Fitted) -> None:
         self.coef_ = fitted.weights.T.numpy().copy()
         self.ledger_ = fitted.ledger
-        self.privacy_: FeaturePrivacy = privacy_of_ledger(fitted.ledger, float(self.delta))
+        self.privacy_: accounting.PrivacyResult = accounting.epsilon(
+            fitted.ledger, float(self.delta), method="gaussian"
+        )
 
     # -- prediction ---------------------------------------------------------------------------
     def _clip_for_predict(self) -> float | None:
@@ -250,27 +255,8 @@ class _DPFeatureClassifier(*_BASES):
     def __setstate__(self, state: dict[str, Any]) -> None:
         records = state.get("ledger_")
         if isinstance(records, list):
-            state["ledger_"] = _ledger_from_records(records)
+            state["ledger_"] = Ledger.from_records(records)
         self.__dict__.update(state)
-
-
-def _ledger_from_records(records: list[Any]) -> Ledger:
-    """Rebuild an in-memory ledger by replaying its records through the public API."""
-    from dpfy.ledger import MetadataRecord, NonPrivateRecord, SampleRecord, SumQueryRecord
-
-    ledger, ids = Ledger(), {}
-    for r in records:
-        if isinstance(r, SampleRecord):
-            ids[r.sample_id] = ledger.record_sample(r.spec, epoch=r.epoch, step=r.step)
-        elif isinstance(r, SumQueryRecord):
-            ledger.record_sum_query(ids[r.sample_id], sensitivity=r.sensitivity,
-                                    noise_std=r.noise_std, name=r.name)
-        elif isinstance(r, NonPrivateRecord):
-            sid = None if r.sample_id is None else ids[r.sample_id]
-            ledger.record_non_private(sid, name=r.name, reason=r.reason)
-        elif isinstance(r, MetadataRecord):
-            ledger.record_metadata(**r.info)
-    return ledger
 
 
 def _jsonable(params: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,8 @@ That needs every piece of state that decides what happens next:
   records how many samples it held, and on resume :func:`restore_ledger` checks that the file
   holds at least that many. Steps that ran after the checkpoint stay in the file (their noisy
   values existed), so a run restarted from an older checkpoint over-counts, never under-counts.
-  An in-memory ledger is stored in the checkpoint and replayed into a fresh ledger.
+  An in-memory ledger is stored in the checkpoint (its records' ``to_dict``) and replayed into
+  a fresh ledger through :meth:`dpfy.ledger.Ledger.replay`, the path a ledger file is read by.
 
 Files are written atomically (temporary file + ``os.replace``): a crash while saving leaves the
 previous checkpoint intact.
@@ -28,14 +29,7 @@ from typing import Any
 
 import torch
 
-from dpfy.ledger import (
-    Ledger,
-    MetadataRecord,
-    NonPrivateRecord,
-    SampleRecord,
-    SampleSpec,
-    SumQueryRecord,
-)
+from dpfy.ledger import Ledger, record_from_dict
 
 __all__ = [
     "CheckpointMismatchError",
@@ -53,7 +47,7 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the run it is loaded into (e.g. a ledger that lost steps)."""
 
 
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
+def save_checkpoint(path: str | os.PathLike[str], state: dict[str, Any]) -> Path:
     """Write ``state`` (tensors, numpy arrays, plain Python) to ``path`` atomically.
 
     Returns:
@@ -76,7 +70,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     return path
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint`.
 
     Raises:
@@ -110,7 +104,7 @@ def restore_ledger(ledger: Ledger, state: dict[str, Any]) -> None:
     Args:
       ledger: the resumed run's ledger: ``Ledger(path)`` on the same file (it re-reads the
         file and appends), or an empty in-memory ledger into which the saved entries are
-        replayed.
+        replayed (:meth:`dpfy.ledger.Ledger.replay`).
       state: ``ledger_state`` of the checkpoint.
 
     Raises:
@@ -142,30 +136,4 @@ def restore_ledger(ledger: Ledger, state: dict[str, Any]) -> None:
         raise CheckpointMismatchError(
             "the checkpoint holds an in-memory ledger; resume into an empty in-memory Ledger()"
         )
-    for obj in state["entries"]:
-        _replay(ledger, obj)
-
-
-def _replay(ledger: Ledger, obj: dict[str, Any]) -> None:
-    kind = obj["type"]
-    if kind == SampleRecord.kind:
-        sid = ledger.record_sample(
-            SampleSpec.from_dict(obj["spec"]), epoch=obj["epoch"], step=obj.get("step")
-        )
-        if sid != obj["sample_id"]:
-            raise CheckpointMismatchError(
-                f"replayed sample_id {sid} does not match the saved {obj['sample_id']}"
-            )
-    elif kind == SumQueryRecord.kind:
-        ledger.record_sum_query(
-            obj["sample_id"],
-            sensitivity=obj["sensitivity"],
-            noise_std=obj["noise_std"],
-            name=obj.get("name", ""),
-        )
-    elif kind == NonPrivateRecord.kind:
-        ledger.record_non_private(obj["sample_id"], name=obj["name"], reason=obj["reason"])
-    elif kind == MetadataRecord.kind:
-        ledger.record_metadata(**obj["info"])
-    else:  # pragma: no cover - every record type is handled above
-        raise CheckpointMismatchError(f"unknown ledger entry type {kind!r}")
+    ledger.replay(record_from_dict(obj) for obj in state["entries"])

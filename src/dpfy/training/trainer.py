@@ -18,8 +18,9 @@
 5. after every epoch: test accuracy, epsilon spent so far (read from the ledger with
    ``monitor_accounting``, by default the final method), optional checkpoint.
 
-The trainer never computes epsilon itself: every figure comes from ``ledger.epsilon``; the
-final one with the chosen ``accounting`` method (PLD by default).
+The trainer never computes epsilon itself: every figure is the ledger accounted,
+``dpfy.accounting.epsilon(ledger, delta, method)``; the final one with the chosen ``accounting``
+method (PLD by default).
 
 Unit of privacy and adjacency: one row of the training tensors, add-or-remove (the sampler's
 spec records both). Monitoring figures in :class:`History` (training loss and accuracy) are
@@ -256,7 +257,8 @@ class TrainResult:
 
     Attributes:
       model: the released model (the EMA copy when ``ema_decay`` is set, else the trained one).
-      ledger: the run's ledger (account it again with ``ledger.epsilon(delta, method)``).
+      ledger: the run's ledger (account it again with
+        ``dpfy.accounting.epsilon(ledger, delta, method)``).
       privacy: final :class:`dpfy.accounting.PrivacyResult` from the ledger (``accounting``).
       history: per-step and per-epoch records.
       noise_multiplier: z used for every step (calibrated or given).
@@ -571,15 +573,15 @@ class PrivateTrainer:
 
     def epsilon_spent(self, method: str | None = None) -> float:
         """Ledger epsilon at ``delta`` so far (default: the cheap monitor method)."""
-        from dpfy.accounting import UnsupportedEventError
+        from dpfy import accounting
 
         if self.ledger.iteration == 0:
             return 0.0
         method = method or self.monitor_accounting or self.accounting
         try:
-            return float(self.ledger.epsilon(self.delta, method).epsilon)
-        except UnsupportedEventError:
-            return float(self.ledger.epsilon(self.delta, self.accounting).epsilon)
+            return float(accounting.epsilon(self.ledger, self.delta, method).epsilon)
+        except accounting.UnsupportedEventError:
+            return float(accounting.epsilon(self.ledger, self.delta, self.accounting).epsilon)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, *, max_steps: int | None = None) -> TrainResult:
@@ -596,6 +598,8 @@ class PrivateTrainer:
           BudgetExceededError: with ``on_budget="raise"``, before a refused step.
           dpfy.training.validate.UnsupportedModuleError: the model has non-private layers.
         """
+        from dpfy import accounting
+
         self._setup()
         start = time.perf_counter()
         z = self.noise_multiplier_
@@ -648,7 +652,7 @@ class PrivateTrainer:
                 bar.close()
         if stopped == "max_steps" and self.checkpoint_path is not None:
             self.save_checkpoint(self.checkpoint_path)
-        privacy = self.ledger.epsilon(self.delta, self.accounting)
+        privacy = accounting.epsilon(self.ledger, self.delta, self.accounting)
         return TrainResult(
             model=self.released_model,
             ledger=self.ledger,
