@@ -360,7 +360,7 @@ def plan(
     )
     figures: list[Path] = []
     if plot is not None:
-        from dpfy import plots_tan
+        from dpfy.report import plots_tan
 
         figures.append(plots_tan.plan_options(result, plot / "plan_options.png"))
         figures.append(
