@@ -96,11 +96,12 @@ def test_features_and_report_refuses_bad_input_before_writing(tmp_path, kwargs, 
         ({"epochs": 0}, "epochs"),
         ({"target_epsilon": -1.0}, "target_epsilon"),
         ({"learning_rate": 0.0}, "learning_rate"),
+        ({"dataset": "cifar"}, "dataset"),
     ],
 )
 def test_train_and_report_refuses_bad_input_before_writing(tmp_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        runs.train_and_report("mnist", out=tmp_path / "run", **kwargs)
+        runs.train_and_report(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs})
     assert not (tmp_path / "run").exists()
 
 

@@ -146,6 +146,11 @@ def train_and_report(
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
+    from dpfy.datasets import DATASETS
+
+    if dataset not in DATASETS:
+        allowed = ", ".join(DATASETS)
+        raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if epochs is not None:
