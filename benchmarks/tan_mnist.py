@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     predicted = float(fit.predict(ref.batch_size))
     max_gap = max(abs(r["accuracy_gap_to_reference"]) for r in sims)
     args.out.mkdir(parents=True, exist_ok=True)
-    from dpfy import plots_tan
+    from dpfy.report import plots_tan
 
     tag = "_quick" if args.quick else ""
     fig_fit = plots_tan.batch_scaling(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dpfy import plots_tan
 from dpfy.accounting import tan
 from dpfy.planning import plan
+from dpfy.report import plots_tan
 
 
 def test_figures_are_written(tmp_path):

@@ -1,12 +1,12 @@
-"""The ``dpfy`` command.
+"""The ``dpfy`` command: parse options, call :mod:`dpfy.runs`, print, map errors to exit codes.
 
-Every command validates its input and, on bad input, exits with code 2 and a one-line message
-(never a traceback). Every epsilon printed names its accounting method and adjacency.
+The pipelines themselves (train, fit, account, report, plan) live in :mod:`dpfy.runs`, which
+checks every argument. On bad input a command exits with code 2 and a one-line message (never
+a traceback). Every epsilon printed names its accounting method and adjacency.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
@@ -90,7 +90,7 @@ Seed = Annotated[int | None, typer.Option("--seed", help="Seed for Monte Carlo a
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
-def _num(value: float) -> Any:
+def _num(value: Any) -> Any:
     if isinstance(value, float) and math.isinf(value):
         return "inf"
     return value
@@ -118,50 +118,8 @@ def _emit(payload: dict[str, Any], as_json: bool, title: str) -> None:
         Console().print(f"  [bold]{name}[/bold]: {line}")
 
 
-def _resolve_steps(dataset_size: int, batch_size: int, epochs: float | None, steps: int | None):
-    from dpfy._validate import check_range
-
-    check_range("dataset_size", dataset_size, 1, None, integer=True)
-    check_range("batch_size", batch_size, 1, dataset_size, integer=True)
-    if (epochs is None) == (steps is None):
-        raise UsageProblem("give exactly one of --epochs or --steps")
-    if steps is not None:
-        check_range("steps", steps, 1, None, integer=True)
-    else:
-        check_range("epochs", epochs, 0.0, None, low_open=True)
-    return epochs, steps
-
-
-def _sampler(kind: SamplerName, dataset_size: int, batch_size: int, max_batch_size: int | None):
-    from dpfy.randomness import Randomness
-    from dpfy.sampling import make_sampler
-
-    return make_sampler(
-        kind.value.replace("-", "_"),
-        dataset_size=dataset_size,
-        batch_size=batch_size,
-        max_batch_size=max_batch_size,
-        randomness=Randomness(0),
-    )
-
-
-def _accountant(method: MethodName, samples: int | None, error_probability: float, seed):
-    """A method name, or a configured Monte Carlo accountant when MC options were given."""
-    if method is MethodName.monte_carlo or (
-        method is MethodName.auto and (samples is not None or seed is not None)
-    ):
-        from dpfy.accounting.balls_and_bins import MonteCarloAccountant
-
-        kwargs: dict[str, Any] = {"error_probability": error_probability}
-        if samples is not None:
-            kwargs["samples"] = samples
-        if seed is not None:
-            kwargs["seed"] = seed
-        return MonteCarloAccountant(**kwargs)
-    return method.value
-
-
-def _result_fields(res) -> dict[str, Any]:
+def _result_fields(res: Any) -> dict[str, Any]:
+    """The printed fields of a :class:`dpfy.accounting.PrivacyResult`."""
     out = {
         "epsilon": res.epsilon,
         "delta": res.delta,
@@ -199,36 +157,41 @@ def epsilon(
     as_json: AsJson = False,
 ) -> None:
     """Epsilon spent by a training run, accounted for the sampler that actually runs."""
-    from dpfy import accounting
+    from dpfy import runs
 
-    epochs, steps = _resolve_steps(dataset_size, batch_size, epochs, steps)
-    smp = _sampler(sampler, dataset_size, batch_size, max_batch_size)
-    event = smp.privacy_event(noise_multiplier, epochs=epochs, steps=steps)
-    payload = _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps)
+    run = runs.account_run(
+        dataset_size,
+        batch_size,
+        noise_multiplier,
+        delta,
+        epochs=epochs,
+        steps=steps,
+        sampler=sampler.value,
+        method=method.value,
+        max_batch_size=max_batch_size,
+        samples=samples,
+        error_probability=error_probability,
+        seed=seed,
+    )
+    payload = _run_fields(sampler, run)
     payload["noise_multiplier"] = noise_multiplier
-    if method is MethodName.all:
-        results = accounting.compare(event, delta)
-        best = accounting.epsilon(event, delta)
-        payload.update(_result_fields(best))
+    payload.update(_result_fields(run.result))
+    if run.comparison is not None:
         payload["results"] = {
-            k: (v if isinstance(v, str) else _result_fields(v)) for k, v in results.items()
+            k: (v if isinstance(v, str) else _result_fields(v)) for k, v in run.comparison.items()
         }
-    else:
-        acc = _accountant(method, samples, error_probability, seed)
-        payload.update(_result_fields(accounting.epsilon(event, delta, method=acc)))
     _emit(payload, as_json, "dpfy epsilon")
 
 
-def _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps) -> dict[str, Any]:
+def _run_fields(sampler: SamplerName, run: Any) -> dict[str, Any]:
     """The run's description shared by ``epsilon`` and ``calibrate`` output."""
-    total = int(steps) if steps is not None else math.ceil(epochs * smp.steps_per_epoch - 1e-9)
     return {
         "sampler": sampler.value,
-        "dataset_size": dataset_size,
-        "batch_size": batch_size,
-        "sampling_rate": batch_size / dataset_size,
-        "steps": total,
-        "epochs": epochs,
+        "dataset_size": run.dataset_size,
+        "batch_size": run.batch_size,
+        "sampling_rate": run.sampling_rate,
+        "steps": run.steps,
+        "epochs": run.epochs,
     }
 
 
@@ -251,26 +214,27 @@ def calibrate(
     as_json: AsJson = False,
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
-    from dpfy import accounting
-    from dpfy._validate import check_range
-    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+    from dpfy import runs
 
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if method is MethodName.all:
         raise UsageProblem("--method all is for `dpfy epsilon`; calibrate with one method")
-    epochs, steps = _resolve_steps(dataset_size, batch_size, epochs, steps)
-    smp = _sampler(sampler, dataset_size, batch_size, max_batch_size)
-    acc = _accountant(method, samples, error_probability, seed)
-
-    def make_event(z: float):
-        return smp.privacy_event(z, epochs=epochs, steps=steps)
-
-    z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
-    res = accounting.epsilon(make_event(z), delta, method=acc)
-    payload = _run_fields(sampler, dataset_size, batch_size, smp, epochs, steps)
-    payload.update(target_epsilon=target_epsilon, noise_multiplier=z)
-    payload.update(_result_fields(res))
+    run = runs.calibrate_run(
+        target_epsilon,
+        dataset_size,
+        batch_size,
+        delta,
+        epochs=epochs,
+        steps=steps,
+        sampler=sampler.value,
+        method=method.value,
+        max_batch_size=max_batch_size,
+        samples=samples,
+        error_probability=error_probability,
+        seed=seed,
+    )
+    payload = _run_fields(sampler, run)
+    payload.update(target_epsilon=target_epsilon, noise_multiplier=run.noise_multiplier)
+    payload.update(_result_fields(run.result))
     _emit(payload, as_json, "dpfy calibrate")
 
 
@@ -289,35 +253,14 @@ def report(
     as_json: AsJson = False,
 ) -> None:
     """Re-account a ledger with every applicable method and write the privacy report."""
-    from dpfy.ledger import Ledger
-    from dpfy.report import build_report, write_report
+    from dpfy import runs
 
-    if not ledger_path.is_file():
-        raise UsageProblem(f"ledger_path must be an existing ledger file, got {str(ledger_path)!r}")
     if method is MethodName.all:
         raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
-    ledger = Ledger.load(ledger_path)
-    meta = ledger.metadata
-    if delta is None:
-        if "delta" not in meta:
-            raise UsageProblem("the ledger records no delta: pass --delta")
-        delta = float(meta["delta"])
-    rep = build_report(
-        ledger,
-        delta=delta,
-        method=method.value,
-        utility=meta.get("utility"),
-        ledger_path=str(ledger_path),
+    run = runs.report_ledger(
+        ledger_path, delta=delta, method=method.value, out=out, figures=figures
     )
-    out_dir = out if out is not None else ledger_path.parent
-    rep = write_report(
-        rep,
-        ledger,
-        out_dir,
-        figures=figures,
-        target_epsilon=meta.get("target_epsilon"),
-        accuracy_by_step=[tuple(x) for x in meta.get("accuracy_by_step", [])] or None,
-    )
+    rep = run.report
     if as_json:
         print(rep.to_json())
         return
@@ -330,7 +273,7 @@ def report(
         if isinstance(res, dict) and res.get("epsilon_lower") is not None:
             cell += f" (lower bound {res['epsilon_lower']:.4g})"
         console.print(f"  {name}: {cell}")
-    console.print(f"report: {out_dir / 'report.md'}")
+    console.print(f"report: {run.report_path}")
 
 
 @app.command()
@@ -354,29 +297,16 @@ def plan(
     as_json: AsJson = False,
 ) -> None:
     """Recommend (batch size, noise multiplier, steps) that meet the budget (Poisson, PLD/RDP)."""
-    from dpfy.planning import plan as make_plan
+    from dpfy import runs
 
-    if max_steps is not None:
-        from dpfy._validate import check_range
-
-        check_range("max_steps", max_steps, 1, None, integer=True)
-    result = make_plan(
+    result, figures = runs.plan_with_figures(
         dataset_size,
         target_epsilon,
         delta,
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
+        plot_dir=plot,
     )
-    figures: list[Path] = []
-    if plot is not None:
-        from dpfy import plots_tan
-
-        figures.append(plots_tan.plan_options(result, plot / "plan_options.png"))
-        figures.append(
-            plots_tan.privacy_wall(
-                plot / "privacy_wall.png", target_epsilons=(target_epsilon,), delta=delta
-            )
-        )
     if as_json:
         payload = result.to_dict()
         if figures:
@@ -431,27 +361,11 @@ def train(
     threads: Annotated[int | None, typer.Option("--threads", help="Torch threads.")] = None,
 ) -> None:
     """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
-    import time
+    from dpfy import runs
 
-    from dpfy._validate import check_range
-
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if epochs is not None:
-        check_range("epochs", epochs, 1, None, integer=True)
-    if batch_size is not None:
-        check_range("batch_size", batch_size, 1, None, integer=True)
-    if learning_rate is not None:
-        check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
-    if clip_norm is not None:
-        check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_dir = out if out is not None else Path("runs") / f"{dataset.value}-{stamp}"
-    if (out_dir / "ledger.jsonl").exists():
-        raise UsageProblem(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
-    run = train_and_report(
-        dataset=dataset.value,
-        out_dir=out_dir,
+    run = runs.train_and_report(
+        dataset.value,
+        out=out,
         target_epsilon=target_epsilon,
         delta=delta,
         sampler=sampler.value.replace("-", "_"),
@@ -463,84 +377,16 @@ def train(
         seed=seed,
         train_limit=train_limit,
         threads=threads,
+        progress=True,
     )
     from rich.console import Console
 
     console = Console()
-    console.print(f"[bold]{run['statement']}[/bold]")
+    console.print(f"[bold]{run.statement}[/bold]")
     console.print(
-        f"test accuracy {100 * run['test_accuracy']:.2f} %, training took {run['seconds']:.0f} s"
+        f"test accuracy {100 * run.test_accuracy:.2f} %, training took {run.seconds:.0f} s"
     )
-    console.print(f"run directory: {out_dir}   report: {out_dir / 'report.md'}")
-
-
-def train_and_report(
-    *, dataset: str, out_dir: Path, target_epsilon: float, delta: float, **options: Any
-) -> dict[str, Any]:
-    """Train with :func:`dpfy.training.recipes.train_image_classifier`, then account the ledger
-    (not the trainer's numbers) and write ``report.md``, ``report.json`` and figures."""
-    import shlex
-
-    from dpfy.ledger import Ledger
-    from dpfy.report import build_report, write_report
-    from dpfy.training.recipes import train_image_classifier
-
-    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
-    summary = train_image_classifier(
-        dataset,
-        target_epsilon=target_epsilon,
-        delta=delta,
-        out_dir=out_dir,
-        progress=True,
-        **options,
-    )
-    options.update(
-        epochs=summary.epochs,
-        batch_size=summary.batch_size,
-        learning_rate=summary.learning_rate,
-        clip_norm=summary.clip_norm,
-    )
-    accuracy_by_step = [
-        [int(e.steps), float(e.test_accuracy)]
-        for e in summary.history.epochs
-        if e.test_accuracy is not None
-    ]
-    argv = ["dpfy", "train", dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
-            f"{delta:g}", "--out", str(out_dir)]
-    keys = ("sampler", "epochs", "batch_size", "learning_rate", "clip_norm", "seed", "train_limit")
-    for key in keys:
-        if options.get(key) is not None:
-            value = str(options[key]).replace("_", "-") if key == "sampler" else options[key]
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    summary.ledger.record_metadata(
-        delta=delta,
-        target_epsilon=target_epsilon,
-        accuracy_by_step=accuracy_by_step,
-        train_command=shlex.join(argv),
-    )
-    summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
-    ledger_path = Path(summary.ledger_path)
-    ledger = Ledger.load(ledger_path)
-    report = build_report(
-        ledger, delta=delta, method=summary.accounting, ledger_path=str(ledger_path)
-    )
-    report = dataclasses.replace(
-        report, reproduce={**report.reproduce, "train_command": shlex.join(argv)}
-    )
-    report = write_report(
-        report,
-        ledger,
-        out_dir,
-        target_epsilon=target_epsilon,
-        accuracy_by_step=[tuple(x) for x in accuracy_by_step],
-    )
-    return {
-        "statement": report.formal_statement,
-        "epsilon": report.epsilon,
-        "test_accuracy": summary.test_accuracy,
-        "seconds": summary.seconds,
-        "report": report,
-    }
+    console.print(f"run directory: {run.out_dir}   report: {run.report_path}")
 
 
 class FeatureDataset(StrEnum):
@@ -577,66 +423,28 @@ def features(
     Features (EfficientNet-Lite0 for images, all-MiniLM-L6-v2 for the rotten-tomatoes
     snippets) are extracted once and cached; the first run takes a while.
     """
-    import time
+    from dpfy import runs
 
-    import numpy as np
-
-    from dpfy import features as feats
-    from dpfy._validate import check_range
-    from dpfy.features import extract
-    from dpfy.ledger import Ledger
-    from dpfy.report import build_report, write_report
-
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if limit is not None:
-        check_range("limit", limit, 2, None, integer=True)
-    out_dir = out or Path("runs") / f"features-{dataset.value}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if (out_dir / "ledger.jsonl").exists():
-        raise UsageProblem(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
-    if dataset is FeatureDataset.rotten_tomatoes:
-        x, y, is_test = extract.text_features()
-        x_train, y_train, x_test, y_test = x[~is_test], y[~is_test], x[is_test], y[is_test]
-    else:
-        x_train, y_train = extract.image_features(dataset.value, "train")
-        x_test, y_test = extract.image_features(dataset.value, "test")
-    if limit is not None:
-        x_train, y_train = x_train[:limit], y_train[:limit]
-    estimator = {
-        FeatureMethod.dp_fc: feats.DPFeatureCovarianceClassifier,
-        FeatureMethod.dp_ls: feats.DPLeastSquaresClassifier,
-        FeatureMethod.dp_newton: feats.DPNewtonClassifier,
-        FeatureMethod.dp_adam: feats.DPAdamClassifier,
-    }[method](epsilon=target_epsilon, delta=delta, random_state=seed)
-    start = time.perf_counter()
-    estimator.fit(x_train, y_train)
-    seconds = time.perf_counter() - start
-    accuracy = float(np.mean(estimator.predict(x_test) == np.asarray(y_test)))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ledger = estimator.ledger_.prefix(path=out_dir / "ledger.jsonl")
-    ledger.record_metadata(
-        dataset=dataset.value,
-        estimator=type(estimator).__name__,
-        delta=delta,
+    run = runs.features_and_report(
+        dataset.value,
+        method=method.value,
         target_epsilon=target_epsilon,
-        test_accuracy=accuracy,
-        wall_time_seconds=seconds,
-        released_output="the linear classifier's weights",
+        delta=delta,
+        seed=seed,
+        limit=limit,
+        out=out,
     )
-    ledger.close()
-    ledger = Ledger.load(out_dir / "ledger.jsonl")
-    report = build_report(ledger, delta=delta, ledger_path=str(out_dir / "ledger.jsonl"))
-    report = write_report(report, ledger, out_dir, figures=False)
     from rich.console import Console
 
     console = Console()
-    console.print(f"[bold]{report.formal_statement}[/bold]")
-    rho = feats.gdp_figures(estimator.ledger_).zcdp_rho
+    console.print(f"[bold]{run.statement}[/bold]")
+    estimator = run.model
+    rho = run.zcdp_rho
     console.print(
-        f"{type(estimator).__name__}: test accuracy {100 * accuracy:.2f} % (fit {seconds:.1f} s);"
-        f" the paper's zCDP view of the same run: rho = {rho:.4g}"
+        f"{type(estimator).__name__}: test accuracy {100 * run.test_accuracy:.2f} % "
+        f"(fit {run.seconds:.1f} s); the paper's zCDP view of the same run: rho = {rho:.4g}"
     )
-    console.print(f"report: {out_dir / 'report.md'}")
+    console.print(f"report: {run.report_path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,10 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = command.main(args=args, prog_name="dpfy", standalone_mode=False)
     except _UsageError as exc:
-        print(f"dpfy: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"dpfy: error: {_one_line(_click_message(exc))}", file=sys.stderr)
         return 2
     except _ClickException as exc:
-        print(f"dpfy: error: {_one_line(exc.format_message())}", file=sys.stderr)
+        print(f"dpfy: error: {_one_line(_click_message(exc))}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 1))
     except (UsageProblem, ValueError, FileNotFoundError) as exc:
         print(f"dpfy: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
@@ -669,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
             return 130
         raise
     return int(result) if isinstance(result, int) else 0
+
+
+def _click_message(exc: Exception) -> str:
+    """The message click would print for one of its exceptions."""
+    return str(getattr(exc, "format_message", exc.__str__)())
 
 
 def _one_line(message: str) -> str:

@@ -1,9 +1,11 @@
-"""TAN figures (matplotlib, Agg backend; imported only when plotting).
+"""TAN figures of Sander et al. 2023 (matplotlib, imported only when plotting).
 
 * :func:`privacy_wall` — the accountant's epsilon against the noise multiplier at constant
   ``eta`` for several step counts, with eps_TAN and the regimes marked (TAN Fig. 2).
 * :func:`batch_scaling` — measured metric against batch size at constant ``eta_step`` and
   ``S``, the log-linear fit and its extrapolation to the reference batch (TAN Fig. 4 style).
+* :func:`plan_options` — the options of :func:`dpfy.planning.plan`: compute against per-step
+  signal-to-noise, coloured by TAN regime.
 
 Each function writes one PNG and returns its path.
 """
@@ -12,21 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpfy.accounting import tan
+from dpfy.report import _figures
+
+if TYPE_CHECKING:
+    from dpfy.planning import Plan
 
 __all__ = ["privacy_wall", "batch_scaling", "plan_options"]
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def privacy_wall(
@@ -43,15 +41,11 @@ def privacy_wall(
     For each target the ``eta`` with ``eps_TAN(eta) = target`` is fixed; each curve is one step
     count ``S`` and each point uses the sampling rate that keeps ``eta`` (TAN Fig. 2).
     """
-    plt = _pyplot()
     zs = np.geomspace(0.25, 10.0, 36) if noise_multipliers is None else np.asarray(
         noise_multipliers, dtype=float
     )
-    fig, axes = plt.subplots(
-        1, len(target_epsilons), figsize=(5.2 * len(target_epsilons), 4.0), dpi=120,
-        squeeze=False,
-    )
-    for ax, target in zip(axes[0], target_epsilons, strict=True):
+    fig, axes = _figures.new_figure(len(target_epsilons), panel_size=(5.2, 4.0))
+    for ax, target in zip(axes, target_epsilons, strict=True):
         eta_value = float(tan.eta_for_epsilon(target, delta))
         for s in steps:
             eps = tan.privacy_wall_curve(eta_value, int(s), zs, delta, method=method)
@@ -65,15 +59,10 @@ def privacy_wall(
         ax.set_xlabel("noise multiplier z (log)")
         ax.set_ylabel(f"epsilon ({method}, delta={delta:g})")
         ax.set_title(f"constant eta = {eta_value:.3g} (eps_TAN = {target:g})")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, which="both")
+        _figures.legend(ax)
+        _figures.grid(ax, which="both")
     fig.suptitle("The privacy wall: epsilon at constant TAN (Sander et al., Fig. 2)")
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return _figures.save(fig, path)
 
 
 def batch_scaling(
@@ -90,8 +79,7 @@ def batch_scaling(
     ``reference_values`` (optional) are measurements at ``reference_batch`` to compare with the
     extrapolation; they are not used in the fit.
     """
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    fig, (ax,) = _figures.new_figure()
     b = np.asarray(fit.batch_sizes)
     ax.scatter(b, fit.values, marker="x", color="C0", label="simulations (fitted)")
     hi = max(b.max(), reference_batch or 0.0)
@@ -113,29 +101,23 @@ def batch_scaling(
     ax.set_xlabel("batch size B (log)")
     ax.set_ylabel(metric)
     ax.set_title(title)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    _figures.grid(ax, which="both")
+    _figures.legend(ax)
+    return _figures.save(fig, path)
 
 
-def plan_options(plan, path: str | Path) -> Path:
+def plan_options(plan: Plan, path: str | Path) -> Path:
     """A plan's options: compute (examples processed) against per-step signal-to-noise.
 
     Each option of :func:`dpfy.planning.plan` is a point labelled with ``(B, z, S)`` and coloured
     by its TAN regime; all meet the same budget, so the picture shows what compute buys.
     """
-    plt = _pyplot()
     colours = {
         tan.Regime.CONSTANT_PRIVACY: "C2",
         tan.Regime.TRANSITION: "C1",
         tan.Regime.PRIVACY_WALL: "C3",
     }
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    fig, (ax,) = _figures.new_figure()
     seen: set[tan.Regime] = set()
     for i, o in enumerate((plan.recommendation, *plan.runner_ups)):
         label = o.regime.value.replace("_", " ") if o.regime not in seen else None
@@ -152,11 +134,6 @@ def plan_options(plan, path: str | Path) -> Path:
     ax.set_title(
         f"Options at epsilon={plan.target_epsilon:g}, delta={plan.delta:g}, N={plan.dataset_size:,}"
     )
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, title="TAN regime", title_fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    _figures.grid(ax, which="both")
+    _figures.legend(ax, title="TAN regime", title_fontsize=_figures.LEGEND_FONTSIZE)
+    return _figures.save(fig, path)

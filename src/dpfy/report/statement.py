@@ -1,13 +1,14 @@
-"""The privacy statement that ships with a model (guide Sec. 5.3.3; DESIGN section 7).
+"""The privacy statement that ships with a model (Ponomareva et al. 2023, Sec. 5.3.3).
 
 A report is built from a ledger alone (plus optional utility figures and run facts): the ledger
 says which sampler ran and which noise was really added; the accountants turn that into
 (epsilon, delta). Nothing here trusts a number computed by training code.
 
-Fields follow the guide's checklist: DP setting, data accesses covered, released output, unit of
-privacy, adjacency, sampler actually used, accounting method and its assumptions (and any
-mismatch), the formal statement (epsilon at delta, delta vs 1/N, the RDP curve or mu where
-exact), the privacy tier, every DP hyperparameter, utility, and how to reproduce.
+Fields follow the checklist of Ponomareva et al. 2023: DP setting, data accesses covered,
+released output, unit of privacy, adjacency, sampler actually used, accounting method and its
+assumptions (and any mismatch), the formal statement (epsilon at delta, delta vs 1/N, the RDP
+curve or mu where exact), the privacy tier, every DP hyperparameter, utility, and how to
+reproduce. :mod:`dpfy.report.markdown` renders it; :mod:`dpfy.report.write` writes it to disk.
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.ledger import Ledger, NonPrivateRecord, ledger_hyperparameters
+from dpfy.report.markdown import to_markdown
 from dpfy.sampling import column as sampler_column
 from dpfy.sampling import kind as sampler_kind
 
-__all__ = ["PrivacyReport", "build_report", "write_report", "privacy_tier", "REPORT_FIELDS"]
+__all__ = [
+    "PrivacyReport",
+    "build_report",
+    "privacy_tier",
+    "REPORT_FIELDS",
+    "ledger_hyperparameters",
+    "prefix_ledger",
+    "epsilon_history",
+]
 
 # Ledger operations that used to live here (ledger_hyperparameters too, imported above).
 prefix_ledger = Ledger.prefix  # prefix_ledger(ledger, num_samples=None, *, path=None)
@@ -57,7 +66,8 @@ _SAMPLER_ASSUMPTIONS = sampler_column("assumptions")
 
 
 def privacy_tier(epsilon: float) -> str:
-    """Tier of the guide (Sec. 5.2): 1 for eps <= 1, 2 for eps <= 10, 3 otherwise."""
+    """Privacy tier of Ponomareva et al. 2023 (Sec. 5.2): 1 for eps <= 1, 2 for eps <= 10, 3
+    otherwise."""
     if epsilon <= 1.0:
         return "Tier 1 (strong formal privacy: epsilon <= 1)"
     if epsilon <= 10.0:
@@ -94,13 +104,15 @@ class PrivacyReport:
     figures: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return _jsonable(dataclasses.asdict(self))
+        """Every field, JSON-ready (infinite epsilon as ``"inf"``)."""
+        out: dict[str, Any] = _jsonable(dataclasses.asdict(self))
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_markdown(self) -> str:
-        return _markdown(self)
+        return to_markdown(self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,7 +131,7 @@ def build_report(
     ledger_path: str | None = None,
     reproduce_command: str | None = None,
 ) -> PrivacyReport:
-    """Account ``ledger`` at ``delta`` and assemble the checklist of the guide (Sec. 5.3.3).
+    """Account ``ledger`` at ``delta`` and assemble the checklist of Ponomareva et al. 2023.
 
     Args:
       ledger: the run's ledger (``Ledger.load(path)``).
@@ -294,170 +306,6 @@ def epsilon_history(
             continue
         curves[name] = values
     return steps, curves
-
-
-def write_report(
-    report: PrivacyReport,
-    ledger: Ledger,
-    out_dir: str | Path,
-    *,
-    accuracy_by_step: list[tuple[int, float]] | None = None,
-    target_epsilon: float | None = None,
-    figures: bool = True,
-) -> PrivacyReport:
-    """Write ``report.md``, ``report.json`` and figures into ``out_dir``; returns the report
-    with the figure paths filled in."""
-    from dpfy import plots
-
-    out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
-    paths: dict[str, str] = {}
-    if figures and math.isfinite(report.epsilon):
-        steps, curves = epsilon_history(ledger, report.delta)
-        if curves:
-            p = plots.epsilon_over_training(
-                steps,
-                curves,
-                out / "figures" / "epsilon_over_training.png",
-                delta=report.delta,
-                target_epsilon=target_epsilon,
-                accuracy=accuracy_by_step,
-            )
-            paths["epsilon_over_training"] = str(p.relative_to(out))
-        deltas, eps_by_method = _epsilon_vs_delta(ledger, report)
-        if eps_by_method:
-            p = plots.epsilon_vs_delta(
-                deltas,
-                eps_by_method,
-                out / "figures" / "epsilon_vs_delta.png",
-                dataset_size=report.sampler.get("dataset_size"),
-                chosen_delta=report.delta,
-            )
-            paths["epsilon_vs_delta"] = str(p.relative_to(out))
-        comparison = {}
-        for name, res in report.other_methods.items():
-            if isinstance(res, dict):
-                comparison[name] = (
-                    res["epsilon"],
-                    res.get("epsilon_lower"),
-                    res.get("epsilon_estimate"),
-                )
-            elif isinstance(res, float):
-                comparison[name] = (res, None, None)
-        if comparison:
-            p = plots.accountant_comparison(
-                comparison, out / "figures" / "accountant_comparison.png", delta=report.delta
-            )
-            paths["accountant_comparison"] = str(p.relative_to(out))
-    report = dataclasses.replace(report, figures=paths)
-    (out / "report.md").write_text(report.to_markdown(), encoding="utf-8")
-    (out / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
-    return report
-
-
-def _epsilon_vs_delta(ledger: Ledger, report: PrivacyReport):
-    import numpy as np
-
-    deltas = [float(d) for d in np.logspace(-10, -2, 17)]
-    event = ledger.to_event()
-    out: dict[str, list[float]] = {}
-    for name, res in report.other_methods.items():
-        if not isinstance(res, dict) or not res.get("provable", True):
-            continue
-        try:
-            out[name] = [accounting.epsilon(event, d, method=name).epsilon for d in deltas]
-        except (ValueError, KeyError):
-            continue
-    return deltas, out
-
-
-# ---------------------------------------------------------------------------------------------
-# rendering
-# ---------------------------------------------------------------------------------------------
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        if math.isinf(value):
-            return "infinity"
-        return f"{value:.4g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return ", ".join(_fmt(v) for v in value)
-    return "-" if value is None else str(value)
-
-
-def _markdown(r: PrivacyReport) -> str:
-    lines = ["# Privacy report", "", f"**{r.formal_statement}**", ""]
-    eps = "infinity" if math.isinf(r.epsilon) else f"{r.epsilon:.5g}"
-    headline = f"- epsilon = **{eps}** at delta = {r.delta:g} ({r.accounting_method}"
-    headline += f", {r.adjacency} adjacency, unit of privacy: {r.unit_of_privacy})"
-    lines.append(headline)
-    if r.epsilon_estimate is not None:
-        lines.append(
-            f"- Monte Carlo point estimate {_fmt(r.epsilon_estimate)}; the reported epsilon is "
-            f"its upper confidence bound (error probability {r.error_probability:g})"
-        )
-    if r.epsilon_lower is not None:
-        lines.append(f"- lower bound on the true epsilon: {_fmt(r.epsilon_lower)}")
-    lines.append(f"- {r.privacy_tier}")
-    if r.delta_times_n is not None:
-        n = r.sampler.get("dataset_size")
-        verdict = "below 1/N, as it should be" if r.delta_times_n < 1 else "NOT below 1/N"
-        lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}): delta is {verdict}")
-    if r.mu is not None:
-        lines.append(f"- exact Gaussian DP: mu = {r.mu:.4g}")
-    lines += ["", "## Checklist (guide Sec. 5.3.3)", "", "| item | value |", "|---|---|"]
-    rows = [
-        ("DP setting", r.dp_setting),
-        ("Data accesses covered", r.data_accesses),
-        ("Released output", r.released_output),
-        ("Unit of privacy", r.unit_of_privacy),
-        ("Adjacency", r.adjacency),
-        ("Sampler actually used", _fmt(r.sampler)),
-        ("Accounting method", r.accounting_method),
-        ("Privacy tier", r.privacy_tier),
-    ]
-    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
-    lines += ["", "## Assumptions", ""]
-    lines += [f"- {_escape(a)}" for a in r.assumptions]
-    lines += ["", "## DP hyperparameters (as recorded in the ledger)", "", "| name | value |"]
-    lines.append("|---|---|")
-    lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.hyperparameters.items()]
-    lines += ["", f"## Epsilon by accounting method (delta = {r.delta:g})", ""]
-    lines.append("| method | epsilon |")
-    lines.append("|---|---|")
-    for name, res in r.other_methods.items():
-        if isinstance(res, dict):
-            cell = _fmt(res["epsilon"])
-            if res.get("epsilon_estimate") is not None:
-                cell += f" (estimate {_fmt(res['epsilon_estimate'])})"
-            if res.get("epsilon_lower") is not None:
-                cell += f" (lower bound {_fmt(res['epsilon_lower'])})"
-            if not res.get("provable", True):
-                cell += " (holds with high probability)"
-        else:
-            cell = _fmt(res)
-        lines.append(f"| {name} | {_escape(cell)} |")
-    if r.utility:
-        lines += ["", "## Utility", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.utility.items()]
-    if r.figures:
-        lines += ["", "## Figures", ""]
-        lines += [f"![{name}]({path})" for name, path in r.figures.items()]
-    lines += ["", "## Reproduce", ""]
-    if r.reproduce.get("ledger"):
-        lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
-    if r.reproduce.get("command"):
-        lines.append(f"- re-account: `{r.reproduce['command']}`")
-    if r.reproduce.get("train_command"):
-        lines.append(f"- re-train: `{r.reproduce['train_command']}`")
-    return "\n".join(lines) + "\n"
-
-
-def _escape(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,101 @@
+"""A privacy report rendered as Markdown (``report.md``), the page a person reads.
+
+The checklist follows Ponomareva et al. 2023 ("How to DP-fy ML"), Sec. 5.3.3. Every table row
+has exactly two cells: ``|`` inside a value is escaped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpfy.report.statement import PrivacyReport
+
+__all__ = ["to_markdown"]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "infinity"
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_fmt(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_fmt(v) for v in value)
+    return "-" if value is None else str(value)
+
+
+def to_markdown(r: PrivacyReport) -> str:
+    """The report as a Markdown page: statement, checklist, assumptions, hyperparameters,
+    epsilon per method, utility, figures and how to reproduce it."""
+    lines = ["# Privacy report", "", f"**{r.formal_statement}**", ""]
+    eps = "infinity" if math.isinf(r.epsilon) else f"{r.epsilon:.5g}"
+    headline = f"- epsilon = **{eps}** at delta = {r.delta:g} ({r.accounting_method}"
+    headline += f", {r.adjacency} adjacency, unit of privacy: {r.unit_of_privacy})"
+    lines.append(headline)
+    if r.epsilon_estimate is not None:
+        lines.append(
+            f"- Monte Carlo point estimate {_fmt(r.epsilon_estimate)}; the reported epsilon is "
+            f"its upper confidence bound (error probability {r.error_probability:g})"
+        )
+    if r.epsilon_lower is not None:
+        lines.append(f"- lower bound on the true epsilon: {_fmt(r.epsilon_lower)}")
+    lines.append(f"- {r.privacy_tier}")
+    if r.delta_times_n is not None:
+        n = r.sampler.get("dataset_size")
+        verdict = "below 1/N, as it should be" if r.delta_times_n < 1 else "NOT below 1/N"
+        lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}): delta is {verdict}")
+    if r.mu is not None:
+        lines.append(f"- exact Gaussian DP: mu = {r.mu:.4g}")
+    lines += ["", "## Checklist (guide Sec. 5.3.3)", "", "| item | value |", "|---|---|"]
+    rows = [
+        ("DP setting", r.dp_setting),
+        ("Data accesses covered", r.data_accesses),
+        ("Released output", r.released_output),
+        ("Unit of privacy", r.unit_of_privacy),
+        ("Adjacency", r.adjacency),
+        ("Sampler actually used", _fmt(r.sampler)),
+        ("Accounting method", r.accounting_method),
+        ("Privacy tier", r.privacy_tier),
+    ]
+    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
+    lines += ["", "## Assumptions", ""]
+    lines += [f"- {_escape(a)}" for a in r.assumptions]
+    lines += ["", "## DP hyperparameters (as recorded in the ledger)", "", "| name | value |"]
+    lines.append("|---|---|")
+    lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.hyperparameters.items()]
+    lines += ["", f"## Epsilon by accounting method (delta = {r.delta:g})", ""]
+    lines.append("| method | epsilon |")
+    lines.append("|---|---|")
+    for name, res in r.other_methods.items():
+        if isinstance(res, dict):
+            cell = _fmt(res["epsilon"])
+            if res.get("epsilon_estimate") is not None:
+                cell += f" (estimate {_fmt(res['epsilon_estimate'])})"
+            if res.get("epsilon_lower") is not None:
+                cell += f" (lower bound {_fmt(res['epsilon_lower'])})"
+            if not res.get("provable", True):
+                cell += " (holds with high probability)"
+        else:
+            cell = _fmt(res)
+        lines.append(f"| {name} | {_escape(cell)} |")
+    if r.utility:
+        lines += ["", "## Utility", "", "| metric | value |", "|---|---|"]
+        lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.utility.items()]
+    if r.figures:
+        lines += ["", "## Figures", ""]
+        lines += [f"![{name}]({path})" for name, path in r.figures.items()]
+    lines += ["", "## Reproduce", ""]
+    if r.reproduce.get("ledger"):
+        lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
+    if r.reproduce.get("command"):
+        lines.append(f"- re-account: `{r.reproduce['command']}`")
+    if r.reproduce.get("train_command"):
+        lines.append(f"- re-train: `{r.reproduce['train_command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")

@@ -1,0 +1,101 @@
+"""A privacy report written to a run directory: ``report.md``, ``report.json`` and figures.
+
+The figures' numbers are re-derived from the ledger (never from training code); matplotlib is
+imported only when figures are drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from dpfy import accounting
+from dpfy.ledger import Ledger
+from dpfy.report.statement import PrivacyReport, epsilon_history
+
+__all__ = ["write_report"]
+
+
+def write_report(
+    report: PrivacyReport,
+    ledger: Ledger,
+    out_dir: str | Path,
+    *,
+    accuracy_by_step: Sequence[tuple[int, float]] | None = None,
+    target_epsilon: float | None = None,
+    figures: bool = True,
+) -> PrivacyReport:
+    """Write ``report.md``, ``report.json`` and figures into ``out_dir``; returns the report
+    with the figure paths (relative to ``out_dir``) filled in.
+
+    ``accuracy_by_step`` holds (step, test accuracy in [0, 1]) pairs and ``target_epsilon`` the
+    run's budget, both drawn on the epsilon-over-training figure. Without ``figures``, or when
+    epsilon is infinite, no figure is drawn (and matplotlib is not imported).
+    """
+    from dpfy.report import plots
+
+    out = Path(out_dir)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    paths: dict[str, str] = {}
+    if figures and math.isfinite(report.epsilon):
+        steps, curves = epsilon_history(ledger, report.delta)
+        if curves:
+            p = plots.epsilon_over_training(
+                steps,
+                curves,
+                out / "figures" / "epsilon_over_training.png",
+                delta=report.delta,
+                target_epsilon=target_epsilon,
+                accuracy=accuracy_by_step,
+            )
+            paths["epsilon_over_training"] = str(p.relative_to(out))
+        deltas, eps_by_method = _epsilon_vs_delta(ledger, report)
+        if eps_by_method:
+            p = plots.epsilon_vs_delta(
+                deltas,
+                eps_by_method,
+                out / "figures" / "epsilon_vs_delta.png",
+                dataset_size=report.sampler.get("dataset_size"),
+                chosen_delta=report.delta,
+            )
+            paths["epsilon_vs_delta"] = str(p.relative_to(out))
+        comparison: dict[str, tuple[float, float | None, float | None]] = {}
+        for name, res in report.other_methods.items():
+            if isinstance(res, dict):
+                comparison[name] = (
+                    res["epsilon"],
+                    res.get("epsilon_lower"),
+                    res.get("epsilon_estimate"),
+                )
+            elif isinstance(res, float):
+                comparison[name] = (res, None, None)
+        if comparison:
+            p = plots.accountant_comparison(
+                comparison, out / "figures" / "accountant_comparison.png", delta=report.delta
+            )
+            paths["accountant_comparison"] = str(p.relative_to(out))
+    report = dataclasses.replace(report, figures=paths)
+    (out / "report.md").write_text(report.to_markdown(), encoding="utf-8")
+    (out / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    return report
+
+
+def _epsilon_vs_delta(
+    ledger: Ledger, report: PrivacyReport
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Epsilon of each provable method at 17 deltas from 1e-10 to 1e-2 (log-spaced)."""
+    import numpy as np
+
+    deltas = [float(d) for d in np.logspace(-10, -2, 17)]
+    event = ledger.to_event()
+    out: dict[str, list[float]] = {}
+    for name, res in report.other_methods.items():
+        if not isinstance(res, dict) or not res.get("provable", True):
+            continue
+        try:
+            out[name] = [accounting.epsilon(event, d, method=name).epsilon for d in deltas]
+        except (ValueError, KeyError):
+            continue
+    return deltas, out

@@ -1,0 +1,611 @@
+"""Library pipelines: run (or plan) something private, account the ledger, report.
+
+These are what the ``dpfy`` command runs, callable from Python without it:
+
+* :func:`train_and_report` — DP-SGD on MNIST / Fashion-MNIST with the recipe of
+  :mod:`dpfy.training.recipes`, then the privacy report of its ledger (``dpfy train``);
+* :func:`features_and_report` — a DP linear classifier on pretrained features (Mehta et al.
+  2023), then its report (``dpfy features``);
+* :func:`report_ledger` — re-account any ledger file and write its report (``dpfy report``);
+* :func:`plan_with_figures` — the (batch size, noise, steps) plan of :mod:`dpfy.planning`
+  and its figures (``dpfy plan``);
+* :func:`account_run` / :func:`calibrate_run` — epsilon of a planned run for the sampler that
+  will really run, or the noise multiplier that meets a target (``dpfy epsilon`` /
+  ``dpfy calibrate``).
+
+Every statement is accounted from the ledger, never from numbers the training code computed.
+Arguments are checked here, once, before anything is computed or written: bad input raises
+``ValueError`` with a one-line message naming the parameter. Torch and matplotlib are imported
+only by the pipelines that need them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shlex
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from dpfy._validate import check_range
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from dpfy.accounting import Accountant, PrivacyResult
+    from dpfy.ledger import Ledger
+    from dpfy.planning import Plan
+    from dpfy.report import PrivacyReport
+    from dpfy.sampling import Sampler
+
+__all__ = [
+    "FEATURE_DATASETS",
+    "FEATURE_METHODS",
+    "ReportedRun",
+    "RunAccounting",
+    "TrainedRun",
+    "account_run",
+    "calibrate_run",
+    "features_and_report",
+    "plan_with_figures",
+    "report_ledger",
+    "train_and_report",
+]
+
+#: Datasets whose pretrained features :func:`features_and_report` extracts itself.
+FEATURE_DATASETS = ("fashion-mnist", "mnist", "rotten-tomatoes")
+#: DP learners of Mehta et al. 2023, by name, as class names in :mod:`dpfy.features`.
+FEATURE_METHODS = {
+    "dp-fc": "DPFeatureCovarianceClassifier",
+    "dp-ls": "DPLeastSquaresClassifier",
+    "dp-newton": "DPNewtonClassifier",
+    "dp-adam": "DPAdamClassifier",
+}
+
+FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportedRun:
+    """A ledger and the report written from it (what :func:`report_ledger` returns).
+
+    Attributes:
+      out_dir: the directory of ``report.md``, ``report.json`` and ``figures/``.
+      ledger_path: the ledger the report was accounted from.
+      report: the privacy report, with its figure paths (relative to ``out_dir``).
+    """
+
+    out_dir: Path
+    ledger_path: Path
+    report: PrivacyReport
+
+    @property
+    def report_path(self) -> Path:
+        """``report.md`` in the run directory."""
+        return self.out_dir / "report.md"
+
+    @property
+    def statement(self) -> str:
+        """The formal (epsilon, delta) statement of the report."""
+        return self.report.formal_statement
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedRun(ReportedRun):
+    """A private model, its ledger and its report (what the train / fit pipelines return).
+
+    Attributes (beyond :class:`ReportedRun`):
+      test_accuracy: accuracy of the released model on the test split, in [0, 1].
+      seconds: wall time of training or fitting, in seconds (data loading excluded).
+      model: the released model: the recipe's ``TrainResultSummary`` (its ``model`` is the
+        ``nn.Module``) for :func:`train_and_report`, the fitted estimator for
+        :func:`features_and_report`.
+      zcdp_rho: for :func:`features_and_report`, the same run as rho-zCDP (the view Mehta et
+        al. 2023 state their guarantees in); ``None`` for sampled training.
+    """
+
+    test_accuracy: float
+    seconds: float
+    model: Any
+    zcdp_rho: float | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# train or fit, then report
+# ---------------------------------------------------------------------------------------------
+
+
+def train_and_report(
+    dataset: str = "mnist",
+    *,
+    out: str | os.PathLike[str] | None = None,
+    target_epsilon: float = 3.0,
+    delta: float = 1e-5,
+    sampler: str = "poisson",
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    learning_rate: float | None = None,
+    clip_norm: float | None = None,
+    secure: bool = False,
+    seed: int = 0,
+    train_limit: int | None = None,
+    threads: int | None = None,
+    progress: bool = False,
+) -> TrainedRun:
+    """Train with :func:`dpfy.training.recipes.train_image_classifier`, then account the ledger
+    and write ``report.md``, ``report.json`` and figures beside the model.
+
+    Args:
+      dataset: ``"mnist"`` or ``"fashion-mnist"``.
+      out: a new run directory (default ``runs/<dataset>-<date>-<time>``).
+      target_epsilon, delta: the budget the noise is calibrated to; delta in (0, 1).
+      sampler: the batch sampler that runs (``"poisson"`` or ``"balls_and_bins"``).
+      epochs, batch_size, learning_rate, clip_norm: None takes the recipe's default.
+      secure, seed, train_limit, threads, progress: as in the recipe.
+
+    Raises:
+      ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
+    """
+    from dpfy.datasets import DATASETS
+
+    if dataset not in DATASETS:
+        allowed = ", ".join(DATASETS)
+        raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if epochs is not None:
+        check_range("epochs", epochs, 1, None, integer=True)
+    if batch_size is not None:
+        check_range("batch_size", batch_size, 1, None, integer=True)
+    if learning_rate is not None:
+        check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
+    if clip_norm is not None:
+        check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
+    out_dir = _new_run_dir(out, dataset)
+
+    from dpfy.training.recipes import train_image_classifier
+
+    options: dict[str, Any] = {
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "clip_norm": clip_norm,
+        "train_limit": train_limit,
+        "threads": threads,
+    }
+    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
+    summary = train_image_classifier(
+        dataset,
+        target_epsilon=target_epsilon,
+        delta=delta,
+        sampler=sampler,
+        secure=secure,
+        seed=seed,
+        out_dir=out_dir,
+        progress=progress,
+        **options,
+    )
+    accuracy_by_step = [
+        (int(e.steps), float(e.test_accuracy))
+        for e in summary.history.epochs
+        if e.test_accuracy is not None
+    ]
+    command = _train_command(
+        dataset, out_dir, target_epsilon, delta,
+        {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
+         "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
+         "train_limit": train_limit},
+    )
+    summary.ledger.record_metadata(
+        delta=delta,
+        target_epsilon=target_epsilon,
+        accuracy_by_step=[list(x) for x in accuracy_by_step],
+        train_command=command,
+    )
+    summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
+    from dpfy.ledger import Ledger
+
+    ledger_path = out_dir / "ledger.jsonl"
+    report = _report_files(
+        Ledger.load(ledger_path),
+        ledger_path,
+        out_dir,
+        delta=delta,
+        method=summary.accounting,
+        train_command=command,
+        target_epsilon=target_epsilon,
+        accuracy_by_step=accuracy_by_step,
+    )
+    return TrainedRun(
+        out_dir, ledger_path, report, summary.test_accuracy, summary.seconds, summary
+    )
+
+
+def features_and_report(
+    dataset: str = "fashion-mnist",
+    *,
+    method: str = "dp-fc",
+    target_epsilon: float = 1.0,
+    delta: float = 1e-5,
+    seed: int = 0,
+    limit: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    data: FeatureData | None = None,
+) -> TrainedRun:
+    """Fit a DP linear classifier on pretrained features, then write its ledger and report.
+
+    Features (EfficientNet-Lite0 for images, all-MiniLM-L6-v2 for the rotten-tomatoes
+    snippets) are extracted once and cached by :mod:`dpfy.features.extract`; the first run
+    takes a while. The unit of privacy is one training example (a row with its label).
+
+    Args:
+      dataset: one of :data:`FEATURE_DATASETS`, or any name when ``data`` is given.
+      method: one of :data:`FEATURE_METHODS` (Mehta et al. 2023).
+      target_epsilon, delta: the budget of the fit; delta in (0, 1).
+      seed: noise seed.
+      limit: use only the first ``limit`` (>= 2) training examples.
+      out: a new run directory (default ``runs/features-<dataset>-<date>-<time>``).
+      data: precomputed ``(x_train, y_train, x_test, y_test)`` instead of extraction.
+
+    Raises:
+      ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
+    """
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if limit is not None:
+        check_range("limit", limit, 2, None, integer=True)
+    if method not in FEATURE_METHODS:
+        allowed = ", ".join(FEATURE_METHODS)
+        raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
+    if data is None and dataset not in FEATURE_DATASETS:
+        allowed = ", ".join(FEATURE_DATASETS)
+        raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
+    out_dir = _new_run_dir(out, f"features-{dataset}")
+
+    import numpy as np
+
+    from dpfy import features as feats
+
+    x_train, y_train, x_test, y_test = _feature_data(dataset) if data is None else data
+    if limit is not None:
+        x_train, y_train = x_train[:limit], y_train[:limit]
+    estimator = getattr(feats, FEATURE_METHODS[method])(
+        epsilon=target_epsilon, delta=delta, random_state=seed
+    )
+    start = time.perf_counter()
+    estimator.fit(x_train, y_train)
+    seconds = time.perf_counter() - start
+    accuracy = float(np.mean(estimator.predict(x_test) == np.asarray(y_test)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ledger = estimator.ledger_.prefix(path=out_dir / "ledger.jsonl")
+    ledger.record_metadata(
+        dataset=dataset,
+        estimator=type(estimator).__name__,
+        delta=delta,
+        target_epsilon=target_epsilon,
+        test_accuracy=accuracy,
+        wall_time_seconds=seconds,
+        released_output="the linear classifier's weights",
+    )
+    ledger.close()
+    from dpfy.ledger import Ledger
+
+    ledger_path = out_dir / "ledger.jsonl"
+    ledger = Ledger.load(ledger_path)
+    report = _report_files(ledger, ledger_path, out_dir, delta=delta, figures=False)
+    rho = feats.gdp_figures(ledger).zcdp_rho
+    return TrainedRun(out_dir, ledger_path, report, accuracy, seconds, estimator, rho)
+
+
+def report_ledger(
+    ledger_path: str | os.PathLike[str],
+    *,
+    delta: float | None = None,
+    method: str = "auto",
+    out: str | os.PathLike[str] | None = None,
+    figures: bool = True,
+) -> ReportedRun:
+    """Re-account a ledger file with every applicable method and write its report.
+
+    Args:
+      ledger_path: a ledger (JSON lines) written by any run.
+      delta: delta of the statement (default: the delta the run recorded).
+      method: accounting method of the statement (``auto``: the tightest valid one).
+      out: directory for ``report.md``, ``report.json`` and figures (default: the ledger's).
+      figures: draw the figures (their data comes from the ledger; utility and the target
+        epsilon from its metadata).
+
+    Raises:
+      ValueError: no such ledger file, or no delta given and none recorded.
+    """
+    path = Path(ledger_path)
+    if not path.is_file():
+        raise ValueError(f"ledger_path must be an existing ledger file, got {str(path)!r}")
+    from dpfy.ledger import Ledger
+
+    ledger = Ledger.load(path)
+    meta = ledger.metadata
+    if delta is None:
+        if "delta" not in meta:
+            raise ValueError("the ledger records no delta: pass --delta")
+        delta = float(meta["delta"])
+    out_dir = Path(out) if out is not None else path.parent
+    report = _report_files(
+        ledger,
+        path,
+        out_dir,
+        delta=delta,
+        method=method,
+        utility=meta.get("utility"),
+        figures=figures,
+        target_epsilon=meta.get("target_epsilon"),
+        accuracy_by_step=[(int(s), float(a)) for s, a in meta.get("accuracy_by_step", [])],
+    )
+    return ReportedRun(out_dir, path, report)
+
+
+def _report_files(
+    ledger: Ledger,
+    ledger_path: Path,
+    out_dir: Path,
+    *,
+    delta: float,
+    method: str = "auto",
+    utility: Mapping[str, Any] | None = None,
+    figures: bool = True,
+    train_command: str | None = None,
+    target_epsilon: float | None = None,
+    accuracy_by_step: list[tuple[int, float]] | None = None,
+) -> PrivacyReport:
+    """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
+    into ``out_dir``; the report written."""
+    from dpfy.report import build_report, write_report
+
+    report = build_report(
+        ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path)
+    )
+    if train_command is not None:
+        report = dataclasses.replace(
+            report, reproduce={**report.reproduce, "train_command": train_command}
+        )
+    return write_report(
+        report,
+        ledger,
+        out_dir,
+        figures=figures,
+        target_epsilon=target_epsilon,
+        accuracy_by_step=accuracy_by_step or None,
+    )
+
+
+def _new_run_dir(out: str | os.PathLike[str] | None, default_name: str) -> Path:
+    """``out``, or ``runs/<default_name>-<date>-<time>``; refused if it already holds a ledger
+    (ledgers are append-only records of one run)."""
+    out_dir = Path(out) if out is not None else (
+        Path("runs") / f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+    if (out_dir / "ledger.jsonl").exists():
+        raise ValueError(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
+    return out_dir
+
+
+def _train_command(
+    dataset: str, out_dir: Path, target_epsilon: float, delta: float, options: dict[str, Any]
+) -> str:
+    """The ``dpfy train`` command line that repeats the run (recorded in ledger and report)."""
+    argv = ["dpfy", "train", dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
+            f"{delta:g}", "--out", str(out_dir)]
+    for key, value in options.items():
+        if value is not None:
+            text = str(value).replace("_", "-") if key == "sampler" else str(value)
+            argv += [f"--{key.replace('_', '-')}", text]
+    return shlex.join(argv)
+
+
+def _feature_data(dataset: str) -> FeatureData:
+    """(x_train, y_train, x_test, y_test) pretrained features of ``dataset``, cached."""
+    from dpfy.features import extract
+
+    if dataset == "rotten-tomatoes":
+        x, y, is_test = extract.text_features()
+        return x[~is_test], y[~is_test], x[is_test], y[is_test]
+    x_train, y_train = extract.image_features(dataset, "train")
+    x_test, y_test = extract.image_features(dataset, "test")
+    return x_train, y_train, x_test, y_test
+
+
+# ---------------------------------------------------------------------------------------------
+# plan and account a run before it runs
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_with_figures(
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    *,
+    max_steps: int | None = None,
+    max_examples_processed: int | None = None,
+    plot_dir: str | os.PathLike[str] | None = None,
+) -> tuple[Plan, list[Path]]:
+    """:func:`dpfy.planning.plan`, and with ``plot_dir`` its options figure and the privacy
+    wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
+    from dpfy.planning import plan
+
+    result = plan(
+        dataset_size,
+        target_epsilon,
+        delta,
+        max_steps=max_steps,
+        max_examples_processed=max_examples_processed,
+    )
+    if plot_dir is None:
+        return result, []
+    from dpfy.report import plots_tan
+
+    folder = Path(plot_dir)
+    return result, [
+        plots_tan.plan_options(result, folder / "plan_options.png"),
+        plots_tan.privacy_wall(
+            folder / "privacy_wall.png", target_epsilons=(target_epsilon,), delta=delta
+        ),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunAccounting:
+    """The privacy of a planned run, for the sampler that will really run.
+
+    Attributes:
+      sampler: the sampler kind (see :data:`dpfy.sampling.SAMPLER_KINDS`).
+      dataset_size, batch_size: N and the (expected) batch size B.
+      steps: total DP-SGD steps; epochs: passes over the data as given (None: steps given).
+      noise_multiplier: noise std / clip norm.
+      result: epsilon at delta by the chosen method (``all``: the tightest valid one).
+      comparison: with ``method="all"``, every method's result or why it does not apply.
+    """
+
+    sampler: str
+    dataset_size: int
+    batch_size: int
+    steps: int
+    epochs: float | None
+    noise_multiplier: float
+    result: PrivacyResult
+    comparison: dict[str, PrivacyResult | str] | None = None
+
+    @property
+    def sampling_rate(self) -> float:
+        """B / N (the Poisson sampling rate)."""
+        return self.batch_size / self.dataset_size
+
+
+def account_run(
+    dataset_size: int,
+    batch_size: int,
+    noise_multiplier: float,
+    delta: float,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: str = "poisson",
+    method: str = "auto",
+    max_batch_size: int | None = None,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    seed: int | None = None,
+) -> RunAccounting:
+    """Epsilon spent by a run of ``epochs`` or ``steps`` (exactly one) with this sampler.
+
+    ``method`` is an accountant name, or ``"all"`` for every method (the tightest in
+    ``result``). ``samples``, ``error_probability`` and ``seed`` configure Monte Carlo
+    accounting (Balls-and-Bins, Chua et al. 2025): given with ``method="auto"`` they select it.
+    """
+    from dpfy import accounting
+
+    smp, epochs, steps = _planned_sampler(
+        sampler, dataset_size, batch_size, max_batch_size, epochs, steps
+    )
+    event = smp.privacy_event(noise_multiplier, epochs=epochs, steps=steps)
+    comparison: dict[str, PrivacyResult | str] | None = None
+    if method == "all":
+        comparison = dict(accounting.compare(event, delta))
+        result = accounting.epsilon(event, delta)
+    else:
+        acc = _accountant(method, samples, error_probability, seed)
+        result = accounting.epsilon(event, delta, method=acc)
+    total = _total_steps(smp, epochs, steps)
+    return RunAccounting(
+        smp.kind, dataset_size, batch_size, total, epochs, noise_multiplier, result, comparison
+    )
+
+
+def calibrate_run(
+    target_epsilon: float,
+    dataset_size: int,
+    batch_size: int,
+    delta: float,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: str = "poisson",
+    method: str = "auto",
+    max_batch_size: int | None = None,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    seed: int | None = None,
+) -> RunAccounting:
+    """The smallest noise multiplier whose epsilon stays at or below ``target_epsilon``
+    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`."""
+    from dpfy import accounting
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+
+    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    smp, epochs, steps = _planned_sampler(
+        sampler, dataset_size, batch_size, max_batch_size, epochs, steps
+    )
+    acc = _accountant(method, samples, error_probability, seed)
+
+    def make_event(z: float) -> Any:
+        return smp.privacy_event(z, epochs=epochs, steps=steps)
+
+    z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
+    result = accounting.epsilon(make_event(z), delta, method=acc)
+    total = _total_steps(smp, epochs, steps)
+    return RunAccounting(smp.kind, dataset_size, batch_size, total, epochs, z, result)
+
+
+def _planned_sampler(
+    kind: str,
+    dataset_size: int,
+    batch_size: int,
+    max_batch_size: int | None,
+    epochs: float | None,
+    steps: int | None,
+) -> tuple[Sampler, float | None, int | None]:
+    """The sampler (its randomness is never drawn) and the checked (epochs, steps)."""
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import make_sampler
+
+    smp = make_sampler(
+        kind,
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        max_batch_size=max_batch_size,
+        randomness=Randomness(0),
+    )
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of --epochs or --steps")
+    if steps is not None:
+        check_range("steps", steps, 1, None, integer=True)
+    else:
+        check_range("epochs", epochs, 0.0, None, low_open=True)
+    return smp, epochs, steps
+
+
+def _total_steps(smp: Sampler, epochs: float | None, steps: int | None) -> int:
+    """Steps of the run: ``steps``, or ``epochs`` whole or partial passes (rounded up)."""
+    if steps is not None:
+        return int(steps)
+    assert epochs is not None
+    return math.ceil(epochs * smp.steps_per_epoch - 1e-9)
+
+
+def _accountant(
+    method: str, samples: int | None, error_probability: float, seed: int | None
+) -> str | Accountant:
+    """A method name, or a configured Monte Carlo accountant when MC options were given."""
+    if method == "monte_carlo" or (method == "auto" and (samples is not None or seed is not None)):
+        from dpfy.accounting.balls_and_bins import MonteCarloAccountant
+
+        kwargs: dict[str, Any] = {"error_probability": error_probability}
+        if samples is not None:
+            kwargs["samples"] = samples
+        if seed is not None:
+            kwargs["seed"] = seed
+        return cast("Accountant", MonteCarloAccountant(**kwargs))
+    return method
