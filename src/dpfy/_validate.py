@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_range"]
+__all__ = ["check_range", "check_count", "check_finite_nonneg"]
 
 
 def check_range(
@@ -56,3 +56,17 @@ def check_range(
         raise ValueError(message)
     if high is not None and (v > high or (high_open and v == high)):
         raise ValueError(message)
+
+
+def check_finite_nonneg(name: str, value: Any) -> None:
+    """``check_range(name, value, 0, inf)`` with a fast path for plain ints and floats."""
+    if type(value) in (float, int) and 0.0 <= value < math.inf:
+        return
+    check_range(name, value, 0.0, math.inf, high_open=True)
+
+
+def check_count(name: str, value: Any) -> None:
+    """``check_range(name, value, 0, None, integer=True)`` with a fast path for plain ints."""
+    if type(value) is int and value >= 0:
+        return
+    check_range(name, value, 0, None, integer=True)

@@ -41,19 +41,30 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import math
 import os
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, TextIO, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TextIO
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_count, check_finite_nonneg, check_range
+from dpfy.ledger.records import (
+    FORMAT,
+    AnyRecord,
+    HeaderRecord,
+    MetadataRecord,
+    NonPrivateRecord,
+    Record,
+    ResumeRecord,
+    SampleRecord,
+    SumQueryRecord,
+    record_from_dict,
+    register_record,
+)
 from dpfy.sampling.kinds import kind, kind_names
 from dpfy.sampling.spec import SampleSpec, spec_event
 
@@ -76,8 +87,6 @@ __all__ = [
     "effective_noise_multiplier",
 ]
 
-FORMAT = "dpfy-ledger"
-VERSION = 1
 
 #: Built-in sampler kinds a :class:`SampleSpec` may name (the table in
 #: :mod:`dpfy.sampling.kinds`; ``dpfy.sampling.kind_names()`` also lists kinds registered later).
@@ -94,262 +103,6 @@ class LedgerTruncationWarning(UserWarning):
     """A ledger's last line was cut short by a crash; it was read back and counted."""
 
 
-# --------------------------------------------------------------------------------------------
-# Record types and their registry (a split puts FORMAT/VERSION and everything from here to
-# "end of records" into ledger/records.py)
-# --------------------------------------------------------------------------------------------
-
-
-def _check_finite_nonneg(name: str, value: Any) -> None:
-    if type(value) in (float, int) and 0.0 <= value < math.inf:
-        return
-    check_range(name, value, 0.0, math.inf, high_open=True)
-
-
-def _check_count(name: str, value: Any) -> None:
-    if type(value) is int and value >= 0:
-        return
-    check_range(name, value, 0, None, integer=True)
-
-
-def _check_sample_id(value: Any, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"sample_id must be an integer, got sample_id={value!r}")
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_spec(items: tuple[tuple[str, Any], ...]) -> SampleSpec:
-    return SampleSpec.from_dict(dict(items))
-
-
-def _spec_from_dict(data: Any) -> SampleSpec:
-    """``SampleSpec.from_dict`` with a small cache: a long ledger repeats one spec per line."""
-    if not isinstance(data, dict):
-        raise ValueError(f"spec must be an object, got {data!r}")
-    items = tuple(sorted(data.items()))
-    try:
-        hash(items)
-    except TypeError:  # an unhashable value: validate without the cache (it will be refused)
-        return SampleSpec.from_dict(data)
-    return _cached_spec(items)
-
-
-_RecordT = TypeVar("_RecordT", bound="AnyRecord")
-_RECORD_TYPES: dict[str, Callable[[Mapping[str, Any]], AnyRecord]] = {}  # type -> from_dict
-
-
-def register_record(cls: type[_RecordT]) -> type[_RecordT]:
-    """Make ``record_from_dict`` dispatch ``{"type": cls.kind, ...}`` to ``cls.from_dict``.
-
-    Raises:
-      ValueError: another record type already uses the name ``cls.kind``.
-    """
-    if cls.kind in _RECORD_TYPES:
-        raise ValueError(f"record type {cls.kind!r} is already registered")
-    _RECORD_TYPES[cls.kind] = cls.from_dict
-    return cls
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeaderRecord:
-    """First line of every ledger file: format name and version (a marker, not a fact)."""
-
-    format: str = FORMAT
-    version: int = VERSION
-    kind: ClassVar[str] = "header"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "format": self.format, "version": self.version}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> HeaderRecord:
-        """Refuses another format or version (this code reads only its own)."""
-        if data.get("format") != FORMAT:
-            raise ValueError(f"format must be {FORMAT!r}, got format={data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"version must be {VERSION}, got version={data.get('version')!r}")
-        return cls()
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class ResumeRecord:
-    """Written when a file ledger is reopened to append (a marker, not a fact).
-
-    ``truncated_previous``: the line before it was cut short by a crash (and terminated on
-    resume), so a reader accepts that cut line in the middle of the file.
-    """
-
-    truncated_previous: bool = False
-    kind: ClassVar[str] = "resume"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.truncated_previous, bool):
-            raise ValueError(
-                f"truncated_previous must be a bool, got {self.truncated_previous!r}"
-            )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "truncated_previous": self.truncated_previous}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ResumeRecord:
-        return cls(data.get("truncated_previous", False))
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class SampleRecord:
-    """One batch was drawn with ``spec`` (``sample_id`` is unique within the ledger).
-
-    ``epoch`` (>= 0) groups the samples of epoch-structured samplers; ``step`` is informative.
-    """
-
-    sample_id: int
-    spec: SampleSpec
-    epoch: int = 0
-    step: int | None = None
-    kind: ClassVar[str] = "sample"
-
-    def __post_init__(self) -> None:
-        _check_sample_id(self.sample_id)
-        if not isinstance(self.spec, SampleSpec):
-            raise ValueError(f"spec must be a SampleSpec, got spec={self.spec!r}")
-        _check_count("epoch", self.epoch)
-        object.__setattr__(self, "epoch", int(self.epoch))
-        if self.step is not None:
-            _check_count("step", self.step)
-            object.__setattr__(self, "step", int(self.step))
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.kind, "sample_id": self.sample_id, "epoch": self.epoch}
-        if self.step is not None:
-            out["step"] = self.step
-        out["spec"] = self.spec.to_dict()
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SampleRecord:
-        spec = _spec_from_dict(data["spec"])
-        return cls(data["sample_id"], spec, data["epoch"], data.get("step"))
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class SumQueryRecord:
-    """A Gaussian sum was released from sample ``sample_id``.
-
-    ``sensitivity``: add/remove L2 sensitivity of the released sum; ``noise_std``: standard
-    deviation of the Gaussian noise added to each coordinate (same units); both finite, >= 0.
-    """
-
-    sample_id: int
-    sensitivity: float
-    noise_std: float
-    name: str = ""
-    kind: ClassVar[str] = "sum_query"
-
-    def __post_init__(self) -> None:
-        _check_sample_id(self.sample_id)
-        _check_finite_nonneg("sensitivity", self.sensitivity)
-        _check_finite_nonneg("noise_std", self.noise_std)
-        object.__setattr__(self, "sensitivity", float(self.sensitivity))
-        object.__setattr__(self, "noise_std", float(self.noise_std))
-        object.__setattr__(self, "name", str(self.name))
-
-    def to_dict(self) -> dict[str, Any]:
-        # Privacy-relevant fields first, so a truncated line is recovered when they survived.
-        return {
-            "type": self.kind,
-            "sample_id": self.sample_id,
-            "sensitivity": self.sensitivity,
-            "noise_std": self.noise_std,
-            "name": self.name,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SumQueryRecord:
-        return cls(
-            data["sample_id"], data["sensitivity"], data["noise_std"], data.get("name", "")
-        )
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class NonPrivateRecord:
-    """A release without a privacy guarantee (``sample_id`` None: not tied to a sample)."""
-
-    sample_id: int | None
-    name: str
-    reason: str
-    kind: ClassVar[str] = "non_private"
-
-    def __post_init__(self) -> None:
-        _check_sample_id(self.sample_id, optional=True)
-        object.__setattr__(self, "name", str(self.name))
-        object.__setattr__(self, "reason", str(self.reason))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.kind,
-            "sample_id": self.sample_id,
-            "name": self.name,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> NonPrivateRecord:
-        return cls(data["sample_id"], data["name"], data["reason"])
-
-
-@register_record
-@dataclasses.dataclass(frozen=True, slots=True)
-class MetadataRecord:
-    """Free-form, JSON-serialisable facts about the run (not privacy-relevant)."""
-
-    info: dict[str, Any]
-    kind: ClassVar[str] = "metadata"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.info, dict):
-            raise ValueError(f"metadata info must be an object, got {self.info!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "info": self.info}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MetadataRecord:
-        return cls(data["info"])
-
-
-#: The facts a ledger holds (:attr:`Ledger.entries`).
-Record = SampleRecord | SumQueryRecord | NonPrivateRecord | MetadataRecord
-#: Lines of a ledger file that mark its structure and hold no fact.
-Marker = HeaderRecord | ResumeRecord
-AnyRecord = Record | Marker
-
-def record_from_dict(data: Mapping[str, Any]) -> AnyRecord:
-    """The record a ledger line or checkpoint entry holds: the inverse of ``record.to_dict()``.
-
-    Dispatches on ``data["type"]``; the record type validates its own fields.
-
-    Raises:
-      ValueError: not an object, unknown type, or a field out of range (``KeyError`` /
-        ``TypeError`` for a missing or ill-typed field).
-    """
-    if not isinstance(data, Mapping):
-        raise ValueError(f"a record must be a JSON object, got {data!r}")
-    kind = data.get("type")
-    from_dict = _RECORD_TYPES.get(kind) if isinstance(kind, str) else None
-    if from_dict is None:
-        raise ValueError(f"unknown entry type {kind!r}")
-    return from_dict(data)
-
-
-# -- end of records ----------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,9 +297,9 @@ class Ledger:
         """
         if not isinstance(spec, SampleSpec):
             raise ValueError(f"spec must be a dpfy.ledger.SampleSpec, got spec={spec!r}")
-        _check_count("epoch", epoch)
+        check_count("epoch", epoch)
         if step is not None:
-            _check_count("step", step)
+            check_count("step", step)
             step = int(step)
         with self._lock:
             sid = self._next_id
@@ -568,8 +321,8 @@ class Ledger:
             0 with a positive sensitivity makes the ledger non-private.
           name: label (e.g. the parameter group), informative.
         """
-        _check_finite_nonneg("sensitivity", sensitivity)
-        _check_finite_nonneg("noise_std", noise_std)
+        check_finite_nonneg("sensitivity", sensitivity)
+        check_finite_nonneg("noise_std", noise_std)
         with self._lock:
             self._check_sample(sample_id)
             record = SumQueryRecord(int(sample_id), float(sensitivity), float(noise_std), str(name))
@@ -586,8 +339,8 @@ class Ledger:
         records = []
         for item in queries:
             sensitivity, noise_std, name = item
-            _check_finite_nonneg("sensitivity", sensitivity)
-            _check_finite_nonneg("noise_std", noise_std)
+            check_finite_nonneg("sensitivity", sensitivity)
+            check_finite_nonneg("noise_std", noise_std)
             records.append((float(sensitivity), float(noise_std), str(name)))
         with self._lock:
             self._check_sample(sample_id)
@@ -769,7 +522,7 @@ class Ledger:
         through :meth:`from_records`, so it is checked like any replayed ledger.
         """
         if num_samples is not None:
-            _check_count("num_samples", num_samples)
+            check_count("num_samples", num_samples)
         return type(self).from_records(_prefix(tuple(self._entries), num_samples), path)
 
     # -- accounting -------------------------------------------------------------------------
