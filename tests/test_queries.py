@@ -25,8 +25,11 @@ from dpfy.queries import (
     GaussianSumQuery,
     Group,
     JointClipQuery,
+    LedgerEntry,
     NestedQuery,
     NoPrivacyQuery,
+    QueryBase,
+    clip_weights_from_norms,
     dimension_adjusted_noise,
     expand_weights,
     gaussian_average_query,
@@ -479,3 +482,98 @@ def test_scale_post_processes_the_same_release(name):
             factory().add_noise(sums, ledger=ledger, sample_id=sid,
                                 randomness=Randomness(seed=2), scale=bad)
     assert not [e for e in ledger.entries if isinstance(e, SumQueryRecord)]  # nothing recorded
+
+
+# -- the release template (QueryBase) ---------------------------------------------------------
+
+
+class _HalfNoise(QueryBase):
+    """A new query: flat clipping to C and a given noise std; only the declarations (its
+    ledger entry, its noise std, its clip weights) -- QueryBase runs the release."""
+
+    def __init__(self, clip_norm, noise_std, sensitivity_factor=1.0):
+        self.clip_norm, self.std, self.factor = clip_norm, noise_std, sensitivity_factor
+        self.name = "half"
+
+    def ledger_entries(self):
+        return (LedgerEntry(self.name, self.clip_norm, self.std, self.factor),)
+
+    def noise_stds(self):
+        return self.std
+
+    def clip_weights(self, norms, *, mask=None):
+        return clip_weights_from_norms(norms, self.clip_norm, mask)
+
+
+class _Spy(Randomness):
+    """Randomness that remembers how many sum entries the ledger held at each noise draw."""
+
+    def __init__(self, ledger, seed):
+        super().__init__(seed=seed)
+        self.ledger, self.seen = ledger, []
+
+    def normal_(self, tensors, stds, *, add=None):
+        self.seen.append(len(_recorded(self.ledger)))
+        super().normal_(tensors, stds, add=add)
+
+
+def test_a_new_query_declares_entries_and_the_base_releases_write_ahead():
+    batch = _batch(10)
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    spy = _Spy(ledger, seed=3)
+    got = _HalfNoise(0.7, 1.3 * 0.7).release(batch, ledger=ledger, sample_id=sid, randomness=spy)
+    assert spy.seen == [1]  # the entry was durable before any noise existed
+    assert [(r.name, r.sensitivity, r.noise_std) for r in _recorded(ledger)] == [
+        ("half", 0.7, pytest.approx(1.3 * 0.7))
+    ]
+    assert ledger.noise_multipliers()[0] == pytest.approx(1.3)
+    ref_ledger = Ledger()
+    ref = GaussianSumQuery(0.7, 1.3).release(batch, ledger=ref_ledger,
+                                             sample_id=ref_ledger.record_sample(POISSON),
+                                             randomness=Randomness(seed=3))
+    for k in ref:  # same clipping, same draws: the same release as the built-in sum query
+        assert torch.equal(got[k], ref[k])
+
+
+@pytest.mark.parametrize("name", QUERY_NAMES)
+def test_every_query_writes_ahead(name):
+    factory, _ = _queries()[name]
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    spy = _Spy(ledger, seed=0)
+    n = len(factory().privacy_tuples()) if name != "no_privacy" else 0
+    factory().add_noise({k: torch.zeros(s) for k, s in SHAPES.items()}, ledger=ledger,
+                        sample_id=sid, randomness=spy)
+    assert spy.seen and spy.seen[0] == n
+
+
+def test_a_query_cannot_record_a_sensitivity_below_its_clip_norm():
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    spy = _Spy(ledger, seed=0)
+    with pytest.raises(ValueError, match="below its clip norm"):
+        _HalfNoise(1.0, 1.0, sensitivity_factor=0.5).add_noise(
+            {"w": torch.zeros(3)}, ledger=ledger, sample_id=sid, randomness=spy)
+    assert len(ledger.entries) == 1 and spy.seen == []  # nothing recorded, nothing drawn
+    with pytest.raises(ValueError, match="below its clip norm"):
+        LedgerEntry("x", 2.0, 1.0, sensitivity_factor=0.999)
+    with pytest.raises(TypeError):  # the caller cannot hand a query its sensitivity
+        GaussianSumQuery(1.0, 1.0, sensitivity=0.5)
+    q = GaussianSumQuery(1.0, 1.5, clipped_unit="microbatch_average")
+    assert q.privacy_tuples() == ((2.0, 3.0),)  # derived from the clipped unit: 2 C
+    with pytest.raises(ValueError, match="clipped_unit must be one of"):
+        GaussianSumQuery(1.0, 1.0, clipped_unit="batch")
+
+
+def test_a_refused_release_records_nothing():
+    ledger = Ledger()
+    sid = ledger.record_sample(POISSON)
+    q = NestedQuery({"x": Group(("a",), 1.0, 1.0)})
+    with pytest.raises(ValueError, match=r"out\['a'\] must match"):
+        q.add_noise({"a": torch.zeros(2)}, ledger=ledger, sample_id=sid,
+                    randomness=Randomness(seed=0), out={"a": torch.zeros(3)})
+    with pytest.raises(ValueError, match="belong to no group"):
+        q.add_noise({"a": torch.zeros(2), "b": torch.zeros(1)}, ledger=ledger, sample_id=sid,
+                    randomness=Randomness(seed=0))
+    assert _recorded(ledger) == []

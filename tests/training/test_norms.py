@@ -269,3 +269,64 @@ def test_non_batch_first_input_refused():
     pg = PrivateGradient(Folded(), NoPrivacyQuery(1.0), expected_batch_size=2)
     with pytest.raises(ValueError, match="batch size"):
         pg.accumulate(torch.randn(2, 4, 3), torch.randn(2, 4), _mse)
+
+
+class _Gain(nn.Module):
+    """A user layer (``x * gain``) that the library has no norm rule for."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.gain = nn.Parameter(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+@pytest.fixture
+def scratch_rules(monkeypatch):
+    """A copy of the norm-rule registry that the test may change (restored afterwards)."""
+    from dpfy.training.norms import registry
+
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES))
+
+
+def _gain_rule(module, captures, group_size):
+    from dpfy.training.norms.registry import MaterializedGrads, fold_rows, tensor_sum
+
+    per_ex = tensor_sum([cap.args[0] * cap.grad_outputs[0] for cap in captures])
+    return MaterializedGrads({"gain": fold_rows(per_ex, group_size)})
+
+
+def test_user_registered_norm_rule_is_used_and_exact(scratch_rules):
+    from dpfy.training.norms import register_norm_rule
+
+    register_norm_rule(_Gain)(_gain_rule)
+    model = nn.Sequential(nn.Linear(4, 3), _Gain(3), nn.Tanh(), nn.Linear(3, 2))
+    assert norm_rule_for(model[1]) is _gain_rule
+    assert [p.rule is _gain_rule for p in plan_modules(model)].count(True) == 1
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    norms, total = _norms_and_sum(model, x, y, _mse)
+    ref_norms, ref_total = _reference(model, x, y, _mse)
+    _close(norms, ref_norms)
+    for n in ref_total:
+        _close(total[n], ref_total[n])
+
+
+def test_duplicate_norm_rule_is_refused_unless_replaced(scratch_rules):
+    from dpfy.training.norms import register_norm_rule
+
+    before = norm_rule_for(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already registered for Linear.*replace=True"):
+        register_norm_rule(nn.Linear)(_gain_rule)
+    with pytest.raises(ValueError, match="Linear"):  # all or nothing: _Gain stays unregistered
+        register_norm_rule(_Gain, nn.Linear)(_gain_rule)
+    assert norm_rule_for(nn.Linear(2, 2)) is before and norm_rule_for(_Gain(2)) is None
+    register_norm_rule(_Gain)(_gain_rule)
+    with pytest.raises(ValueError, match="_Gain"):
+        register_norm_rule(_Gain)(_gain_rule)
+
+    def other(module, captures, group_size):
+        return _gain_rule(module, captures, group_size)
+
+    register_norm_rule(_Gain, replace=True)(other)
+    assert norm_rule_for(_Gain(2)) is other

@@ -237,7 +237,7 @@ def test_average_mode_needs_twice_the_sensitivity():
             model, GaussianSumQuery(1.0, 1.0), expected_batch_size=8, microbatch_size=2,
             microbatch_mode="average",
         )
-    query = GaussianSumQuery(1.0, 1.0, sensitivity=2.0)
+    query = GaussianSumQuery(1.0, 1.0, clipped_unit="microbatch_average")
     pg = PrivateGradient(
         model, query, expected_batch_size=8, microbatch_size=2, microbatch_mode="average"
     )

@@ -7,10 +7,13 @@ import torch
 from torch import nn
 
 from dpfy.training.validate import (
+    Finding,
     Severity,
     UnsupportedModuleError,
     check_module,
     fix_module,
+    module_checks_for,
+    register_module_check,
     validate_module,
 )
 
@@ -122,3 +125,63 @@ def test_tied_parameters_are_errors_but_reused_modules_are_fine():
     issues = check_module(nn.Sequential(a, b))
     assert [(i.path, i.severity) for i in issues] == [("1", Severity.ERROR)]
     assert "tied" in issues[0].reason
+
+
+class _Leaky(nn.Module):
+    """A user layer that keeps a running mean of its inputs (not private)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x):
+        self.seen.mul_(0.9).add_(0.1 * x.mean(0).detach())
+        return self.lin(x)
+
+
+def _leaky_check(module):
+    return [Finding("it averages its inputs into a buffer released with the model.",
+                    "drop the buffer.")]
+
+
+@pytest.fixture
+def scratch_checks(monkeypatch):
+    """A copy of the module-check registry that the test may change (restored afterwards)."""
+    from dpfy.training import validate
+
+    monkeypatch.setattr(validate, "_CHECKS", dict(validate._CHECKS))
+
+
+def test_user_registered_check_runs_for_the_type_and_its_subclasses(scratch_checks):
+    register_module_check(_Leaky)(_leaky_check)
+
+    class SubLeaky(_Leaky):
+        pass
+
+    model = nn.Sequential(_Leaky(), nn.Tanh(), SubLeaky(), nn.BatchNorm1d(3))
+    errors = [(i.path, i.module_type, i.severity) for i in check_module(model)
+              if i.severity is Severity.ERROR]
+    assert errors == [("0", "_Leaky", Severity.ERROR), ("2", "SubLeaky", Severity.ERROR),
+                      ("3", "BatchNorm1d", Severity.ERROR)]
+    with pytest.raises(UnsupportedModuleError, match="averages its inputs"):
+        validate_module(model)
+    assert module_checks_for(SubLeaky()) == (_leaky_check,)
+
+
+def test_duplicate_module_check_is_refused_unless_replaced(scratch_checks):
+    with pytest.raises(ValueError, match="already registered for _BatchNorm.*replace=True"):
+        register_module_check(nn.modules.batchnorm._BatchNorm)(_leaky_check)
+    with pytest.raises(ValueError, match="Embedding"):  # all or nothing
+        register_module_check(_Leaky, nn.Embedding)(_leaky_check)
+    assert module_checks_for(_Leaky()) == ()
+    register_module_check(_Leaky)(_leaky_check)
+    with pytest.raises(ValueError, match="_Leaky"):
+        register_module_check(_Leaky)(_leaky_check)
+
+    def quiet(module):
+        return ()
+
+    register_module_check(_Leaky, replace=True)(quiet)
+    assert module_checks_for(_Leaky()) == (quiet,)
+    assert check_module(nn.Sequential(_Leaky())) == []

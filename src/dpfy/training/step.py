@@ -29,8 +29,9 @@ Microbatching (guide Sec. 5.6, Alg. 3):
   divisor k, padding rows count as zero) is clipped to C, the clipped averages are summed,
   noised and divided by the expected number of microbatches ``expected_batch_size / k``.
   Under add-or-remove adjacency one example changes one clipped average by up to 2C, so the
-  query must record sensitivity 2C: pass ``GaussianSumQuery(C, z, sensitivity=2 * C)``
-  (the noise std is then ``2 z C``; the guide's "2k times more noise" per example). This
+  query must record sensitivity 2C: pass
+  ``GaussianSumQuery(C, z, clipped_unit="microbatch_average")`` (the noise std is then
+  ``2 z C``; the guide's "2k times more noise" per example). This
   assumes the assignment of the *other* examples to microbatches does not depend on the
   presence of the changed one (e.g. its row is replaced by padding, or rows are assigned to
   microbatches independently); a partition that shifts every later row when one example is
@@ -67,7 +68,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -76,7 +77,12 @@ from torch.utils._pytree import tree_map
 from dpfy._validate import check_range
 from dpfy.training.norms.capture import ModulePlan, capture_layers, plan_modules
 from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.registry import LayerGrads
+from dpfy.training.norms.registry import Capture, LayerGrads
+
+if TYPE_CHECKING:
+    from dpfy.ledger import Ledger
+    from dpfy.queries import Query
+    from dpfy.randomness import Randomness
 
 __all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode"]
 
@@ -129,10 +135,13 @@ class PrivateGradient:
     Args:
       model: the model; it is never wrapped, and no attribute is written on it or its
         Parameters. Hooks exist only inside ``accumulate``.
-      query: a sum query from :mod:`dpfy.queries` (``GaussianSumQuery``, ``NestedQuery``,
-        ``JointClipQuery``, ``AdaptiveClipQuery``, ``NoPrivacyQuery``) whose group names are
-        the model's parameter names (``model.named_parameters()``). Not an ``AverageQuery``:
-        the division by the expected batch size happens here.
+      query: a :class:`dpfy.queries.Query` (``GaussianSumQuery``, ``NestedQuery``,
+        ``JointClipQuery``, ``AdaptiveClipQuery``, ``NoPrivacyQuery``, or any
+        :class:`dpfy.queries.QueryBase`) whose group names are the model's parameter names
+        (``model.named_parameters()``). Not an ``AverageQuery``: the division by the expected
+        batch size happens here. A query declaring ``fused_release = True`` (every
+        ``QueryBase``) gets the fused release (``out=``, ``scale=``); any other object with
+        ``clip_weights`` and ``add_noise`` gets a plain release and a division pass.
       expected_batch_size: the fixed denominator (q x N for Poisson sampling), > 0.
       microbatch_size: rows per microbatch, or ``None`` (no microbatching).
       microbatch_mode: ``"examples"`` (guide Alg. 3 option 1) or ``"average"`` (option 2).
@@ -146,7 +155,7 @@ class PrivateGradient:
     def __init__(
         self,
         model: nn.Module,
-        query: Any,
+        query: Query,
         *,
         expected_batch_size: float,
         microbatch_size: int | None = None,
@@ -190,7 +199,9 @@ class PrivateGradient:
         self.param_names_: tuple[str, ...] = tuple(self._params)
         groups = getattr(query, "groups", None)
         self._owner: dict[str, str] | None = None
+        self._group_names: tuple[str, ...] = ()
         if groups is not None:
+            self._group_names = tuple(groups)
             self._owner = {n: g for g, ns in groups.items() for n in ns}
             missing = [n for n in self.param_names_ if n not in self._owner]
             if missing:
@@ -198,10 +209,10 @@ class PrivateGradient:
                     f"trainable parameters {missing} belong to no group of the query; groups "
                     f"cover {sorted(self._owner)}"
                 )
-        takes = inspect.signature(query.add_noise).parameters
-        # Fast release: 1 / denominator is folded into the clip weights and the query writes
-        # the noisy gradient straight into persistent buffers (no division pass, no new tensors).
-        self._fast_release = "out" in takes and "scale" in takes
+        # Fast release, a capability the query declares (Query.fused_release): 1 / denominator
+        # is folded into the clip weights and the query writes the noisy gradient straight into
+        # persistent buffers (no division pass, no new tensors).
+        self._fast_release = getattr(query, "fused_release", False) is True
         self._grads: dict[str, torch.Tensor] = {}
         self._acc_flat: torch.Tensor | None = None
         self._reset()
@@ -267,7 +278,7 @@ class PrivateGradient:
                     )
                     for s in range(0, batch, k)
                 ]
-                norms = [p.norms for p in parts]
+                norms = [p.norms for p in parts if p.norms is not None]
                 return ChunkStats(
                     sum(p.loss_sum for p in parts),
                     sum(p.num_examples for p in parts),
@@ -367,7 +378,7 @@ class PrivateGradient:
             local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
             dst = {ln: acc[qn] for ln, qn in qnames.items()}
             if fresh and _overwrites(type(lg)):
-                lg.weighted_sum(local, dst, overwrite=True)
+                cast(_OverwritingGrads, lg).weighted_sum(local, dst, overwrite=True)
                 covered.update(qn for qn in qnames.values() if qn in sq)
                 continue
             if fresh:
@@ -383,7 +394,9 @@ class PrivateGradient:
                     if name not in covered:
                         b.zero_()
 
-    def _layer_grads(self, captures, batch: int, k: int) -> dict[int, LayerGrads]:
+    def _layer_grads(
+        self, captures: list[list[Capture]], batch: int, k: int
+    ) -> dict[int, LayerGrads]:
         layers: dict[int, LayerGrads] = {}
         for idx, (plan, caps) in enumerate(zip(self.plans_, captures, strict=True)):
             if not caps:
@@ -431,9 +444,11 @@ class PrivateGradient:
         scale = self._weight_scale
         if self._owner is None:
             w = self.query.clip_weights(total_sq.to(torch.float64).sqrt(), mask=mask)
+            if not isinstance(w, torch.Tensor):
+                raise TypeError(f"a query without groups must return one Tensor[B], got {w!r}")
             return dict.fromkeys(self.param_names_, _scaled(w, scale, dtype))
         zeros = torch.zeros(n, dtype=torch.float64)
-        group_sq: dict[str, torch.Tensor] = {g: zeros for g in self.query.groups}
+        group_sq: dict[str, torch.Tensor] = {g: zeros for g in self._group_names}
         for name, v in sq.items():
             g = self._owner[name]
             group_sq[g] = group_sq[g] + v.to(torch.float64)
@@ -448,7 +463,7 @@ class PrivateGradient:
         """Factor folded into the clip weights: 1 / denominator on the fast release path."""
         return 1.0 / self.denominator_ if self._fast_release else 1.0
 
-    def release(self, *, ledger: Any, sample_id: int, randomness: Any) -> StepStats:
+    def release(self, *, ledger: Ledger, sample_id: int, randomness: Randomness) -> StepStats:
         """Noise the accumulated clipped sum once, divide, write ``p.grad``; reset.
 
         Every trainable parameter receives noise, also if no chunk produced a gradient for it.
@@ -551,8 +566,20 @@ def _flat_buffers(
     return flat, views
 
 
+class _OverwritingGrads(Protocol):
+    """LayerGrads whose ``weighted_sum`` also takes ``overwrite=`` (see the LayerGrads docs)."""
+
+    def weighted_sum(
+        self,
+        weights: dict[str, torch.Tensor],
+        out: dict[str, torch.Tensor] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> dict[str, torch.Tensor]: ...
+
+
 @functools.cache
-def _overwrites(kind: type) -> bool:
+def _overwrites(kind: type[LayerGrads]) -> bool:
     """Whether a LayerGrads type's ``weighted_sum`` takes ``overwrite=`` (see the protocol)."""
     try:
         return "overwrite" in inspect.signature(kind.weighted_sum).parameters
@@ -565,15 +592,18 @@ def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return (w if scale == 1.0 else w * scale).to(dtype)
 
 
-def _check_average_sensitivity(query: Any) -> None:
-    tuples = query.privacy_tuples() if hasattr(query, "privacy_tuples") else ()
+def _check_average_sensitivity(query: Query) -> None:
+    tuples: tuple[tuple[float, float], ...] = (
+        query.privacy_tuples() if hasattr(query, "privacy_tuples") else ()
+    )
     clip = getattr(query, "clip_norm", None)
     if getattr(query, "noise_multiplier", None) == 0.0:
         return  # NoPrivacyQuery: nothing to protect
     if clip is None or len(tuples) != 1 or getattr(query, "groups", None) is not None:
         raise ValueError(
             "microbatch_mode='average' needs a flat sum query with sensitivity 2 x clip_norm, "
-            "e.g. GaussianSumQuery(clip_norm, noise_multiplier, sensitivity=2 * clip_norm)"
+            "e.g. GaussianSumQuery(clip_norm, noise_multiplier, "
+            "clipped_unit='microbatch_average')"
         )
     sensitivity = tuples[0][0]
     if sensitivity < 2.0 * clip * (1 - 1e-12):
@@ -581,7 +611,7 @@ def _check_average_sensitivity(query: Any) -> None:
             "microbatch_mode='average' clips microbatch averages: one example changes one of "
             f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency (guide "
             f"Sec. 5.6), but the query records sensitivity {sensitivity!r}; use "
-            "GaussianSumQuery(clip_norm, noise_multiplier, sensitivity=2 * clip_norm)"
+            "GaussianSumQuery(clip_norm, noise_multiplier, clipped_unit='microbatch_average')"
         )
 
 

@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -51,6 +51,10 @@ from dpfy.training import checkpoint as ckpt
 from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
+
+if TYPE_CHECKING:
+    from dpfy.queries import Query
+    from dpfy.sampling import Sampler
 
 __all__ = [
     "BudgetExceededError",
@@ -340,7 +344,7 @@ class PrivateTrainer:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         inputs: torch.Tensor,
         targets: torch.Tensor,
-        sampler: Any,
+        sampler: Sampler,
         *,
         clip_norm: float,
         epochs: int,
@@ -460,7 +464,7 @@ class PrivateTrainer:
         z = self.calibrate()
         from dpfy.queries import GaussianSumQuery
 
-        self.query_ = GaussianSumQuery(self.clip_norm, z, name="gradient")
+        self.query_: Query = GaussianSumQuery(self.clip_norm, z, name="gradient")
         self.private_gradient_ = PrivateGradient(
             self.model,
             self.query_,
@@ -602,7 +606,7 @@ class PrivateTrainer:
 
         self._setup()
         start = time.perf_counter()
-        z = self.noise_multiplier_
+        z = self.calibrate()  # set by _setup: a float from here on
         spe = int(self.sampler.steps_per_epoch)
         stopped = "completed"
         if self.global_step_ == 0 and self.ledger.iteration == 0:

@@ -11,6 +11,14 @@ fallback; they are reported as notes because they are slower.
 :func:`check_module` returns every problem at once, :func:`validate_module` raises one error that
 lists them all, and :func:`fix_module` returns a fixed *copy* (BatchNorm -> GroupNorm, running
 statistics off, Embedding renormalisation and sparse gradients off); the input is never changed.
+
+Per-layer checks live in a registry keyed by layer type (as Opacus registers its module
+validators): :func:`register_module_check` adds a check for a type and its subclasses, and
+every check registered for a class in ``type(module).__mro__`` runs, most specific first. A
+second registration for the same type is refused unless ``replace=True``. The built-in checks
+(BatchNorm, InstanceNorm with running statistics, Embedding options) are registered together at
+the end of this module. Model-level problems (no trainable parameter, lazy or tied parameters)
+and the notes on layers without a fast norm rule are checked for every module.
 """
 
 from __future__ import annotations
@@ -18,22 +26,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 __all__ = [
     "FAST_NORM_LAYERS",
+    "Finding",
+    "ModuleCheck",
     "ModuleIssue",
     "Severity",
     "UnsupportedModuleError",
     "check_module",
     "fix_module",
+    "module_checks_for",
+    "register_module_check",
     "validate_module",
 ]
 
-#: Layer types with a fast (ghost / book-keeping) per-example norm rule (issue 5), used when the
+#: Layer types with a fast (ghost / book-keeping) per-example norm rule, used when the
 #: norm-rule registry of :mod:`dpfy.training.norms` cannot be imported.
 FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -44,8 +56,8 @@ FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.GroupNorm,
 )
 
-_BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
-_INSTANCE_NORMS: tuple[type[nn.Module], ...] = (nn.modules.instancenorm._InstanceNorm,)
+_BatchNorm = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
+_InstanceNorm = nn.modules.instancenorm._InstanceNorm
 
 
 class Severity(enum.StrEnum):
@@ -76,6 +88,57 @@ class ModuleIssue:
     def __str__(self) -> str:
         where = self.path or "<root>"
         return f"[{self.severity}] {where} ({self.module_type}): {self.reason} Fix: {self.fix}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finding:
+    """What a per-layer check reports about one module (``check_module`` adds where it is).
+
+    Attributes:
+      reason: why the layer is a problem for differential privacy (or speed).
+      fix: what to do about it.
+      severity: :class:`Severity` (default: an error).
+    """
+
+    reason: str
+    fix: str
+    severity: Severity = Severity.ERROR
+
+
+#: A per-layer check: ``check(module) -> findings`` (empty when the module is fine).
+ModuleCheck = Callable[[nn.Module], Iterable[Finding]]
+_CHECKS: dict[type[nn.Module], ModuleCheck] = {}
+
+
+def register_module_check(
+    *module_types: type[nn.Module], replace: bool = False
+) -> Callable[[ModuleCheck], ModuleCheck]:
+    """Decorator registering ``check(module) -> Iterable[Finding]`` for the types (and subclasses).
+
+    Raises:
+      ValueError: a check is already registered for one of the types and ``replace`` is false
+        (nothing is registered then).
+    """
+    if not module_types:
+        raise ValueError("register_module_check needs at least one module type")
+    taken = [t for t in module_types if t in _CHECKS]
+    if taken and not replace:
+        names = ", ".join(t.__qualname__ for t in taken)
+        raise ValueError(
+            f"a module check is already registered for {names}; pass replace=True to replace it"
+        )
+
+    def deco(check: ModuleCheck) -> ModuleCheck:
+        for t in module_types:
+            _CHECKS[t] = check
+        return check
+
+    return deco
+
+
+def module_checks_for(module: nn.Module) -> tuple[ModuleCheck, ...]:
+    """The checks registered for the classes of ``type(module).__mro__``, most specific first."""
+    return tuple(_CHECKS[t] for t in type(module).__mro__ if t in _CHECKS)
 
 
 class UnsupportedModuleError(ValueError):
@@ -169,67 +232,14 @@ def check_module(
                         "untie the parameters, or freeze one copy (requires_grad=False).",
                     )
                 )
-        if isinstance(module, _BATCH_NORMS):
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.ERROR,
-                    "BatchNorm normalises each example with the mean and variance of the whole "
-                    "batch, so one example changes every other example's output and gradient "
-                    "(clipping no longer bounds its influence), and its running statistics are "
-                    "released without noise.",
-                    "replace it with GroupNorm (per-example statistics); fix_module does this.",
-                )
-            )
-        elif isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.ERROR,
-                    "track_running_stats=True averages statistics over the training examples "
-                    "into buffers that are released with the model without clipping or noise.",
-                    "use track_running_stats=False; fix_module does this.",
-                )
-            )
-        elif isinstance(module, nn.Embedding) and module.max_norm is not None:
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.ERROR,
-                    "max_norm renormalises the looked-up rows of the weight in place during the "
-                    "forward pass, a data-dependent change that bypasses clipping and noise.",
-                    "use max_norm=None; fix_module does this.",
-                )
-            )
-        elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.scale_grad_by_freq:
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.ERROR,
-                    "scale_grad_by_freq=True divides each row's gradient by how often the row "
-                    "occurs in the whole batch, so one example changes the others' gradients.",
-                    "use scale_grad_by_freq=False; fix_module does this.",
-                )
-            )
-        elif isinstance(module, nn.Embedding | nn.EmbeddingBag) and module.sparse:
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.ERROR,
-                    "sparse=True produces sparse gradients, but DP-SGD must add noise to every "
-                    "row, including rows the batch did not touch.",
-                    "use sparse=False; fix_module does this.",
-                )
+        for check in module_checks_for(module):
+            issues.extend(
+                ModuleIssue(path, name, f.severity, f.reason, f.fix) for f in check(module)
             )
         if (
             _own_trainable(module)
             and type(module) not in fast
-            and not isinstance(module, _BATCH_NORMS)
+            and not isinstance(module, _BatchNorm)
         ):
             issues.append(
                 ModuleIssue(
@@ -242,6 +252,69 @@ def check_module(
                 )
             )
     return issues
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in per-layer checks (Ponomareva et al. 2023, Sec. 5.5.1 and Table 5)
+# --------------------------------------------------------------------------------------------
+
+
+def _batch_norm_check(module: nn.Module) -> tuple[Finding, ...]:
+    return (
+        Finding(
+            "BatchNorm normalises each example with the mean and variance of the whole "
+            "batch, so one example changes every other example's output and gradient "
+            "(clipping no longer bounds its influence), and its running statistics are "
+            "released without noise.",
+            "replace it with GroupNorm (per-example statistics); fix_module does this.",
+        ),
+    )
+
+
+def _instance_norm_check(module: nn.Module) -> tuple[Finding, ...]:
+    if not module.track_running_stats:
+        return ()
+    return (
+        Finding(
+            "track_running_stats=True averages statistics over the training examples "
+            "into buffers that are released with the model without clipping or noise.",
+            "use track_running_stats=False; fix_module does this.",
+        ),
+    )
+
+
+def _embedding_check(module: nn.Module) -> tuple[Finding, ...]:
+    """The first problem of an Embedding / EmbeddingBag (``fix_module`` fixes them all)."""
+    if isinstance(module, nn.Embedding) and module.max_norm is not None:
+        return (
+            Finding(
+                "max_norm renormalises the looked-up rows of the weight in place during the "
+                "forward pass, a data-dependent change that bypasses clipping and noise.",
+                "use max_norm=None; fix_module does this.",
+            ),
+        )
+    if module.scale_grad_by_freq:
+        return (
+            Finding(
+                "scale_grad_by_freq=True divides each row's gradient by how often the row "
+                "occurs in the whole batch, so one example changes the others' gradients.",
+                "use scale_grad_by_freq=False; fix_module does this.",
+            ),
+        )
+    if module.sparse:
+        return (
+            Finding(
+                "sparse=True produces sparse gradients, but DP-SGD must add noise to every "
+                "row, including rows the batch did not touch.",
+                "use sparse=False; fix_module does this.",
+            ),
+        )
+    return ()
+
+
+register_module_check(_BatchNorm)(_batch_norm_check)
+register_module_check(_InstanceNorm)(_instance_norm_check)
+register_module_check(nn.Embedding, nn.EmbeddingBag)(_embedding_check)
 
 
 def validate_module(
@@ -274,7 +347,7 @@ def fix_module(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
     if max_groups < 1:
         raise ValueError(f"max_groups must be in [1, inf), got max_groups={max_groups!r}")
     fixed = copy.deepcopy(model)
-    if isinstance(fixed, _BATCH_NORMS):
+    if isinstance(fixed, _BatchNorm):
         return _replace(fixed, max_groups)
     for parent in list(fixed.modules()):
         for child_name, child in list(parent.named_children()):
@@ -285,7 +358,7 @@ def fix_module(model: nn.Module, *, max_groups: int = 32) -> nn.Module:
 
 
 def _replace(module: nn.Module, max_groups: int) -> nn.Module:
-    if isinstance(module, _BATCH_NORMS):
+    if isinstance(module, _BatchNorm):
         channels = module.num_features
         gn = nn.GroupNorm(
             _group_count(channels, max_groups), channels, eps=module.eps, affine=module.affine
@@ -298,7 +371,7 @@ def _replace(module: nn.Module, max_groups: int) -> nn.Module:
             gn.weight.requires_grad_(module.weight.requires_grad)
             gn.bias.requires_grad_(module.bias.requires_grad)
         return gn
-    if isinstance(module, _INSTANCE_NORMS) and module.track_running_stats:
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
         module.track_running_stats = False
         module.running_mean = None
         module.running_var = None

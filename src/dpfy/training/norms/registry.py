@@ -83,12 +83,27 @@ NormRule = Callable[[nn.Module, list[Capture], int], LayerGrads]
 _RULES: dict[type[nn.Module], NormRule] = {}
 
 
-def register_norm_rule(*module_types: type[nn.Module]) -> Callable[[NormRule], NormRule]:
+def register_norm_rule(
+    *module_types: type[nn.Module], replace: bool = False
+) -> Callable[[NormRule], NormRule]:
     """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types.
 
     A rule may carry an attribute ``on_forward(module, input, output) -> Any``, called in the
     forward hook; its result reaches the rule as :attr:`Capture.extra`.
+
+    Raises:
+      ValueError: a rule is already registered for one of the types and ``replace`` is false
+        (nothing is registered then): a second rule would silently change how that layer's
+        per-example norms are computed.
     """
+    if not module_types:
+        raise ValueError("register_norm_rule needs at least one module type")
+    taken = [t for t in module_types if t in _RULES]
+    if taken and not replace:
+        names = ", ".join(t.__qualname__ for t in taken)
+        raise ValueError(
+            f"a norm rule is already registered for {names}; pass replace=True to replace it"
+        )
 
     def deco(rule: NormRule) -> NormRule:
         for t in module_types:
