@@ -43,11 +43,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
+from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tests)
+    BudgetExceededError,
+    BudgetGuard,
+    _compose,
+    spent,
+    statement,
+)
 from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
@@ -68,109 +74,6 @@ __all__ = [
 ]
 
 OnBudget = Literal["stop", "raise"]
-
-
-# --------------------------------------------------------------------------------------------
-# Budget guard
-# --------------------------------------------------------------------------------------------
-
-
-class BudgetExceededError(RuntimeError):
-    """A step was refused because the ledger's epsilon would pass the target."""
-
-
-class BudgetGuard:
-    """Refuses steps whose ledger epsilon would exceed ``target_epsilon`` at ``delta``.
-
-    The guard asks the accountant about the ledger *plus* the steps to come, before they run:
-    ``epsilon(Composed(ledger.to_event(), next_steps_event), delta, method)``. The ledger is
-    the source of truth, so anything recorded (resumed runs, extra queries) counts.
-
-    Args:
-      target_epsilon: budget, > 0.
-      delta: target delta in (0, 1).
-      method: accountant name (the method the final statement uses).
-
-    Example:
-        >>> guard = BudgetGuard(3.0, 1e-5, method="rdp")
-        >>> guard.check(ledger, sampler.privacy_event(z, steps=1))  # doctest: +SKIP
-    """
-
-    def __init__(self, target_epsilon: float, delta: float, *, method: str = "auto") -> None:
-        check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-        self.target_epsilon = float(target_epsilon)
-        self.delta = float(delta)
-        self.method = method
-
-    def epsilon_after(self, ledger: Ledger, next_event: ev.Event | None) -> float:
-        """Epsilon of the ledger followed by ``next_event`` (None: the ledger alone)."""
-        from dpfy import accounting
-
-        events = [e for e in (_ledger_event(ledger), next_event) if e is not None]
-        if not events:
-            return 0.0
-        event = events[0] if len(events) == 1 else _compose(events[0], events[1])
-        return float(accounting.epsilon(event, self.delta, self.method).epsilon)
-
-    def check(self, ledger: Ledger, next_event: ev.Event) -> None:
-        """Raise :class:`BudgetExceededError` if ``next_event`` would pass the target."""
-        eps = self.epsilon_after(ledger, next_event)
-        if eps > self.target_epsilon:
-            raise BudgetExceededError(self._message(ledger, eps))
-
-    def allowed_steps(
-        self, ledger: Ledger, make_event: Callable[[int], ev.Event], max_steps: int
-    ) -> int:
-        """Largest k in [0, max_steps] with epsilon(ledger + make_event(k)) <= target.
-
-        ``make_event(k)`` is the event of the next k steps (e.g.
-        ``lambda k: sampler.privacy_event(z, steps=k)``); epsilon is non-decreasing in k.
-        One accountant call when all ``max_steps`` fit, a binary search otherwise.
-        """
-        if max_steps <= 0:
-            return 0
-        if self.epsilon_after(ledger, make_event(max_steps)) <= self.target_epsilon:
-            return max_steps
-        from dpfy.accounting.roots import largest_true
-
-        def fits(k: int) -> bool:
-            return self.epsilon_after(ledger, make_event(k)) <= self.target_epsilon
-
-        # k = 0 fits (checked by the caller), k = max_steps does not: search in between.
-        return largest_true(fits, 0, max_steps - 1)
-
-    def _message(self, ledger: Ledger, eps: float) -> str:
-        return (
-            f"budget guard: the next step would raise the ledger's epsilon to {eps:.4g} > "
-            f"target_epsilon={self.target_epsilon!r} (delta={self.delta!r}, "
-            f"method={self.method!r}) after {ledger.iteration} recorded steps; the step was "
-            "refused. Raise the target, add noise, or train fewer steps."
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"BudgetGuard(target_epsilon={self.target_epsilon}, delta={self.delta}, "
-            f"method={self.method!r})"
-        )
-
-
-def _compose(first: ev.Event, second: ev.Event) -> ev.Event:
-    """``first`` then ``second``; repetitions of one mechanism are merged into one count.
-
-    Merging is exact (it is the same composition) and lets the accountant see the run as the
-    calibration saw it (``SelfComposed(step, n + k)`` rather than two discretised parts); see
-    :class:`dpfy.events.EventBuilder`.
-    """
-    return ev.EventBuilder().compose(first, second).build()
-
-
-def _ledger_event(ledger: Ledger) -> ev.Event | None:
-    """The ledger's event, or None when it records no cost (``Composed(())``)."""
-    event = ledger.to_event()
-    if isinstance(event, ev.Composed) and not event.events:
-        return None
-    return event
 
 
 # --------------------------------------------------------------------------------------------
@@ -577,15 +480,8 @@ class PrivateTrainer:
 
     def epsilon_spent(self, method: str | None = None) -> float:
         """Ledger epsilon at ``delta`` so far (default: the cheap monitor method)."""
-        from dpfy import accounting
-
-        if self.ledger.iteration == 0:
-            return 0.0
         method = method or self.monitor_accounting or self.accounting
-        try:
-            return float(accounting.epsilon(self.ledger, self.delta, method).epsilon)
-        except accounting.UnsupportedEventError:
-            return float(accounting.epsilon(self.ledger, self.delta, self.accounting).epsilon)
+        return spent(self.ledger, self.delta, method, fallback=self.accounting)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self, *, max_steps: int | None = None) -> TrainResult:
@@ -602,8 +498,6 @@ class PrivateTrainer:
           BudgetExceededError: with ``on_budget="raise"``, before a refused step.
           dpfy.training.validate.UnsupportedModuleError: the model has non-private layers.
         """
-        from dpfy import accounting
-
         self._setup()
         start = time.perf_counter()
         z = self.calibrate()  # set by _setup: a float from here on
@@ -656,7 +550,7 @@ class PrivateTrainer:
                 bar.close()
         if stopped == "max_steps" and self.checkpoint_path is not None:
             self.save_checkpoint(self.checkpoint_path)
-        privacy = accounting.epsilon(self.ledger, self.delta, self.accounting)
+        privacy = statement(self.ledger, self.delta, self.accounting)
         return TrainResult(
             model=self.released_model,
             ledger=self.ledger,
