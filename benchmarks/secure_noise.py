@@ -41,14 +41,16 @@ def secure_dpfy_step(model, x, y):
         return dpsgd_step.dpfy_step(model, x, y)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
     for r in range(rounds):
         for k in order[r % len(order) :] + order[: r % len(order)]:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[k]()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
     return times
 
 
@@ -83,14 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--noise-rounds", type=int, default=15)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or process CPU time (steadier when other processes load the machine)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     report: dict = {
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "threads": args.threads,
         "batch": args.batch,
+        "clock": args.clock,
+        "load_average_at_start": os.getloadavg(),
         "note": "wall-clock medians of interleaved rounds on a shared machine",
     }
     builders = {"plain": dpsgd_step.plain_step, "seeded": dpsgd_step.dpfy_step,
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in dpsgd_step.MODELS:
         res = dpsgd_step.measure(
             model, list(builders), batch=args.batch, rounds=args.rounds, steps=2, warmup=3,
-            max_seconds=1e9, builders=builders,
+            max_seconds=1e9, builders=builders, clock=clock,
         )
         for r in res.values():
             r["ratio_to_seeded"] = r["median_ms"] / res["seeded"]["median_ms"]
@@ -109,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         fns = noise_variants(n)
         for f in fns.values():
             f()  # warm-up: buffers
-        report["noise"][str(n)] = summary(interleaved(fns, args.noise_rounds), "seeded")
+        report["noise"][str(n)] = summary(interleaved(fns, args.noise_rounds, clock), "seeded")
     nbytes = 4 * 22_600_000
     fns = bits_variants(nbytes)
-    times = interleaved(fns, args.noise_rounds)
+    times = interleaved(fns, args.noise_rounds, clock)
     report["bits"] = summary(times, "sfc64")
     for r in report["bits"].values():
         r["GB_per_s"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
 
-    print(f"\nDP-SGD step (batch {args.batch}, {args.threads} threads)")
+    print(f"\nDP-SGD step (batch {args.batch}, {args.threads} threads, {args.clock} clock)")
     print(f"  {'model':6s} {'variant':8s} {'median ms':>10s} {'x seeded':>9s} {'x plain':>8s}")
     for model, res in report["step"].items():
         for k, r in res.items():
