@@ -12,13 +12,23 @@ Every sampler and query takes a :class:`Randomness` instead of touching global R
   for experiments and tests; its tails are cut where the bits run out, like every float
   generator's. (Drawing the bits on a second thread was measured slower inside a training
   step, where torch's OpenMP workers compete.)
-* ``Randomness.secure()`` draws every bit from the operating system's CSPRNG (``os.urandom``).
-  Gaussian noise is then produced in float64 by the Box-Muller transform and, as a mitigation of
-  floating-point attacks on noise (Mironov 2012), as the normalised sum of four independent
-  draws before rounding to the working dtype (the approach Opacus' secure mode also takes).
-  Secure mode refuses to save or restore generator state: there is none to leak.
+* ``Randomness.secure_mode()`` (or ``Randomness(secure=True)``) draws every bit from an
+  AES-256-CTR keystream (the ``cryptography`` package) keyed with 32 bytes from the operating
+  system's CSPRNG (``os.urandom``), re-keyed every 64 GiB and after a fork. Float32 noise goes
+  through the same vectorised Box-Muller transform as the seeded path (fused path included),
+  with two changes that are part of the guarantee (``docs/randomness.md``):
 
-NumPy only at import time; torch is imported lazily by :meth:`Randomness.torch_normal`.
+  - tails: a radius word whose 31 bits are all zero (probability 2^-31) is refined with two
+    more 32-bit words, so the radius has 95 bits and the Gaussian mass cut per radius is
+    2^-95 (:meth:`Randomness.tail_mass` returns the total for a run, to be added to delta);
+  - floating-point attacks on the noise (Mironov 2012): every value is the normalised sum of
+    two independent Box-Muller draws, ``(z1 + z2) / sqrt(2)``, the mitigation of Holohan and
+    Braghin 2021 (Opacus' secure mode sums four). It is a mitigation, not a proof.
+
+  Sampling draws (uniform, bernoulli, permutation, choice, binomial) come from the same
+  keystream. Secure mode refuses to save or restore generator state: there is none to leak.
+
+NumPy only at import time; torch and ``cryptography`` are imported lazily.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,6 +45,19 @@ __all__ = ["Randomness"]
 
 _TWO_POW_53 = float(2**53)
 _TWO_PI = 2.0 * math.pi
+
+#: Box-Muller draws summed (and normalised) per secure noise value: the floating-point mitigation.
+SECURE_DRAWS = 2
+#: Bits behind one secure radius: 31, and 32 + 32 more when the first 31 are all zero.
+SECURE_RADIUS_BITS = 95
+#: Bits behind one seeded float32 radius.
+SEEDED_RADIUS_BITS = 31
+
+
+def _max_radius(bits: int) -> float:
+    """The largest Box-Muller radius from ``bits`` radius bits: u = 2^-(bits+1), the midpoint
+    of the bottom cell [0, 2^-bits)."""
+    return math.sqrt(2.0 * (bits + 1) * math.log(2.0))
 
 
 class Randomness:
@@ -49,14 +72,47 @@ class Randomness:
         self.secure = bool(secure)
         self.seed = None if secure else (seed if seed is not None else _fresh_seed())
         self._np = None if secure else np.random.Generator(np.random.PCG64(self.seed))
+        self._stream = _Keystream() if secure else None
+        self._draws = SECURE_DRAWS if secure else 1  # Box-Muller draws summed per value
         self._noise: np.random.BitGenerator | None = None  # noise stream, split off at first use
         self._work: Any = None  # reused work buffers of the noise transform
         self._values: Any = None
+        self._words: np.ndarray | None = None  # reused buffer of secure noise words
 
     @classmethod
     def secure_mode(cls) -> Randomness:
-        """A CSPRNG-backed source (``os.urandom``)."""
+        """A CSPRNG-backed source: an AES-256-CTR keystream keyed from ``os.urandom``."""
         return cls(secure=True)
+
+    # -- tails ------------------------------------------------------------------------------
+    @property
+    def max_abs_z(self) -> float:
+        """The largest ``|z|`` a float32 Box-Muller noise value can take (std 1).
+
+        Secure: sqrt(2) * 11.54 = 16.32 (two draws of 95-bit radii); seeded: 6.66 (31 bits).
+        """
+        bits = SECURE_RADIUS_BITS if self.secure else SEEDED_RADIUS_BITS
+        return math.sqrt(self._draws) * _max_radius(bits)
+
+    def tail_mass(self, num_values: int | float) -> float:
+        """Upper bound on the Gaussian mass cut from ``num_values`` noise values.
+
+        Each Box-Muller radius comes from a uniform on cells of width 2^-b (b radius bits);
+        the bottom cell [0, 2^-b), i.e. radii beyond sqrt(2 b ln 2), is collapsed onto one
+        value, so the generator differs from the ideal one only on an event of probability
+        2^-b = P(R > sqrt(2 b ln 2)) per radius (R the radius of a 2-D standard Gaussian).
+        A value uses at most ``draws`` radii (a pair of values shares one per draw), so
+        ``num_values`` values (a whole run: steps x coordinates, in any number of calls) cut
+        at most ``draws * num_values * 2^-b``: b = 95, draws = 2 in secure mode (1.1e-17
+        for 1e4 steps of 2.26e7 coordinates), b = 31, draws = 1 for seeded float32 noise.
+        A mechanism whose noise is within total variation eta of the ideal one is
+        (eps, delta + (1 + e^eps) eta)-DP when the ideal one is (eps, delta)-DP.
+        """
+        n = float(num_values)
+        if not (n >= 0.0 and math.isfinite(n)):
+            raise ValueError(f"num_values must be a finite number >= 0, got {num_values!r}")
+        bits = SECURE_RADIUS_BITS if self.secure else SEEDED_RADIUS_BITS
+        return self._draws * n * 2.0**-bits
 
     # -- uniform and integers ---------------------------------------------------------------
     def uniform(self, size: int | tuple[int, ...]) -> np.ndarray:
@@ -64,7 +120,7 @@ class Randomness:
         if self._np is not None:
             return self._np.random(size)
         n = int(np.prod(size))
-        words = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
+        words = self._secure_words(n)
         return ((words >> np.uint64(11)).astype(np.float64) / _TWO_POW_53).reshape(size)
 
     def bernoulli(self, p: float, size: int) -> np.ndarray:
@@ -75,8 +131,8 @@ class Randomness:
         """A uniformly random permutation of ``range(n)``."""
         if self._np is not None:
             return self._np.permutation(n)
-        keys = np.frombuffer(os.urandom(8 * n), dtype=np.uint64)
-        return np.argsort(keys, kind="stable")
+        # Sorting 64-bit keys: uniform unless two keys tie (probability below n^2 / 2^65).
+        return np.argsort(self._secure_words(n), kind="stable")
 
     def choice(self, n: int, k: int) -> np.ndarray:
         """``k`` distinct indices from ``range(n)``, uniformly at random, in random order."""
@@ -85,7 +141,7 @@ class Randomness:
         return self.permutation(n)[:k]
 
     def binomial(self, n: int, p: float) -> int:
-        """One Binomial(n, p) draw (secure mode: inverse CDF of a CSPRNG uniform)."""
+        """One Binomial(n, p) draw (secure mode: inverse CDF of a 53-bit keystream uniform)."""
         if self._np is not None:
             return int(self._np.binomial(n, p))
         from scipy import stats
@@ -99,12 +155,24 @@ class Randomness:
         if self._np is not None:
             return self._np.normal(0.0, std, size)
         n = int(np.prod(size))
-        total = np.zeros(n)
-        for _ in range(4):
-            total += _box_muller(self.uniform(n), self.uniform(n))
-        return (total * (std / 2.0)).reshape(size)
+        k = self._draws
+        m = (k * n + 1) // 2  # Box-Muller pairs
+        words = self._secure_words(3 * m).reshape(3, m)
+        z = _box_muller64(words)[: k * n].reshape(k, n)
+        out: np.ndarray = (z.sum(axis=0) * (std / math.sqrt(k))).reshape(size)
+        return out
 
-    def torch_normal(self, shape: tuple[int, ...], std: float, *, dtype=None, device=None):
+    def _secure_words(self, n: int) -> np.ndarray:
+        """``n`` fresh uint64 keystream words (secure mode)."""
+        if self._stream is None:
+            raise RuntimeError("seeded randomness has no keystream")
+        out = np.empty(n, dtype=np.uint64)
+        self._stream.fill(out)
+        return out
+
+    def torch_normal(
+        self, shape: tuple[int, ...], std: float, *, dtype: Any = None, device: Any = None
+    ) -> Any:
         """A torch tensor of N(0, std^2) noise of the given shape, dtype and device."""
         import torch
 
@@ -122,9 +190,10 @@ class Randomness:
         """Overwrite torch tensors in place with ``add[i] + N(0, stds[i]^2)`` noise.
 
         All values of one call are drawn together (one pass of the transform for the whole
-        model). ``add`` (optional, same shapes) is added in the same pass. Secure mode draws
-        float64 values from the OS CSPRNG, scales them in float64 and only then rounds to each
-        tensor's dtype.
+        model). ``add`` (optional, same shapes) is added in the same pass. Secure mode fills
+        float32 tensors with the same transform on keystream words (each value the normalised
+        sum of two draws); other dtypes get float64 values, scaled in float64 and only then
+        rounded to the tensor's dtype.
         """
         import torch
 
@@ -144,7 +213,7 @@ class Randomness:
                 raise ValueError(f"add[{i}] must be a tensor of shape {tuple(t.shape)}")
         if not tensors:
             return
-        if self._np is not None and _all_equal(stds):
+        if _all_equal(stds):
             span = _flat_span(tensors)
             base = None if add is None else _flat_span(adds)
             if span is not None and (add is None or base is not None):
@@ -154,10 +223,10 @@ class Randomness:
                 return
         sizes = [t.numel() for t in tensors]
         total = sum(sizes)
-        if self._np is None:
-            values = torch.from_numpy(self.normal(total))
-        elif all(t.dtype == torch.float32 for t in tensors):
+        if all(t.dtype == torch.float32 for t in tensors):
             values = self._standard_normal32(total)
+        elif self._np is None:
+            values = torch.from_numpy(self.normal(total))
         else:
             rng = np.random.Generator(self._noise_stream())
             values = torch.from_numpy(rng.standard_normal(total))
@@ -165,7 +234,7 @@ class Randomness:
         for t, sd, a, n in zip(tensors, stds, adds, sizes, strict=True):
             part = values[start : start + n].view(t.shape)
             start += n
-            if self._np is None or part.dtype != t.dtype or t.device.type != "cpu":
+            if part.dtype != t.dtype or t.device.type != "cpu":
                 t.copy_(part * sd)  # scale in the generator's precision, then round
                 if a is not None:
                     t.add_(a)
@@ -176,10 +245,28 @@ class Randomness:
 
     def _noise_stream(self) -> np.random.BitGenerator:
         if self._noise is None:
+            assert self._np is not None
             self._noise = np.random.SFC64(int(self._np.integers(0, 2**63 - 1)))
         return self._noise
 
-    def _standard_normal32(self, n: int):
+    def _noise_words(self, m: int) -> np.ndarray:
+        """``m`` 64-bit noise words as ``2m`` int32 (secure: in a reused buffer)."""
+        if self._stream is None:
+            return self._noise_stream().random_raw(m).view(np.int32)
+        if self._words is None or self._words.size < 2 * m:
+            self._words = np.empty(2 * m, dtype=np.int32)
+        words = self._words[: 2 * m]
+        self._stream.fill(words)
+        return words
+
+    def _deep_radii(self, count: int) -> np.ndarray:
+        """Radii for ``count`` secure radius words whose 31 bits were all zero (u < 2^-31)."""
+        assert self._stream is not None
+        w = np.empty(2 * count, dtype=np.uint32)
+        self._stream.fill(w)
+        return _refined_radius(w[:count], w[count:])
+
+    def _standard_normal32(self, n: int) -> Any:
         """``n`` float32 N(0, 1) values (Box-Muller on the noise words), in a reused buffer."""
         import torch
 
@@ -189,21 +276,31 @@ class Randomness:
         self._normal32_into(out, 1.0, None)
         return out
 
-    def _normal32_into(self, out, std: float, add) -> None:
-        """``out = add + std * N(0, 1)`` for a contiguous float32 tensor (``add`` may be None)."""
+    def _normal32_into(self, out: Any, std: float, add: Any) -> None:
+        """``out = add + std * N(0, 1)`` for a contiguous float32 tensor (``add`` may be None).
+
+        Secure mode: ``add + std z1 / sqrt(2) + std z2 / sqrt(2)``, two passes of the
+        transform (the second adds to the first's output).
+        """
         import torch
 
         m = (out.numel() + 1) // 2
-        # m 64-bit words = 2m 32-bit halves: the first m for radii, the last m for angles
-        bits32 = torch.from_numpy(self._noise_stream().random_raw(m).view(np.int32))
         if self._work is None or self._work[0].numel() < m:
             self._work = (
                 torch.empty(m, dtype=torch.int32),
                 torch.empty(m, dtype=torch.float32),  # radius
                 torch.empty(m, dtype=torch.float32),  # angle
             )
-        flat_add = None if add is None else add.view(-1)
-        _box_muller32(bits32, out.view(-1), *(x[:m] for x in self._work), std=std, add=flat_add)
+        flat = out.view(-1)
+        base = None if add is None else add.view(-1)
+        scale = std / math.sqrt(self._draws)  # std itself when seeded (one draw)
+        deep = None if self._stream is None else self._deep_radii
+        for _ in range(self._draws):
+            # m 64-bit words = 2m 32-bit halves: the first m for radii, the last m for angles
+            bits32 = torch.from_numpy(self._noise_words(m))
+            work = (x[:m] for x in self._work)
+            _box_muller32(bits32, flat, *work, std=scale, add=base, deep_tail=deep)
+            base = flat
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -238,7 +335,17 @@ class Randomness:
         return "Randomness(secure=True)" if self.secure else f"Randomness(seed={self.seed})"
 
 
-def _box_muller32(bits32, out, bits, radius, theta, *, std: float = 1.0, add=None) -> None:
+def _box_muller32(
+    bits32: Any,
+    out: Any,
+    bits: Any,
+    radius: Any,
+    theta: Any,
+    *,
+    std: float = 1.0,
+    add: Any = None,
+    deep_tail: Callable[[int], np.ndarray] | None = None,
+) -> None:
     """Box-Muller on 2m random int32 ``bits32`` into float32 ``out`` (n <= 2m values).
 
     ``m``-sized scratch ``bits``, ``radius`` and ``theta``. The first m words give the radius:
@@ -247,7 +354,8 @@ def _box_muller32(bits32, out, bits, radius, theta, *, std: float = 1.0, add=Non
     gives 0, never NaN). The last m give the angle theta = s 2 pi 2^-32 in [-pi, pi).
     ``out[:m] = add + std r cos(theta)``, ``out[m:] = add + std r sin(theta)`` (the second
     half cut to n - m values); ``add`` (same shape as ``out``, may be ``out`` itself) is
-    optional.
+    optional. ``deep_tail`` (secure mode) maps a count c to c float64 radii drawn from more
+    bits; it replaces the radius of every word whose 31 bits are all zero (u < 2^-31).
     """
     import torch
 
@@ -256,7 +364,12 @@ def _box_muller32(bits32, out, bits, radius, theta, *, std: float = 1.0, add=Non
     if not m <= n <= 2 * m:
         raise ValueError(f"out must hold between {m} and {2 * m} values, got {n}")
     radius.copy_(torch.bitwise_and(bits32[:m], 0x7FFFFFFF, out=bits))
+    deep = None
+    if deep_tail is not None and m and int(bits.min()) == 0:
+        deep = torch.nonzero(bits == 0).view(-1)
     radius.add_(0.5).mul_(2.0**-31).log_().mul_(-2.0).sqrt_()
+    if deep_tail is not None and deep is not None:
+        radius[deep] = torch.from_numpy(deep_tail(deep.numel())).to(torch.float32)
     theta.copy_(bits32[m : 2 * m]).mul_(_TWO_PI * 2.0**-32)
     trig_out = bits.view(torch.float32)  # the bits are spent: reuse the buffer
     for dst, trig, lo, hi in ((out[:m], torch.cos, 0, m), (out[m:], torch.sin, m, n)):
@@ -270,7 +383,7 @@ def _box_muller32(bits32, out, bits, radius, theta, *, std: float = 1.0, add=Non
             torch.mul(t, radius[:k], out=dst).mul_(std)
 
 
-def _flat_span(tensors):
+def _flat_span(tensors: Sequence[Any]) -> Any:
     """The 1-D float32 CPU tensor that ``tensors`` tile in order, or ``None``.
 
     True for consecutive contiguous views of one buffer (a model's flat gradient buffer) or a
@@ -301,7 +414,7 @@ def _flat_span(tensors):
     return first.as_strided((total,), (1,), start)
 
 
-def _all_equal(stds) -> bool:
+def _all_equal(stds: Sequence[float]) -> bool:
     return bool(stds) and all(s == stds[0] for s in stds)
 
 
@@ -309,6 +422,69 @@ def _fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-def _box_muller(u1: np.ndarray, u2: np.ndarray) -> np.ndarray:
-    # 1 - u1 lies in (0, 1], so the log is finite.
-    return np.sqrt(-2.0 * np.log1p(-u1)) * np.cos(2.0 * math.pi * u2)
+def _refined_radius(k2: np.ndarray, k3: np.ndarray) -> np.ndarray:
+    """Radius for u in the bottom cell [0, 2^-31), from two more uint32 words.
+
+    u = (k2 + 1/2) 2^-63 when k2 > 0, else (k3 + 1/2) 2^-95 (so the bottom cell of the whole
+    95-bit radius is [0, 2^-95), represented by u = 2^-96: radius 11.54).
+    """
+    a, b = k2.astype(np.float64), k3.astype(np.float64)
+    u = np.where(a > 0, (a + 0.5) * 2.0**-63, (b + 0.5) * 2.0**-95)
+    return np.asarray(np.sqrt(-2.0 * np.log(u)))
+
+
+def _box_muller64(words: np.ndarray) -> np.ndarray:
+    """Float64 Box-Muller on a (3, m) uint64 array: 2m values (m cosines, then m sines).
+
+    Rows 0 and 1 give a 95-bit radius uniform u = (hi + (lo + 1/2) 2^-42) 2^-53 in (0, 1]
+    (53 bits of ``hi``, 42 of ``lo``: the same bottom cell [0, 2^-95) as the float32
+    secure path), row 2 a 53-bit angle.
+    """
+    hi = (words[0] >> np.uint64(11)).astype(np.float64)
+    lo = (words[1] >> np.uint64(22)).astype(np.float64)
+    u = (hi + (lo + 0.5) * 2.0**-42) * 2.0**-53
+    r = np.sqrt(-2.0 * np.log(u))
+    theta = (words[2] >> np.uint64(11)).astype(np.float64) * (_TWO_PI / _TWO_POW_53)
+    return np.concatenate([r * np.cos(theta), r * np.sin(theta)])
+
+
+class _Keystream:
+    """AES-256-CTR keystream: the encryption of zeros under a key from ``os.urandom``.
+
+    The 128-bit counter starts at 0 for every key, so no block repeats within a key; the key is
+    replaced from the OS after 2^36 bytes (2^32 blocks, keeping the distance from uniform
+    bits, about blocks^2 / 2^129, below 2^-65) and in a forked child, which must not
+    replay its parent's stream.
+    """
+
+    _CHUNK = 1 << 20  # bytes per call into OpenSSL (a reused buffer of zeros)
+    _REKEY = 1 << 36
+
+    def __init__(self) -> None:
+        self._enc: Any = None
+        self._pid = -1
+        self._used = 0
+        self._zeros = memoryview(bytes(self._CHUNK))
+
+    def _rekey(self) -> None:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        cipher = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16)))
+        self._enc = cipher.encryptor()
+        self._pid = os.getpid()
+        self._used = 0
+
+    def fill(self, out: np.ndarray) -> None:
+        """Overwrite the contiguous array ``out`` with fresh keystream bytes."""
+        view = memoryview(out).cast("B")  # type: ignore[arg-type]
+        n, pos = len(view), 0
+        while pos < n:
+            if self._enc is None or self._used >= self._REKEY or self._pid != os.getpid():
+                self._rekey()
+            k = min(self._CHUNK, n - pos, self._REKEY - self._used)
+            if pos + k + 15 <= n:  # OpenSSL wants block_size - 1 spare bytes after the output
+                self._enc.update_into(self._zeros[:k], view[pos : pos + k + 15])
+            else:
+                view[pos : pos + k] = self._enc.update(self._zeros[:k])
+            pos += k
+            self._used += k

@@ -1,0 +1,151 @@
+"""Secure vs seeded randomness: DP-SGD step time and noise alone, in one run.
+
+Measured in interleaved rounds (every variant once per round, in a rotating order) so that
+load from other processes hits them alike; medians and ratios are reported:
+
+* the dpfy DP-SGD step of ``benchmarks/dpsgd_step.py`` on its MLP and CNN, with seeded and
+  with secure randomness (the step builder is imported from there, not copied);
+* noise alone, ``normal_`` with an addend on one flat float32 buffer (the fused path of a
+  training step), for 1M and 22.6M values: seeded, secure, and secure with one draw per
+  value (no floating-point mitigation: the keystream's own cost);
+* raw bits: the AES-256-CTR keystream against NumPy's SFC64 ``random_raw`` (GB/s).
+
+Usage::
+
+    python benchmarks/secure_noise.py [--json benchmarks/results/secure_noise.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from unittest import mock
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import dpsgd_step  # noqa: E402  (the step builders and the interleaved timer)
+
+from dpfy.randomness import Randomness, _Keystream  # noqa: E402
+
+
+def secure_dpfy_step(model, x, y):
+    """``dpsgd_step.dpfy_step`` with secure randomness (its rng is built inside)."""
+    with mock.patch.object(dpsgd_step, "Randomness", lambda *a, **k: Randomness.secure_mode()):
+        return dpsgd_step.dpfy_step(model, x, y)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int, clock: Callable[[], float]
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for k in order[r % len(order) :] + order[: r % len(order)]:
+            t0 = clock()
+            fns[k]()
+            times[k].append(clock() - t0)
+    return times
+
+
+def noise_variants(n: int) -> dict[str, Callable[[], object]]:
+    flat, base = torch.empty(n), torch.randn(n)
+    seeded, secure, single = Randomness(seed=0), Randomness.secure_mode(), Randomness.secure_mode()
+    single._draws = 1  # keystream + transform only, no sum of draws
+
+    def run(rng: Randomness) -> Callable[[], object]:
+        return lambda: rng.normal_([flat], [1.0], add=[base])
+
+    return {"seeded": run(seeded), "secure": run(secure), "secure_1draw": run(single)}
+
+
+def bits_variants(nbytes: int) -> dict[str, Callable[[], object]]:
+    stream, sfc = _Keystream(), np.random.SFC64(0)
+    buf = np.empty(nbytes, dtype=np.uint8)
+    return {"aes_ctr": lambda: stream.fill(buf), "sfc64": lambda: sfc.random_raw(nbytes // 8)}
+
+
+def summary(times: dict[str, list[float]], ref: str) -> dict[str, dict[str, float]]:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        k: {"median_ms": 1e3 * m, "ratio_to_" + ref: m / med[ref], "samples": len(times[k])}
+        for k, m in med.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--noise-rounds", type=int, default=15)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall time, or process CPU time (steadier when other processes load the machine)",
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    report: dict = {
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "batch": args.batch,
+        "clock": args.clock,
+        "load_average_at_start": os.getloadavg(),
+        "note": "wall-clock medians of interleaved rounds on a shared machine",
+    }
+    builders = {"plain": dpsgd_step.plain_step, "seeded": dpsgd_step.dpfy_step,
+                "secure": secure_dpfy_step}
+    report["step"] = {}
+    for model in dpsgd_step.MODELS:
+        res = dpsgd_step.measure(
+            model, list(builders), batch=args.batch, rounds=args.rounds, steps=2, warmup=3,
+            max_seconds=1e9, builders=builders, clock=clock,
+        )
+        for r in res.values():
+            r["ratio_to_seeded"] = r["median_ms"] / res["seeded"]["median_ms"]
+        report["step"][model] = res
+    report["noise"] = {}
+    for n in (1_000_000, 22_600_000):
+        fns = noise_variants(n)
+        for f in fns.values():
+            f()  # warm-up: buffers
+        report["noise"][str(n)] = summary(interleaved(fns, args.noise_rounds, clock), "seeded")
+    nbytes = 4 * 22_600_000
+    fns = bits_variants(nbytes)
+    times = interleaved(fns, args.noise_rounds, clock)
+    report["bits"] = summary(times, "sfc64")
+    for r in report["bits"].values():
+        r["GB_per_s"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
+
+    print(f"\nDP-SGD step (batch {args.batch}, {args.threads} threads, {args.clock} clock)")
+    print(f"  {'model':6s} {'variant':8s} {'median ms':>10s} {'x seeded':>9s} {'x plain':>8s}")
+    for model, res in report["step"].items():
+        for k, r in res.items():
+            print(f"  {model:6s} {k:8s} {r['median_ms']:10.2f} {r['ratio_to_seeded']:9.3f} "
+                  f"{r['ratio_to_plain']:8.3f}")
+    print("\nnoise alone (normal_ with add on one flat float32 buffer)")
+    print(f"  {'values':>10s} {'variant':13s} {'median ms':>10s} {'x seeded':>9s}")
+    for n, res in report["noise"].items():
+        for k, r in res.items():
+            print(f"  {int(n):10d} {k:13s} {r['median_ms']:10.2f} {r['ratio_to_seeded']:9.3f}")
+    print(f"\nraw bits ({nbytes / 1e6:.0f} MB)")
+    for k, r in report["bits"].items():
+        print(f"  {k:8s} {r['median_ms']:8.2f} ms {r['GB_per_s']:6.2f} GB/s")
+    if args.json:
+        dpsgd_step.write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
