@@ -7,6 +7,10 @@ lazy import is still a dependency), so a rule broken anywhere fails here.
 from __future__ import annotations
 
 import ast
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +121,29 @@ def test_no_source_file_is_over_the_line_limit() -> None:
 
 def test_the_package_ships_a_typing_marker() -> None:
     assert (SRC / "py.typed").is_file()
+
+
+DOC = SRC.parents[1] / "docs" / "architecture.md"
+
+
+def _doc_examples() -> dict[str, str]:
+    """The ``<!-- example: NAME -->`` python blocks of docs/architecture.md."""
+    text = DOC.read_text(encoding="utf-8")
+    pattern = re.compile(r"<!-- example: (\w+) -->\n```python\n(.*?)```", re.S)
+    return {m.group(1): m.group(2) for m in pattern.finditer(text)}
+
+
+def test_the_architecture_document_has_the_four_worked_examples() -> None:
+    assert set(_doc_examples()) == {"sampler", "layer_rule", "query", "accountant"}
+
+
+@pytest.mark.parametrize("name", ["sampler", "layer_rule", "query", "accountant"])
+def test_a_worked_example_of_the_architecture_document_runs(name: str, tmp_path: Path) -> None:
+    """Each extension example is a complete program; run it in a fresh interpreter."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(_doc_examples()[name], encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

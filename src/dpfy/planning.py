@@ -6,7 +6,7 @@ unit of privacy) that meets ``(target_epsilon, delta)`` under dpfy's accountants
 choice, and lists runner-up options. Every epsilon it prints comes from the accountant
 (:func:`dpfy.accounting.epsilon`), never from the TAN approximation, which is shown beside it.
 
-The rule (TAN, Sander et al. 2023, Sec. 3.2-3.4; guide Sec. 5.4.1):
+The rule (TAN, Sander et al. 2023, Sec. 3.2-3.4; Ponomareva et al. 2023, Sec. 5.4.1):
 
 1. **Stay out of the privacy wall.** At a fixed budget, epsilon depends (almost) only on
    ``eta = q sqrt(S) / (sqrt(2) z)`` once the noise multiplier ``z >= 2``; below that, part of the

@@ -4,7 +4,7 @@ Adjacency: ``add_or_remove`` (one example added to or removed from the dataset).
 whatever one "example" is for the sampler (an example, a user, ...).
 
 One step of the Poisson-subsampled Gaussian with sampling rate q and noise multiplier z is
-dominated, in the *remove* direction, by the pair (DESIGN 3.2)
+dominated, in the *remove* direction, by the pair (docs/architecture.md, 5.2)
 
     P = (1 - q) N(0, z^2) + q N(1, z^2),   Q = N(0, z^2),
     L(x) = log(P(x) / Q(x)) = log((1 - q) + q exp((2x - 1) / (2 z^2))),
@@ -444,7 +444,7 @@ def _unsupported(event: ev.Event) -> str | None:
         ev.Deterministic: "deterministic batches have no Poisson amplification",
         ev.BallsAndBins: "Balls-and-Bins needs its own accountant (balls_and_bins)",
         ev.FixedSizeSampled: "fixed-size sampling uses replace-one adjacency, not modelled here",
-        ev.TruncatedPoisson: "truncated Poisson needs the truncation delta of DESIGN 4.4",
+        ev.TruncatedPoisson: "truncated Poisson needs the truncation delta of Chua et al. 2024b, Prop. 3.2",
         ev.RepeatAndSelect: "repeat-and-select is accounted in RDP (Papernot & Steinke)",
     }.get(type(event), "no PLD is implemented for this event type")
     return f"pld cannot account sub-event {type(event).__name__} {event!r}: {why}"

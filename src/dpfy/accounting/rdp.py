@@ -265,7 +265,7 @@ def rdp_poisson_gaussian(
     Raises:
       ValueError: q outside (0, 1], z <= 0, or an order <= 1.
 
-    References: Mironov, Talwar, Zhang 2019, Sec. 3.3; DESIGN 3.1.
+    References: Mironov, Talwar, Zhang 2019, Sec. 3.3; docs/architecture.md, 5.1.
     """
     q = np.asarray(sampling_rate, dtype=np.float64)
     z = np.asarray(noise_multiplier, dtype=np.float64)

@@ -1,7 +1,7 @@
 """TAN: the Total Amount of Noise view of DP-SGD (Sander, Stock, Sablayrolles, ICML 2023).
 
 DP-SGD with Poisson sampling rate ``q``, noise multiplier ``z`` and ``S`` steps has an individual
-signal-to-noise ratio ``eta`` (TAN paper, Definition 3.1; DESIGN 3.7)::
+signal-to-noise ratio ``eta`` (Sander et al. 2023, Definition 3.1; docs/architecture.md, 5.7)::
 
     eta_step = q / (sqrt(2) z)          eta^2 = S eta_step^2 = q^2 S / (2 z^2)
 
