@@ -1,4 +1,6 @@
-"""Loaders for the real image datasets that ship inside packages (no network at run time: see docs/architecture.md, section 6).
+"""Loaders for the real image datasets that ship inside packages.
+
+No network at run time: see ``docs/architecture.md``, section 6.
 
 The machines this project targets reach only package registries, so the data comes from
 packages:

@@ -453,8 +453,8 @@ class RepeatAndSelect(Event):
     """Papernot & Steinke (2022): run ``event`` a random number of times, release the best.
 
     The number of runs is truncated negative binomial with the given ``mean`` and ``shape``;
-    ``shape = inf`` means Poisson(mean) (Ponomareva et al. 2023, Sec. 5.4.2, Table 4; dp_accounting's
-    RepeatAndSelectDpEvent uses the same parametrisation).
+    ``shape = inf`` means Poisson(mean) (Ponomareva et al. 2023, Sec. 5.4.2, Table 4;
+    dp_accounting's RepeatAndSelectDpEvent uses the same parametrisation).
     """
 
     event: Event

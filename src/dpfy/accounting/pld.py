@@ -444,7 +444,8 @@ def _unsupported(event: ev.Event) -> str | None:
         ev.Deterministic: "deterministic batches have no Poisson amplification",
         ev.BallsAndBins: "Balls-and-Bins needs its own accountant (balls_and_bins)",
         ev.FixedSizeSampled: "fixed-size sampling uses replace-one adjacency, not modelled here",
-        ev.TruncatedPoisson: "truncated Poisson needs the truncation delta of Chua et al. 2024b, Prop. 3.2",
+        ev.TruncatedPoisson: "truncated Poisson needs the truncation delta "
+        "(Chua et al. 2024b, Prop. 3.2)",
         ev.RepeatAndSelect: "repeat-and-select is accounted in RDP (Papernot & Steinke)",
     }.get(type(event), "no PLD is implemented for this event type")
     return f"pld cannot account sub-event {type(event).__name__} {event!r}: {why}"

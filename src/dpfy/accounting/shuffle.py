@@ -1,4 +1,6 @@
-"""The honest statement for shuffled and deterministic batches (Chua et al. 2024a; Ponomareva et al. 2023, Sec. 4.3).
+"""The honest statement for shuffled and deterministic batches.
+
+Chua et al. 2024a; Ponomareva et al. 2023, Sec. 4.3.
 
 No amplification-by-shuffling bound for DP-SGD close to Poisson subsampling is known, and
 Chua et al. (2024a, "How private are DP-SGD implementations?", ICML) show shuffling can be far

@@ -1,4 +1,6 @@
-"""The extra delta of truncating batches to a maximum batch size (Chua et al. 2024b, Prop. 3.2; docs/architecture.md, 5.10).
+"""The extra delta of truncating batches to a maximum batch size.
+
+Chua et al. 2024b, Prop. 3.2; ``docs/architecture.md``, section 5.10.
 
 Fixed-shape training cuts a batch longer than ``max_batch_size`` down to a random subset of that
 size. The truncated mechanism behaves exactly like the untruncated one unless some batch is

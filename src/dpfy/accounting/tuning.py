@@ -1,4 +1,6 @@
-"""Accounting for hyperparameter tuning on private data (Ponomareva et al. 2023, Sec. 5.4.2, Table 4).
+"""Accounting for hyperparameter tuning on private data.
+
+Ponomareva et al. 2023, Sec. 5.4.2 and Table 4.
 
 A report can cover the *final run only* or the *final run plus tuning*. The options of the
 guide's Table 4 map onto events and functions here:

@@ -50,7 +50,7 @@ from dpfy.queries._tree import (
 )
 from dpfy.randomness import Randomness
 
-__all__ = ["Query", "QueryBase", "LedgerEntry", "check_release_args"]
+__all__ = ["Query", "QueryBase", "LedgerEntry", "ReleasesClippedSums", "check_release_args"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,7 +169,24 @@ class Query(Protocol):
     def privacy_tuples(self) -> tuple[tuple[float, float], ...]: ...
 
 
-class QueryBase(abc.ABC):
+class ReleasesClippedSums:
+    """``release = add_noise(clip_and_sum(...))``, shared by every query and query wrapper."""
+
+    def release(
+        self: Query,
+        per_example: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        mask: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """``add_noise(clip_and_sum(per_example))`` (the ledger entries are written first)."""
+        clipped = self.clip_and_sum(per_example, mask=mask)
+        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
+
+
+class QueryBase(ReleasesClippedSums, abc.ABC):
     """Base of the Gaussian queries: owns clip-and-sum and the release template.
 
     A subclass sets ``name`` (ledger label) and ``groups`` (``None`` or ``{group: params}``)
@@ -214,19 +231,6 @@ class QueryBase(abc.ABC):
         w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
         summed = weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
         return unflatten_like(summed, per_example)
-
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict[str, Any]:
-        """``add_noise(clip_and_sum(per_example))`` (the ledger entries are written first)."""
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
 
     # -- the template ----------------------------------------------------------------------------
 

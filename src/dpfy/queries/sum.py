@@ -28,7 +28,7 @@ from dpfy.queries._tree import (
     flatten,
     unflatten_like,
 )
-from dpfy.queries.base import LedgerEntry, Query, QueryBase
+from dpfy.queries.base import LedgerEntry, Query, QueryBase, ReleasesClippedSums
 from dpfy.randomness import Randomness
 
 __all__ = [
@@ -148,7 +148,7 @@ class NoPrivacyQuery(QueryBase):
         return f"NoPrivacyQuery(clip_norm={self.clip_norm})"
 
 
-class AverageQuery:
+class AverageQuery(ReleasesClippedSums):
     """Another query's release divided by a fixed ``denominator`` (post-processing).
 
     Use the *expected* batch size (q x N for Poisson sampling), never the realised one: the
@@ -210,18 +210,6 @@ class AverageQuery:
         scaled = {n: t.div_(self.denominator) for n, t in flatten(noisy).items()}
         return unflatten_like(scaled, noisy)
 
-    def release(
-        self,
-        per_example: Tensors,
-        *,
-        ledger: Ledger,
-        sample_id: int,
-        randomness: Randomness,
-        mask: torch.Tensor | None = None,
-    ) -> dict[str, Any]:
-        """``add_noise(clip_and_sum(per_example))`` (the ledger entries are written first)."""
-        clipped = self.clip_and_sum(per_example, mask=mask)
-        return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
 
     def __repr__(self) -> str:
         return f"AverageQuery({self.query!r}, denominator={self.denominator})"

@@ -49,7 +49,8 @@ def to_markdown(r: PrivacyReport) -> str:
         lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}): delta is {verdict}")
     if r.mu is not None:
         lines.append(f"- exact Gaussian DP: mu = {r.mu:.4g}")
-    lines += ["", "## Checklist (Ponomareva et al. 2023, Sec. 5.3.3)", "", "| item | value |", "|---|---|"]
+    checklist = "## Checklist (Ponomareva et al. 2023, Sec. 5.3.3)"
+    lines += ["", checklist, "", "| item | value |", "|---|---|"]
     rows = [
         ("DP setting", r.dp_setting),
         ("Data accesses covered", r.data_accesses),
