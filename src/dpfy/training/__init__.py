@@ -1,4 +1,4 @@
-"""PyTorch DP-SGD: per-example clipping, noise, ledger entries (DESIGN.md section 5).
+"""PyTorch DP-SGD: per-example clipping, noise, ledger entries (docs/architecture.md, 5.11).
 
 The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chunk,
 ``release`` once per logical step); per-layer norm rules live in :mod:`dpfy.training.norms`.

@@ -11,7 +11,7 @@ Models (both private by construction: no layer mixes examples):
   fc10 (26k parameters). Bounded activations keep per-example gradients small, which suits
   clipping.
 * ``"gn_cnn"``: conv16 3x3 - GroupNorm - ReLU - pool - conv32 3x3 - GroupNorm - ReLU - pool -
-  linear (the CNN of issue 5's step benchmark).
+  linear (the CNN of the DP-SGD step benchmark, ``benchmarks/dpsgd_step.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,13 @@ def train_image_classifier(
     ema_decay: float | None = 0.99,
     max_physical_batch_size: int = 1024,
     accounting: str | None = None,
-    out_dir: str | os.PathLike | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     secure: bool = False,
     seed: int | None = 0,
     threads: int | None = None,
     train_limit: int | None = None,
-    callbacks: tuple = (),
+    callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -241,6 +242,7 @@ def train_image_classifier(
     result = trainer.fit()
     seconds = time.perf_counter() - start
     accuracy = trainer.evaluate()
+    assert accuracy is not None  # the trainer has test_data
     ledger.record_metadata(
         test_accuracy=accuracy,
         wall_time_seconds=seconds,
@@ -270,9 +272,9 @@ def train_image_classifier(
         model=result.model,
         ledger=ledger,
     )
-    if out_dir is not None:
+    if model_path is not None:  # set exactly when out_dir is
         torch.save(result.model.state_dict(), model_path)
-        with open(Path(out_dir) / "summary.json", "w", encoding="utf-8") as f:
+        with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
     return summary
 

@@ -1,7 +1,8 @@
 """The low-level private-gradient step: drop it into an existing PyTorch training loop.
 
-One logical DP-SGD step (the guide's Alg. 1; Sec. 4.5 gradient accumulation; Alg. 3
-microbatching) is a short chain of small steps:
+One logical DP-SGD step (Abadi et al. 2016; Ponomareva et al. 2023, Alg. 1, with gradient
+accumulation and Alg. 3 microbatching; ``docs/architecture.md`` section 5.11) is a short chain
+of small steps:
 
 1. :meth:`PrivateGradient.accumulate` on each physical chunk of the logical batch: forward,
    one backward pass to the module outputs, per-example squared gradient norms per parameter
@@ -19,7 +20,7 @@ row one example (or one user's combined data). Weight-0 rows (padding to a fixed
 contribute nothing. A row whose per-example gradient is not finite is dropped (weight 0,
 still private) and counted.
 
-Microbatching (guide Sec. 5.6, Alg. 3):
+Microbatching (Ponomareva et al. 2023, Alg. 3):
 
 * ``microbatch_mode="examples"`` (option 1): each example is clipped; ``microbatch_size``
   only splits a chunk into smaller forward/backward passes to bound memory. Same privacy and
@@ -31,7 +32,7 @@ Microbatching (guide Sec. 5.6, Alg. 3):
   Under add-or-remove adjacency one example changes one clipped average by up to 2C, so the
   query must record sensitivity 2C: pass
   ``GaussianSumQuery(C, z, clipped_unit="microbatch_average")`` (the noise std is then
-  ``2 z C``; the guide's "2k times more noise" per example). This
+  ``2 z C``; the "2k times more noise" per example of Ponomareva et al. 2023). This
   assumes the assignment of the *other* examples to microbatches does not depend on the
   presence of the changed one (e.g. its row is replaced by padding, or rows are assigned to
   microbatches independently); a partition that shifts every later row when one example is
@@ -144,7 +145,8 @@ class PrivateGradient:
         ``clip_weights`` and ``add_noise`` gets a plain release and a division pass.
       expected_batch_size: the fixed denominator (q x N for Poisson sampling), > 0.
       microbatch_size: rows per microbatch, or ``None`` (no microbatching).
-      microbatch_mode: ``"examples"`` (guide Alg. 3 option 1) or ``"average"`` (option 2).
+      microbatch_mode: ``"examples"`` (Ponomareva et al. 2023, Alg. 3 option 1) or
+        ``"average"`` (option 2).
       fallback_chunk_size: examples per ``vmap`` chunk for layers without a norm rule.
 
     Raises:
@@ -609,8 +611,9 @@ def _check_average_sensitivity(query: Query) -> None:
     if sensitivity < 2.0 * clip * (1 - 1e-12):
         raise ValueError(
             "microbatch_mode='average' clips microbatch averages: one example changes one of "
-            f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency (guide "
-            f"Sec. 5.6), but the query records sensitivity {sensitivity!r}; use "
+            f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency "
+            f"(Ponomareva et al. 2023, Alg. 3), but the query records sensitivity "
+            f"{sensitivity!r}; use "
             "GaussianSumQuery(clip_norm, noise_multiplier, clipped_unit='microbatch_average')"
         )
 

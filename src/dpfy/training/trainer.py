@@ -1,7 +1,7 @@
 """The high-level DP-SGD trainer: calibrate, train, record, guard the budget, checkpoint.
 
-:class:`PrivateTrainer` runs DP-SGD (the guide's Alg. 1) on tensors with any sampler from
-:mod:`dpfy.sampling` and any ``torch.optim`` optimizer:
+:class:`PrivateTrainer` runs DP-SGD (Abadi et al. 2016; Ponomareva et al. 2023, Alg. 1) on
+tensors with any sampler from :mod:`dpfy.sampling` and any ``torch.optim`` optimizer:
 
 1. validate the model (:mod:`dpfy.training.validate`: every layer that mixes examples is an
    error with its fix);
@@ -35,9 +35,9 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -74,6 +74,12 @@ __all__ = [
 ]
 
 OnBudget = Literal["stop", "raise"]
+_T = TypeVar("_T")
+
+_NEED_TARGET_OR_Z = (
+    "give target_epsilon (the noise multiplier is calibrated to it) or noise_multiplier, "
+    "got neither"
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,8 +231,8 @@ class PrivateTrainer:
       callbacks: called with a :class:`ProgressInfo` after each step and epoch.
       progress: show a rich progress bar (loss, accuracy, epsilon spent).
       checkpoint_path: write a checkpoint here after every ``checkpoint_every`` epochs.
-      microbatch_size: split physical chunks into passes of this many rows (guide Alg. 3
-        option 1: same privacy, less memory).
+      microbatch_size: split physical chunks into passes of this many rows (Ponomareva
+        et al. 2023, Alg. 3 option 1: same privacy, less memory).
       validate: run :func:`dpfy.training.validate.validate_module` first.
       device: device of the physical batches (default: the inputs' device).
 
@@ -315,10 +321,7 @@ class PrivateTrainer:
         )
         check_range("checkpoint_every", self.checkpoint_every, 1, None, integer=True)
         if self.target_epsilon is None and self.noise_multiplier is None:
-            raise ValueError(
-                "give target_epsilon (the noise multiplier is calibrated to it) or "
-                "noise_multiplier, got neither"
-            )
+            raise ValueError(_NEED_TARGET_OR_Z)
         if self.target_epsilon is not None:
             check_range("target_epsilon", self.target_epsilon, 0.0, None, low_open=True)
         if self.noise_multiplier is not None:
@@ -344,6 +347,8 @@ class PrivateTrainer:
             return self.noise_multiplier_
         if self.noise_multiplier is not None:
             self.noise_multiplier_ = float(self.noise_multiplier)
+        elif self.target_epsilon is None:
+            raise ValueError(_NEED_TARGET_OR_Z)
         else:
             from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
@@ -441,12 +446,13 @@ class PrivateTrainer:
         return record
 
     def _update_ema(self) -> None:
-        if self.ema_model_ is None:
+        # _setup makes the EMA model only when ema_decay is set
+        if self.ema_model_ is None or self.ema_decay is None:
             return
         t = self._ema_updates
         decay = min(float(self.ema_decay), (1.0 + t) / (10.0 + t))
         with torch.no_grad():
-            ema = [p for p in self.ema_model_.parameters()]
+            ema: list[torch.Tensor] = [p for p in self.ema_model_.parameters()]
             cur = [p.detach() for p in self.model.parameters()]
             torch._foreach_lerp_(ema, cur, 1.0 - decay)
             for b_ema, b in zip(self.ema_model_.buffers(), self.model.buffers(), strict=True):
@@ -517,8 +523,9 @@ class PrivateTrainer:
                         stopped = "max_steps"
                         break
                 allowed = todo
-                if self.guard_ is not None:
-                    allowed = self.guard_.allowed_steps(
+                guard = self.guard_
+                if guard is not None:
+                    allowed = guard.allowed_steps(
                         self.ledger, lambda k: self.sampler.privacy_event(z, steps=k), todo
                     )
                 losses = []
@@ -526,12 +533,12 @@ class PrivateTrainer:
                     rec = self._step(indices, epoch)
                     self.history_.steps.append(rec)
                     losses.append(rec.loss)
-                    self._notify("step", rec, None, None, bar)
-                if allowed < todo:
+                    self._notify(rec, None, bar)
+                if guard is not None and allowed < todo:  # only the guard refuses steps
                     stopped = "budget"
-                    message = self.guard_._message(
+                    message = guard._message(
                         self.ledger,
-                        self.guard_.epsilon_after(
+                        guard.epsilon_after(
                             self.ledger, self.sampler.privacy_event(z, steps=1)
                         ),
                     )
@@ -564,7 +571,13 @@ class PrivateTrainer:
         )
 
     def _end_epoch(
-        self, epoch: int, losses: list[float], start: float, bar: Any, *, partial: bool
+        self,
+        epoch: int,
+        losses: list[float],
+        start: float,
+        bar: _ProgressBar | None,
+        *,
+        partial: bool,
     ) -> None:
         finite = [v for v in losses if not math.isnan(v)]
         test_acc = self.evaluate()
@@ -579,7 +592,7 @@ class PrivateTrainer:
             seconds=time.perf_counter() - start,
         )
         self.history_.epochs.append(record)
-        self._notify("epoch", None, record, test_acc, bar)
+        self._notify(record, test_acc, bar)
         if (
             not partial
             and self.checkpoint_path is not None
@@ -589,20 +602,23 @@ class PrivateTrainer:
 
     def _notify(
         self,
-        kind: str,
-        step: StepRecord | None,
-        epoch: EpochRecord | None,
+        record: StepRecord | EpochRecord,
         test_acc: float | None,
-        bar: Any,
+        bar: _ProgressBar | None,
     ) -> None:
         last_epoch = self.history_.epochs[-1] if self.history_.epochs else None
+        kind: Literal["step", "epoch"]
+        if isinstance(record, StepRecord):
+            kind, loss, accuracy = "step", record.loss, record.accuracy
+        else:
+            kind, loss, accuracy = "epoch", record.train_loss, math.nan
         info = ProgressInfo(
             kind=kind,
-            epoch=step.epoch if step is not None else epoch.epoch,
+            epoch=record.epoch,
             step=self.global_step_,
             total_steps=self.total_steps,
-            loss=step.loss if step is not None else epoch.train_loss,
-            accuracy=step.accuracy if step is not None else math.nan,
+            loss=loss,
+            accuracy=accuracy,
             epsilon=last_epoch.epsilon if last_epoch is not None else None,
             test_accuracy=last_epoch.test_accuracy if last_epoch is not None else test_acc,
         )
@@ -614,7 +630,7 @@ class PrivateTrainer:
     def _run_facts(self) -> dict[str, Any]:
         return {
             "trainer": "dpfy.training.PrivateTrainer",
-            "noise_multiplier": float(self.noise_multiplier_),
+            "noise_multiplier": self.calibrate(),  # already calibrated: the cached value
             "clip_norm": float(self.clip_norm),
             "epochs": int(self.epochs),
             "steps_per_epoch": int(self.sampler.steps_per_epoch),
@@ -696,7 +712,7 @@ class PrivateTrainer:
         return self
 
 
-def _take(iterator: Any, n: int):
+def _take(iterator: Iterable[_T], n: int) -> Iterator[_T]:
     """The first ``n`` items, without drawing the (n+1)-th from the sampler."""
     if n <= 0:
         return

@@ -4,7 +4,7 @@ DP-SGD bounds each example's influence by clipping its own gradient. A layer who
 mixes examples of one batch (BatchNorm normalises each example with the *batch* mean and
 variance) or that changes state from the data outside the gradient (running statistics,
 in-place weight renormalisation) lets one example influence the others' outputs or the released
-model without passing through clipping and noise (guide, Sec. 5.5.1 and Table 5). Such layers
+model without passing through clipping and noise (Ponomareva et al. 2023, Table 5). Such layers
 are errors. Layers without a fast per-example norm rule still work through the ``vmap(grad)``
 fallback; they are reported as notes because they are slower.
 

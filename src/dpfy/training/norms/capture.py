@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from dpfy.training.norms.registry import Capture, NormRule, norm_rule_for
 
 __all__ = ["ModulePlan", "LayerCapture", "plan_modules", "capture_layers"]
+
+#: A forward hook registered with ``with_kwargs=True``: (module, args, kwargs, output).
+_ForwardHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,13 +99,15 @@ class LayerCapture:
         self.calls: list[list[_Call]] = [[] for _ in plans]
         self.active = True
 
-    def _hook(self, index: int):
+    def _hook(self, index: int) -> _ForwardHook:
         plan = self.plans[index]
 
         calls = self.calls[index]
         on_forward = getattr(plan.rule, "on_forward", None)
 
-        def rule_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def rule_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
             # registered layers: one tensor input, one tensor output (fast path)
             if not self.active or not output.requires_grad:
                 return
@@ -110,7 +115,9 @@ class LayerCapture:
             extra = None if on_forward is None else on_forward(module, x, output)
             calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
 
-        def generic_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def generic_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
             if not self.active or not torch.is_grad_enabled():
                 return
             leaves, spec = tree_flatten(output)

@@ -18,6 +18,7 @@ groups are supported. Conv1d runs as a Conv2d of height 1 in the unfold path.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,9 @@ def unfold_conv_input(module: nn.Conv1d | nn.Conv2d, x: torch.Tensor) -> torch.T
     groups = module.groups
     return cols.reshape(b, groups, ck // groups, length).transpose(2, 3)
 
+
+#: The module types :func:`conv_rule` handles (typed so the rule may take either).
+_CONV_TYPES: tuple[type[nn.Conv1d | nn.Conv2d], ...] = (nn.Conv1d, nn.Conv2d)
 
 #: Below this many input channels per group the grouped weight-gradient call is slow with
 #: several threads (oneDNN splits tiny groups); patches are then copied and multiplied.
@@ -185,8 +189,10 @@ def _grouped_conv_grads(
     return pw, pb
 
 
-@register_norm_rule(nn.Conv1d, nn.Conv2d)
-def conv_rule(module: nn.Conv1d | nn.Conv2d, captures: list[Capture], group_size: int):
+@register_norm_rule(*_CONV_TYPES)
+def conv_rule(
+    module: nn.Conv1d | nn.Conv2d, captures: list[Capture], group_size: int
+) -> MaterializedGrads | LinearForm:
     """Rule for ``nn.Conv1d`` / ``nn.Conv2d`` on batched inputs [B, C, *spatial].
 
     Materialises per-example weight gradients with one grouped weight-gradient call when that
@@ -217,11 +223,14 @@ def conv_rule(module: nn.Conv1d | nn.Conv2d, captures: list[Capture], group_size
             )
             for c in captures
         ]
+        # per_example_conv_grads returns a tensor for each gradient it was asked for
         grads: dict[str, torch.Tensor] = {}
         if want_w:
-            grads["weight"] = fold_rows(tensor_sum(p[0] for p in parts), group_size)
+            pws = (cast(torch.Tensor, p[0]) for p in parts)
+            grads["weight"] = fold_rows(tensor_sum(pws), group_size)
         if want_b:
-            grads["bias"] = fold_rows(tensor_sum(p[1] for p in parts), group_size)
+            pbs = (cast(torch.Tensor, p[1]) for p in parts)
+            grads["bias"] = fold_rows(tensor_sum(pbs), group_size)
         return MaterializedGrads(grads)
     acts, gys = [], []
     for cap in captures:

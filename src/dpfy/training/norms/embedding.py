@@ -54,7 +54,9 @@ class EmbeddingGrads:
 
 
 @register_norm_rule(nn.Embedding)
-def embedding_rule(module: nn.Embedding, captures: list[Capture], group_size: int):
+def embedding_rule(
+    module: nn.Embedding, captures: list[Capture], group_size: int
+) -> EmbeddingGrads:
     """Rule for ``nn.Embedding`` on index tensors [B, ...]."""
     if module.scale_grad_by_freq:
         raise ValueError(

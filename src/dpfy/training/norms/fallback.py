@@ -11,12 +11,14 @@ is the batch size and every tensor output is batch-first, and the module is dete
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows
+from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows, tensor_sum
 
 __all__ = ["fallback_rule"]
 
@@ -47,12 +49,19 @@ def fallback_rule(
                     "batch-first outputs (e.g. batch_first=True) or a registered norm rule"
                 )
 
-        def inner(p, args, kwargs, gouts, in_args=in_args, in_kwargs=in_kwargs):
+        def inner(
+            p: dict[str, torch.Tensor],
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            gouts: tuple[torch.Tensor, ...],
+            in_args: Any = in_args,
+            in_kwargs: Any = in_kwargs,
+        ) -> torch.Tensor:
             args = tree_map(_unsqueeze, args, in_args)
             kwargs = tree_map(_unsqueeze, kwargs, in_kwargs)
             out = functional_call(module, p, args, kwargs)
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
-            return sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gouts, strict=True))
+            return tensor_sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gouts, strict=True))
 
         per_ex = vmap(
             grad(inner), in_dims=(None, in_args, in_kwargs, 0), chunk_size=chunk_size
@@ -65,9 +74,9 @@ def fallback_rule(
     return MaterializedGrads({k: fold_rows(v, group_size) for k, v in total.items()})
 
 
-def _batch_dim(x, batch: int) -> int | None:
+def _batch_dim(x: Any, batch: int) -> int | None:
     return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else None
 
 
-def _unsqueeze(x, dim: int | None):
+def _unsqueeze(x: Any, dim: int | None) -> Any:
     return x.unsqueeze(0) if dim == 0 else x

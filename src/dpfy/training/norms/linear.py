@@ -20,12 +20,17 @@ al. 2023): no second backward pass.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
 from dpfy.training.norms.registry import Capture, register_norm_rule
 
 __all__ = ["LinearForm", "linear_rule", "fold_linear_form", "MATERIALIZE_BYTES_LIMIT"]
+
+#: How a layer's per-example weight-gradient norms are computed (see the module docstring).
+Mode = Literal["ghost", "materialize"]
 
 # Materialising more than this many bytes of per-example weight gradients for one layer is
 # avoided even if it would be cheaper in flops (ghost norms need only T x T Gram matrices).
@@ -66,16 +71,14 @@ class LinearForm:
         *,
         weight_name: str | None = "weight",
         bias_name: str | None = None,
-        mode: str = "auto",
+        mode: Mode | Literal["auto"] = "auto",
     ) -> None:
         self.a, self.g = a, g
         self.weight_shape = tuple(weight_shape)
         self.weight_name, self.bias_name = weight_name, bias_name
         n, h, t, d = a.shape
         o = g.shape[-1]
-        if mode == "auto":
-            mode = choose_mode(n, h, t, d, o, a.element_size())
-        self.mode = mode
+        self.mode: Mode = choose_mode(n, h, t, d, o, a.element_size()) if mode == "auto" else mode
         self._per_example: torch.Tensor | None = None
 
     def _materialize(self) -> torch.Tensor:
@@ -172,10 +175,11 @@ class LinearForm:
 
 def _squared_rows(x: torch.Tensor) -> torch.Tensor:
     """Squared L2 norms over the last dimension, in one reduction (no squared copy of x)."""
-    return torch.linalg.vector_norm(x, dim=-1).square_()
+    norms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1)  # untyped in torch's stubs
+    return norms.square_()
 
 
-def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> str:
+def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> Mode:
     """Cheaper of ghost norms and materialisation for the shapes (Bu et al. 2023 criterion).
 
     Ghost needs two T x T Gram matrices per example and block (~T^2 (d + o) flops) and then

@@ -45,9 +45,11 @@ def _affine_grads(
 
 
 @register_norm_rule(nn.LayerNorm)
-def layer_norm_rule(module: nn.LayerNorm, captures: list[Capture], group_size: int):
+def layer_norm_rule(
+    module: nn.LayerNorm, captures: list[Capture], group_size: int
+) -> MaterializedGrads:
     """Rule for ``nn.LayerNorm`` (elementwise affine) on inputs [B, ..., *normalized_shape]."""
-    pairs = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     for cap in captures:
         x = cap.args[0]
         xhat = F.layer_norm(x, module.normalized_shape, None, None, module.eps)
@@ -58,7 +60,9 @@ def layer_norm_rule(module: nn.LayerNorm, captures: list[Capture], group_size: i
 
 
 @register_norm_rule(nn.GroupNorm)
-def group_norm_rule(module: nn.GroupNorm, captures: list[Capture], group_size: int):
+def group_norm_rule(
+    module: nn.GroupNorm, captures: list[Capture], group_size: int
+) -> MaterializedGrads:
     """Rule for ``nn.GroupNorm`` (affine) on inputs [B, C, *spatial].
 
     GroupNorm's statistics are per example, so a batch of B examples is one example with
@@ -98,13 +102,17 @@ def group_norm_rule(module: nn.GroupNorm, captures: list[Capture], group_size: i
     return MaterializedGrads(grads)
 
 
-def _group_norm_stats(module: nn.GroupNorm, x: torch.Tensor, output: torch.Tensor):
+def _group_norm_stats(
+    module: nn.GroupNorm, x: torch.Tensor, output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-(example, group) mean and 1/std that autograd saved for GroupNorm's backward."""
     fn = output.grad_fn
-    if type(fn).__name__ != "NativeGroupNormBackward0":
+    if fn is None or type(fn).__name__ != "NativeGroupNormBackward0":
         return None
     try:
-        mean, rstd = fn._saved_result1, fn._saved_result2
+        # saved tensors are attributes of the generated node classes, absent from torch's stubs
+        mean: torch.Tensor = fn._saved_result1  # type: ignore[attr-defined]
+        rstd: torch.Tensor = fn._saved_result2  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError):
         return None
     expected = (x.shape[0], module.num_groups)
@@ -113,15 +121,18 @@ def _group_norm_stats(module: nn.GroupNorm, x: torch.Tensor, output: torch.Tenso
     return mean.detach(), rstd.detach()
 
 
+# A rule's optional forward hook is a function attribute (see register_norm_rule).
 group_norm_rule.on_forward = _group_norm_stats  # type: ignore[attr-defined]
 
 
 if hasattr(nn, "RMSNorm"):
 
     @register_norm_rule(nn.RMSNorm)
-    def rms_norm_rule(module: nn.RMSNorm, captures: list[Capture], group_size: int):
+    def rms_norm_rule(
+        module: nn.RMSNorm, captures: list[Capture], group_size: int
+    ) -> MaterializedGrads:
         """Rule for ``nn.RMSNorm`` (elementwise affine) on inputs [B, ..., *normalized_shape]."""
-        pairs = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for cap in captures:
             x = cap.args[0]
             xhat = F.rms_norm(x, module.normalized_shape, None, module.eps)

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from dpfy.training.norms.registry import tensor_sum
+
 __all__ = ["per_example_gradients", "clipped_sum_reference"]
 
 
@@ -67,7 +69,7 @@ def clipped_sum_reference(
     clips = clip_norm if isinstance(clip_norm, dict) else dict.fromkeys(groups, clip_norm)
     out = {}
     for gname, names in groups.items():
-        sq = sum(units[n].reshape(units[n].shape[0], -1).pow(2).sum(1) for n in names)
+        sq = tensor_sum(units[n].reshape(units[n].shape[0], -1).pow(2).sum(1) for n in names)
         norm = sq.sqrt()
         c = clips[gname]
         scale = torch.ones_like(norm) if c is None else torch.clamp(c / norm, max=1.0)

@@ -14,8 +14,8 @@ rows ``[j*k, (j+1)*k)`` whose gradients are summed before taking the norm (micro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ __all__ = [
     "LayerGrads",
     "MaterializedGrads",
     "NormRule",
+    "RuleFor",
     "register_norm_rule",
     "norm_rule_for",
     "registered_types",
@@ -41,7 +42,7 @@ class Capture:
       args: positional inputs of the call (tensors detached).
       kwargs: keyword inputs of the call (tensors detached).
       grad_outputs: gradient of the (scaled) summed loss w.r.t. each tensor output, in the
-        order of the flattened outputs; ``None`` where an output did not reach the loss.
+        order of the flattened outputs; zeros where an output did not reach the loss.
       output_spec: pytree spec of the outputs (used by the generic fallback rule).
       extra: what the rule's optional ``on_forward(module, input, output)`` returned during
         the forward pass (e.g. statistics autograd saved), else ``None``.
@@ -49,7 +50,7 @@ class Capture:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    grad_outputs: tuple[torch.Tensor | None, ...]
+    grad_outputs: tuple[torch.Tensor, ...]
     output_spec: Any = None
     extra: Any = None
 
@@ -82,10 +83,15 @@ class LayerGrads(Protocol):
 NormRule = Callable[[nn.Module, list[Capture], int], LayerGrads]
 _RULES: dict[type[nn.Module], NormRule] = {}
 
+_M = TypeVar("_M", bound=nn.Module)
+_G = TypeVar("_G", bound=LayerGrads)
+#: A rule as written for its module types: ``RuleFor[nn.Linear, LinearForm]``.
+RuleFor = Callable[[_M, list[Capture], int], _G]
+
 
 def register_norm_rule(
-    *module_types: type[nn.Module], replace: bool = False
-) -> Callable[[NormRule], NormRule]:
+    *module_types: type[_M], replace: bool = False
+) -> Callable[[RuleFor[_M, _G]], RuleFor[_M, _G]]:
     """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types.
 
     A rule may carry an attribute ``on_forward(module, input, output) -> Any``, called in the
@@ -105,9 +111,12 @@ def register_norm_rule(
             f"a norm rule is already registered for {names}; pass replace=True to replace it"
         )
 
-    def deco(rule: NormRule) -> NormRule:
+    def deco(rule: RuleFor[_M, _G]) -> RuleFor[_M, _G]:
+        # Sound: norm_rule_for dispatches on the exact type, so a rule stored under one of
+        # ``module_types`` is only ever called with a module of that type.
+        generic = cast(NormRule, rule)
         for t in module_types:
-            _RULES[t] = rule
+            _RULES[t] = generic
         return rule
 
     return deco
@@ -123,7 +132,7 @@ def registered_types() -> tuple[type[nn.Module], ...]:
     return tuple(_RULES)
 
 
-def tensor_sum(tensors: list[torch.Tensor] | Any) -> torch.Tensor:
+def tensor_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Sum of tensors without the copy that ``sum(...)`` (which starts at 0) makes."""
     it = iter(tensors)
     total = next(it)
