@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -77,7 +78,7 @@ def mu_for_target(epsilon: float, delta: float) -> float:
     )
 
 
-def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:
+def noise_multipliers(mu: float, shares: Sequence[float]) -> npt.NDArray[np.float64]:
     """Split a GDP budget ``mu`` across releases: ``z_i = 1 / (mu sqrt(share_i))``.
 
     Release ``i`` gets the share ``share_i`` of ``mu^2`` (the shares are normalised to sum to 1),
@@ -88,7 +89,7 @@ def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:
     w = np.asarray(shares, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError(f"shares must be a non-empty list of positive numbers, got {shares!r}")
-    w = w / w.sum()
+    w = w / float(w.sum())
     return 1.0 / (mu * np.sqrt(w))
 
 
