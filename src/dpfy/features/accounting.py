@@ -8,7 +8,7 @@ Cor. 3.3), and ``mu``-GDP is (epsilon, delta)-DP for exactly
     delta(epsilon) = Phi(-epsilon/mu + mu/2) - exp(epsilon) Phi(-epsilon/mu - mu/2)
 
 (Balle & Wang 2018, Thm. 8). The same run is ``rho``-zCDP with ``rho = mu^2 / 2``, the figure the
-paper (Mehta et al., Theorems 2.1-2.3) reports; converting zCDP to (epsilon, delta) with the
+paper (Mehta et al. 2023, Theorems 2.1-2.3) reports; converting zCDP to (epsilon, delta) with the
 generic bound ``epsilon = rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke 2016, Prop. 1.3) is
 looser, so calibrating with the exact curve needs less noise for the same target.
 
@@ -101,7 +101,7 @@ def zcdp_epsilon(rho: float, delta: float) -> float:
 
 
 def paper_zcdp_rho(algorithm: str, noise_multiplier: float, steps: int = 1) -> float:
-    """The zCDP figure of Mehta et al. for a run with one noise multiplier on every release.
+    """The zCDP figure of Mehta et al. 2023 for a run with one noise multiplier on every release.
 
     Theorem 2.1 (DP-Newton): ``T / sigma^2``; Theorem 2.2 (DP-LS): ``3 / (2 sigma^2)``;
     Theorem 2.3 (DP-FC): ``(T + 1) / (2 sigma^2)``; DP-SGD/Adam (full batch): ``T / (2 sigma^2)``.
@@ -130,7 +130,7 @@ class GDPFigures:
     Attributes:
       mu: GDP parameter, ``sqrt(sum_i (S_i / s_i)^2)`` over every release in the ledger
         (``inf`` if some release was non-private).
-      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3 (Mehta et al.).
+      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3 (Mehta et al. 2023).
       releases: number of releases recorded (noisy sums and non-private releases).
     """
 
