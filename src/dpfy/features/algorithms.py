@@ -1,4 +1,4 @@
-"""DP learning of a linear classifier on fixed features (Mehta et al., Algorithms 1-4).
+"""DP learning of a linear classifier on fixed features (Mehta et al. 2023, Algorithms 1-4).
 
 Every algorithm releases *sums over the whole dataset* with Gaussian noise, never divides by the
 number of examples (which is private under add-or-remove adjacency), and records each release in
@@ -25,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -32,7 +33,14 @@ from typing import Literal
 import torch
 
 from dpfy._validate import check_range
-from dpfy.features.stats import SufficientStats, clip_rows, label_matrix, sufficient_statistics
+from dpfy.features.stats import (
+    ArrayOrTensor,
+    Batch,
+    SufficientStats,
+    clip_rows,
+    label_matrix,
+    sufficient_statistics,
+)
 from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness
 
@@ -103,6 +111,27 @@ def _full_batch(ledger: Ledger, n: int, step: int) -> int:
     return ledger.record_sample(SampleSpec(sampler="full_batch", dataset_size=int(n)), step=step)
 
 
+@dataclass(frozen=True)
+class _CholeskyFactor:
+    """``M = L L^T`` (the positive definite case)."""
+
+    chol: torch.Tensor
+
+    def solve(self, r: torch.Tensor) -> torch.Tensor:
+        return torch.cholesky_solve(r, self.chol)
+
+
+@dataclass(frozen=True)
+class _EigenFactor:
+    """``M = V diag(vals) V^T`` with ``vals`` the clipped eigenvalues plus the ridge."""
+
+    vecs: torch.Tensor
+    vals: torch.Tensor
+
+    def solve(self, r: torch.Tensor) -> torch.Tensor:
+        return self.vecs @ ((self.vecs.T @ r) / self.vals[:, None])
+
+
 class PSDSolver:
     """Solve ``M w = r`` for a noisy symmetric ``S`` made positive definite (post-processing).
 
@@ -120,21 +149,18 @@ class PSDSolver:
         eye = torch.eye(d, dtype=_F64)
         chol, info = torch.linalg.cholesky_ex(S + shift * eye)
         self.projected = int(info) != 0
+        self._factor: _CholeskyFactor | _EigenFactor
         if not self.projected:
-            self.chol, self.vecs, self.vals = chol, None, None
+            self._factor = _CholeskyFactor(chol)
         else:
             vals, vecs = torch.linalg.eigh(S)
-            self.chol, self.vecs = None, vecs
-            self.vals = vals.clamp_min(0.0) + shift
+            self._factor = _EigenFactor(vecs, vals.clamp_min(0.0) + shift)
 
     def solve(self, rhs: torch.Tensor) -> torch.Tensor:
         rhs = rhs.to(_F64)
         vec = rhs.ndim == 1
         r = rhs[:, None] if vec else rhs
-        if self.chol is not None:
-            out = torch.cholesky_solve(r, self.chol)
-        else:
-            out = self.vecs @ ((self.vecs.T @ r) / self.vals[:, None])
+        out = self._factor.solve(r)
         return out[:, 0] if vec else out
 
 
@@ -169,7 +195,7 @@ def newton_statistics(
     y: torch.Tensor,
     weights: torch.Tensor,
     *,
-    hessian_dtype=torch.float32,
+    hessian_dtype: torch.dtype = torch.float32,
     covariance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient sums ``[d, m]`` and Hessian sums ``[m, d, d]`` of the one-vs-rest logistic loss.
@@ -197,12 +223,14 @@ def newton_statistics(
     return grad, hess
 
 
-def _as_f64(x) -> torch.Tensor:
+def _as_f64(x: ArrayOrTensor) -> torch.Tensor:
     t = x if isinstance(x, torch.Tensor) else torch.as_tensor(x)
     return t.to(_F64)
 
 
-def _checked_covariance(stats: SufficientStats | None, clip: float, name: str):
+def _checked_covariance(
+    stats: SufficientStats | None, clip: float, name: str
+) -> torch.Tensor | None:
     if stats is None:
         return None
     if stats.clip_norm != float(clip):
@@ -220,7 +248,7 @@ def _check_common(noise_multiplier: float, name: str = "noise_multiplier") -> No
 
 
 def dp_least_squares(
-    data: SufficientStats | tuple,
+    data: SufficientStats | Batch,
     *,
     noise_multiplier: float | tuple[float, float, float],
     clip_norm: float | None = None,
@@ -271,13 +299,12 @@ def dp_least_squares(
     ledger, rng = _ledger(ledger), _randomness(randomness)
     C, k = stats.clip_norm, stats.max_positives
     sid = _full_batch(ledger, stats.rows, 0)
-    common = dict(ledger=ledger, sample_id=sid, randomness=rng)
-    G = _release(stats.covariance, sensitivity=C**2, noise_multiplier=z[0], name="G",
-                 symmetric=True, **common)
-    A = _release(stats.class_covariance, sensitivity=math.sqrt(k) * C**2, noise_multiplier=z[1],
-                 name="A", symmetric=True, **common)
-    b = _release(stats.class_sums, sensitivity=math.sqrt(k) * C, noise_multiplier=z[2],
-                 name="b", **common)
+    release = functools.partial(_release, ledger=ledger, sample_id=sid, randomness=rng)
+    G = release(stats.covariance, sensitivity=C**2, noise_multiplier=z[0], name="G",
+                symmetric=True)
+    A = release(stats.class_covariance, sensitivity=math.sqrt(k) * C**2, noise_multiplier=z[1],
+                name="A", symmetric=True)
+    b = release(stats.class_sums, sensitivity=math.sqrt(k) * C, noise_multiplier=z[2], name="b")
     weights = torch.stack(
         [PSDSolver(A[j] + alpha * G, ridge).solve(b[:, j]) for j in range(b.shape[1])], dim=1
     )
@@ -288,8 +315,8 @@ def dp_least_squares(
 
 
 def dp_newton(
-    x,
-    y,
+    x: ArrayOrTensor,
+    y: ArrayOrTensor,
     *,
     clip_norm: float,
     noise_multiplier: float | tuple[float, float],
@@ -334,12 +361,12 @@ def dp_newton(
     w = torch.zeros(d, m, dtype=_F64)
     for t in range(steps):
         sid = _full_batch(ledger, n, t)
-        common = dict(ledger=ledger, sample_id=sid, randomness=rng)
+        release = functools.partial(_release, ledger=ledger, sample_id=sid, randomness=rng)
         grad, hess = newton_statistics(xc, yy, w, hessian_dtype=hessian_dtype, covariance=cov)
-        g = _release(grad, sensitivity=math.sqrt(m) * clip_norm, noise_multiplier=zg,
-                     name="gradient", **common)
-        h = _release(hess, sensitivity=math.sqrt(m) * HESSIAN_BOUND * clip_norm**2,
-                     noise_multiplier=zh, name="hessian", symmetric=True, **common)
+        g = release(grad, sensitivity=math.sqrt(m) * clip_norm, noise_multiplier=zg,
+                    name="gradient")
+        h = release(hess, sensitivity=math.sqrt(m) * HESSIAN_BOUND * clip_norm**2,
+                    noise_multiplier=zh, name="hessian", symmetric=True)
         step = torch.stack(
             [PSDSolver(h[j], ridge).solve(g[:, j] + ridge * w[:, j]) for j in range(m)], dim=1
         )
@@ -351,8 +378,8 @@ def dp_newton(
 
 
 def dp_feature_covariance(
-    x,
-    y,
+    x: ArrayOrTensor,
+    y: ArrayOrTensor,
     *,
     covariance_clip_norm: float,
     gradient_clip_norm: float,
@@ -427,8 +454,8 @@ def dp_feature_covariance(
 
 
 def dp_adam(
-    x,
-    y,
+    x: ArrayOrTensor,
+    y: ArrayOrTensor,
     *,
     clip_norm: float,
     noise_multiplier: float,

@@ -1,4 +1,4 @@
-"""scikit-learn-style DP classifiers on fixed features (Mehta et al., Algorithms 1-4).
+"""scikit-learn-style DP classifiers on fixed features (Mehta et al. 2023, Algorithms 1-4).
 
 Each estimator follows scikit-learn's conventions: ``__init__`` only stores its arguments,
 ``fit(X, y)`` validates, trains and returns ``self``; fitted state ends in ``_``:
@@ -40,16 +40,19 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from dpfy import accounting
 from dpfy._validate import check_range
 from dpfy.features import algorithms as alg
 from dpfy.features.accounting import mu_for_target
-from dpfy.features.stats import SufficientStats, clip_rows
+from dpfy.features.algorithms import Loss
+from dpfy.features.stats import ArrayOrTensor, SufficientStats, clip_rows
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 
@@ -60,43 +63,58 @@ __all__ = [
     "DPNewtonClassifier",
 ]
 
-
-class _Params:
-    """get_params / set_params / score for the case where scikit-learn is not installed."""
-
-    @classmethod
-    def _get_param_names(cls) -> list[str]:
-        sig = inspect.signature(cls.__init__)
-        return sorted(p.name for p in sig.parameters.values() if p.name != "self")
-
-    def get_params(self, deep: bool = True) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._get_param_names()}
-
-    def set_params(self, **params: Any):
-        valid = self._get_param_names()
-        for key, value in params.items():
-            if key not in valid:
-                raise ValueError(f"Invalid parameter {key!r} for estimator {self!r}.")
-            setattr(self, key, value)
-        return self
-
-    def score(self, X, y, sample_weight=None) -> float:
-        pred = self.predict(X)
-        correct = (np.asarray(pred) == np.asarray(y)).astype(np.float64)
-        return float(np.average(correct, weights=sample_weight))
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
-        return f"{type(self).__name__}({args})"
+Float64Array = npt.NDArray[np.float64]
 
 
-try:  # scikit-learn is a dev/test dependency; derive from it only when it is there
-    from sklearn.base import BaseEstimator, ClassifierMixin
-    from sklearn.exceptions import DataConversionWarning, NotFittedError
+class _Predictor(Protocol):
+    def predict(self, X: ArrayOrTensor) -> npt.NDArray[Any]: ...
 
-    _BASES: tuple[type, ...] = (ClassifierMixin, BaseEstimator)
-except ImportError:  # pragma: no cover - exercised only without scikit-learn
-    _BASES = (_Params,)
+
+if not TYPE_CHECKING:  # scikit-learn is a dev/test dependency; derive from it when it is there
+    try:
+        from sklearn.base import BaseEstimator, ClassifierMixin
+        from sklearn.exceptions import DataConversionWarning, NotFittedError
+
+        _HAVE_SKLEARN = True
+    except ImportError:  # pragma: no cover - exercised only without scikit-learn
+        _HAVE_SKLEARN = False
+
+# scikit-learn ships no type information, so the type checker sees the stand-ins below: they
+# provide the part of its API that these estimators use and are the bases when it is missing.
+if TYPE_CHECKING or not _HAVE_SKLEARN:
+
+    class _EstimatorBase:
+        """get_params / set_params / score for the case where scikit-learn is not installed."""
+
+        @classmethod
+        def _get_param_names(cls) -> list[str]:
+            sig = inspect.signature(cls.__init__)
+            return sorted(p.name for p in sig.parameters.values() if p.name != "self")
+
+        def get_params(self, deep: bool = True) -> dict[str, Any]:
+            return {name: getattr(self, name) for name in self._get_param_names()}
+
+        def set_params(self, **params: Any) -> Self:
+            valid = self._get_param_names()
+            for key, value in params.items():
+                if key not in valid:
+                    raise ValueError(f"Invalid parameter {key!r} for estimator {self!r}.")
+                setattr(self, key, value)
+            return self
+
+        def score(
+            self: _Predictor,
+            X: ArrayOrTensor,
+            y: ArrayOrTensor,
+            sample_weight: Sequence[float] | npt.NDArray[np.number[Any]] | None = None,
+        ) -> float:
+            pred = self.predict(X)
+            correct = (np.asarray(pred) == np.asarray(y)).astype(np.float64)
+            return float(np.average(correct, weights=sample_weight))
+
+        def __repr__(self) -> str:
+            args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+            return f"{type(self).__name__}({args})"
 
     class NotFittedError(ValueError, AttributeError):
         """The estimator is used before ``fit``."""
@@ -104,8 +122,13 @@ except ImportError:  # pragma: no cover - exercised only without scikit-learn
     class DataConversionWarning(UserWarning):
         """A column-vector ``y`` was flattened."""
 
+else:
 
-def _features(X) -> torch.Tensor:
+    class _EstimatorBase(ClassifierMixin, BaseEstimator):
+        """scikit-learn's ``ClassifierMixin`` and ``BaseEstimator``."""
+
+
+def _features(X: ArrayOrTensor) -> torch.Tensor:
     if hasattr(X, "toarray") or type(X).__module__.startswith("scipy.sparse"):
         raise TypeError("sparse input is not supported; pass a dense array (X.toarray())")
     if isinstance(X, torch.Tensor):
@@ -137,30 +160,42 @@ def _features(X) -> torch.Tensor:
     return t
 
 
-def _labels(y) -> np.ndarray:
+def _labels(y: ArrayOrTensor | None) -> npt.NDArray[Any]:
     if y is None:
         raise ValueError("this estimator requires y to be passed, but the target y is None")
-    if isinstance(y, torch.Tensor):
-        y = y.detach().cpu().numpy()
-    y = np.asarray(y)
-    if y.ndim == 2 and y.shape[1] == 1:
+    labels = np.asarray(y.detach().cpu().numpy() if isinstance(y, torch.Tensor) else y)
+    if labels.ndim == 2 and labels.shape[1] == 1:
         import warnings
 
         warnings.warn("A column-vector y was passed when a 1d array was expected; it is "
                       "flattened to shape (n_samples,).",
                       DataConversionWarning, stacklevel=3)
-        y = y.ravel()
-    if y.ndim != 1:
-        raise ValueError(f"y must be 1-d class labels, got shape {y.shape}")
-    if y.dtype.kind == "f" and np.any(y != np.round(y)):
+        labels = labels.ravel()
+    if labels.ndim != 1:
+        raise ValueError(f"y must be 1-d class labels, got shape {labels.shape}")
+    if labels.dtype.kind == "f" and np.any(labels != np.round(labels)):
         raise ValueError("Unknown label type: continuous (classification needs class labels)")
-    return y
+    return labels
 
 
-class _DPFeatureClassifier(*_BASES):
-    """Shared fit/predict logic; subclasses define ``_releases`` and ``_train``."""
+class _DPFeatureClassifier(_EstimatorBase):
+    """Shared fit/predict logic; subclasses define ``__init__`` and ``_train``."""
 
-    _algorithm = ""
+    _algorithm: ClassVar[str] = ""
+
+    # parameters every subclass's __init__ stores
+    epsilon: float | None
+    delta: float
+    noise_multiplier: float | None
+    classes: npt.ArrayLike | None
+    random_state: int | Randomness | None
+
+    # fitted state (absent before fit)
+    classes_: npt.NDArray[Any]
+    n_features_in_: int
+    coef_: Float64Array
+    ledger_: Ledger
+    privacy_: accounting.PrivacyResult
 
     # -- privacy ------------------------------------------------------------------------------
     def _noise_multipliers(self, shares: list[float]) -> list[float]:
@@ -185,7 +220,9 @@ class _DPFeatureClassifier(*_BASES):
         return Randomness(seed=None if rs is None else int(rs))
 
     # -- fitting ------------------------------------------------------------------------------
-    def _prepare(self, X, y) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare(
+        self, X: ArrayOrTensor, y: ArrayOrTensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         x = _features(X)
         yy = _labels(y)
         if len(yy) != x.shape[0]:
@@ -200,7 +237,7 @@ class _DPFeatureClassifier(*_BASES):
         self.n_features_in_ = x.shape[1]
         return x, torch.as_tensor(idx, dtype=torch.long)
 
-    def fit(self, X, y):
+    def fit(self, X: ArrayOrTensor, y: ArrayOrTensor | None) -> Self:
         """Train on features ``X`` ``[n, d]`` (NumPy or torch) and labels ``y``; returns self."""
         x, idx = self._prepare(X, y)
         ledger = Ledger()
@@ -209,18 +246,22 @@ class _DPFeatureClassifier(*_BASES):
         self._finish(fitted)
         return self
 
+    def _train(
+        self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
+    ) -> alg.Fitted:
+        """Run the algorithm on features ``x`` and class indices ``idx`` in ``[0, m)``."""
+        raise NotImplementedError
+
     def _finish(self, fitted: alg.Fitted) -> None:
         self.coef_ = fitted.weights.T.numpy().copy()
         self.ledger_ = fitted.ledger
-        self.privacy_: accounting.PrivacyResult = accounting.epsilon(
-            fitted.ledger, float(self.delta), method="gaussian"
-        )
+        self.privacy_ = accounting.epsilon(fitted.ledger, float(self.delta), method="gaussian")
 
     # -- prediction ---------------------------------------------------------------------------
     def _clip_for_predict(self) -> float | None:
         return None
 
-    def _scores(self, X) -> np.ndarray:
+    def _scores(self, X: ArrayOrTensor) -> Float64Array:
         if not hasattr(self, "coef_"):
             raise NotFittedError(
                 f"This {type(self).__name__} instance is not fitted yet. Call 'fit' first."
@@ -236,14 +277,14 @@ class _DPFeatureClassifier(*_BASES):
             x = clip_rows(x, clip)
         return (x @ torch.as_tensor(self.coef_).T).numpy()
 
-    def decision_function(self, X) -> np.ndarray:
+    def decision_function(self, X: ArrayOrTensor) -> Float64Array:
         """Scores ``[n, n_classes]``; for two classes ``[n]`` (positive: ``classes_[1]``)."""
         s = self._scores(X)
         return s[:, 1] - s[:, 0] if s.shape[1] == 2 else s
 
-    def predict(self, X) -> np.ndarray:
+    def predict(self, X: ArrayOrTensor) -> npt.NDArray[Any]:
         """Most likely class of each row."""
-        best = np.argmax(self._scores(X), axis=1)
+        best: npt.NDArray[np.intp] = np.argmax(self._scores(X), axis=1)
         return self.classes_[best]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -268,13 +309,22 @@ def _jsonable(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v if ok(v) else repr(v) for k, v in params.items()}
 
 
-def _softmax(s: np.ndarray) -> np.ndarray:
-    e = np.exp(s - s.max(axis=1, keepdims=True))
-    return e / e.sum(axis=1, keepdims=True)
+def _softmax(s: Float64Array) -> Float64Array:
+    row_max: Float64Array = s.max(axis=1, keepdims=True)  # keepdims: NumPy's stubs say Any
+    e = np.exp(s - row_max)
+    row_sum: Float64Array = e.sum(axis=1, keepdims=True)
+    return e / row_sum
+
+
+def _ovr_proba(s: Float64Array) -> Float64Array:
+    """One-vs-rest sigmoid probabilities, normalised over classes (as scikit-learn's OvR)."""
+    p = 1.0 / (1.0 + np.exp(-s))
+    row_sum: Float64Array = p.sum(axis=1, keepdims=True)
+    return p / row_sum
 
 
 class DPLeastSquaresClassifier(_DPFeatureClassifier):
-    """DP least squares on one-hot labels (DP-LS, Mehta et al. Alg. 3; three releases).
+    """DP least squares on one-hot labels (DP-LS, Mehta et al. 2023, Alg. 3; three releases).
 
     Args:
       epsilon: target epsilon (``math.inf``: non-private), or None to use ``noise_multiplier``.
@@ -289,8 +339,17 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
 
     _algorithm = "dp_ls"
 
-    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, alpha=1.0,
-                 ridge=1.0, classes=None, random_state=None):
+    def __init__(
+        self,
+        epsilon: float | None = 1.0,
+        delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        clip_norm: float = 1.0,
+        alpha: float = 1.0,
+        ridge: float = 1.0,
+        classes: npt.ArrayLike | None = None,
+        random_state: int | Randomness | None = None,
+    ) -> None:
         self.epsilon = epsilon
         self.delta = delta
         self.noise_multiplier = noise_multiplier
@@ -300,13 +359,15 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
         self.classes = classes
         self.random_state = random_state
 
-    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
-        z = tuple(self._noise_multipliers([1.0, 1.0, 1.0]))
-        return alg.dp_least_squares((x, idx), noise_multiplier=z, clip_norm=self.clip_norm,
-                                    alpha=self.alpha, ridge=self.ridge, num_classes=m,
-                                    ledger=ledger, randomness=rng)
+    def _train(
+        self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
+    ) -> alg.Fitted:
+        zg, za, zb = self._noise_multipliers([1.0, 1.0, 1.0])
+        return alg.dp_least_squares((x, idx), noise_multiplier=(zg, za, zb),
+                                    clip_norm=self.clip_norm, alpha=self.alpha, ridge=self.ridge,
+                                    num_classes=m, ledger=ledger, randomness=rng)
 
-    def fit_statistics(self, stats: SufficientStats, classes):
+    def fit_statistics(self, stats: SufficientStats, classes: npt.ArrayLike) -> Self:
         """Train from precomputed clipped statistics (e.g. a chunked pass over memory-mapped
         data, :func:`dpfy.features.stats.sufficient_statistics`); ``classes`` name its columns.
 
@@ -322,8 +383,8 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
             raise ValueError("classes must name every column of the statistics")
         self.n_features_in_ = stats.covariance.shape[0]
         ledger = Ledger()
-        z = tuple(self._noise_multipliers([1.0, 1.0, 1.0]))
-        fitted = alg.dp_least_squares(stats, noise_multiplier=z, alpha=self.alpha,
+        zg, za, zb = self._noise_multipliers([1.0, 1.0, 1.0])
+        fitted = alg.dp_least_squares(stats, noise_multiplier=(zg, za, zb), alpha=self.alpha,
                                       ridge=self.ridge, ledger=ledger,
                                       randomness=self._randomness())
         self._finish(fitted)
@@ -334,7 +395,7 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
 
 
 class DPNewtonClassifier(_DPFeatureClassifier):
-    """DP Newton's method, one-vs-rest logistic regression (Mehta et al. Alg. 2).
+    """DP Newton's method, one-vs-rest logistic regression (Mehta et al. 2023, Alg. 2).
 
     ``2 * steps`` releases (gradients and Hessians of all classes at each step).
 
@@ -350,8 +411,18 @@ class DPNewtonClassifier(_DPFeatureClassifier):
 
     _algorithm = "dp_newton"
 
-    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, steps=2,
-                 ridge=1.0, learning_rate=1.0, classes=None, random_state=None):
+    def __init__(
+        self,
+        epsilon: float | None = 1.0,
+        delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        clip_norm: float = 1.0,
+        steps: int = 2,
+        ridge: float = 1.0,
+        learning_rate: float = 1.0,
+        classes: npt.ArrayLike | None = None,
+        random_state: int | Randomness | None = None,
+    ) -> None:
         self.epsilon = epsilon
         self.delta = delta
         self.noise_multiplier = noise_multiplier
@@ -362,7 +433,9 @@ class DPNewtonClassifier(_DPFeatureClassifier):
         self.classes = classes
         self.random_state = random_state
 
-    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+    def _train(
+        self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
+    ) -> alg.Fitted:
         check_range("steps", self.steps, 1, None, integer=True)
         zg, zh = self._noise_multipliers([1.0] * (2 * int(self.steps)))[:2]
         return alg.dp_newton(x, idx, clip_norm=self.clip_norm, noise_multiplier=(zg, zh),
@@ -373,14 +446,13 @@ class DPNewtonClassifier(_DPFeatureClassifier):
     def _clip_for_predict(self) -> float | None:
         return float(self.clip_norm)
 
-    def predict_proba(self, X) -> np.ndarray:
+    def predict_proba(self, X: ArrayOrTensor) -> Float64Array:
         """One-vs-rest probabilities, normalised over classes (as scikit-learn's OvR)."""
-        p = 1.0 / (1.0 + np.exp(-self._scores(X)))
-        return p / p.sum(axis=1, keepdims=True)
+        return _ovr_proba(self._scores(X))
 
 
 class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
-    """DP-SGD preconditioned by the noisy feature covariance (DP-FC, Mehta et al. Alg. 4).
+    """DP-SGD preconditioned by the noisy feature covariance (DP-FC, Mehta et al. 2023, Alg. 4).
 
     ``1 + steps`` releases. With ``covariance_share=None`` every release gets the same noise
     multiplier (the paper's Theorem 2.3); a share ``s`` in (0, 1) gives the covariance release
@@ -401,9 +473,22 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
 
     _algorithm = "dp_fc"
 
-    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, covariance_clip_norm=1.0,
-                 gradient_clip_norm=1.0, steps=10, learning_rate=1.0, ridge=1.0, l2=0.0,
-                 loss="softmax", covariance_share=None, classes=None, random_state=None):
+    def __init__(
+        self,
+        epsilon: float | None = 1.0,
+        delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        covariance_clip_norm: float = 1.0,
+        gradient_clip_norm: float = 1.0,
+        steps: int = 10,
+        learning_rate: float = 1.0,
+        ridge: float = 1.0,
+        l2: float = 0.0,
+        loss: Loss = "softmax",
+        covariance_share: float | None = None,
+        classes: npt.ArrayLike | None = None,
+        random_state: int | Randomness | None = None,
+    ) -> None:
         self.epsilon = epsilon
         self.delta = delta
         self.noise_multiplier = noise_multiplier
@@ -418,7 +503,9 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
         self.classes = classes
         self.random_state = random_state
 
-    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+    def _train(
+        self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
+    ) -> alg.Fitted:
         check_range("steps", self.steps, 1, None, integer=True)
         t = int(self.steps)
         if self.covariance_share is None:
@@ -435,17 +522,14 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
             loss=self.loss, num_classes=m, ledger=ledger, randomness=rng,
         )
 
-    def predict_proba(self, X) -> np.ndarray:
+    def predict_proba(self, X: ArrayOrTensor) -> Float64Array:
         """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
         s = self._scores(X)
-        if self.loss == "softmax":
-            return _softmax(s)
-        p = 1.0 / (1.0 + np.exp(-s))
-        return p / p.sum(axis=1, keepdims=True)
+        return _softmax(s) if self.loss == "softmax" else _ovr_proba(s)
 
 
 class DPAdamClassifier(_DPFeatureClassifier):
-    """Full-batch DP-Adam / DP-SGD on features (Mehta et al. Alg. 1; the baseline).
+    """Full-batch DP-Adam / DP-SGD on features (Mehta et al. 2023, Alg. 1; the baseline).
 
     ``steps`` releases of the clipped gradient sum.
 
@@ -459,9 +543,20 @@ class DPAdamClassifier(_DPFeatureClassifier):
 
     _algorithm = "dp_adam"
 
-    def __init__(self, epsilon=1.0, delta=1e-5, noise_multiplier=None, clip_norm=1.0, steps=100,
-                 learning_rate=0.1, l2=0.0, loss="softmax", optimizer="adam", classes=None,
-                 random_state=None):
+    def __init__(
+        self,
+        epsilon: float | None = 1.0,
+        delta: float = 1e-5,
+        noise_multiplier: float | None = None,
+        clip_norm: float = 1.0,
+        steps: int = 100,
+        learning_rate: float = 0.1,
+        l2: float = 0.0,
+        loss: Loss = "softmax",
+        optimizer: Literal["adam", "sgd"] = "adam",
+        classes: npt.ArrayLike | None = None,
+        random_state: int | Randomness | None = None,
+    ) -> None:
         self.epsilon = epsilon
         self.delta = delta
         self.noise_multiplier = noise_multiplier
@@ -474,7 +569,9 @@ class DPAdamClassifier(_DPFeatureClassifier):
         self.classes = classes
         self.random_state = random_state
 
-    def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
+    def _train(
+        self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
+    ) -> alg.Fitted:
         check_range("steps", self.steps, 1, None, integer=True)
         z = self._noise_multipliers([1.0] * int(self.steps))[0]
         return alg.dp_adam(x, idx, clip_norm=self.clip_norm, noise_multiplier=z,
@@ -482,10 +579,7 @@ class DPAdamClassifier(_DPFeatureClassifier):
                            loss=self.loss, optimizer=self.optimizer, num_classes=m,
                            ledger=ledger, randomness=rng)
 
-    def predict_proba(self, X) -> np.ndarray:
+    def predict_proba(self, X: ArrayOrTensor) -> Float64Array:
         """Class probabilities (softmax, or normalised one-vs-rest sigmoids)."""
         s = self._scores(X)
-        if self.loss == "softmax":
-            return _softmax(s)
-        p = 1.0 / (1.0 + np.exp(-s))
-        return p / p.sum(axis=1, keepdims=True)
+        return _softmax(s) if self.loss == "softmax" else _ovr_proba(s)

@@ -1,7 +1,7 @@
 """Clipped sufficient statistics of least squares, in one pass over chunks of data.
 
 For features ``x_i`` clipped to L2 norm ``C`` and label vectors ``y_i`` in ``{0, 1}^m`` with at
-most ``k`` positives (Mehta et al., Eq. 6):
+most ``k`` positives (Mehta et al. 2023, Eq. 6):
 
     G   = sum_i x_i x_i^T                  (feature covariance, d x d)
     A_j = sum_{i: y_ij = 1} x_i x_i^T      (per-class covariance, m x d x d)
@@ -24,16 +24,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from dpfy._validate import check_range
 
 __all__ = [
+    "Batch",
     "SufficientStats",
     "clip_rows",
     "label_matrix",
     "sufficient_statistics",
 ]
+
+#: Features ``[b, d]`` or labels as NumPy (possibly memory-mapped), nested sequences or torch.
+ArrayOrTensor = npt.ArrayLike | torch.Tensor
+#: One chunk ``(x, y)`` of :func:`sufficient_statistics`.
+Batch = tuple[ArrayOrTensor, ArrayOrTensor]
 
 
 def clip_rows(x: torch.Tensor, clip_norm: float) -> torch.Tensor:
@@ -42,7 +49,9 @@ def clip_rows(x: torch.Tensor, clip_norm: float) -> torch.Tensor:
     return x * torch.clamp(clip_norm / norms.clamp_min(1e-300), max=1.0)
 
 
-def label_matrix(y, num_classes: int | None = None, *, dtype=torch.float64) -> torch.Tensor:
+def label_matrix(
+    y: ArrayOrTensor, num_classes: int | None = None, *, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Labels as an ``[n, m]`` 0/1 matrix: class indices ``[n]`` become one-hot rows."""
     t = y if isinstance(y, torch.Tensor) else torch.from_numpy(np.array(y))
     if t.ndim == 2:
@@ -79,8 +88,25 @@ class SufficientStats:
     rows: int
 
 
+@dataclass
+class _Sums:
+    """The running float64 sums ``G``, ``A`` (``[0, d, d]`` when not wanted) and ``b``."""
+
+    G: torch.Tensor
+    A: torch.Tensor
+    b: torch.Tensor
+
+    @classmethod
+    def zeros(cls, d: int, num_classes: int, class_covariance: bool) -> _Sums:
+        return cls(
+            G=torch.zeros(d, d, dtype=torch.float64),
+            A=torch.zeros(num_classes if class_covariance else 0, d, d, dtype=torch.float64),
+            b=torch.zeros(d, num_classes, dtype=torch.float64),
+        )
+
+
 def sufficient_statistics(
-    batches: Iterable[tuple],
+    batches: Iterable[Batch],
     *,
     clip_norm: float,
     num_classes: int,
@@ -106,10 +132,10 @@ def sufficient_statistics(
     check_range("clip_norm", clip_norm, 0.0, float("inf"), low_open=True, high_open=True)
     check_range("num_classes", num_classes, 1, None, integer=True)
     check_range("max_positives", max_positives, 1, num_classes, integer=True)
-    G = A = b = None
+    sums: _Sums | None = None
     rows = 0
-    for x, y in batches:
-        x = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x, dtype=np.float64))
+    for xb, y in batches:
+        x = xb if isinstance(xb, torch.Tensor) else torch.from_numpy(np.array(xb, dtype=np.float64))
         yy = label_matrix(y, num_classes, dtype=torch.float64)
         if x.ndim != 2 or yy.shape != (x.shape[0], num_classes):
             raise ValueError(
@@ -123,12 +149,10 @@ def sufficient_statistics(
                 f"{max_positives} but a row has {int(positives.max())}"
             )
         d = x.shape[1]
-        if G is None:
-            G = torch.zeros(d, d, dtype=torch.float64)
-            A = torch.zeros(num_classes if class_covariance else 0, d, d, dtype=torch.float64)
-            b = torch.zeros(d, num_classes, dtype=torch.float64)
+        if sums is None:
+            sums = _Sums.zeros(d, num_classes, class_covariance)
         xc = clip_rows(x.to(torch.float64), clip_norm)
-        b += xc.T @ yy
+        sums.b += xc.T @ yy
         xd = xc.to(dtype)
         one_hot = bool((positives == 1).all())
         if class_covariance:
@@ -137,15 +161,15 @@ def sufficient_statistics(
                 sel = xd[yy[:, j] > 0]
                 if sel.shape[0]:
                     aj = (sel.T @ sel).to(torch.float64)
-                    A[j] += aj
+                    sums.A[j] += aj
                     if gc is not None:
                         gc += aj
             # a one-hot chunk: every row is in exactly one class, so G is the sum of the A_j
-            G += gc if gc is not None else (xd.T @ xd).to(torch.float64)
+            sums.G += gc if gc is not None else (xd.T @ xd).to(torch.float64)
         else:
-            G += (xd.T @ xd).to(torch.float64)
+            sums.G += (xd.T @ xd).to(torch.float64)
         rows += x.shape[0]
-    if G is None:
+    if sums is None:
         raise ValueError("batches must contain at least one batch")
-    return SufficientStats(G, A, b, float(clip_norm), int(max_positives), rows)
+    return SufficientStats(sums.G, sums.A, sums.b, float(clip_norm), int(max_positives), rows)
 
