@@ -11,13 +11,13 @@ import pytest
 
 from dpfy import accounting
 from dpfy.ledger import (
+    EndRecord,
     HeaderRecord,
     Ledger,
     MetadataRecord,
     NonPrivateRecord,
     ResumeRecord,
     SampleRecord,
-    EndRecord,
     SampleSpec,
     SumQueryRecord,
     ledger_hyperparameters,

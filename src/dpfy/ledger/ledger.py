@@ -54,7 +54,6 @@ from dpfy import events as ev
 from dpfy._validate import check_count, check_finite_nonneg, check_range
 from dpfy.ledger.chain import (
     IN_MEMORY,
-    UNVERIFIED,
     ChainChecker,
     LedgerFormatError,
     LedgerIntegrityError,
