@@ -271,3 +271,29 @@ def test_resuming_a_crash_cut_file_on_a_full_disk_leaves_it_as_it_was(tmp_path, 
         assert Ledger.load(path).iteration == 2
     with pytest.warns(LedgerTruncationWarning):
         Ledger(path).close()  # the lock was released by the failed opens
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def test_the_report_states_the_chain_and_dpfy_report_refuses_a_tampered_ledger(tmp_path, capsys):
+    from dpfy.cli import main
+    from dpfy.report import build_report
+
+    path = tmp_path / "run.jsonl"
+    ledger = _run(path)
+    rep = build_report(Ledger.load(path), delta=DELTA, method="rdp", ledger_path=str(path))
+    assert rep.ledger_integrity["status"] == "verified"
+    assert rep.ledger_integrity["head"] == ledger.head
+    line = f"- Ledger integrity: verified (hash chain over 15 lines, run {ledger.run_id[:8]}…"
+    assert line in rep.to_markdown()
+    assert rep.to_dict()["ledger_integrity"]["run_id"] == ledger.run_id
+    forensic_copy = tmp_path / "copy.jsonl"
+    _write(forensic_copy, [x for x in _lines(path) if b"sum_query" not in x])
+    rep = build_report(Ledger.load(forensic_copy, verify=False), delta=DELTA, method="rdp")
+    assert "- Ledger integrity: BROKEN at line 4:" in rep.to_markdown()
+    assert main(["report", str(forensic_copy), "--delta", "1e-5", "--no-figures"]) == 2
+    out, err = capsys.readouterr()
+    message = (out + err).strip()
+    assert "line 4: hash chain broken" in message and "Traceback" not in message
+    assert len(message.splitlines()) == 1
