@@ -11,6 +11,7 @@ import pytest
 
 from dpfy import accounting
 from dpfy.ledger import (
+    EndRecord,
     HeaderRecord,
     Ledger,
     MetadataRecord,
@@ -28,8 +29,11 @@ POISSON = SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01)
 SRC = Path(__file__).resolve().parents[1] / "src" / "dpfy"
 
 RECORDS = [
-    HeaderRecord(),
+    HeaderRecord(run_id="ab" * 16),
+    HeaderRecord(version=1),
     ResumeRecord(truncated_previous=True),
+    ResumeRecord(truncated_previous=True, cut="cd" * 32),
+    EndRecord(count=12, samples=4),
     SampleRecord(3, POISSON, epoch=2, step=7),
     SampleRecord(
         0, SampleSpec("balls_and_bins", dataset_size=100, steps_per_epoch=10, max_batch_size=20)
@@ -51,7 +55,9 @@ def test_every_record_type_round_trips_through_json(record):
 
 def test_every_record_type_has_a_round_trip_case():
     kinds = {type(r).kind for r in RECORDS}
-    assert kinds == {"header", "resume", "sample", "sum_query", "non_private", "metadata"}
+    assert kinds == {
+        "header", "resume", "end", "sample", "sum_query", "non_private", "metadata"
+    }
 
 
 def test_registry_refuses_duplicates_and_unknown_types():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dpfy.accounting.balls_and_bins import MonteCarloAccountant
-from dpfy.ledger import Ledger
+from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness
 from dpfy.sampling import BallsAndBinsSampler, PoissonSampler
 from dpfy.training.checkpoint import (
@@ -84,23 +84,100 @@ def test_resume_equals_uninterrupted(tmp_path, kind, file_ledger, stop_at):
         assert Ledger.load(path).iteration == 24
 
 
-def test_ledger_that_lost_releases_is_refused_and_extra_ones_are_kept(tmp_path):
+SPEC = SampleSpec("poisson", dataset_size=N, sampling_rate=0.125)
+
+
+def _steps(ledger: Ledger, n: int, std: float = 1.0) -> None:
+    for _ in range(n):
+        ledger.record_sum_query(ledger.record_sample(SPEC), sensitivity=1.0, noise_std=std)
+
+
+def test_resume_refuses_another_ledger_a_moved_copy_and_one_behind_or_forked(tmp_path):
     path = tmp_path / "ledger.jsonl"
     ledger = Ledger(path)
-    trainer = _build("poisson", 0, ledger)
-    trainer.fit(max_steps=5)
-    state = trainer.state_dict()
-    with pytest.raises(CheckpointMismatchError, match="lost recorded releases"):
-        restore_ledger(Ledger(tmp_path / "other.jsonl"), state["ledger"])
-    with pytest.raises(CheckpointMismatchError, match="Ledger"):
-        restore_ledger(Ledger(), state["ledger"])
-    trainer.fit(max_steps=7)  # two more steps after the checkpoint
+    _steps(ledger, 3)
+    ledger.flush()
+    early = path.read_bytes()  # the file before the checkpoint
+    _steps(ledger, 2)
+    state = ledger_state(ledger)
     ledger.close()
-    with pytest.warns(UserWarning, match="over-counts"):
-        restore_ledger(Ledger(path), state["ledger"])
+    # (a) another ledger file: its run identifier differs
+    with Ledger(tmp_path / "other.jsonl") as other:
+        _steps(other, 9)
+        with pytest.raises(CheckpointMismatchError, match="different ledger"):
+            restore_ledger(other, state)
+    with pytest.raises(CheckpointMismatchError, match="Ledger"):
+        restore_ledger(Ledger(), state)
+    # a copy under another path (same run id): refused unless the caller says it was moved
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(path.read_bytes())
+    with Ledger(copy) as moved:
+        with pytest.raises(CheckpointMismatchError, match="moved"):
+            restore_ledger(moved, state)
+        restore_ledger(moved, state, allow_moved=True)
+    # (b) behind: the file was put back to its state before the checkpoint
+    after = path.read_bytes()
+    path.write_bytes(early)
+    with Ledger(path) as behind, pytest.raises(CheckpointMismatchError, match="lost recorded"):
+        restore_ledger(behind, state)
+    # (b) forked: the early file continued differently, now as long as the checkpoint's
+    path.write_bytes(early)
+    with Ledger(path) as forked:
+        _steps(forked, 4, std=9.0)
+        with pytest.raises(CheckpointMismatchError, match="forked"):
+            restore_ledger(forked, state)
+    # ahead by steps after the checkpoint: accepted (write-ahead over-count)
+    path.write_bytes(after)
+    with Ledger(path) as ahead:
+        _steps(ahead, 2)
+    with Ledger(path) as ahead, pytest.warns(UserWarning, match="over-counts"):
+        restore_ledger(ahead, state)
     memory = ledger_state(Ledger())
-    with pytest.raises(CheckpointMismatchError, match="empty in-memory"):
-        restore_ledger(Ledger(tmp_path / "x.jsonl"), memory)
+    with Ledger(tmp_path / "x.jsonl") as fresh, pytest.raises(
+        CheckpointMismatchError, match="empty in-memory"
+    ):
+        restore_ledger(fresh, memory)
+
+
+def test_a_secure_run_is_not_resumed_with_seeded_randomness(tmp_path):
+    def build(rng_factory, ledger):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 2)
+        x, y = _data()
+        return PrivateTrainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(
+                reduction="none"), x, y, PoissonSampler(N, 0.125, randomness=rng_factory()),
+            clip_norm=1.0, epochs=1, delta=1e-3, noise_multiplier=1.1,
+            max_physical_batch_size=32, ledger=ledger, randomness=rng_factory(),
+            accounting="rdp",
+        )
+
+    path, ckpt = tmp_path / "run.jsonl", tmp_path / "c.pt"
+    with Ledger(path) as ledger:
+        trainer = build(Randomness.secure_mode, ledger)
+        trainer.fit(max_steps=2)
+        trainer.save_checkpoint(ckpt)
+    with Ledger(path) as ledger:
+        with pytest.raises(CheckpointMismatchError, match="secure mode"):
+            build(lambda: Randomness(0), ledger).resume(ckpt)
+        assert ledger.iteration == 2  # refused before anything was restored
+        build(Randomness.secure_mode, ledger).resume(ckpt)  # the same mode resumes
+
+
+def test_a_crafted_checkpoint_cannot_run_code_on_load(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": "dpfy-checkpoint", "version": 2, "x": Payload()}, evil)
+    with pytest.raises(CheckpointMismatchError, match="plain data"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="plain data"):
+        save_checkpoint(tmp_path / "c.pt", {"x": Payload()})
 
 
 def test_checkpoint_file_round_trip_and_atomic_write(tmp_path):

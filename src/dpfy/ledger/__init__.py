@@ -3,12 +3,15 @@
 * :mod:`dpfy.ledger.records` -- the record types (sample, sum query, non-private release,
   metadata, file markers), their JSON form and the registry of record types;
 * :mod:`dpfy.ledger.ledger` -- :class:`Ledger`: the write-ahead file, the one replay path that
-  loading, resuming and copying share, and the mapping of records to a privacy event.
+  loading, resuming and copying share, and the mapping of records to a privacy event;
+* :mod:`dpfy.ledger.chain` -- the hash chain over the file's lines and its verification;
+* :mod:`dpfy.ledger.logfile` -- the locked, append-only file (one writer, clean failures).
 
 The ledger imports neither torch nor the accountants: ``dpfy.accounting.epsilon(ledger, delta)``
-turns it into a number. See ``docs/architecture.md``.
+turns it into a number. See ``docs/architecture.md`` and ``docs/ledger.md``.
 """
 
+from dpfy.ledger.chain import LedgerIntegrityError, Verification
 from dpfy.ledger.ledger import (
     SAMPLERS,
     Ledger,
@@ -17,7 +20,9 @@ from dpfy.ledger.ledger import (
     effective_noise_multiplier,
     ledger_hyperparameters,
 )
+from dpfy.ledger.logfile import LedgerLockedError, LedgerWriteError
 from dpfy.ledger.records import (
+    EndRecord,
     HeaderRecord,
     MetadataRecord,
     NonPrivateRecord,
@@ -39,12 +44,17 @@ __all__ = [
     "MetadataRecord",
     "HeaderRecord",
     "ResumeRecord",
+    "EndRecord",
     "Record",
     "record_from_dict",
     "register_record",
     "Ledger",
     "ledger_hyperparameters",
     "LedgerFormatError",
+    "LedgerIntegrityError",
+    "LedgerLockedError",
+    "LedgerWriteError",
     "LedgerTruncationWarning",
+    "Verification",
     "effective_noise_multiplier",
 ]

@@ -48,13 +48,25 @@ import re
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from dpfy import events as ev
 from dpfy._validate import check_count, check_finite_nonneg, check_range
+from dpfy.ledger.chain import (
+    IN_MEMORY,
+    ChainChecker,
+    LedgerFormatError,
+    LedgerIntegrityError,
+    Verification,
+    line_hash,
+    new_run_id,
+)
+from dpfy.ledger.logfile import AppendFile, LedgerLockedError, LedgerWriteError
 from dpfy.ledger.records import (
     FORMAT,
+    VERSION,
     AnyRecord,
+    EndRecord,
     HeaderRecord,
     MetadataRecord,
     NonPrivateRecord,
@@ -77,13 +89,18 @@ __all__ = [
     "MetadataRecord",
     "HeaderRecord",
     "ResumeRecord",
+    "EndRecord",
     "Record",
     "record_from_dict",
     "register_record",
     "Ledger",
     "ledger_hyperparameters",
     "LedgerFormatError",
+    "LedgerIntegrityError",
+    "LedgerLockedError",
+    "LedgerWriteError",
     "LedgerTruncationWarning",
+    "Verification",
     "effective_noise_multiplier",
 ]
 
@@ -93,10 +110,6 @@ __all__ = [
 SAMPLERS = kind_names()
 # Two noise multipliers closer than this (relative) are folded into one run, keeping the smaller.
 _Z_RTOL = 1e-12
-
-
-class LedgerFormatError(ValueError):
-    """A ledger file is malformed (other than a truncated last line)."""
 
 
 class LedgerTruncationWarning(UserWarning):
@@ -153,7 +166,19 @@ class Ledger:
         ``False`` entries are still flushed to the OS before the call returns (durable across a
         process crash).
 
+    A file ledger holds an exclusive lock on its file until :meth:`close` (or until the
+    process dies): a second writer is refused with :class:`LedgerLockedError`. :meth:`close`
+    writes the end record that marks the file as complete; a ledger dropped without it reads
+    as "verified, open or crash-cut". Every line is hash-chained to the one before it
+    (``docs/ledger.md``). A failed write (e.g. a full disk) raises :class:`LedgerWriteError`,
+    leaves the file loadable and makes the ledger refuse further appends.
+
     Thread-safe: one lock serialises appends.
+
+    Raises:
+      LedgerLockedError: another writer holds ``path``.
+      LedgerIntegrityError: the existing file's hash chain is broken.
+      LedgerFormatError: the existing file is malformed, or a version 1 file (no chain).
     """
 
     def __init__(
@@ -171,7 +196,14 @@ class Ledger:
         self._event_cache: tuple[int, ev.Event] | None = None
         self._next_id = 0
         self._lock = threading.Lock()
-        self._file: TextIO | None = None
+        self._file: AppendFile | None = None
+        self._run_id: str | None = None
+        self._head: str | None = None  # SHA-256 of the last line written or read
+        self._lines = 0  # lines in the file (header, markers and cut lines included)
+        self._version = VERSION
+        self._closed = False  # closed by close(), with its end record
+        self._verification: Verification | None = None  # set by load()
+        self._cut_tail: str | None = None  # hash of a cut last line
         if self.path is not None:
             self._open_for_append(self.path)
 
@@ -195,45 +227,65 @@ class Ledger:
 
     # -- writing ----------------------------------------------------------------------------
     def _open_for_append(self, path: str) -> None:
-        existing = os.path.exists(path) and os.path.getsize(path) > 0
-        if existing:
-            self._parse(_read_text(path), source=path)
-        self._file = file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives with self
-        if not existing:
-            self._write(HeaderRecord().to_dict(), sync=True)
-        else:
-            if self._ends_truncated:
-                # Terminate the cut line; the marker tells later loads it is not corruption.
-                file.write("\n")
-            cut = bool(self.truncated_lines and self._ends_truncated)
-            self._write(ResumeRecord(cut).to_dict(), sync=True)
+        file = AppendFile(path, fsync=self.fsync)  # locks the file before reading it
+        try:
+            data = file.read()
+            if not data:
+                self._file = file
+                self._run_id = new_run_id()
+                self._write(HeaderRecord(run_id=self._run_id).to_dict(), sync=True)
+                return
+            self._parse(data, source=path, strict=True)
+            if self._version < VERSION:
+                raise LedgerFormatError(
+                    f"ledger {path!r} is a version {self._version} file, written without a "
+                    f"hash chain; dpfy appends only to version {VERSION} ledgers. Load it "
+                    "read-only with Ledger.load(path) and start a new ledger file"
+                )
+            self._file = file
+            cut = self._cut_tail if self._ends_truncated and self.truncated_lines else None
+            # Terminate a cut (or unterminated) last line in the same write as the marker, so
+            # a failed write leaves the file as it was.
+            marker = ResumeRecord(cut is not None, cut).to_dict()
+            self._write(marker, sync=True, prefix=b"\n" if self._ends_truncated else b"")
+        except BaseException:
+            file.close()
+            self._file = None
+            raise
 
-    def _write(self, obj: dict[str, Any], *, sync: bool) -> None:
-        # sync=False entries (samples, metadata) may stay buffered: they release nothing, and
-        # the next synced entry flushes them first (one file, in order).
+    def _write(self, obj: dict[str, Any], *, sync: bool, prefix: bytes = b"") -> None:
+        # sync=False entries (samples, metadata) may stay queued: they release nothing, and
+        # the next synced entry writes them first (one file, in order).
         if self._file is None:
             return
-        line = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-        self._file.write(line + "\n")
+        if self._head is not None:  # every line after the header is chained
+            obj = {**obj, "prev": self._head}
+        line = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode("ascii")
+        self._file.queue(prefix + line + b"\n")
+        self._head = line_hash(line)
+        self._lines += 1
         if sync:
-            self._sync()
+            self._file.sync()
 
     def _sync(self) -> None:
         if self._file is not None:
-            self._file.flush()
-            if self.fsync:
-                os.fsync(self._file.fileno())
+            self._file.sync()
+
+    def flush(self) -> None:
+        """Write (and fsync) queued sample and metadata entries now."""
+        with self._lock:
+            self._sync()
 
     def _replay(self, record: AnyRecord, *, write: bool, sync: bool = False) -> None:
         """The one way a record enters the ledger: recording, loading, resuming and copying.
 
         Checks ``record`` against what the ledger holds (a sample id is new; a release names a
         recorded sample), writes it to the file when ``write`` (``sync``: flush and fsync
-        before returning, the write-ahead rule), then indexes it. Header and resume markers
-        describe the file, not the run: they are dropped. Callers hold the lock (or own the
+        before returning, the write-ahead rule), then indexes it. Header, resume and end
+        markers describe the file, not the run: they are dropped. Callers hold the lock (or own the
         ledger alone, while it is being built).
         """
-        if isinstance(record, HeaderRecord | ResumeRecord):
+        if isinstance(record, HeaderRecord | ResumeRecord | EndRecord):
             return
         if write and self.read_only:
             raise RuntimeError(
@@ -381,13 +433,21 @@ class Ledger:
             )
 
     def close(self) -> None:
-        """Flush and close the file; further appends raise."""
+        """Write the end record, fsync, close the file and release its lock; appends then raise.
+
+        After a failed write nothing more is written (the file reads as open or crash-cut).
+        """
         with self._lock:
-            if self._file is not None:
-                self._sync()
-                self._file.close()
+            file = self._file
+            try:
+                if file is not None and file.failed is None:
+                    self._write(EndRecord(self._lines, len(self._samples)).to_dict(), sync=True)
+                    self._closed = True
+            finally:
+                if file is not None:
+                    file.close()
                 self._file = None
-            self.read_only = True
+                self.read_only = True
 
     def __enter__(self) -> Ledger:
         return self
@@ -397,46 +457,83 @@ class Ledger:
 
     # -- reading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Ledger:
-        """Read a ledger file (read-only).
+    def load(cls, path: str | os.PathLike[str], *, verify: bool = True) -> Ledger:
+        """Read a ledger file (read-only), checking its hash chain.
 
         A last line cut short by a crash is read back with a :class:`LedgerTruncationWarning` and
         counted in :attr:`truncated_lines`; if its privacy-relevant fields survived it is also
         accounted (over-count; by write-ahead its value was never released). Anything else
-        malformed raises :class:`LedgerFormatError` naming the line.
+        malformed raises :class:`LedgerFormatError` naming the line. :attr:`verification`
+        tells what the chain proves (``docs/ledger.md``).
+
+        Args:
+          path: the ledger file.
+          verify: raise :class:`LedgerIntegrityError` at the first line where the hash chain
+            breaks (default). ``False`` is for forensics only: the ledger loads and
+            :attr:`verification` names the break, but its epsilon describes an edited file.
+
+        Raises:
+          LedgerFormatError: an empty file, or a malformed line.
+          LedgerIntegrityError: the hash chain is broken (``verify=True``).
         """
         ledger = cls(None)
         ledger.path = source = os.fspath(path)
-        ledger._parse(_read_text(source), source=source)
+        with open(source, "rb") as f:
+            data = f.read()
+        ledger._verification = ledger._parse(data, source=source, strict=verify)
         ledger.read_only = True
         return ledger
 
-    def _parse(self, text: str, *, source: str) -> None:
-        lines = text.split("\n")
-        self._ends_truncated = bool(lines) and lines[-1] != ""
-        if lines and lines[-1] == "":
+    @classmethod
+    def verify(cls, path: str | os.PathLike[str]) -> Verification:
+        """What the hash chain of the file at ``path`` says (a malformed line is "broken")."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", LedgerTruncationWarning)
+            try:
+                return cls.load(path, verify=False).verification
+            except LedgerFormatError as err:
+                return Verification("broken", broken_line=err.line, reason=str(err))
+
+    def _parse(self, data: bytes, *, source: str, strict: bool) -> Verification:
+        if not data:
+            raise LedgerFormatError(f"ledger {source!r}: empty file: not a dpfy ledger")
+        lines = data.split(b"\n")
+        self._ends_truncated = lines[-1] != b""
+        if not self._ends_truncated:
             lines.pop()
+        checker = ChainChecker(source, strict=strict)
         n = len(lines)
-        for i, line in enumerate(lines):
+        for i, raw in enumerate(lines):
             lineno = i + 1
             where = f"ledger {source!r} line {lineno}"
             try:
-                obj = json.loads(line)
+                obj = json.loads(raw)
                 if not isinstance(obj, dict):
                     raise ValueError("not a JSON object")
             except ValueError as err:
                 last = i == n - 1 and self._ends_truncated
                 marked = i + 1 < n and _is_resume_after_truncation(lines[i + 1])
-                if last or marked:
-                    self._recover_truncated(line, where)
+                if i > 0 and (last or marked):
+                    checker.cut(lineno, raw, last=last)
+                    self._cut_tail = line_hash(raw)
+                    self._recover_truncated(raw.decode("utf-8", "replace"), where)
                     continue
-                raise LedgerFormatError(f"{where}: not valid JSON ({err}): {line[:80]!r}") from None
+                text = raw[:80].decode("utf-8", "replace")
+                raise LedgerFormatError(
+                    f"{where}: not valid JSON ({err}): {text!r}", line=lineno
+                ) from None
+            if i == 0 and (obj.get("type") != HeaderRecord.kind or obj.get("format") != FORMAT):
+                raise LedgerFormatError(
+                    f"{where}: the first line must be a {FORMAT} header, got {obj!r}", line=1
+                )
+            checker.add(lineno, raw, obj)  # the chain first: an edit is named as such
             try:
-                if i == 0 and (obj.get("type") != HeaderRecord.kind or obj.get("format") != FORMAT):
-                    raise ValueError(f"the first line must be a {FORMAT} header, got {obj!r}")
                 self._replay(record_from_dict(obj), write=False)
             except (ValueError, TypeError, KeyError) as err:
-                raise LedgerFormatError(f"{where}: {err}") from None
+                raise LedgerFormatError(f"{where}: {err}", line=lineno) from None
+        self._run_id, self._head = checker.run_id, checker.head
+        self._lines, self._version = checker.lines, checker.version
+        return checker.result()
 
     def _recover_truncated(self, line: str, where: str) -> None:
         self.truncated_lines += 1
@@ -457,6 +554,57 @@ class Ledger:
             LedgerTruncationWarning,
             stacklevel=3,
         )
+
+    # -- integrity --------------------------------------------------------------------------
+    @property
+    def run_id(self) -> str | None:
+        """The run identifier in the file's header (None in memory or for version 1 files)."""
+        return self._run_id
+
+    @property
+    def head(self) -> str | None:
+        """SHA-256 of the file's last line (written or read): the chain head."""
+        return self._head
+
+    @property
+    def line_count(self) -> int:
+        """Lines in the file so far (header, markers and cut lines included)."""
+        return self._lines
+
+    @property
+    def verification(self) -> Verification:
+        """What the hash chain says about this ledger's file (see :class:`Verification`).
+
+        A loaded file: the result of checking it. A ledger writing a file: "verified, open or
+        crash-cut" until :meth:`close` has written the end record, "verified" after.
+        """
+        if self._verification is not None:
+            return self._verification
+        if self.path is None or self._run_id is None:
+            return Verification(IN_MEMORY)
+        if self._closed:
+            return Verification("verified", self._lines, self._run_id, self._head)
+        failed = self._file.failed if self._file is not None else None
+        why = failed or ("open for appending" if self._file is not None else "closed without "
+                         "its end record")
+        return Verification("verified, open or crash-cut", self._lines, self._run_id,
+                            self._head, None, why)
+
+    def chain_hash_at(self, line: int) -> str | None:
+        """SHA-256 of line ``line`` (1-based) of the file as it is now; None if it is shorter.
+
+        A checkpoint records ``(line_count, head)``; the file still holds that prefix iff this
+        returns ``head`` for ``line_count`` (the chain makes each line commit to all before it).
+        """
+        check_range("line", line, 1, None, integer=True)
+        if self.path is None:
+            return None
+        self.flush()
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")
+        if line > len(lines) or (line == len(lines) and not lines[-1]):
+            return None
+        return line_hash(lines[line - 1])
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -643,12 +791,7 @@ def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Reco
         yield record
 
 
-def _read_text(path: str) -> str:
-    with open(path, encoding="utf-8", errors="strict", newline="") as f:
-        return f.read()
-
-
-def _is_resume_after_truncation(line: str) -> bool:
+def _is_resume_after_truncation(line: bytes) -> bool:
     try:
         record = record_from_dict(json.loads(line))
     except (ValueError, TypeError, KeyError):

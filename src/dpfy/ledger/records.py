@@ -27,6 +27,7 @@ __all__ = [
     "MetadataRecord",
     "HeaderRecord",
     "ResumeRecord",
+    "EndRecord",
     "Record",
     "Marker",
     "AnyRecord",
@@ -35,7 +36,18 @@ __all__ = [
 ]
 
 FORMAT = "dpfy-ledger"
-VERSION = 1
+#: Version 2 adds the hash chain (``"prev"`` on every line after the header), the header's
+#: ``run_id`` and the end record (``docs/ledger.md``); version 1 files are still read.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_hex(name: str, value: Any, length: int) -> None:
+    if not (isinstance(value, str) and len(value) == length and set(value) <= _HEX):
+        raise ValueError(
+            f"{name} must be {length} lowercase hexadecimal digits, got {name}={value!r}"
+        )
 
 
 def _check_sample_id(value: Any, *, optional: bool = False) -> None:
@@ -81,23 +93,38 @@ def register_record(cls: type[_RecordT]) -> type[_RecordT]:
 @register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class HeaderRecord:
-    """First line of every ledger file: format name and version (a marker, not a fact)."""
+    """First line of every ledger file: format, version and run identifier (a marker).
+
+    ``run_id`` (version 2): 32 random hex digits naming the run the file belongs to; a
+    checkpoint records it, so a resume into another ledger file is refused.
+    """
 
     format: str = FORMAT
     version: int = VERSION
+    run_id: str | None = None
     kind: ClassVar[str] = "header"
 
+    def __post_init__(self) -> None:
+        if self.version >= 2 or self.run_id is not None:
+            _check_hex("run_id", self.run_id, 32)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "format": self.format, "version": self.version}
+        out: dict[str, Any] = {"type": self.kind, "format": self.format, "version": self.version}
+        if self.run_id is not None:
+            out["run_id"] = self.run_id
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HeaderRecord:
-        """Refuses another format or version (this code reads only its own)."""
+        """Refuses another format or an unknown version."""
         if data.get("format") != FORMAT:
             raise ValueError(f"format must be {FORMAT!r}, got format={data.get('format')!r}")
-        if data.get("version") != VERSION:
-            raise ValueError(f"version must be {VERSION}, got version={data.get('version')!r}")
-        return cls()
+        version = data.get("version")
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
+            raise ValueError(
+                f"version must be one of {READABLE_VERSIONS}, got version={version!r}"
+            )
+        return cls(FORMAT, version, data.get("run_id"))
 
 
 @register_record
@@ -106,10 +133,12 @@ class ResumeRecord:
     """Written when a file ledger is reopened to append (a marker, not a fact).
 
     ``truncated_previous``: the line before it was cut short by a crash (and terminated on
-    resume), so a reader accepts that cut line in the middle of the file.
+    resume), so a reader accepts that cut line in the middle of the file. ``cut`` (version 2):
+    the SHA-256 of the cut line's bytes, so the hash chain covers it too.
     """
 
     truncated_previous: bool = False
+    cut: str | None = None
     kind: ClassVar[str] = "resume"
 
     def __post_init__(self) -> None:
@@ -117,13 +146,43 @@ class ResumeRecord:
             raise ValueError(
                 f"truncated_previous must be a bool, got {self.truncated_previous!r}"
             )
+        if self.cut is not None:
+            _check_hex("cut", self.cut, 64)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "truncated_previous": self.truncated_previous}
+        out: dict[str, Any] = {"type": self.kind, "truncated_previous": self.truncated_previous}
+        if self.cut is not None:
+            out["cut"] = self.cut
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResumeRecord:
-        return cls(data.get("truncated_previous", False))
+        return cls(data.get("truncated_previous", False), data.get("cut"))
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class EndRecord:
+    """Written by ``Ledger.close()`` (a marker): ``count`` lines precede it, ``samples`` samples.
+
+    A file whose last line is an end record was closed by its writer; one without is still
+    open, crashed or was truncated (``docs/ledger.md``).
+    """
+
+    count: int
+    samples: int
+    kind: ClassVar[str] = "end"
+
+    def __post_init__(self) -> None:
+        check_count("count", self.count)
+        check_count("samples", self.samples)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "count": self.count, "samples": self.samples}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> EndRecord:
+        return cls(data["count"], data["samples"])
 
 
 @register_record
@@ -254,7 +313,7 @@ class MetadataRecord:
 #: The facts a ledger holds (:attr:`Ledger.entries`).
 Record = SampleRecord | SumQueryRecord | NonPrivateRecord | MetadataRecord
 #: Lines of a ledger file that mark its structure and hold no fact.
-Marker = HeaderRecord | ResumeRecord
+Marker = HeaderRecord | ResumeRecord | EndRecord
 AnyRecord = Record | Marker
 
 def record_from_dict(data: Mapping[str, Any]) -> AnyRecord:

@@ -91,6 +91,8 @@ def to_markdown(r: PrivacyReport) -> str:
     lines += ["", "## Reproduce", ""]
     if r.reproduce.get("ledger"):
         lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
+    if r.ledger_integrity:
+        lines.append(f"- Ledger integrity: {r.ledger_integrity['summary']}")
     if r.reproduce.get("command"):
         lines.append(f"- re-account: `{r.reproduce['command']}`")
     if r.reproduce.get("train_command"):

@@ -59,6 +59,7 @@ REPORT_FIELDS = (
     "other_methods",
     "utility",
     "reproduce",
+    "ledger_integrity",
 )
 
 #: Kind name -> what the report assumes about that sampler (the table in dpfy.sampling.kinds).
@@ -102,6 +103,9 @@ class PrivacyReport:
     epsilon_lower: float | None = None
     error_probability: float | None = None
     figures: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: What the ledger's hash chain says (``dpfy.ledger.Verification`` as a dict, plus
+    #: ``summary``: one line). See ``docs/ledger.md``.
+    ledger_integrity: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (infinite epsilon as ``"inf"``)."""
@@ -223,6 +227,10 @@ def build_report(
         epsilon_estimate=result.epsilon_estimate,
         epsilon_lower=result.epsilon_lower,
         error_probability=result.error_probability,
+        ledger_integrity={
+            **dataclasses.asdict(ledger.verification),
+            "summary": ledger.verification.describe(),
+        },
     )
 
 

@@ -655,6 +655,7 @@ class PrivateTrainer:
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "randomness": None if self.randomness.secure else self.randomness.state_dict(),
+            "randomness_mode": self._randomness_modes(),
             "torch_rng": torch.get_rng_state(),
             "ledger": ckpt.ledger_state(self.ledger),
             "noise_multiplier": self.noise_multiplier_,
@@ -667,15 +668,25 @@ class PrivateTrainer:
         }
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def _randomness_modes(self) -> dict[str, str]:
+        return {
+            "noise": ckpt.randomness_mode(self.randomness),
+            "sampling": ckpt.randomness_mode(getattr(self.sampler, "randomness", None)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, ledger_moved: bool = False) -> None:
         """Restore :meth:`state_dict` into a trainer built with the same arguments.
 
-        The ledger must be the same file (``Ledger(path)``) or, for an in-memory ledger, a new
-        empty one (the checkpoint replays its entries).
+        The ledger must be the same file (``Ledger(path)``: same run identifier and path, not
+        behind the checkpoint nor forked from it; ``ledger_moved=True`` accepts it under
+        another path) or, for an in-memory ledger, a new empty one (the checkpoint replays its
+        entries). A run that used secure randomness is not resumed with seeded randomness.
+        See :mod:`dpfy.training.checkpoint`.
         """
         if self.global_step_ or (self.ledger.iteration and self.ledger.path is None):
             raise ckpt.CheckpointMismatchError("load a checkpoint into a fresh trainer")
-        ckpt.restore_ledger(self.ledger, state["ledger"])
+        ckpt.check_randomness_modes(state.get("randomness_mode"), self._randomness_modes())
+        ckpt.restore_ledger(self.ledger, state["ledger"], allow_moved=ledger_moved)
         self.noise_multiplier_ = float(state["noise_multiplier"])
         if self.noise_multiplier is not None and not math.isclose(
             self.noise_multiplier_, float(self.noise_multiplier), rel_tol=1e-12
@@ -706,9 +717,9 @@ class PrivateTrainer:
         """Write :meth:`state_dict` atomically to ``path``."""
         return ckpt.save_checkpoint(path, self.state_dict())
 
-    def resume(self, path: str | Path) -> PrivateTrainer:
+    def resume(self, path: str | Path, *, ledger_moved: bool = False) -> PrivateTrainer:
         """Load the checkpoint at ``path`` (see :meth:`load_state_dict`); returns ``self``."""
-        self.load_state_dict(ckpt.load_checkpoint(path))
+        self.load_state_dict(ckpt.load_checkpoint(path), ledger_moved=ledger_moved)
         return self
 
 
