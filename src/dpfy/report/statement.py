@@ -11,7 +11,8 @@ curve or mu where exact), the privacy tier, every DP hyperparameter, utility, an
 reproduce. Beyond the checklist, a report names the randomness of the sampler and of the
 noise as the ledger recorded them, and its headline (``release``) says whether the run is a DP
 release (both secure) or a seeded experiment that anyone with the seed and the data can
-reproduce exactly (docs/randomness.md). :mod:`dpfy.report.markdown` renders it; :mod:`dpfy.report.write` writes it to disk.
+reproduce exactly (docs/randomness.md). :mod:`dpfy.report.markdown` renders it;
+:mod:`dpfy.report.write` writes it to disk.
 """
 
 from __future__ import annotations
