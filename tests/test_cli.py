@@ -139,3 +139,114 @@ def test_plan_json_meets_budget_under_the_real_accountant(capsys):
     assert accounting.epsilon(event, 1e-5).epsilon <= 3.0
     assert rec["steps"] <= 2000
     assert out["explanation"]
+
+
+# ---------------------------------------------------------------------------------------------
+# dpfy train / dpfy features: secure by default, --seed N is a seeded experiment
+# ---------------------------------------------------------------------------------------------
+TINY_TRAIN = ["--epochs", "1", "--batch-size", "32", "--train-limit", "128", "--threads", "2"]
+SECURE = "secure (AES-256-CTR, OS key)"
+
+
+def _dpfy(args):
+    """Run the command, returning (exit code, what it printed)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(args)
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def train_runs(tmp_path_factory):
+    """Two default runs and two ``--seed 0`` runs with otherwise identical arguments."""
+    root = tmp_path_factory.mktemp("train")
+    runs = {}
+    for name, extra in [("secure_a", []), ("secure_b", []),
+                        ("seeded_a", ["--seed", "0"]), ("seeded_b", ["--seed", "0"])]:
+        code, printed = _dpfy(["train", "mnist", "--out", str(root / name), *TINY_TRAIN, *extra])
+        assert code == 0, printed
+        runs[name] = (root / name, printed)
+    return runs
+
+
+def _model(run_dir):
+    import torch
+
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def test_default_train_is_a_secure_dp_release_and_its_report_has_no_seed(train_runs):
+    import re
+
+    from dpfy.ledger import Ledger
+
+    run_dir, printed = train_runs["secure_a"]
+    meta = Ledger.load(run_dir / "ledger.jsonl").metadata
+    assert meta["sampling_randomness"] == meta["noise_randomness"] == SECURE
+    assert "--seed" not in meta["train_command"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["sampling_randomness"] == report["noise_randomness"] == SECURE
+    assert report["release"].startswith("DP release")
+    assert report["formal_statement"].startswith("The training run satisfies")
+    md = (run_dir / "report.md").read_text()
+    assert md.splitlines()[2].startswith("> DP release")
+    retrain = next(line for line in md.splitlines() if line.startswith("- re-train:"))
+    assert retrain.startswith("- re-train: `dpfy train mnist") and "--seed" not in retrain
+    assert "--seed" not in md and not re.search(r"seed\W*\d", md)
+    assert "DP release" in printed
+
+
+def test_seeded_train_report_says_it_is_not_a_dp_release(train_runs):
+    from dpfy.ledger import Ledger
+
+    run_dir, printed = train_runs["seeded_a"]
+    meta = Ledger.load(run_dir / "ledger.jsonl").metadata
+    assert meta["sampling_randomness"] == meta["noise_randomness"] == "seeded (seed 0)"
+    md = (run_dir / "report.md").read_text()
+    headline = md.splitlines()[2]
+    assert headline.startswith("> Seeded experiment — not a DP release")
+    assert "anyone with the seed and the data can reproduce the model exactly" in headline
+    statement = md.splitlines()[4]
+    assert statement.startswith("**Not a DP release") and "seed 0" not in statement
+    retrain = next(line for line in md.splitlines() if line.startswith("- re-train:"))
+    assert "--seed 0" in retrain
+    assert "not a DP release" in " ".join(printed.split())
+
+
+def test_two_default_runs_differ_and_two_seeded_runs_are_identical(train_runs):
+    import torch
+
+    secure_a, secure_b = _model(train_runs["secure_a"][0]), _model(train_runs["secure_b"][0])
+    assert any(not torch.equal(secure_a[k], secure_b[k]) for k in secure_a)
+    seeded_a, seeded_b = _model(train_runs["seeded_a"][0]), _model(train_runs["seeded_b"][0])
+    assert seeded_a.keys() == seeded_b.keys()
+    assert all(torch.equal(seeded_a[k], seeded_b[k]) for k in seeded_a)
+
+
+def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypatch):
+    import numpy as np
+
+    from dpfy import runs
+    from dpfy.ledger import Ledger
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 6))
+    y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0).astype(int)
+    monkeypatch.setattr(runs, "_feature_data", lambda name: (x[:300], y[:300], x[300:], y[300:]))
+    base = ["features", "mnist", "--method", "dp-ls"]
+    for name, extra in [("secure", []), ("seeded", ["--seed", "5"])]:
+        code, printed = _dpfy([*base, "--out", str(tmp_path / name), *extra])
+        assert code == 0, printed
+    secure = Ledger.load(tmp_path / "secure" / "ledger.jsonl").metadata
+    seeded = Ledger.load(tmp_path / "seeded" / "ledger.jsonl").metadata
+    assert secure["noise_randomness"] == SECURE
+    assert seeded["noise_randomness"] == "seeded (seed 5)"
+    secure_md = (tmp_path / "secure" / "report.md").read_text()
+    seeded_md = (tmp_path / "seeded" / "report.md").read_text()
+    assert secure_md.splitlines()[2].startswith("> DP release")
+    assert seeded_md.splitlines()[2].startswith("> Seeded experiment — not a DP release")
+    assert "`dpfy features mnist" in secure_md and "--seed" not in secure_md
+    assert "--seed 5" in seeded_md

@@ -156,3 +156,40 @@ def test_train_end_to_end_small(tmp_path, capsys):
                  "--out", str(tmp_path / "again")]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["epsilon"] == pytest.approx(data["epsilon"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "noise", "release", "statement"),
+    [
+        ("secure (AES-256-CTR, OS key)", "secure (AES-256-CTR, OS key)", "DP release:",
+         "The training run satisfies"),
+        ("seeded (seed 0)", "seeded (seed 0)", "Seeded experiment — not a DP release",
+         "Not a DP release (seeded experiment)"),
+        ("secure (AES-256-CTR, OS key)", "seeded (seed 3)", "Seeded experiment — not a DP release",
+         "Not a DP release (seeded experiment)"),
+        (None, None, "Randomness not recorded", "The training run satisfies"),
+    ],
+)
+def test_report_names_the_randomness_and_says_whether_it_is_a_dp_release(
+    tmp_path, sampling, noise, release, statement
+):
+    ledger = poisson_ledger()
+    if sampling is not None:
+        ledger.record_metadata(sampling_randomness=sampling, noise_randomness=noise)
+    rep = write_report(build_report(ledger, delta=1e-5), ledger, tmp_path, figures=False)
+    assert rep.release.startswith(release)
+    assert rep.formal_statement.startswith(statement)
+    assert f"{rep.epsilon:.5g}" in rep.formal_statement
+    recorded = "not recorded in the ledger"
+    assert (rep.sampling_randomness, rep.noise_randomness) == (
+        sampling or recorded, noise or recorded
+    )
+    md = (tmp_path / "report.md").read_text()
+    assert md.splitlines()[2] == f"> {rep.release}"  # the first thing a reader sees
+    assert f"| Sampling randomness | {rep.sampling_randomness} |" in md
+    assert f"| Noise randomness | {rep.noise_randomness} |" in md
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["release"] == rep.release and data["noise_randomness"] == rep.noise_randomness
+    if release.startswith("Seeded"):  # the seed appears only where the randomness is named
+        assert "the (epsilon, delta) below describes the mechanism only" in rep.release
+        assert "seed 0" not in rep.formal_statement and "seed 3" not in rep.formal_statement

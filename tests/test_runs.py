@@ -72,6 +72,9 @@ def test_features_and_report_on_given_features(tmp_path):
     assert run.report.epsilon <= 2.0 * (1 + 1e-9)
     meta = Ledger.load(run.ledger_path).metadata
     assert meta["dataset"] == "toy" and meta["test_accuracy"] == run.test_accuracy
+    # no seed given: the noise is secure and the report says the run is a DP release
+    assert meta["noise_randomness"] == "secure (AES-256-CTR, OS key)"
+    assert run.report.release.startswith("DP release")
 
 
 @pytest.mark.parametrize(
@@ -164,6 +167,10 @@ def test_train_and_report_small(tmp_path):
     assert run.report.epsilon <= 3.0
     assert run.report.hyperparameters["steps"] == Ledger.load(run.ledger_path).iteration
     assert run.report.reproduce["train_command"].startswith("dpfy train mnist")
+    assert "--seed" not in run.report.reproduce["train_command"]  # secure by default
+    assert run.report.sampling_randomness == run.report.noise_randomness == (
+        "secure (AES-256-CTR, OS key)"
+    )
     assert 0.0 <= run.test_accuracy <= 1.0 and run.model.ledger_path == str(run.ledger_path)
 
 

@@ -318,6 +318,14 @@ def plan(
         print(f"figure: {path}")
 
 
+#: ``--seed`` of ``dpfy train`` / ``dpfy features``: without it a run is secure (a DP release).
+SEEDED_HELP = (
+    "Run a reproducible seeded experiment with this seed instead of a DP release (default: no "
+    "seed; sampling and noise from the secure generator). A seeded model is NOT private "
+    "against anyone who knows the seed; its report says so."
+)
+
+
 class DatasetName(StrEnum):
     mnist = "mnist"
     fashion_mnist = "fashion-mnist"
@@ -350,10 +358,7 @@ def train(
     clip_norm: Annotated[
         float | None, typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).")
     ] = None,
-    secure: Annotated[
-        bool, typer.Option("--secure/--seeded", help="CSPRNG noise and sampling.")
-    ] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed (seeded mode).")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help=SEEDED_HELP)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Run directory.")] = None,
     train_limit: Annotated[
         int | None, typer.Option("--train-limit", help="Use only this many training images.")
@@ -373,7 +378,6 @@ def train(
         batch_size=batch_size,
         learning_rate=learning_rate,
         clip_norm=clip_norm,
-        secure=secure,
         seed=seed,
         train_limit=train_limit,
         threads=threads,
@@ -382,6 +386,7 @@ def train(
     from rich.console import Console
 
     console = Console()
+    console.print(run.report.release, highlight=False)
     console.print(f"[bold]{run.statement}[/bold]")
     console.print(
         f"test accuracy {100 * run.test_accuracy:.2f} %, training took {run.seconds:.0f} s"
@@ -412,7 +417,7 @@ def features(
         float, typer.Option("--target-epsilon", help="Privacy budget.")
     ] = 1.0,
     delta: Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")] = 1e-5,
-    seed: Annotated[int, typer.Option("--seed", help="Noise seed.")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help=SEEDED_HELP)] = None,
     limit: Annotated[
         int | None, typer.Option("--limit", help="Use only this many training examples.")
     ] = None,
@@ -437,6 +442,7 @@ def features(
     from rich.console import Console
 
     console = Console()
+    console.print(run.report.release, highlight=False)
     console.print(f"[bold]{run.statement}[/bold]")
     estimator = run.model
     rho = run.zcdp_rho

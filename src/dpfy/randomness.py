@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Randomness"]
+__all__ = ["Randomness", "SECURE_DESCRIPTION"]
 
 _TWO_POW_53 = float(2**53)
 _TWO_PI = 2.0 * math.pi
@@ -52,6 +52,8 @@ SECURE_DRAWS = 2
 SECURE_RADIUS_BITS = 95
 #: Bits behind one seeded float32 radius.
 SEEDED_RADIUS_BITS = 31
+#: How ledgers and reports name the secure generator (:meth:`Randomness.describe`).
+SECURE_DESCRIPTION = "secure (AES-256-CTR, OS key)"
 
 
 def _max_radius(bits: int) -> float:
@@ -65,7 +67,8 @@ class Randomness:
 
     Args:
       seed: seed of the reproducible generator; ``None`` draws a fresh seed from the OS.
-      secure: use the OS CSPRNG for every draw (slower; no reproducibility).
+      secure: draw every bit from an AES-256-CTR keystream keyed from the OS (no
+        reproducibility; what a DP release needs, docs/randomness.md).
     """
 
     def __init__(self, seed: int | None = None, *, secure: bool = False) -> None:
@@ -83,6 +86,11 @@ class Randomness:
     def secure_mode(cls) -> Randomness:
         """A CSPRNG-backed source: an AES-256-CTR keystream keyed from ``os.urandom``."""
         return cls(secure=True)
+
+    def describe(self) -> str:
+        """What a ledger records about this source: ``"secure (AES-256-CTR, OS key)"`` or
+        ``"seeded (seed N)"`` (a seeded run is reproducible by anyone who knows N)."""
+        return SECURE_DESCRIPTION if self.secure else f"seeded (seed {self.seed})"
 
     # -- tails ------------------------------------------------------------------------------
     @property

@@ -129,8 +129,7 @@ def train_and_report(
     batch_size: int | None = None,
     learning_rate: float | None = None,
     clip_norm: float | None = None,
-    secure: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     train_limit: int | None = None,
     threads: int | None = None,
     progress: bool = False,
@@ -144,7 +143,10 @@ def train_and_report(
       target_epsilon, delta: the budget the noise is calibrated to; delta in (0, 1).
       sampler: the batch sampler that runs (``"poisson"`` or ``"balls_and_bins"``).
       epochs, batch_size, learning_rate, clip_norm: None takes the recipe's default.
-      secure, seed, train_limit, threads, progress: as in the recipe.
+      seed: None (default): sampling and noise from the secure generator, a DP release. An
+        int runs a reproducible seeded experiment, which is NOT a DP release (anyone with the
+        seed and the data can re-create the model); its report says so in its headline.
+      train_limit, threads, progress: as in the recipe.
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -182,7 +184,6 @@ def train_and_report(
         target_epsilon=target_epsilon,
         delta=delta,
         sampler=sampler,
-        secure=secure,
         seed=seed,
         out_dir=out_dir,
         progress=progress,
@@ -193,8 +194,8 @@ def train_and_report(
         for e in summary.history.epochs
         if e.test_accuracy is not None
     ]
-    command = _train_command(
-        dataset, out_dir, target_epsilon, delta,
+    command = _train_command(  # --seed only for a seeded run: the line repeats the mode that ran
+        "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
          "train_limit": train_limit},
@@ -230,7 +231,7 @@ def features_and_report(
     method: str = "dp-fc",
     target_epsilon: float = 1.0,
     delta: float = 1e-5,
-    seed: int = 0,
+    seed: int | None = None,
     limit: int | None = None,
     out: str | os.PathLike[str] | None = None,
     data: FeatureData | None = None,
@@ -245,7 +246,8 @@ def features_and_report(
       dataset: one of :data:`FEATURE_DATASETS`, or any name when ``data`` is given.
       method: one of :data:`FEATURE_METHODS` (Mehta et al. 2023).
       target_epsilon, delta: the budget of the fit; delta in (0, 1).
-      seed: noise seed.
+      seed: None (default): noise from the secure generator, a DP release; an int runs a
+        reproducible seeded experiment, NOT a DP release (its report says so).
       limit: use only the first ``limit`` (>= 2) training examples.
       out: a new run directory (default ``runs/features-<dataset>-<date>-<time>``).
       data: precomputed ``(x_train, y_train, x_test, y_test)`` instead of extraction.
@@ -295,7 +297,13 @@ def features_and_report(
 
     ledger_path = out_dir / "ledger.jsonl"
     ledger = Ledger.load(ledger_path)
-    report = _report_files(ledger, ledger_path, out_dir, delta=delta, figures=False)
+    command = None if data is not None else _train_command(
+        "features", dataset, out_dir, target_epsilon, delta,
+        {"method": method, "limit": limit, "seed": seed},
+    )
+    report = _report_files(
+        ledger, ledger_path, out_dir, delta=delta, figures=False, train_command=command
+    )
     rho = feats.gdp_figures(ledger).zcdp_rho
     return TrainedRun(out_dir, ledger_path, report, accuracy, seconds, estimator, rho)
 
@@ -393,10 +401,17 @@ def _new_run_dir(out: str | os.PathLike[str] | None, default_name: str) -> Path:
 
 
 def _train_command(
-    dataset: str, out_dir: Path, target_epsilon: float, delta: float, options: dict[str, Any]
+    command: str,
+    dataset: str,
+    out_dir: Path,
+    target_epsilon: float,
+    delta: float,
+    options: dict[str, Any],
 ) -> str:
-    """The ``dpfy train`` command line that repeats the run (recorded in ledger and report)."""
-    argv = ["dpfy", "train", dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
+    """The ``dpfy train`` / ``dpfy features`` command line that repeats the run in the mode
+    that ran (recorded in ledger and report): options that are None are left out, so a secure
+    run's line has no ``--seed`` and a seeded run's line has its seed."""
+    argv = ["dpfy", command, dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
             f"{delta:g}", "--out", str(out_dir)]
     for key, value in options.items():
         if value is not None:

@@ -123,3 +123,18 @@ def test_fit_statistics_matches_fit():
     b = est.DPLeastSquaresClassifier(epsilon=1.0, random_state=5).fit(X, y)
     np.testing.assert_allclose(a.coef_, b.coef_, rtol=1e-9, atol=1e-12)
     assert a.privacy_ == b.privacy_
+
+
+@pytest.mark.parametrize("cls", ESTIMATORS)
+def test_random_state_none_is_secure_and_an_int_is_a_seeded_experiment(cls):
+    from dpfy.randomness import SECURE_DESCRIPTION
+
+    X, y = _data(200)
+    a, b = cls(epsilon=1.0).fit(X, y), cls(epsilon=1.0).fit(X, y)
+    assert a._randomness().secure
+    assert a.ledger_.metadata["noise_randomness"] == SECURE_DESCRIPTION
+    assert a.ledger_.metadata["sampling_randomness"].startswith("none")
+    assert not np.array_equal(a.coef_, b.coef_)  # fresh secret noise each fit
+    c, d = cls(epsilon=1.0, random_state=4).fit(X, y), cls(epsilon=1.0, random_state=4).fit(X, y)
+    assert c.ledger_.metadata["noise_randomness"] == "seeded (seed 4)"
+    assert np.array_equal(c.coef_, d.coef_)

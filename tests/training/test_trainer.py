@@ -259,6 +259,29 @@ def test_secure_mode_trains_and_records():
     assert all(math.isfinite(p.sum().item()) for p in result.model.parameters())
 
 
+def test_default_randomness_is_secure_and_recorded_for_sampler_and_noise():
+    """No randomness given: the sampler and the trainer both draw from the secure generator,
+    and the ledger names each; an explicit Randomness(seed) stays seeded and says so."""
+    from dpfy.randomness import SECURE_DESCRIPTION
+    from dpfy.sampling import make_sampler
+
+    x, y = _data(60)
+    sampler = make_sampler("poisson", 60, 12)
+    trainer = _trainer(_mlp(), sampler, x, y, noise_multiplier=1.0, epochs=1)
+    assert sampler.randomness.secure and trainer.randomness.secure
+    meta = trainer.fit().ledger.metadata
+    assert meta["sampling_randomness"] == meta["noise_randomness"] == SECURE_DESCRIPTION
+    assert meta["secure_randomness"] is True
+    seeded = _trainer(
+        _mlp(), PoissonSampler(60, 0.2, randomness=Randomness(7)), x, y, noise_multiplier=1.0,
+        epochs=1, randomness=Randomness(8),
+    )
+    meta = seeded.fit().ledger.metadata
+    assert (meta["sampling_randomness"], meta["noise_randomness"]) == (
+        "seeded (seed 7)", "seeded (seed 8)"
+    )
+
+
 def test_query_noise_std_matches_gaussian_sum_query():
     q = GaussianSumQuery(0.5, 2.0)
     assert q.noise_std == pytest.approx(1.0)

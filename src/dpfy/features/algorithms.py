@@ -80,7 +80,7 @@ def _ledger(ledger: Ledger | None) -> Ledger:
 
 
 def _randomness(randomness: Randomness | None) -> Randomness:
-    return Randomness() if randomness is None else randomness
+    return Randomness.secure_mode() if randomness is None else randomness
 
 
 def _release(
@@ -272,7 +272,7 @@ def dp_least_squares(
       max_positives: ``k``, the maximum number of positive labels per example.
       num_classes: ``m`` (with ``(x, y)``; default ``max(y) + 1``).
       ledger: where the releases are recorded (default: a new in-memory ledger).
-      randomness: noise source (default: a fresh ``Randomness()``).
+      randomness: noise source (default: the secure generator, ``Randomness.secure_mode()``).
 
     Returns:
       :class:`Fitted` with weights ``[d, m]``.

@@ -214,10 +214,21 @@ class _DPFeatureClassifier(_EstimatorBase):
         return [float(self.noise_multiplier)] * len(shares)
 
     def _randomness(self) -> Randomness:
+        """``random_state`` as a source: None is the secure generator (a DP release); an int
+        is a seeded, reproducible experiment (docs/randomness.md)."""
         rs = self.random_state
         if isinstance(rs, Randomness):
             return rs
-        return Randomness(seed=None if rs is None else int(rs))
+        return Randomness.secure_mode() if rs is None else Randomness(seed=int(rs))
+
+    @staticmethod
+    def _record_randomness(ledger: Ledger, rng: Randomness) -> None:
+        """The ledger names the noise source; there is no sampling (every release is full
+        batch)."""
+        ledger.record_metadata(
+            sampling_randomness="none (full batch: every release uses every row)",
+            noise_randomness=rng.describe(),
+        )
 
     # -- fitting ------------------------------------------------------------------------------
     def _prepare(
@@ -242,7 +253,9 @@ class _DPFeatureClassifier(_EstimatorBase):
         x, idx = self._prepare(X, y)
         ledger = Ledger()
         ledger.record_metadata(estimator=type(self).__name__, params=_jsonable(self.get_params()))
-        fitted = self._train(x, idx, len(self.classes_), ledger, self._randomness())
+        rng = self._randomness()
+        self._record_randomness(ledger, rng)
+        fitted = self._train(x, idx, len(self.classes_), ledger, rng)
         self._finish(fitted)
         return self
 
@@ -334,7 +347,8 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
       alpha: weight of the negative-label term.
       ridge: ``lambda`` added to ``A_j + alpha G`` (sum units).
       classes: the public list of classes (default: the sorted labels in ``y``).
-      random_state: seed (int), a :class:`dpfy.randomness.Randomness`, or None (fresh).
+      random_state: None (default: the secure generator, a DP release), a seed (int: a
+        reproducible experiment, not a DP release) or a :class:`dpfy.randomness.Randomness`.
     """
 
     _algorithm = "dp_ls"
@@ -384,9 +398,10 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
         self.n_features_in_ = stats.covariance.shape[0]
         ledger = Ledger()
         zg, za, zb = self._noise_multipliers([1.0, 1.0, 1.0])
+        rng = self._randomness()
+        self._record_randomness(ledger, rng)
         fitted = alg.dp_least_squares(stats, noise_multiplier=(zg, za, zb), alpha=self.alpha,
-                                      ridge=self.ridge, ledger=ledger,
-                                      randomness=self._randomness())
+                                      ridge=self.ridge, ledger=ledger, randomness=rng)
         self._finish(fitted)
         return self
 

@@ -28,9 +28,12 @@ def _fmt(value: Any) -> str:
 
 
 def to_markdown(r: PrivacyReport) -> str:
-    """The report as a Markdown page: statement, checklist, assumptions, hyperparameters,
-    epsilon per method, utility, figures and how to reproduce it."""
-    lines = ["# Privacy report", "", f"**{r.formal_statement}**", ""]
+    """The report as a Markdown page: whether it is a DP release, statement, checklist,
+    assumptions, hyperparameters, epsilon per method, utility, figures and how to reproduce it."""
+    lines = ["# Privacy report", ""]
+    if r.release:
+        lines += [f"> {r.release}", ""]
+    lines += [f"**{r.formal_statement}**", ""]
     eps = "infinity" if math.isinf(r.epsilon) else f"{r.epsilon:.5g}"
     headline = f"- epsilon = **{eps}** at delta = {r.delta:g} ({r.accounting_method}"
     headline += f", {r.adjacency} adjacency, unit of privacy: {r.unit_of_privacy})"
@@ -58,6 +61,8 @@ def to_markdown(r: PrivacyReport) -> str:
         ("Unit of privacy", r.unit_of_privacy),
         ("Adjacency", r.adjacency),
         ("Sampler actually used", _fmt(r.sampler)),
+        ("Sampling randomness", r.sampling_randomness),
+        ("Noise randomness", r.noise_randomness),
         ("Accounting method", r.accounting_method),
         ("Privacy tier", r.privacy_tier),
     ]

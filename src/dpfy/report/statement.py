@@ -8,7 +8,11 @@ Fields follow the checklist of Ponomareva et al. 2023: DP setting, data accesses
 released output, unit of privacy, adjacency, sampler actually used, accounting method and its
 assumptions (and any mismatch), the formal statement (epsilon at delta, delta vs 1/N, the RDP
 curve or mu where exact), the privacy tier, every DP hyperparameter, utility, and how to
-reproduce. :mod:`dpfy.report.markdown` renders it; :mod:`dpfy.report.write` writes it to disk.
+reproduce. Beyond the checklist, a report names the randomness of the sampler and of the
+noise as the ledger recorded them, and its headline (``release``) says whether the run is a DP
+release (both secure) or a seeded experiment that anyone with the seed and the data can
+reproduce exactly (docs/randomness.md). :mod:`dpfy.report.markdown` renders it;
+:mod:`dpfy.report.write` writes it to disk.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "PrivacyReport",
     "build_report",
     "privacy_tier",
+    "release_headline",
     "REPORT_FIELDS",
     "ledger_hyperparameters",
     "prefix_ledger",
@@ -42,6 +47,9 @@ prefix_ledger = Ledger.prefix  # prefix_ledger(ledger, num_samples=None, *, path
 
 #: Every field a report carries (a test checks each is present and consistent with the ledger).
 REPORT_FIELDS = (
+    "release",
+    "sampling_randomness",
+    "noise_randomness",
     "dp_setting",
     "data_accesses",
     "released_output",
@@ -64,6 +72,34 @@ REPORT_FIELDS = (
 
 #: Kind name -> what the report assumes about that sampler (the table in dpfy.sampling.kinds).
 _SAMPLER_ASSUMPTIONS = sampler_column("assumptions")
+
+#: What a report says when the ledger's metadata does not name a randomness.
+NOT_RECORDED = "not recorded in the ledger"
+
+
+def release_headline(sampling_randomness: str, noise_randomness: str) -> str:
+    """The report's first line: a DP release, a seeded experiment, or unknown randomness.
+
+    ``sampling_randomness`` / ``noise_randomness`` are what the ledger recorded
+    (:meth:`dpfy.randomness.Randomness.describe`; ``"none ..."`` where nothing was drawn).
+    Any seeded part makes the run a reproducible experiment: with the seed and the data the
+    model is re-created bit for bit, so membership is decided with certainty.
+    """
+    parts = (sampling_randomness, noise_randomness)
+    if any(p.startswith("seeded") for p in parts):
+        return (
+            "Seeded experiment — not a DP release: anyone with the seed and the data can "
+            "reproduce the model exactly; the (epsilon, delta) below describes the mechanism only."
+        )
+    if all(p.startswith(("secure", "none")) for p in parts):
+        return (
+            "DP release: sampling and noise drawn from the secure generator (AES-256-CTR "
+            "keystream keyed from the OS); no seed re-creates this model."
+        )
+    return (
+        "Randomness not recorded in the ledger: whether the sampling and noise were secret "
+        "cannot be checked; the (epsilon, delta) below holds only if they were."
+    )
 
 
 def privacy_tier(epsilon: float) -> str:
@@ -106,6 +142,9 @@ class PrivacyReport:
     #: What the ledger's hash chain says (``dpfy.ledger.Verification`` as a dict, plus
     #: ``summary``: one line). See ``docs/ledger.md``.
     ledger_integrity: dict[str, Any] = dataclasses.field(default_factory=dict)
+    release: str = ""
+    sampling_randomness: str = NOT_RECORDED
+    noise_randomness: str = NOT_RECORDED
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (infinite epsilon as ``"inf"``)."""
@@ -177,6 +216,10 @@ def build_report(
         if poisson is not None:
             others["poisson_pld_if_poisson_had_run (NOT valid for this run)"] = poisson
 
+    sampling_randomness = str(meta.get("sampling_randomness", NOT_RECORDED))
+    noise_randomness = str(meta.get("noise_randomness", NOT_RECORDED))
+    release = release_headline(sampling_randomness, noise_randomness)
+    seeded = release.startswith("Seeded")
     mu = _mu(event)
     rdp_curve = _rdp_curve(event)
     nonprivate = [r for r in ledger.entries if isinstance(r, NonPrivateRecord)]
@@ -192,8 +235,14 @@ def build_report(
             if result.error_probability is not None
             else ""
         )
+        subject = (
+            "Not a DP release (seeded experiment). With secret randomness, the same mechanism "
+            "would satisfy"
+            if seeded
+            else "The training run satisfies"
+        )
         statement = (
-            f"The training run satisfies ({result.epsilon:.5g}, {delta:g})-differential privacy "
+            f"{subject} ({result.epsilon:.5g}, {delta:g})-differential privacy "
             f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
             f", accounted with {result.method}{confidence}."
         )
@@ -231,6 +280,9 @@ def build_report(
             **dataclasses.asdict(ledger.verification),
             "summary": ledger.verification.describe(),
         },
+        release=release,
+        sampling_randomness=sampling_randomness,
+        noise_randomness=noise_randomness,
     )
 
 

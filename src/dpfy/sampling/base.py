@@ -130,7 +130,8 @@ class BaseSampler:
             max_batch_size = int(max_batch_size)
         self.dataset_size = int(dataset_size)
         self.max_batch_size = max_batch_size
-        self.randomness = randomness if randomness is not None else Randomness()
+        # default: the secure generator; a seeded one only when the caller passes it
+        self.randomness = randomness if randomness is not None else Randomness.secure_mode()
         self.truncated_steps = 0
         self._epoch = 0
         self._step = 0

@@ -37,7 +37,8 @@ def make_sampler(
         shuffle / deterministic / fixed_size use batches of exactly B (each class's
         ``from_batch_size``).
       max_batch_size: truncation threshold (kinds whose row ``truncates`` only).
-      randomness: source of randomness (default: a fresh seeded generator).
+      randomness: source of randomness (default: the secure generator,
+        ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a reproducible experiment).
 
     Raises:
       ValueError: unknown kind, bad sizes, or a maximum batch size for a fixed-size sampler.

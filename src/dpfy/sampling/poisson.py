@@ -28,7 +28,8 @@ class PoissonSampler(BaseSampler):
       sampling_rate: q in (0, 1]; expected batch size q N.
       steps_per_epoch: steps counted as one epoch (default ``round(1 / q)``).
       max_batch_size: truncate larger batches (event becomes ``TruncatedPoisson``).
-      randomness: source of randomness (default: a fresh seeded generator).
+      randomness: source of randomness (default: the secure generator,
+        ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a reproducible experiment).
 
     Adjacency: add_or_remove; unit of privacy: one example (index).
     """

@@ -11,7 +11,7 @@ Models (both private by construction: no layer mixes examples):
   fc10 (26k parameters). Bounded activations keep per-example gradients small, which suits
   clipping.
 * ``"gn_cnn"``: conv16 3x3 - GroupNorm - ReLU - pool - conv32 3x3 - GroupNorm - ReLU - pool -
-  linear (the CNN of the DP-SGD step benchmark, ``benchmarks/dpsgd_step.py``).
+  linear (the CNN of ``benchmarks/dpsgd_step.py``).
 """
 
 from __future__ import annotations
@@ -143,8 +143,7 @@ def train_image_classifier(
     accounting: str | None = None,
     out_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
-    secure: bool = False,
-    seed: int | None = 0,
+    seed: int | None = None,
     threads: int | None = None,
     train_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
@@ -171,8 +170,12 @@ def train_image_classifier(
         Poisson, ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` otherwise).
       out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
       progress: show a progress bar (loss, accuracy, epsilon spent).
-      secure: draw sampling and noise from the OS CSPRNG (``seed`` is then ignored).
-      seed: seed of sampling, noise and initialisation in the default (fast) mode.
+      seed: None (default): sampling and noise come from the secure generator
+        (``Randomness.secure_mode()``, docs/randomness.md), a DP release. An int runs a
+        seeded experiment instead: sampling, noise and initialisation are reproducible from
+        it, so the released model is NOT differentially private against anyone who knows the
+        seed; the ledger records which mode ran (``sampling_randomness``,
+        ``noise_randomness``).
       threads: ``torch.set_num_threads`` for the run (None: leave as is).
       train_limit: use only the first ``train_limit`` training images (smoke tests).
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
@@ -184,13 +187,18 @@ def train_image_classifier(
         torch.set_num_threads(int(threads))
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test")
-    if secure:
+    if seed is None:
         sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
+        randomness = {"sampling_randomness": sample_rng.describe(),
+                      "noise_randomness": noise_rng.describe()}
     else:
-        base = Randomness(seed)
+        base = Randomness(int(seed))
         sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
         noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
-        torch.manual_seed(0 if seed is None else int(seed))
+        torch.manual_seed(int(seed))
+        # both streams derive from the one seed a user would pass again
+        randomness = dict.fromkeys(("sampling_randomness", "noise_randomness"),
+                                   base.describe())
     net = make_model(model)
     batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
     if accounting is None:
@@ -249,6 +257,7 @@ def train_image_classifier(
         epsilon=result.privacy.epsilon,
         accounting=result.privacy.method,
         stopped=result.stopped,
+        **randomness,
     )
     summary = TrainResultSummary(
         dataset=dataset,

@@ -222,8 +222,10 @@ class PrivateTrainer:
         (default: ``accounting``, so the curve ends at the final statement; ``"rdp"`` is
         cheaper but looser). Falls back to ``accounting`` when it does not apply.
       ledger: where releases are recorded (default: a new in-memory ledger).
-      randomness: noise source (default: a fresh seeded generator; pass
-        ``Randomness.secure_mode()`` for production).
+      randomness: noise source (default: the secure generator, ``Randomness.secure_mode()``;
+        pass ``Randomness(seed)`` only for a reproducible experiment, which is not a DP release:
+        docs/randomness.md). The ledger records it and the sampler's as ``noise_randomness``
+        and ``sampling_randomness``.
       ema_decay: EMA of the weights with this decay (post-processing; warm-up
         ``min(decay, (1 + t) / (10 + t))``); the EMA model is the released one.
       test_data: ``(inputs, targets)`` to report test accuracy after every epoch.
@@ -291,7 +293,7 @@ class PrivateTrainer:
         self.accounting = accounting
         self.monitor_accounting = monitor_accounting
         self.ledger = ledger if ledger is not None else Ledger()
-        self.randomness = randomness if randomness is not None else Randomness()
+        self.randomness = randomness if randomness is not None else Randomness.secure_mode()
         self.ema_decay = ema_decay
         self.test_data = test_data
         self.on_budget = on_budget
@@ -643,6 +645,8 @@ class PrivateTrainer:
             "optimizer": type(self.optimizer).__name__,
             "ema_decay": self.ema_decay,
             "secure_randomness": bool(self.randomness.secure),
+            "sampling_randomness": _describe(getattr(self.sampler, "randomness", None)),
+            "noise_randomness": self.randomness.describe(),
             "calibrated": self.noise_multiplier is None,
         }
 
@@ -721,6 +725,13 @@ class PrivateTrainer:
         """Load the checkpoint at ``path`` (see :meth:`load_state_dict`); returns ``self``."""
         self.load_state_dict(ckpt.load_checkpoint(path), ledger_moved=ledger_moved)
         return self
+
+
+def _describe(randomness: Any) -> str:
+    """``Randomness.describe()`` of a sampler's source, or why there is none to describe."""
+    if isinstance(randomness, Randomness):
+        return randomness.describe()
+    return "not recorded (the sampler holds no dpfy Randomness)"
 
 
 def _take(iterator: Iterable[_T], n: int) -> Iterator[_T]:
