@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int
 
 __all__ = [
     "DATASETS",
@@ -98,7 +98,7 @@ def _to_tensors(images: np.ndarray, labels: np.ndarray, name: str, limit: int | 
     import torch
 
     if limit is not None:
-        check_range("limit", limit, 1, None, integer=True)
+        check_int("limit", limit)
         images, labels = images[: int(limit)], labels[: int(limit)]
     mean, std = _STATS[name]
     x = (np.asarray(images, dtype=np.float32).reshape(-1, 1, 28, 28) - mean) / std

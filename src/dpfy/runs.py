@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 
 if TYPE_CHECKING:
     import numpy as np
@@ -157,9 +157,9 @@ def train_and_report(
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if epochs is not None:
-        check_range("epochs", epochs, 1, None, integer=True)
+        check_int("epochs", epochs)
     if batch_size is not None:
-        check_range("batch_size", batch_size, 1, None, integer=True)
+        check_int("batch_size", batch_size)
     if learning_rate is not None:
         check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
     if clip_norm is not None:
@@ -581,7 +581,7 @@ def _planned_sampler(
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of --epochs or --steps")
     if steps is not None:
-        check_range("steps", steps, 1, None, integer=True)
+        check_int("steps", steps)
     else:
         check_range("epochs", epochs, 0.0, None, low_open=True)
     return smp, epochs, steps

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import MAX_EPSILON, check_int, check_positive, check_range
 from dpfy.accounting import _api
 from dpfy.accounting import pld as _pld
 
@@ -336,7 +336,7 @@ def _calibrate(
 
 
 def _check_common(target_epsilon: float, delta: float) -> None:
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
@@ -415,7 +415,7 @@ def calibrate_steps(
       CalibrationError: even one step exceeds the target.
     """
     _check_common(target_epsilon, delta)
-    check_range("max_steps", max_steps, 1, None, integer=True)
+    check_int("max_steps", max_steps)
     max_steps = int(max_steps)
     best = 0
     for m in _methods(make_event, 1, method):

@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.features.stats import SufficientStats, clip_rows, label_matrix, sufficient_statistics
 from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness
@@ -319,7 +319,7 @@ def dp_newton(
         ``n d^2`` product. Never released by itself.
     """
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
-    check_range("steps", steps, 1, None, integer=True)
+    check_int("steps", steps)
     cov = _checked_covariance(covariance_stats, clip_norm, "clip_norm")
     check_range("ridge", ridge, 0.0, math.inf, high_open=True)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)

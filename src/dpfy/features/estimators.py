@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from dpfy import accounting
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.features import algorithms as alg
 from dpfy.features.accounting import mu_for_target
 from dpfy.features.stats import SufficientStats, clip_rows
@@ -363,7 +363,7 @@ class DPNewtonClassifier(_DPFeatureClassifier):
         self.random_state = random_state
 
     def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         zg, zh = self._noise_multipliers([1.0] * (2 * int(self.steps)))[:2]
         return alg.dp_newton(x, idx, clip_norm=self.clip_norm, noise_multiplier=(zg, zh),
                              steps=int(self.steps), ridge=self.ridge,
@@ -419,7 +419,7 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
         self.random_state = random_state
 
     def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         t = int(self.steps)
         if self.covariance_share is None:
             shares = [1.0] * (t + 1)
@@ -475,7 +475,7 @@ class DPAdamClassifier(_DPFeatureClassifier):
         self.random_state = random_state
 
     def _train(self, x, idx, m, ledger, rng) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         z = self._noise_multipliers([1.0] * int(self.steps))[0]
         return alg.dp_adam(x, idx, clip_norm=self.clip_norm, noise_multiplier=z,
                            steps=int(self.steps), learning_rate=self.learning_rate, l2=self.l2,
