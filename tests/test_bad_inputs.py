@@ -101,7 +101,7 @@ CLI_CASES = [
      "target_epsilon"),
     (111, ["calibrate", "--target-epsilon", "1e-300", *CAL[3:], "--steps", "100"], None,
      "target_epsilon"),
-    (119, [*CAL[:-1], "1e-300", "--steps", "100"], None, "delta"),
+    (119, [*CAL[:-1], "1e-300", "--steps", "100"], None, None),  # RDP: z = 5.27
     (122, [*CAL[:4], BIG, *CAL[5:], "--steps", "100"], None, "dataset_size"),
     (125, [*CAL, "--steps", BIG], None, "steps"),
     (135, [*CAL, "--steps", "100", "--seed", "-5", "--sampler", "balls-and-bins",

@@ -127,10 +127,8 @@ def _threads(name: str) -> Any:
 def _out_dir(name: str) -> Any:
     """Every output directory: not empty, not an existing file, creatable."""
 
-    def check(n: str, v: Any) -> None:
-        check_output_path(n, v)
-
-    return _parsed(name, Path, check)
+    parse = _parsed(name, str, check_output_path)
+    return lambda text: Path(parse(text)) if isinstance(text, str) else text
 
 
 DatasetSize = Annotated[

@@ -30,7 +30,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dpfy._validate import check_int, check_range
+from dpfy._validate import (
+    MAX_COUNT,
+    MAX_EPSILON,
+    MAX_SCALE,
+    check_input_file,
+    check_int,
+    check_output_path,
+    check_positive,
+    check_range,
+    check_seed,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -154,16 +164,17 @@ def train_and_report(
     if dataset not in DATASETS:
         allowed = ", ".join(DATASETS)
         raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if epochs is not None:
-        check_int("epochs", epochs)
-    if batch_size is not None:
-        check_int("batch_size", batch_size)
-    if learning_rate is not None:
-        check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
-    if clip_norm is not None:
-        check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    for name, count in (("epochs", epochs), ("batch_size", batch_size),
+                        ("train_limit", train_limit)):
+        if count is not None:
+            check_int(name, count)
+    for name, scale in (("learning_rate", learning_rate), ("clip_norm", clip_norm)):
+        if scale is not None:
+            check_positive(name, scale, MAX_SCALE)
+    check_seed("seed", seed)
+    if threads is not None:
+        check_int("threads", threads, 1, os.cpu_count() or 1)
     out_dir = _new_run_dir(out, dataset)
 
     from dpfy.training.recipes import train_image_classifier
@@ -253,10 +264,10 @@ def features_and_report(
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    check_seed("seed", seed)
     if limit is not None:
-        check_range("limit", limit, 2, None, integer=True)
+        check_int("limit", limit, 2)
     if method not in FEATURE_METHODS:
         allowed = ", ".join(FEATURE_METHODS)
         raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
@@ -381,9 +392,18 @@ def _report_files(
     )
 
 
+def _check_budget(target_epsilon: float, delta: float) -> None:
+    """A target epsilon in (0, MAX_EPSILON] (finite) and a delta in (0, 1)."""
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+
+
 def _new_run_dir(out: str | os.PathLike[str] | None, default_name: str) -> Path:
-    """``out``, or ``runs/<default_name>-<date>-<time>``; refused if it already holds a ledger
-    (ledgers are append-only records of one run)."""
+    """``out``, or ``runs/<default_name>-<date>-<time>``; refused (nothing created) if it is not
+    a creatable directory or already holds a ledger (ledgers are append-only records of one
+    run)."""
+    if out is not None:
+        check_output_path("out", out)
     out_dir = Path(out) if out is not None else (
         Path("runs") / f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -435,6 +455,8 @@ def plan_with_figures(
     wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
     from dpfy.planning import plan
 
+    if plot_dir is not None:
+        check_output_path("plot", plot_dir)
     result = plan(
         dataset_size,
         target_epsilon,
@@ -506,6 +528,9 @@ def account_run(
     """
     from dpfy import accounting
 
+    check_positive("noise_multiplier", noise_multiplier)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
@@ -543,8 +568,8 @@ def calibrate_run(
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
@@ -583,8 +608,17 @@ def _planned_sampler(
     if steps is not None:
         check_int("steps", steps)
     else:
-        check_range("epochs", epochs, 0.0, None, low_open=True)
+        # finite, and few enough that the run's step count stays a count (<= MAX_COUNT)
+        check_positive("epochs", epochs, MAX_COUNT / smp.steps_per_epoch)
     return smp, epochs, steps
+
+
+def _check_monte_carlo(samples: int | None, error_probability: float, seed: int | None) -> None:
+    if samples is not None:
+        check_int("samples", samples)
+    check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
+    if seed is not None:
+        check_seed("seed", seed)
 
 
 def _total_steps(smp: Sampler, epochs: float | None, steps: int | None) -> int:

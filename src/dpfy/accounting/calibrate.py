@@ -216,7 +216,8 @@ def _solve(
             if cand is None or not lo <= cand <= hi:
                 f_u = max(f for u, f in pts if u == u_u)
                 f_s = min(f for u, f in pts if u == u_s)
-                cand = u_u + bracket * (f_u / (f_u - f_s) if f_u - f_s > 0 else 0.5)
+                ratio = f_u / (f_u - f_s) if f_u - f_s > 0 else 0.5
+                cand = u_u + bracket * (ratio if math.isfinite(ratio) else 0.5)
                 cand = min(max(cand, lo), hi)
             if stalled >= 3:
                 cand, stalled = 0.5 * (u_u + u_s), 0
@@ -302,6 +303,8 @@ def _calibrate(
     if slope < 0.0:
         u1 = u_safe + (-0.3 * resolution * abs(slope) - f0) / slope
     else:
+        u1 = u_safe - resolution
+    if not math.isfinite(u1):  # an epsilon of 0 or inf at the coarse boundary: no slope
         u1 = u_safe - resolution
     u1 = min(max(u1, u_min), u_max)
     if integer:
