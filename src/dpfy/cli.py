@@ -11,23 +11,16 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import typer
 
-from dpfy._validate import (
-    MAX_COUNT,
-    MAX_EPSILON,
-    MAX_SCALE,
-    check_int,
-    check_output_path,
-    check_positive,
-    check_range,
-    check_seed,
-)
+# The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
+# option parsers below refuse a bad value with the same rule before a command runs.
+from dpfy import runs as _rules
 
 # Typer ships its own copy of click in recent versions; take the exception classes from the
 # public BadParameter's ancestry so this works with either layout.
@@ -101,33 +94,33 @@ def _parsed(name: str, convert: Callable[[str], Any], check: Callable[[str, Any]
 
 def _count(name: str, low: int = 1) -> Any:
     """Every integer option: an integer in [low, MAX_COUNT]."""
-    return _parsed(name, int, lambda n, v: check_int(n, v, low))
+    return _parsed(name, int, lambda n, v: _rules.check_int(n, v, low))
 
 
 def _positive(name: str, high: float = math.inf) -> Any:
     """Every float the math needs finite: in (0, high], never inf or NaN."""
-    return _parsed(name, float, lambda n, v: check_positive(n, v, high))
+    return _parsed(name, float, lambda n, v: _rules.check_positive(n, v, high))
 
 
 def _open_unit(name: str) -> Any:
     """A probability: in (0, 1)."""
     return _parsed(
-        name, float, lambda n, v: check_range(n, v, 0.0, 1.0, low_open=True, high_open=True)
+        name, float, lambda n, v: _rules.check_range(n, v, 0.0, 1.0, low_open=True, high_open=True)
     )
 
 
 def _seed(name: str = "seed") -> Any:
-    return _parsed(name, int, check_seed)
+    return _parsed(name, int, _rules.check_seed)
 
 
 def _threads(name: str) -> Any:
-    return _parsed(name, int, lambda n, v: check_int(n, v, 1, os.cpu_count() or 1))
+    return _parsed(name, int, lambda n, v: _rules.check_int(n, v, 1, os.cpu_count() or 1))
 
 
 def _out_dir(name: str) -> Any:
     """Every output directory: not empty, not an existing file, creatable."""
 
-    parse = _parsed(name, str, check_output_path)
+    parse = _parsed(name, str, _rules.check_output_path)
     return lambda text: Path(parse(text)) if isinstance(text, str) else text
 
 
@@ -143,7 +136,7 @@ BatchSize = Annotated[
 ]
 Epochs = Annotated[
     float | None, typer.Option("--epochs", help="Passes over the data.",
-                               parser=_positive("epochs", MAX_COUNT))
+                               parser=_positive("epochs", _rules.MAX_COUNT))
 ]
 Steps = Annotated[
     int | None, typer.Option("--steps", help="Number of training steps.", parser=_count("steps"))
@@ -151,7 +144,7 @@ Steps = Annotated[
 Delta = Annotated[
     float, typer.Option("--delta", help="Target delta, in (0, 1).", parser=_open_unit("delta"))
 ]
-TargetEpsilon = _positive("target_epsilon", MAX_EPSILON)
+TargetEpsilon = _positive("target_epsilon", _rules.MAX_EPSILON)
 Sampler = Annotated[
     SamplerName, typer.Option("--sampler", help="The batch sampler that actually runs.")
 ]
@@ -452,12 +445,12 @@ def train(
     learning_rate: Annotated[
         float | None,
         typer.Option("--learning-rate", help="SGD step size (default 2.0).",
-                     parser=_positive("learning_rate", MAX_SCALE)),
+                     parser=_positive("learning_rate", _rules.MAX_SCALE)),
     ] = None,
     clip_norm: Annotated[
         float | None,
         typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).",
-                     parser=_positive("clip_norm", MAX_SCALE)),
+                     parser=_positive("clip_norm", _rules.MAX_SCALE)),
     ] = None,
     secure: Annotated[
         bool, typer.Option("--secure/--seeded", help="CSPRNG noise and sampling.")

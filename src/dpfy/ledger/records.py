@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from dpfy._validate import check_count, check_finite_nonneg
+from dpfy._validate import check_count, check_finite_nonneg, check_real
 from dpfy.sampling.spec import SampleSpec
 
 __all__ = [
@@ -198,6 +198,10 @@ class SumQueryRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SumQueryRecord:
+        check_real("sensitivity", data["sensitivity"])  # "1.1" is a string, not a number
+        check_real("noise_std", data["noise_std"])
+        if not isinstance(data.get("name", ""), str):
+            raise TypeError(f"name must be a string, got name={data['name']!r}")
         return cls(
             data["sample_id"], data["sensitivity"], data["noise_std"], data.get("name", "")
         )
@@ -228,6 +232,9 @@ class NonPrivateRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NonPrivateRecord:
+        for key in ("name", "reason"):
+            if not isinstance(data[key], str):
+                raise TypeError(f"{key} must be a string, got {key}={data[key]!r}")
         return cls(data["sample_id"], data["name"], data["reason"])
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpfy import events as ev
-from dpfy._validate import check_int, check_range
+from dpfy._validate import check_int, check_range, check_real
 from dpfy.sampling.kinds import kind, kind_names, kinds
 
 __all__ = ["SampleSpec", "spec_event"]
@@ -111,7 +111,10 @@ class SampleSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SampleSpec:
-        """Inverse of :meth:`to_dict` (validates again)."""
+        """Inverse of :meth:`to_dict` (validates again; a number given as a string or of
+        another JSON type is refused with ``TypeError`` naming the field)."""
+        if data.get("sampling_rate") is not None:
+            check_real("sampling_rate", data["sampling_rate"])
         return cls(**data)
 
     # Typed accessors for fields a kind's row guarantees (``needs``): event maps use these.
