@@ -88,16 +88,16 @@ def check_range(
 
 def check_finite_nonneg(name: str, value: Any) -> None:
     """``check_range(name, value, 0, inf)`` with a fast path for plain ints and floats."""
-    if type(value) in (float, int) and 0.0 <= value < math.inf:
+    if type(value) is float and 0.0 <= value < math.inf:
         return
     check_range(name, value, 0.0, math.inf, high_open=True)
 
 
 def check_count(name: str, value: Any) -> None:
-    """``check_range(name, value, 0, None, integer=True)`` with a fast path for plain ints."""
-    if type(value) is int and value >= 0:
+    """An integer in ``[0, MAX_COUNT]``, with a fast path for plain ints."""
+    if type(value) is int and 0 <= value <= MAX_COUNT:
         return
-    check_range(name, value, 0, None, integer=True)
+    check_range(name, value, 0, MAX_COUNT, integer=True)
 
 
 def _short_repr(value: Any) -> str:

@@ -365,7 +365,7 @@ class TruncatedPoisson(Event):
     def __post_init__(self) -> None:
         check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps", self.steps, 0, None, integer=True)
+        check_int("steps", self.steps, 0)
         check_int("dataset_size", self.dataset_size)
         check_int("max_batch_size", self.max_batch_size)
         object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
@@ -428,7 +428,7 @@ class SelfComposed(Event):
 
     def __post_init__(self) -> None:
         _check_event("event", self.event)
-        check_range("count", self.count, 0, None, integer=True)
+        check_int("count", self.count, 0)
         object.__setattr__(self, "count", int(self.count))
 
 

@@ -306,7 +306,7 @@ def plan(
         check_int("max_steps", max_steps)
     if max_examples_processed is not None:
         check_int("max_examples_processed", max_examples_processed)
-    check_range("runner_ups", runner_ups, 0, None, integer=True)
+    check_int("runner_ups", runner_ups, 0)
     n = int(dataset_size)
     target = float(target_epsilon)
     s_cap = int(max_steps) if max_steps is not None else DEFAULT_MAX_STEPS

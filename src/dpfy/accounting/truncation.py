@@ -66,7 +66,7 @@ def truncation_delta(
     check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
     check_int("dataset_size", dataset_size)
     check_int("max_batch_size", max_batch_size)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("steps", steps, 0)
     from scipy import stats
 
     per_step = float(stats.binom.sf(int(max_batch_size), int(dataset_size) + 1, sampling_rate))

@@ -391,7 +391,7 @@ def dp_feature_covariance(
                 high_open=True)
     check_range("gradient_clip_norm", gradient_clip_norm, 0.0, math.inf, low_open=True,
                 high_open=True)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("steps", steps, 0)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     check_range("ridge", ridge, 0.0, math.inf, high_open=True)
     check_range("l2", l2, 0.0, math.inf, high_open=True)
@@ -451,7 +451,7 @@ def dp_adam(
     """
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
     _check_common(noise_multiplier)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("steps", steps, 0)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     check_range("l2", l2, 0.0, math.inf, high_open=True)
     if optimizer not in ("adam", "sgd"):

@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 FORMAT = "dpfy-ledger"
+#: Largest sensitivity / noise_std of a sum query: the ledger composes (S/s)^2 (McMahan et al.
+#: 2018), which must stay a finite float; beyond it the release is not private in any sense.
+MAX_RATIO = 1e150
 VERSION = 1
 
 
@@ -184,6 +187,12 @@ class SumQueryRecord:
         check_finite_nonneg("noise_std", self.noise_std)
         object.__setattr__(self, "sensitivity", float(self.sensitivity))
         object.__setattr__(self, "noise_std", float(self.noise_std))
+        if self.noise_std > 0.0 and not self.sensitivity / self.noise_std <= MAX_RATIO:
+            raise ValueError(
+                f"noise_std must be at least sensitivity / {MAX_RATIO:g} (the ledger squares "
+                f"their ratio), got noise_std={self.noise_std!r} for "
+                f"sensitivity={self.sensitivity!r}"
+            )
         object.__setattr__(self, "name", str(self.name))
 
     def to_dict(self) -> dict[str, Any]:

@@ -186,7 +186,7 @@ class BaseSampler:
         If a loaded checkpoint stopped inside ``epoch``, iteration resumes after the last batch
         the checkpoint covered. Batches longer than ``max_batch_size`` are truncated.
         """
-        check_range("epoch", epoch, 0, None, integer=True)
+        check_int("epoch", epoch, 0)
         epoch = int(epoch)
         resume = epoch == self._epoch and 0 < self._step < self.steps_per_epoch
         if not resume:
