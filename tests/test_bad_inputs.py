@@ -200,3 +200,141 @@ def test_cli_bad_input(workdir: Path, capsys: pytest.CaptureFixture[str], argv, 
     assert len(lines) == 1, err
     line = lines[0]
     assert name in line or "--" + name.replace("_", "-") in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# the 14 API probes
+# ---------------------------------------------------------------------------------------------
+def _poisson(z: float = 1.0):
+    from dpfy import events as ev
+
+    return ev.SelfComposed(ev.PoissonSampled(0.01, ev.Gaussian(z)), 100)
+
+
+def _release(per_example, noise_std: float = 1.1):
+    """Release through a GaussianSumQuery; the ledger must gain no entry when refused."""
+    from dpfy.ledger import Ledger, SampleSpec
+    from dpfy.queries import GaussianSumQuery
+    from dpfy.randomness import Randomness
+
+    ledger = Ledger()
+    sid = ledger.record_sample(SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01))
+    before = len(ledger)
+    try:
+        GaussianSumQuery(1.0, noise_std).release(
+            per_example, ledger=ledger, sample_id=sid, randomness=Randomness(seed=0)
+        )
+    finally:
+        assert len(ledger) == before, "a refused release wrote a ledger entry"
+
+
+def _tensors(**shapes):
+    import torch
+
+    return {k: (torch.randn(*v) if isinstance(v, tuple) else v) for k, v in shapes.items()}
+
+
+def _api_cases():
+    import torch
+
+    from dpfy import accounting
+    from dpfy import events as ev
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+    from dpfy.ledger import Ledger, SampleSpec
+    from dpfy.sampling import make_sampler
+
+    def record_huge():
+        ledger = Ledger()
+        sid = ledger.record_sample(SampleSpec("poisson", dataset_size=10, sampling_rate=0.5))
+        ledger.record_sum_query(sid, sensitivity=10**400, noise_std=1)
+
+    # (id, call, parameter the error names or None when a correct number is expected)
+    return [
+        ("gaussian_huge_noise", lambda: accounting.epsilon(ev.Gaussian(1e308), 1e-5), None),
+        ("gaussian_tiny_noise", lambda: accounting.epsilon(ev.Gaussian(1e-300), 1e-5), None),
+        ("count_huge", lambda: ev.SelfComposed(ev.Gaussian(1), 10**400), "count"),
+        ("method_none", lambda: accounting.epsilon(_poisson(), 1e-5, method=None), "method"),
+        ("pld_tiny_delta", lambda: accounting.epsilon(_poisson(), 5e-324, "pld"), "delta"),
+        ("auto_tiny_delta", lambda: accounting.epsilon(_poisson(), 5e-324, "auto"), None),
+        ("calibrate_inf_target", lambda: calibrate_noise_multiplier(
+            lambda z: _poisson(z), math.inf, 1e-5), "target_epsilon"),
+        ("sensitivity_huge", record_huge, "sensitivity"),
+        ("mismatched_batch", lambda: _release(_tensors(a=(8, 3), b=(7, 2))), "per_example"),
+        ("zero_dim", lambda: _release({"a": torch.tensor(1.0)}), "per_example"),
+        ("int64", lambda: _release({"a": torch.ones(8, 3, dtype=torch.int64)}), "per_example"),
+        ("empty", lambda: _release({}), "per_example"),
+        ("noise_std_tiny", lambda: _release(_tensors(a=(8, 3)), noise_std=1e-300), "noise_std"),
+        ("sampler_huge", lambda: make_sampler("poisson", 10**400, 5), "dataset_size"),
+    ]
+
+
+API_IDS = [
+    "gaussian_huge_noise", "gaussian_tiny_noise", "count_huge", "method_none", "pld_tiny_delta",
+    "auto_tiny_delta", "calibrate_inf_target", "sensitivity_huge", "mismatched_batch",
+    "zero_dim", "int64", "empty", "noise_std_tiny", "sampler_huge",
+]
+
+
+@pytest.mark.parametrize("case", API_IDS)
+def test_api_bad_input(case):
+    call, name = {c[0]: c[1:] for c in _api_cases()}[case]
+    if name is None:  # a correct number: huge noise ~0, tiny noise inf, RDP at a tiny delta
+        result = call()
+        assert result.epsilon >= 0.0 and not math.isnan(result.epsilon)
+        if case == "gaussian_huge_noise":
+            assert result.epsilon < 1e-4
+        if case == "gaussian_tiny_noise":
+            assert result.epsilon == math.inf
+        return
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert name in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic report writes and the crash-cut delta default
+# ---------------------------------------------------------------------------------------------
+def test_report_write_is_atomic_on_a_full_disk(workdir, capsys, monkeypatch):
+    from dpfy.report import write as report_write
+
+    Path("ledger.jsonl").write_bytes(PREPARED["good"])
+    before = _tree(workdir)
+    calls = []
+
+    def full_disk(path, text):
+        calls.append(path.name)
+        if path.name == "report.json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        path.write_text(text, encoding="utf-8")
+
+    monkeypatch.setattr(report_write, "_write_text", full_disk)
+    code = main(["report", "ledger.jsonl"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and "out" in lines[0] and "No space left" in lines[0], err
+    assert calls == ["report.md", "report.json"]  # report.md was written, then removed
+    assert _tree(workdir) == before  # no report.md, report.json, figures/ or temp folder
+    monkeypatch.undo()
+    monkeypatch.chdir(workdir)
+    assert main(["report", "ledger.jsonl", "--no-figures"]) == 0
+    assert {"report.md", "report.json"} <= _tree(workdir)
+
+
+@pytest.mark.parametrize(
+    ("meta", "expected_delta", "needle"),
+    [
+        ({"target_delta": 1e-6}, 1e-6, "recorded target delta"),
+        ({"dataset": "mnist"}, 1e-4, "1/(10 N)"),  # N = 1000 from the sample specs
+    ],
+)
+def test_report_on_a_crash_cut_ledger_defaults_delta(workdir, capsys, meta, expected_delta,
+                                                     needle):
+    Path("ledger.jsonl").write_text("\n".join(_ledger_lines(meta)) + "\n")
+    code = main(["report", "ledger.jsonl", "--json", "--no-figures"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["delta"] == pytest.approx(expected_delta)
+    assert any(needle in a for a in report["assumptions"])
+    assert needle in Path("report.md").read_text()
