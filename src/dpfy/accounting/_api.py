@@ -360,7 +360,7 @@ def epsilon(
         return settled
     accs = _resolve(mechanism, method)
     probability = event_truncation_probability(event)
-    results = []
+    results: list[PrivacyResult] = []
     for i, acc in enumerate(accs):
         others = len(accs) - 1 - i + len(results)
         if probability == 0.0:
