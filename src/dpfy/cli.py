@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import typer
+
+# The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
+# option parsers below refuse a bad value with the same rule before a command runs.
+from dpfy import runs as _rules
 
 # Typer ships its own copy of click in recent versions; take the exception classes from the
 # public BadParameter's ancestry so this works with either layout.
@@ -62,31 +68,105 @@ class UsageProblem(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# shared option types
+# option parsers: every option of a kind is checked by the same rule of dpfy._validate, at parse
+# time, so a bad value is refused (one line naming the option) before anything runs or is written
 # ---------------------------------------------------------------------------------------------
-DatasetSize = Annotated[int, typer.Option("--dataset-size", "-n", help="Number of examples N.")]
-BatchSize = Annotated[
-    int, typer.Option("--batch-size", "-b", help="Expected batch size B (Poisson: q = B/N).")
+def _parsed(name: str, convert: Callable[[str], Any], check: Callable[[str, Any], None]) -> Any:
+    """A typer ``parser``: ``convert`` the text, then ``check(name, value)``; a failure is a
+    ``BadParameter`` (exit 2, one line) carrying the project's message."""
+
+    def parse(text: Any) -> Any:
+        if not isinstance(text, str):  # a default value, already of its type
+            return text
+        try:
+            value = convert(text)
+        except ValueError:
+            kind = "an integer" if convert is int else "a number"
+            raise typer.BadParameter(f"{name} must be {kind}, got {name}={text[:40]!r}") from None
+        try:
+            check(name, value)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        return value
+
+    return parse
+
+
+def _count(name: str, low: int = 1) -> Any:
+    """Every integer option: an integer in [low, MAX_COUNT]."""
+    return _parsed(name, int, lambda n, v: _rules.check_int(n, v, low))
+
+
+def _positive(name: str, high: float = math.inf) -> Any:
+    """Every float the math needs finite: in (0, high], never inf or NaN."""
+    return _parsed(name, float, lambda n, v: _rules.check_positive(n, v, high))
+
+
+def _open_unit(name: str) -> Any:
+    """A probability: in (0, 1)."""
+    return _parsed(
+        name, float, lambda n, v: _rules.check_range(n, v, 0.0, 1.0, low_open=True, high_open=True)
+    )
+
+
+def _seed(name: str = "seed") -> Any:
+    return _parsed(name, int, _rules.check_seed)
+
+
+def _threads(name: str) -> Any:
+    return _parsed(name, int, lambda n, v: _rules.check_int(n, v, 1, os.cpu_count() or 1))
+
+
+def _out_dir(name: str) -> Any:
+    """Every output directory: not empty, not an existing file, creatable."""
+
+    parse = _parsed(name, str, _rules.check_output_path)
+    return lambda text: Path(parse(text)) if isinstance(text, str) else text
+
+
+DatasetSize = Annotated[
+    int,
+    typer.Option("--dataset-size", "-n", help="Number of examples N.",
+                 parser=_count("dataset_size")),
 ]
-Epochs = Annotated[float | None, typer.Option("--epochs", help="Passes over the data.")]
-Steps = Annotated[int | None, typer.Option("--steps", help="Number of training steps.")]
-Delta = Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")]
+BatchSize = Annotated[
+    int,
+    typer.Option("--batch-size", "-b", help="Expected batch size B (Poisson: q = B/N).",
+                 parser=_count("batch_size")),
+]
+Epochs = Annotated[
+    float | None, typer.Option("--epochs", help="Passes over the data.",
+                               parser=_positive("epochs", _rules.MAX_COUNT))
+]
+Steps = Annotated[
+    int | None, typer.Option("--steps", help="Number of training steps.", parser=_count("steps"))
+]
+Delta = Annotated[
+    float, typer.Option("--delta", help="Target delta, in (0, 1).", parser=_open_unit("delta"))
+]
+TargetEpsilon = _positive("target_epsilon", _rules.MAX_EPSILON)
 Sampler = Annotated[
     SamplerName, typer.Option("--sampler", help="The batch sampler that actually runs.")
 ]
 Method = Annotated[MethodName, typer.Option("--method", help="Accounting method.")]
 MaxBatch = Annotated[
     int | None,
-    typer.Option("--max-batch-size", help="Truncate batches to this size (costs extra delta)."),
+    typer.Option("--max-batch-size", help="Truncate batches to this size (costs extra delta).",
+                 parser=_count("max_batch_size")),
 ]
 Samples = Annotated[
-    int | None, typer.Option("--samples", help="Monte Carlo samples (Balls-and-Bins).")
+    int | None,
+    typer.Option("--samples", help="Monte Carlo samples (Balls-and-Bins).",
+                 parser=_count("samples")),
 ]
 ErrorProb = Annotated[
     float,
-    typer.Option("--error-probability", help="Monte Carlo: probability the bound fails."),
+    typer.Option("--error-probability", help="Monte Carlo: probability the bound fails.",
+                 parser=_open_unit("error_probability")),
 ]
-Seed = Annotated[int | None, typer.Option("--seed", help="Seed for Monte Carlo accounting.")]
+Seed = Annotated[
+    int | None, typer.Option("--seed", help="Seed for Monte Carlo accounting.", parser=_seed())
+]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
@@ -143,7 +223,9 @@ def epsilon(
     dataset_size: DatasetSize,
     batch_size: BatchSize,
     noise_multiplier: Annotated[
-        float, typer.Option("--noise-multiplier", "-z", help="Noise std / clip norm.")
+        float,
+        typer.Option("--noise-multiplier", "-z", help="Noise std / clip norm.",
+                     parser=_positive("noise_multiplier")),
     ],
     delta: Delta,
     epochs: Epochs = None,
@@ -198,7 +280,9 @@ def _run_fields(sampler: SamplerName, run: Any) -> dict[str, Any]:
 @app.command()
 def calibrate(
     target_epsilon: Annotated[
-        float, typer.Option("--target-epsilon", help="Epsilon the run must not exceed.")
+        float,
+        typer.Option("--target-epsilon", help="Epsilon the run must not exceed.",
+                     parser=TargetEpsilon),
     ],
     dataset_size: DatasetSize,
     batch_size: BatchSize,
@@ -243,11 +327,14 @@ def report(
     ledger_path: Annotated[Path, typer.Argument(help="A ledger file (JSON lines).")],
     delta: Annotated[
         float | None,
-        typer.Option("--delta", help="Delta of the statement (default: the run's delta)."),
+        typer.Option("--delta", help="Delta of the statement (default: the run's delta).",
+                     parser=_open_unit("delta")),
     ] = None,
     method: Method = MethodName.auto,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Directory for report.md/json and figures.")
+        Path | None,
+        typer.Option("--out", help="Directory for report.md/json and figures.",
+                     parser=_out_dir("out")),
     ] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures")] = True,
     as_json: AsJson = False,
@@ -280,19 +367,25 @@ def report(
 def plan(
     dataset_size: DatasetSize,
     target_epsilon: Annotated[
-        float, typer.Option("--target-epsilon", help="Epsilon budget of the final run.")
+        float,
+        typer.Option("--target-epsilon", help="Epsilon budget of the final run.",
+                     parser=TargetEpsilon),
     ],
     delta: Delta,
     max_steps: Annotated[
-        int | None, typer.Option("--max-steps", help="Most DP-SGD steps you will run.")
+        int | None,
+        typer.Option("--max-steps", help="Most DP-SGD steps you will run.",
+                     parser=_count("max_steps")),
     ] = None,
     max_examples_processed: Annotated[
         int | None,
-        typer.Option("--max-examples-processed", help="Compute budget: batch size x steps."),
+        typer.Option("--max-examples-processed", help="Compute budget: batch size x steps.",
+                     parser=_count("max_examples_processed")),
     ] = None,
     plot: Annotated[
         Path | None,
-        typer.Option("--plot", help="Write the options and privacy-wall figures to this folder."),
+        typer.Option("--plot", help="Write the options and privacy-wall figures to this folder.",
+                     parser=_out_dir("plot")),
     ] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -340,30 +433,49 @@ if not TYPE_CHECKING:
 def train(
     dataset: Annotated[DatasetName, typer.Argument(help="Training data (offline packages).")],
     target_epsilon: Annotated[
-        float, typer.Option("--target-epsilon", help="Privacy budget of the run.")
+        float,
+        typer.Option("--target-epsilon", help="Privacy budget of the run.", parser=TargetEpsilon),
     ] = 3.0,
-    delta: Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")] = 1e-5,
+    delta: Delta = 1e-5,
     sampler: Annotated[
         TrainSampler, typer.Option("--sampler", help="Batch sampler (decides the accounting).")
     ] = TrainSampler.poisson,
     epochs: Annotated[
-        int | None, typer.Option("--epochs", help="Passes over the data (default 10).")
+        int | None,
+        typer.Option("--epochs", help="Passes over the data (default 10).",
+                     parser=_count("epochs")),
     ] = None,
     batch_size: Annotated[
-        int | None, typer.Option("--batch-size", help="Expected batch size (default 1024).")
+        int | None,
+        typer.Option("--batch-size", help="Expected batch size (default 1024).",
+                     parser=_count("batch_size")),
     ] = None,
     learning_rate: Annotated[
-        float | None, typer.Option("--learning-rate", help="SGD step size (default 2.0).")
+        float | None,
+        typer.Option("--learning-rate", help="SGD step size (default 2.0).",
+                     parser=_positive("learning_rate", _rules.MAX_SCALE)),
     ] = None,
     clip_norm: Annotated[
-        float | None, typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).")
+        float | None,
+        typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).",
+                     parser=_positive("clip_norm", _rules.MAX_SCALE)),
     ] = None,
-    seed: Annotated[int | None, typer.Option("--seed", help=SEEDED_HELP)] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Run directory.")] = None,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help=SEEDED_HELP, parser=_seed())
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Run directory.", parser=_out_dir("out"))
+    ] = None,
     train_limit: Annotated[
-        int | None, typer.Option("--train-limit", help="Use only this many training images.")
+        int | None,
+        typer.Option("--train-limit", help="Use only this many training images.",
+                     parser=_count("train_limit")),
     ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="Torch threads.")] = None,
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", help="Torch threads, in [1, cpu count].",
+                     parser=_threads("threads")),
+    ] = None,
 ) -> None:
     """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
     from dpfy import runs
@@ -414,14 +526,20 @@ def features(
         FeatureMethod, typer.Option("--method", help="DP learner (Mehta et al.).")
     ] = FeatureMethod.dp_fc,
     target_epsilon: Annotated[
-        float, typer.Option("--target-epsilon", help="Privacy budget.")
+        float, typer.Option("--target-epsilon", help="Privacy budget.", parser=TargetEpsilon)
     ] = 1.0,
-    delta: Annotated[float, typer.Option("--delta", help="Target delta, in (0, 1).")] = 1e-5,
-    seed: Annotated[int | None, typer.Option("--seed", help=SEEDED_HELP)] = None,
-    limit: Annotated[
-        int | None, typer.Option("--limit", help="Use only this many training examples.")
+    delta: Delta = 1e-5,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help=SEEDED_HELP, parser=_seed())
     ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Run directory.")] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", help="Use only this many training examples.",
+                     parser=_count("limit", 2)),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Run directory.", parser=_out_dir("out"))
+    ] = None,
 ) -> None:
     """Learn a linear classifier with DP on pretrained features; write ledger and report.
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +110,7 @@ def _to_tensors(
     import torch
 
     if limit is not None:
-        check_range("limit", limit, 1, None, integer=True)
+        check_int("limit", limit)
         images, labels = images[: int(limit)], labels[: int(limit)]
     mean, std = _STATS[name]
     x = (np.asarray(images, dtype=np.float32).reshape(-1, 1, 28, 28) - mean) / std

@@ -23,7 +23,7 @@ import enum
 import math
 from typing import Any, ClassVar
 
-from dpfy._validate import check_range  # noqa: F401  (re-exported for old imports)
+from dpfy._validate import check_int, check_range  # noqa: F401  (re-exported for old imports
 
 __all__ = [
     "Adjacency",
@@ -177,8 +177,8 @@ def _as_adjacency(value: Adjacency | str) -> str:
 def _validate_epochs(event: BallsAndBins | Shuffled | Deterministic) -> None:
     """Shared validation of the epoch-structured sampler events (noise, steps, epochs)."""
     check_range("noise_multiplier", event.noise_multiplier, 0.0, None, low_open=True)
-    check_range("steps_per_epoch", event.steps_per_epoch, 1, None, integer=True)
-    check_range("epochs", event.epochs, 1, None, integer=True)
+    check_int("steps_per_epoch", event.steps_per_epoch)
+    check_int("epochs", event.epochs)
     object.__setattr__(event, "noise_multiplier", float(event.noise_multiplier))
     object.__setattr__(event, "steps_per_epoch", int(event.steps_per_epoch))
     object.__setattr__(event, "epochs", int(event.epochs))
@@ -275,7 +275,7 @@ class FixedSizeSampled(Event):
     kind: ClassVar[str] = "fixed_size_sampled"
 
     def __post_init__(self) -> None:
-        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_int("dataset_size", self.dataset_size)
         check_range("sample_size", self.sample_size, 1, self.dataset_size, integer=True)
         object.__setattr__(self, "sample_size", int(self.sample_size))
         object.__setattr__(self, "dataset_size", int(self.dataset_size))
@@ -365,9 +365,9 @@ class TruncatedPoisson(Event):
     def __post_init__(self) -> None:
         check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps", self.steps, 0, None, integer=True)
-        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
-        check_range("max_batch_size", self.max_batch_size, 1, None, integer=True)
+        check_int("steps", self.steps, 0)
+        check_int("dataset_size", self.dataset_size)
+        check_int("max_batch_size", self.max_batch_size)
         object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
         object.__setattr__(self, "steps", int(self.steps))
@@ -396,10 +396,10 @@ class TruncatedBallsAndBins(Event):
 
     def __post_init__(self) -> None:
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps_per_epoch", self.steps_per_epoch, 1, None, integer=True)
-        check_range("epochs", self.epochs, 1, None, integer=True)
-        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
-        check_range("max_batch_size", self.max_batch_size, 1, None, integer=True)
+        check_int("steps_per_epoch", self.steps_per_epoch)
+        check_int("epochs", self.epochs)
+        check_int("dataset_size", self.dataset_size)
+        check_int("max_batch_size", self.max_batch_size)
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
         object.__setattr__(self, "steps_per_epoch", int(self.steps_per_epoch))
         object.__setattr__(self, "epochs", int(self.epochs))
@@ -428,7 +428,7 @@ class SelfComposed(Event):
 
     def __post_init__(self) -> None:
         _check_event("event", self.event)
-        check_range("count", self.count, 0, None, integer=True)
+        check_int("count", self.count, 0)
         object.__setattr__(self, "count", int(self.count))
 
 
@@ -504,7 +504,7 @@ def repeat(event: Event, count: int) -> Event:
     ``repeat(e, 1)`` is ``e``; ``repeat(BallsAndBins(z, T, 1), 3)`` is ``BallsAndBins(z, T, 3)``;
     ``repeat(Gaussian(z), 3)`` is ``SelfComposed(Gaussian(z), 3)``.
     """
-    check_range("count", count, 1, None, integer=True)
+    check_int("count", count)
     if count == 1:
         return event
     unit, n = _split_count(event)
@@ -535,7 +535,7 @@ class EventBuilder:
     def add(self, event: Event, count: int = 1) -> EventBuilder:
         """Append ``event`` run ``count`` (>= 1) times; returns the builder."""
         _check_event("event", event)
-        check_range("count", count, 1, None, integer=True)
+        check_int("count", count)
         if isinstance(event, Composed) and count == 1:
             for part in event.events:
                 self.add(part)

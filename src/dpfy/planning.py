@@ -38,7 +38,7 @@ import numpy as np
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting import roots, tan
 from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
@@ -299,14 +299,14 @@ def plan(
       >>> p.recommendation.steps, p.recommendation.noise_multiplier >= 1.9
       (2000, True)
     """
-    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_int("dataset_size", dataset_size)
     check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     if max_steps is not None:
-        check_range("max_steps", max_steps, 1, None, integer=True)
+        check_int("max_steps", max_steps)
     if max_examples_processed is not None:
-        check_range("max_examples_processed", max_examples_processed, 1, None, integer=True)
-    check_range("runner_ups", runner_ups, 0, None, integer=True)
+        check_int("max_examples_processed", max_examples_processed)
+    check_int("runner_ups", runner_ups, 0)
     n = int(dataset_size)
     target = float(target_epsilon)
     s_cap = int(max_steps) if max_steps is not None else DEFAULT_MAX_STEPS
@@ -314,7 +314,7 @@ def plan(
     if compute is not None:
         s_cap = min(s_cap, compute)  # at least one example per step
     if min_steps is not None:
-        check_range("min_steps", min_steps, 1, None, integer=True)
+        check_int("min_steps", min_steps)
         s_floor = min(int(min_steps), s_cap)
     else:
         s_floor = max(1, math.ceil(s_cap / 10))

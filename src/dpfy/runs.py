@@ -30,7 +30,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from dpfy._validate import check_range
+from dpfy._validate import (
+    MAX_COUNT,
+    MAX_EPSILON,
+    MAX_SCALE,
+    check_input_file,
+    check_int,
+    check_output_path,
+    check_positive,
+    check_range,
+    check_seed,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,6 +52,15 @@ if TYPE_CHECKING:
     from dpfy.sampling import Sampler
 
 __all__ = [
+    # the argument rules of dpfy._validate, for the command's option parsers
+    "MAX_COUNT",
+    "MAX_EPSILON",
+    "MAX_SCALE",
+    "check_int",
+    "check_output_path",
+    "check_positive",
+    "check_range",
+    "check_seed",
     "FEATURE_DATASETS",
     "FEATURE_METHODS",
     "ReportedRun",
@@ -156,16 +175,17 @@ def train_and_report(
     if dataset not in DATASETS:
         allowed = ", ".join(DATASETS)
         raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if epochs is not None:
-        check_range("epochs", epochs, 1, None, integer=True)
-    if batch_size is not None:
-        check_range("batch_size", batch_size, 1, None, integer=True)
-    if learning_rate is not None:
-        check_range("learning_rate", learning_rate, 0.0, None, low_open=True)
-    if clip_norm is not None:
-        check_range("clip_norm", clip_norm, 0.0, None, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    for name, count in (("epochs", epochs), ("batch_size", batch_size),
+                        ("train_limit", train_limit)):
+        if count is not None:
+            check_int(name, count)
+    for name, scale in (("learning_rate", learning_rate), ("clip_norm", clip_norm)):
+        if scale is not None:
+            check_positive(name, scale, MAX_SCALE)
+    check_seed("seed", seed)
+    if threads is not None:
+        check_int("threads", threads, 1, os.cpu_count() or 1)
     out_dir = _new_run_dir(out, dataset)
 
     from dpfy.training.recipes import train_image_classifier
@@ -255,10 +275,10 @@ def features_and_report(
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    check_seed("seed", seed)
     if limit is not None:
-        check_range("limit", limit, 2, None, integer=True)
+        check_int("limit", limit, 2)
     if method not in FEATURE_METHODS:
         allowed = ", ".join(FEATURE_METHODS)
         raise ValueError(f"method must be one of {{{allowed}}}, got method={method!r}")
@@ -320,39 +340,122 @@ def report_ledger(
 
     Args:
       ledger_path: a ledger (JSON lines) written by any run.
-      delta: delta of the statement (default: the delta the run recorded).
+      delta: delta of the statement. Default: the delta the run recorded; else its recorded
+        target delta; else (a run cut short before recording either) 1/(10 N) with N the
+        largest dataset size of the ledger's sample specs. The report names the default used.
       method: accounting method of the statement (``auto``: the tightest valid one).
       out: directory for ``report.md``, ``report.json`` and figures (default: the ledger's).
       figures: draw the figures (their data comes from the ledger; utility and the target
         epsilon from its metadata).
 
     Raises:
-      ValueError: no such ledger file, or no delta given and none recorded.
+      ValueError: no such ledger file, a malformed ledger or metadata field (named), an
+        output directory that cannot be created, or no delta given and none derivable. Nothing
+        is written then.
     """
+    check_input_file("ledger_path", ledger_path)
     path = Path(ledger_path)
-    if not path.is_file():
-        raise ValueError(f"ledger_path must be an existing ledger file, got {str(path)!r}")
-    from dpfy.ledger import Ledger
-
-    ledger = Ledger.load(path)
-    meta = ledger.metadata
-    if delta is None:
-        if "delta" not in meta:
-            raise ValueError("the ledger records no delta: pass --delta")
-        delta = float(meta["delta"])
+    if delta is not None:
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     out_dir = Path(out) if out is not None else path.parent
+    check_output_path("out", out_dir)
+    from dpfy.ledger import Ledger, LedgerFormatError
+
+    try:
+        ledger = Ledger.load(path)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"ledger_path must be a UTF-8 dpfy ledger, got {str(path)!r}: {err}"
+        ) from None
+    except LedgerFormatError as err:
+        raise ValueError(f"ledger_path holds a malformed ledger: {err}") from None
+    facts = _recorded_facts(ledger.metadata, need_delta=delta is None)
+    note = None
+    if delta is None:
+        delta, note = _default_delta(ledger, facts)
     report = _report_files(
         ledger,
         path,
         out_dir,
         delta=delta,
         method=method,
-        utility=meta.get("utility"),
+        utility=facts["utility"],
         figures=figures,
-        target_epsilon=meta.get("target_epsilon"),
-        accuracy_by_step=[(int(s), float(a)) for s, a in meta.get("accuracy_by_step", [])],
+        target_epsilon=facts["target_epsilon"],
+        accuracy_by_step=facts["accuracy_by_step"],
+        note=note,
     )
     return ReportedRun(out_dir, path, report)
+
+
+def _recorded_facts(meta: Mapping[str, Any], *, need_delta: bool) -> dict[str, Any]:
+    """The report's inputs from a ledger's metadata, each type-checked: a field of the wrong
+    type or range raises ``ValueError`` naming it (files are input, never trusted)."""
+
+    def number(name: str, low: float, high: float) -> float | None:
+        if name not in meta:
+            return None
+        value = meta[name]
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(
+                f"the ledger's metadata {name} must be a number in ({low}, {high}), got "
+                f"{name}={value!r}" + (" (pass --delta to override)" if "delta" in name else "")
+            )
+        check_range(name, value, low, high, low_open=True, high_open=high == math.inf)
+        return float(value)
+
+    facts: dict[str, Any] = {
+        "delta": number("delta", 0.0, 1.0) if need_delta else None,
+        "target_delta": number("target_delta", 0.0, 1.0) if need_delta else None,
+        "target_epsilon": number("target_epsilon", 0.0, math.inf),
+    }
+    pairs = meta.get("accuracy_by_step", [])
+    ok = isinstance(pairs, list) and all(
+        isinstance(p, list) and len(p) == 2
+        and isinstance(p[0], int) and not isinstance(p[0], bool) and p[0] >= 0
+        and isinstance(p[1], int | float) and not isinstance(p[1], bool) and 0.0 <= p[1] <= 1.0
+        for p in pairs
+    )
+    if not ok:
+        raise ValueError(
+            "the ledger's metadata accuracy_by_step must be a list of [step >= 0, accuracy in "
+            f"[0, 1]] pairs, got accuracy_by_step={str(pairs)[:60]!r}"
+        )
+    facts["accuracy_by_step"] = [(int(step), float(acc)) for step, acc in pairs]
+    utility = meta.get("utility", {})
+    if not isinstance(utility, dict) or not all(
+        isinstance(k, str) and (v is None or isinstance(v, str | int | float | bool))
+        for k, v in utility.items()
+    ):
+        raise ValueError(
+            "the ledger's metadata utility must be an object of named numbers or strings, "
+            f"got utility={str(utility)[:60]!r}"
+        )
+    facts["utility"] = dict(utility) or None
+    return facts
+
+
+def _default_delta(ledger: Ledger, facts: Mapping[str, Any]) -> tuple[float, str | None]:
+    """The statement's delta when none is given: the recorded delta; else the recorded target
+    delta; else 1/(10 N) (a run cut short before recording either). (delta, note or None)."""
+    if facts["delta"] is not None:
+        return float(facts["delta"]), None
+    if facts["target_delta"] is not None:
+        return float(facts["target_delta"]), (
+            "delta: the ledger records no final delta (the run ended before writing it); the "
+            "statement uses the recorded target delta"
+        )
+    sizes = [r.spec.dataset_size for r in ledger.samples if r.spec.dataset_size is not None]
+    if not sizes:
+        raise ValueError(
+            "delta: the ledger records no delta, no target delta and no dataset size: pass --delta"
+        )
+    n = max(sizes)
+    return 1.0 / (10.0 * n), (
+        f"delta: the ledger records no delta (the run ended before writing it); the statement "
+        f"uses the default 1/(10 N) = {1.0 / (10.0 * n):.3g} with N = {n}, the dataset size of "
+        "its sample records"
+    )
 
 
 def _report_files(
@@ -367,31 +470,50 @@ def _report_files(
     train_command: str | None = None,
     target_epsilon: float | None = None,
     accuracy_by_step: list[tuple[int, float]] | None = None,
+    note: str | None = None,
 ) -> PrivacyReport:
     """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
-    into ``out_dir``; the report written."""
+    into ``out_dir``; the report written. ``note`` (how a default was chosen) is added to the
+    report's assumptions."""
     from dpfy.report import build_report, write_report
 
     report = build_report(
         ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path)
     )
+    if note is not None:
+        report = dataclasses.replace(report, assumptions=(*report.assumptions, note))
     if train_command is not None:
         report = dataclasses.replace(
             report, reproduce={**report.reproduce, "train_command": train_command}
         )
-    return write_report(
-        report,
-        ledger,
-        out_dir,
-        figures=figures,
-        target_epsilon=target_epsilon,
-        accuracy_by_step=accuracy_by_step or None,
-    )
+    try:
+        return write_report(
+            report,
+            ledger,
+            out_dir,
+            figures=figures,
+            target_epsilon=target_epsilon,
+            accuracy_by_step=accuracy_by_step or None,
+        )
+    except OSError as err:  # e.g. a full disk: the atomic write left no partial report
+        raise ValueError(
+            f"out: could not write the report into {str(out_dir)!r} ({err.strerror or err}); "
+            f"nothing was written there, the ledger {str(ledger_path)!r} is intact"
+        ) from None
+
+
+def _check_budget(target_epsilon: float, delta: float) -> None:
+    """A target epsilon in (0, MAX_EPSILON] (finite) and a delta in (0, 1)."""
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
 def _new_run_dir(out: str | os.PathLike[str] | None, default_name: str) -> Path:
-    """``out``, or ``runs/<default_name>-<date>-<time>``; refused if it already holds a ledger
-    (ledgers are append-only records of one run)."""
+    """``out``, or ``runs/<default_name>-<date>-<time>``; refused (nothing created) if it is not
+    a creatable directory or already holds a ledger (ledgers are append-only records of one
+    run)."""
+    if out is not None:
+        check_output_path("out", out)
     out_dir = Path(out) if out is not None else (
         Path("runs") / f"{default_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     )
@@ -450,6 +572,8 @@ def plan_with_figures(
     wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
     from dpfy.planning import plan
 
+    if plot_dir is not None:
+        check_output_path("plot", plot_dir)
     result = plan(
         dataset_size,
         target_epsilon,
@@ -521,6 +645,9 @@ def account_run(
     """
     from dpfy import accounting
 
+    check_positive("noise_multiplier", noise_multiplier)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
@@ -558,8 +685,8 @@ def calibrate_run(
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_budget(target_epsilon, delta)
+    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
@@ -596,10 +723,19 @@ def _planned_sampler(
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of --epochs or --steps")
     if steps is not None:
-        check_range("steps", steps, 1, None, integer=True)
+        check_int("steps", steps)
     else:
-        check_range("epochs", epochs, 0.0, None, low_open=True)
+        # finite, and few enough that the run's step count stays a count (<= MAX_COUNT)
+        check_positive("epochs", epochs, MAX_COUNT / smp.steps_per_epoch)
     return smp, epochs, steps
+
+
+def _check_monte_carlo(samples: int | None, error_probability: float, seed: int | None) -> None:
+    if samples is not None:
+        check_int("samples", samples)
+    check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
+    if seed is not None:
+        check_seed("seed", seed)
 
 
 def _total_steps(smp: Sampler, epochs: float | None, steps: int | None) -> int:

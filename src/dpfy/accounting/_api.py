@@ -158,6 +158,11 @@ def contains_non_private(event: ev.Event) -> bool:
 def _resolve(event: ev.Event, method: str | Accountant) -> list[Accountant]:
     if not isinstance(event, ev.Event):
         raise ValueError(f"event must be a dpfy.events.Event, got event={event!r}")
+    if not isinstance(method, str) and not callable(getattr(method, "unsupported", None)):
+        allowed = ", ".join(("auto", *_ACCOUNTANTS))
+        raise ValueError(
+            f"method must be one of {{{allowed}}} or an accountant, got method={method!r}"
+        )
     if not isinstance(method, str):  # a configured accountant instance, e.g. Monte Carlo options
         reason = method.unsupported(event)
         if reason is not None:
@@ -190,6 +195,95 @@ def _infinite(event: ev.Event, method: str, delta: float) -> PrivacyResult:
         method=method,
         adjacency=event.adjacency_relation.value,
         notes=("the event contains a non-private release: no finite epsilon holds",),
+    )
+
+
+#: Noise multipliers outside [MIN_NOISE, MAX_NOISE] are not handed to an accountant. Above,
+#: epsilon is accounted at MAX_NOISE: epsilon never increases with the noise, so that is a valid
+#: (and, at about 1e-5 per step, negligible) upper bound. Below, 1/z^2 leaves float range and
+#: the only float that bounds epsilon is inf.
+MAX_NOISE = 1e6
+MIN_NOISE = 1e-6
+_NOISY = (
+    ev.Gaussian, ev.BallsAndBins, ev.Shuffled, ev.Deterministic, ev.TruncatedPoisson,
+    ev.TruncatedBallsAndBins,
+)
+
+
+def _tame(event: ev.Event) -> tuple[ev.Event, bool, bool]:
+    """(event with every finite noise multiplier above MAX_NOISE set to MAX_NOISE, whether one
+    was, whether some noise multiplier is below MIN_NOISE)."""
+    if isinstance(event, _NOISY):
+        z = event.noise_multiplier
+        if z < MIN_NOISE:
+            return event, False, True
+        if MAX_NOISE < z < math.inf:
+            return dataclasses.replace(event, noise_multiplier=MAX_NOISE), True, False
+    changed = tiny = False
+    updates: dict[str, Any] = {}
+    for field in dataclasses.fields(event):
+        value = getattr(event, field.name)
+        if isinstance(value, ev.Event):
+            new, c, t = _tame(value)
+            changed, tiny = changed or c, tiny or t
+            if c:
+                updates[field.name] = new
+        elif isinstance(value, tuple) and value and all(isinstance(v, ev.Event) for v in value):
+            parts = [_tame(v) for v in value]
+            tiny = tiny or any(t for _, _, t in parts)
+            if any(c for _, c, _ in parts):
+                changed = True
+                updates[field.name] = tuple(p for p, _, _ in parts)
+    return (dataclasses.replace(event, **updates) if updates else event), changed, tiny
+
+
+_CLAMP_NOTE = (
+    f"noise multipliers above {MAX_NOISE:g} accounted as {MAX_NOISE:g} (epsilon never "
+    "increases with the noise: an upper bound)"
+)
+
+
+def _numerically_safe(
+    mechanism: ev.Event, method: str | Accountant, delta: float
+) -> tuple[ev.Event, tuple[str, ...], PrivacyResult | None]:
+    """The mechanism with extreme noise multipliers tamed (see MAX_NOISE), its notes, and the
+    result when no accountant is needed (a noise multiplier below MIN_NOISE: epsilon = inf)."""
+    tamed, clamped, tiny = _tame(mechanism)
+    if tiny:
+        return tamed, (), PrivacyResult(
+            epsilon=math.inf,
+            delta=delta,
+            method=_method_name(method),
+            adjacency=mechanism.adjacency_relation.value,
+            notes=(f"a noise multiplier below {MIN_NOISE:g}: no finite epsilon is representable",),
+        )
+    return tamed, ((_CLAMP_NOTE,) if clamped else ()), None
+
+
+def _run(acc: Accountant, call: Callable[[], PrivacyResult], others: int) -> PrivacyResult | None:
+    """``call()``; a numerical overflow inside one accountant is None when ``others`` remain
+    (auto uses them) and a ValueError naming the accountant otherwise, never a crash."""
+    try:
+        return call()
+    except (OverflowError, ZeroDivisionError, FloatingPointError, RecursionError) as err:
+        if others:
+            return None
+        raise ValueError(
+            f"method={acc.name!r} cannot account this event at these parameters (numerical "
+            f"overflow: {err}); delta and noise multipliers closer to 1 or method='rdp' work"
+        ) from None
+
+
+def _truncated_result(
+    acc: Accountant, mechanism: ev.Event, delta: float, probability: float
+) -> PrivacyResult:
+    from dpfy.accounting.truncation import truncated_epsilon
+
+    epsilon_of_delta = functools.partial(_epsilon_at, acc, mechanism)
+    eps = truncated_epsilon(epsilon_of_delta, delta, probability)
+    base = acc.epsilon(mechanism, delta)
+    return dataclasses.replace(
+        base, epsilon=eps, notes=(*base.notes, _truncation_note(probability))
     )
 
 
@@ -255,28 +349,30 @@ def epsilon(
     Raises:
       ValueError: bad delta or method; ``UnsupportedEventError`` if the method does not apply.
     """
-    from dpfy.accounting.truncation import event_truncation_probability, truncated_epsilon
+    from dpfy.accounting.truncation import event_truncation_probability
 
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     event = _as_event(event)
     if contains_non_private(event):
         return _infinite(event, _method_name(method), float(delta))
-    mechanism = untruncated(event)
+    mechanism, notes, settled = _numerically_safe(untruncated(event), method, float(delta))
+    if settled is not None:
+        return settled
     accs = _resolve(mechanism, method)
     probability = event_truncation_probability(event)
-    results = []
-    for acc in accs:
+    results: list[PrivacyResult] = []
+    for i, acc in enumerate(accs):
+        others = len(accs) - 1 - i + len(results)
         if probability == 0.0:
-            results.append(acc.epsilon(mechanism, float(delta)))
-            continue
-        epsilon_of_delta = functools.partial(_epsilon_at, acc, mechanism)
-        eps = truncated_epsilon(epsilon_of_delta, float(delta), probability)
-        base = acc.epsilon(mechanism, float(delta))
-        results.append(
-            dataclasses.replace(
-                base, epsilon=eps, notes=(*base.notes, _truncation_note(probability))
+            res = _run(acc, functools.partial(acc.epsilon, mechanism, float(delta)), others)
+        else:
+            res = _run(
+                acc,
+                functools.partial(_truncated_result, acc, mechanism, float(delta), probability),
+                others,
             )
-        )
+        if res is not None:
+            results.append(dataclasses.replace(res, notes=(*res.notes, *notes)) if notes else res)
     # Ties go to the provable result, then to the one that also states a lower bound.
     return min(results, key=lambda r: (r.epsilon, not r.provable, r.epsilon_lower is None))
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import MAX_EPSILON, check_int, check_positive, check_range
 from dpfy.accounting import _api
 from dpfy.accounting import pld as _pld
 
@@ -216,7 +216,8 @@ def _solve(
             if cand is None or not lo <= cand <= hi:
                 f_u = max(f for u, f in pts if u == u_u)
                 f_s = min(f for u, f in pts if u == u_s)
-                cand = u_u + bracket * (f_u / (f_u - f_s) if f_u - f_s > 0 else 0.5)
+                ratio = f_u / (f_u - f_s) if f_u - f_s > 0 else 0.5
+                cand = u_u + bracket * (ratio if math.isfinite(ratio) else 0.5)
                 cand = min(max(cand, lo), hi)
             if stalled >= 3:
                 cand, stalled = 0.5 * (u_u + u_s), 0
@@ -303,6 +304,8 @@ def _calibrate(
         u1 = u_safe + (-0.3 * resolution * abs(slope) - f0) / slope
     else:
         u1 = u_safe - resolution
+    if not math.isfinite(u1):  # an epsilon of 0 or inf at the coarse boundary: no slope
+        u1 = u_safe - resolution
     u1 = min(max(u1, u_min), u_max)
     if integer:
         u1 = float(round(u1))
@@ -336,7 +339,7 @@ def _calibrate(
 
 
 def _check_common(target_epsilon: float, delta: float) -> None:
-    check_range("target_epsilon", target_epsilon, 0.0, None, low_open=True)
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
@@ -415,7 +418,7 @@ def calibrate_steps(
       CalibrationError: even one step exceeds the target.
     """
     _check_common(target_epsilon, delta)
-    check_range("max_steps", max_steps, 1, None, integer=True)
+    check_int("max_steps", max_steps)
     max_steps = int(max_steps)
     best = 0
     for m in _methods(make_event, 1, method):

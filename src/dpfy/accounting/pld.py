@@ -421,12 +421,22 @@ def _flatten(event: ev.Event, count: int, out: dict[tuple[float, float], int]) -
     out[key] = out.get(key, 0) + count
 
 
+#: Below this noise multiplier the discretised loss exp(1/(2 z^2)) leaves float range and the
+#: grid degenerates; such events are left to RDP (which works in log space).
+MIN_NOISE_MULTIPLIER = 0.05
+
+
 def _unsupported(event: ev.Event) -> str | None:
+    if isinstance(event, ev.Gaussian) and event.noise_multiplier < MIN_NOISE_MULTIPLIER:
+        return (
+            f"pld needs noise multipliers >= {MIN_NOISE_MULTIPLIER} (its loss grid overflows "
+            f"below), got noise_multiplier={event.noise_multiplier!r}"
+        )
     if isinstance(event, ev.Gaussian | ev.NonPrivate):
         return None
     if isinstance(event, ev.PoissonSampled):
         if isinstance(event.event, ev.Gaussian):
-            return None
+            return _unsupported(event.event)
         return (
             f"pld supports PoissonSampled(Gaussian) only, got inner "
             f"{type(event.event).__name__} event {event.event!r}"

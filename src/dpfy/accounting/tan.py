@@ -50,7 +50,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 
 __all__ = [
@@ -210,10 +210,10 @@ class TanConfig:
     dataset_size: int
 
     def __post_init__(self) -> None:
-        check_range("dataset_size", self.dataset_size, 1, None, integer=True)
+        check_int("dataset_size", self.dataset_size)
         check_range("batch_size", self.batch_size, 0.0, self.dataset_size, low_open=True)
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         object.__setattr__(self, "batch_size", float(self.batch_size))
         object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
         object.__setattr__(self, "steps", int(self.steps))
@@ -302,7 +302,7 @@ def constant_tan_family(
     out: list[TanConfig] = []
     if steps is not None:
         for s in steps:
-            check_range("steps", s, 1, None, integer=True)
+            check_int("steps", s)
             b = b_ref * math.sqrt(s_ref / int(s))
             if b <= reference.dataset_size:
                 out.append(TanConfig(b, reference.noise_multiplier, int(s), reference.dataset_size))
@@ -411,7 +411,7 @@ def privacy_wall_curve(
     ``z`` is the privacy wall. ``method`` is any accountant name (``rdp`` is vectorised).
     """
     check_range("eta", eta_value, 0.0, None, low_open=True)
-    check_range("steps", steps, 1, None, integer=True)
+    check_int("steps", steps)
     zs = np.atleast_1d(_positive("noise_multipliers", noise_multipliers))
     qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(steps)
     out = np.full(zs.shape, np.nan)
@@ -452,7 +452,7 @@ def ratio_table(
     for i, target in enumerate(target_epsilons):
         eta_value = float(eta_for_epsilon(target, delta))
         for j, s in enumerate(steps):
-            check_range("steps", s, 1, None, integer=True)
+            check_int("steps", s)
             qs = math.sqrt(2.0) * zs * eta_value / math.sqrt(s)
             ok = qs <= 1.0
             if not np.any(ok):

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 
 __all__ = [
     "truncation_delta",
@@ -66,9 +66,9 @@ def truncation_delta(
       True
     """
     check_range("sampling_rate", sampling_rate, 0.0, 1.0, low_open=True)
-    check_range("dataset_size", dataset_size, 1, None, integer=True)
-    check_range("max_batch_size", max_batch_size, 1, None, integer=True)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("dataset_size", dataset_size)
+    check_int("max_batch_size", max_batch_size)
+    check_int("steps", steps, 0)
     from scipy import stats
 
     per_step = float(stats.binom.sf(int(max_batch_size), int(dataset_size) + 1, sampling_rate))

@@ -44,7 +44,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting import roots
 from dpfy.accounting._api import (
@@ -450,7 +450,7 @@ def compare_tuning(
     """
     from dpfy.accounting import _api
 
-    check_range("trials", trials, 1, None, integer=True)
+    check_int("trials", trials)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     trials = int(trials)
     released = final if final is not None else run

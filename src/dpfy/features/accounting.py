@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting import gaussian, roots
 from dpfy.ledger import Ledger, NonPrivateRecord, SumQueryRecord
 
@@ -107,7 +107,7 @@ def paper_zcdp_rho(algorithm: str, noise_multiplier: float, steps: int = 1) -> f
     Theorem 2.3 (DP-FC): ``(T + 1) / (2 sigma^2)``; DP-SGD/Adam (full batch): ``T / (2 sigma^2)``.
     """
     check_range("noise_multiplier", noise_multiplier, 0.0, math.inf, low_open=True)
-    check_range("steps", steps, 1, None, integer=True)
+    check_int("steps", steps)
     s2 = float(noise_multiplier) ** 2
     table = {
         "dp_newton": steps / s2,

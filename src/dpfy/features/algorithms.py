@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.features.stats import (
     ArrayOrTensor,
     Batch,
@@ -346,7 +346,7 @@ def dp_newton(
         ``n d^2`` product. Never released by itself.
     """
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
-    check_range("steps", steps, 1, None, integer=True)
+    check_int("steps", steps)
     cov = _checked_covariance(covariance_stats, clip_norm, "clip_norm")
     check_range("ridge", ridge, 0.0, math.inf, high_open=True)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
@@ -418,7 +418,7 @@ def dp_feature_covariance(
                 high_open=True)
     check_range("gradient_clip_norm", gradient_clip_norm, 0.0, math.inf, low_open=True,
                 high_open=True)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("steps", steps, 0)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     check_range("ridge", ridge, 0.0, math.inf, high_open=True)
     check_range("l2", l2, 0.0, math.inf, high_open=True)
@@ -478,7 +478,7 @@ def dp_adam(
     """
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
     _check_common(noise_multiplier)
-    check_range("steps", steps, 0, None, integer=True)
+    check_int("steps", steps, 0)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     check_range("l2", l2, 0.0, math.inf, high_open=True)
     if optimizer not in ("adam", "sgd"):

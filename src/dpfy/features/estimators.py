@@ -48,7 +48,7 @@ import numpy.typing as npt
 import torch
 
 from dpfy import accounting
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.features import algorithms as alg
 from dpfy.features.accounting import mu_for_target
 from dpfy.features.algorithms import Loss
@@ -451,7 +451,7 @@ class DPNewtonClassifier(_DPFeatureClassifier):
     def _train(
         self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
     ) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         zg, zh = self._noise_multipliers([1.0] * (2 * int(self.steps)))[:2]
         return alg.dp_newton(x, idx, clip_norm=self.clip_norm, noise_multiplier=(zg, zh),
                              steps=int(self.steps), ridge=self.ridge,
@@ -521,7 +521,7 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
     def _train(
         self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
     ) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         t = int(self.steps)
         if self.covariance_share is None:
             shares = [1.0] * (t + 1)
@@ -587,7 +587,7 @@ class DPAdamClassifier(_DPFeatureClassifier):
     def _train(
         self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
     ) -> alg.Fitted:
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
         z = self._noise_multipliers([1.0] * int(self.steps))[0]
         return alg.dp_adam(x, idx, clip_norm=self.clip_norm, noise_multiplier=z,
                            steps=int(self.steps), learning_rate=self.learning_rate, l2=self.l2,

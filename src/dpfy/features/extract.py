@@ -182,13 +182,13 @@ def extract_image_shard(
     shared, loaded machine one thread per process wastes far less time in thread barriers);
     :func:`image_features` then assembles the chunks. Returns the number of chunks computed.
     """
-    from dpfy._validate import check_range
+    from dpfy._validate import check_int, check_range
 
     dataset, checked_split = _check_image_args(dataset, split, resolution)
-    check_range("num_shards", num_shards, 1, None, integer=True)
+    check_int("num_shards", num_shards)
     check_range("shard", shard, 0, num_shards - 1, integer=True)
-    check_range("batch_size", batch_size, 1, None, integer=True)
-    check_range("chunk_size", chunk_size, 1, None, integer=True)
+    check_int("batch_size", batch_size)
+    check_int("chunk_size", chunk_size)
     images, _ = _raw_images(dataset, checked_split)
     parts_dir = cache_dir() / f"{_image_key(dataset, split, resolution)}.parts"
     n = len(images)
@@ -243,13 +243,13 @@ def image_features(
     Returns:
       ``(features, labels)``: float32 ``[N, 1280]`` and int64 ``[N]``.
     """
-    from dpfy._validate import check_range
+    from dpfy._validate import check_int
 
     dataset, checked_split = _check_image_args(dataset, split, resolution)
     key = _image_key(dataset, split, resolution)
     final = cache_dir() / f"{key}.npy"
     if limit is not None:
-        check_range("limit", limit, 1, None, integer=True)
+        check_int("limit", limit)
         images, labels = _raw_images(dataset, checked_split)
         model = _efficientnet_lite0(resolution)
         feats = [

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 
 __all__ = [
     "Batch",
@@ -130,7 +130,7 @@ def sufficient_statistics(
       ValueError: bad arguments, inconsistent shapes, or a row with more than ``k`` positives.
     """
     check_range("clip_norm", clip_norm, 0.0, float("inf"), low_open=True, high_open=True)
-    check_range("num_classes", num_classes, 1, None, integer=True)
+    check_int("num_classes", num_classes)
     check_range("max_positives", max_positives, 1, num_classes, integer=True)
     sums: _Sums | None = None
     rows = 0

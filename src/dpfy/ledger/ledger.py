@@ -507,10 +507,11 @@ class Ledger:
             lineno = i + 1
             where = f"ledger {source!r} line {lineno}"
             try:
+                _check_nesting(raw)
                 obj = json.loads(raw)
                 if not isinstance(obj, dict):
                     raise ValueError("not a JSON object")
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:
                 last = i == n - 1 and self._ends_truncated
                 marked = i + 1 < n and _is_resume_after_truncation(lines[i + 1])
                 if i > 0 and (last or marked):
@@ -791,10 +792,32 @@ def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Reco
         yield record
 
 
+#: Deepest JSON nesting a ledger line may have (records nest 3 deep; metadata a little more).
+MAX_NESTING = 32
+
+
+def _check_nesting(line: str | bytes) -> None:
+    """Refuse a line nested deeper than :data:`MAX_NESTING` before the JSON parser recurses
+    into it (a line of 100,000 brackets would otherwise raise ``RecursionError``)."""
+    text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+    if text.count("[") + text.count("{") <= MAX_NESTING:
+        return
+    depth = 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        c = m.group(0)
+        if c in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                raise ValueError(f"JSON nested deeper than {MAX_NESTING} levels")
+        elif c in "]}":
+            depth -= 1
+
+
 def _is_resume_after_truncation(line: bytes) -> bool:
     try:
+        _check_nesting(line)
         record = record_from_dict(json.loads(line))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return False
     return isinstance(record, ResumeRecord) and record.truncated_previous
 

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from dpfy._validate import check_count, check_finite_nonneg
+from dpfy._validate import check_count, check_finite_nonneg, check_real
 from dpfy.sampling.spec import SampleSpec
 
 __all__ = [
@@ -48,6 +48,9 @@ def _check_hex(name: str, value: Any, length: int) -> None:
         raise ValueError(
             f"{name} must be {length} lowercase hexadecimal digits, got {name}={value!r}"
         )
+#: Largest sensitivity / noise_std of a sum query: the ledger composes (S/s)^2 (McMahan et al.
+#: 2018), which must stay a finite float; beyond it the release is not private in any sense.
+MAX_RATIO = 1e150
 
 
 def _check_sample_id(value: Any, *, optional: bool = False) -> None:
@@ -243,6 +246,12 @@ class SumQueryRecord:
         check_finite_nonneg("noise_std", self.noise_std)
         object.__setattr__(self, "sensitivity", float(self.sensitivity))
         object.__setattr__(self, "noise_std", float(self.noise_std))
+        if self.noise_std > 0.0 and not self.sensitivity / self.noise_std <= MAX_RATIO:
+            raise ValueError(
+                f"noise_std must be at least sensitivity / {MAX_RATIO:g} (the ledger squares "
+                f"their ratio), got noise_std={self.noise_std!r} for "
+                f"sensitivity={self.sensitivity!r}"
+            )
         object.__setattr__(self, "name", str(self.name))
 
     def to_dict(self) -> dict[str, Any]:
@@ -257,6 +266,10 @@ class SumQueryRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SumQueryRecord:
+        check_real("sensitivity", data["sensitivity"])  # "1.1" is a string, not a number
+        check_real("noise_std", data["noise_std"])
+        if not isinstance(data.get("name", ""), str):
+            raise TypeError(f"name must be a string, got name={data['name']!r}")
         return cls(
             data["sample_id"], data["sensitivity"], data["noise_std"], data.get("name", "")
         )
@@ -287,6 +300,9 @@ class NonPrivateRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> NonPrivateRecord:
+        for key in ("name", "reason"):
+            if not isinstance(data[key], str):
+                raise TypeError(f"{key} must be a string, got {key}={data[key]!r}")
         return cls(data["sample_id"], data["name"], data["reason"])
 
 

@@ -50,7 +50,14 @@ from dpfy.queries._tree import (
 )
 from dpfy.randomness import Randomness
 
-__all__ = ["Query", "QueryBase", "LedgerEntry", "ReleasesClippedSums", "check_release_args"]
+__all__ = [
+    "Query",
+    "QueryBase",
+    "LedgerEntry",
+    "ReleasesClippedSums",
+    "check_per_example",
+    "check_release_args",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +87,11 @@ class LedgerEntry:
                 f"got clip_norm={self.clip_norm!r}"
             )
         check_range("noise_std", self.noise_std, 0.0, math.inf, high_open=True)
+        if self.noise_std > 0.0 and not self.sensitivity / self.noise_std <= 1e150:
+            raise ValueError(
+                f"ledger entry {self.name!r}: noise_std={self.noise_std!r} is too small for "
+                f"clip_norm={self.clip_norm!r} (sensitivity / noise_std must be <= 1e150)"
+            )
         if self.clip_norm == math.inf and self.noise_std != 0.0:
             raise ValueError(
                 f"ledger entry {self.name!r}: an unbounded (unclipped) part cannot be private; "
@@ -225,8 +237,12 @@ class QueryBase(ReleasesClippedSums, abc.ABC):
     ) -> dict[str, Any]:
         """Clip each example (leading batch dim) by :meth:`clip_weights` and sum; no noise.
 
-        Flat queries clip one norm per example, grouped queries one norm per group.
+        Flat queries clip one norm per example, grouped queries one norm per group. The
+        query's ledger entries are built first, so their checks (e.g. a noise std too small
+        for its sensitivity) refuse a release before any work.
         """
+        self.ledger_entries()
+        check_per_example(per_example)
         flat = flatten(per_example)
         w = self.clip_weights(per_example_norms(flat, self.groups), mask=mask)
         summed = weighted_sum(flat, expand_weights(w, self.groups, list(flat)))
@@ -256,6 +272,12 @@ class QueryBase(ReleasesClippedSums, abc.ABC):
         """
         check_release_args(ledger, randomness, scale)
         flat = flatten(clipped_sum)
+        for name, t in flat.items():
+            if not t.is_floating_point():
+                raise ValueError(
+                    f"clipped_sum[{name!r}] must be a floating-point tensor (noise is real), "
+                    f"got dtype {t.dtype}"
+                )
         stds = self._tensor_stds(flat)
         dst = _output_buffers(flat, out)
         self._write_ahead(ledger, sample_id, self.ledger_entries())
@@ -283,6 +305,31 @@ class QueryBase(ReleasesClippedSums, abc.ABC):
             if e.noise_std == 0.0:
                 reason = f"{type(self).__name__}: released without noise (debugging)"
                 ledger.record_non_private(sample_id, name=e.name, reason=reason)
+
+
+def check_per_example(per_example: object) -> None:
+    """Per-example tensors: a non-empty tree of floating-point tensors that share one leading
+    (batch) dimension. ``ValueError`` naming ``per_example`` otherwise (nothing is recorded)."""
+    if not isinstance(per_example, Mapping):
+        raise ValueError(
+            f"per_example must be a dict of tensors, got {type(per_example).__name__}"
+        )
+    flat = flatten(per_example)
+    if not flat:
+        raise ValueError("per_example must hold at least one tensor, got an empty dict")
+    sizes = {}
+    for name, t in flat.items():
+        if t.ndim == 0:
+            raise ValueError(
+                f"per_example[{name!r}] must have a leading batch dimension, got a 0-dim tensor"
+            )
+        if not t.is_floating_point():
+            raise ValueError(
+                f"per_example[{name!r}] must be a floating-point tensor, got dtype {t.dtype}"
+            )
+        sizes[name] = int(t.shape[0])
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"per_example tensors must share one batch size, got {sizes}")
 
 
 def check_release_args(ledger: object, randomness: object, scale: float = 1.0) -> None:

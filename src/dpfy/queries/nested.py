@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.ledger import effective_noise_multiplier
 from dpfy.queries._tree import Norms, check_partition, clip_weights_from_norms, group_norms
 from dpfy.queries.base import LedgerEntry, QueryBase
@@ -193,7 +193,7 @@ def dimension_adjusted_noise(
     if set(dims) != set(clips):
         raise ValueError(f"dims must have the keys {sorted(clips)}, got {sorted(dims)}")
     for g, d in dims.items():
-        check_range(f"dims[{g!r}]", d, 1, None, integer=True)
+        check_int(f"dims[{g!r}]", d)
     total = float(sum(dims.values()))
     return {g: noise_multiplier * c * math.sqrt(total / dims[g]) for g, c in clips.items()}
 
@@ -210,7 +210,7 @@ def split_clip_norm(
     if not dims:
         raise ValueError("dims must not be empty")
     for g, d in dims.items():
-        check_range(f"dims[{g!r}]", d, 1, None, integer=True)
+        check_int(f"dims[{g!r}]", d)
     if how == "equal":
         return {g: clip_norm / math.sqrt(len(dims)) for g in dims}
     if how == "dimension":

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,11 +36,52 @@ def write_report(
     ``accuracy_by_step`` holds (step, test accuracy in [0, 1]) pairs and ``target_epsilon`` the
     run's budget, both drawn on the epsilon-over-training figure. Without ``figures``, or when
     epsilon is infinite, no figure is drawn (and matplotlib is not imported).
+
+    Atomic: every file is first written into a temporary folder inside ``out_dir`` and renamed
+    into place only when all of them were written (figures, then ``report.json``, then
+    ``report.md``), so a failed write (a full disk) leaves no partial report and no
+    ``figures/`` behind; the ``OSError`` propagates.
     """
+    out = Path(out_dir)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".report-", dir=out))
+    try:
+        report = _write_staged(
+            report, ledger, staging, accuracy_by_step, target_epsilon, figures
+        )
+        if report.figures:
+            (out / "figures").mkdir(exist_ok=True)
+        for rel in report.figures.values():
+            os.replace(staging / rel, out / rel)
+        os.replace(staging / "report.json", out / "report.json")
+        os.replace(staging / "report.md", out / "report.md")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return report
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path``; the one place report text reaches the disk."""
+    path.write_text(text, encoding="utf-8")
+
+
+def _write_staged(
+    report: PrivacyReport,
+    ledger: Ledger,
+    out: Path,
+    accuracy_by_step: Sequence[tuple[int, float]] | None,
+    target_epsilon: float | None,
+    figures: bool,
+) -> PrivacyReport:
+    """Draw the figures and write both report files into the staging folder ``out``."""
     from dpfy.report import plots
 
-    out = Path(out_dir)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
+    (out / "figures").mkdir()
     paths: dict[str, str] = {}
     if figures and math.isfinite(report.epsilon):
         steps, curves = epsilon_history(ledger, report.delta)
@@ -77,8 +121,8 @@ def write_report(
             )
             paths["accountant_comparison"] = str(p.relative_to(out))
     report = dataclasses.replace(report, figures=paths)
-    (out / "report.md").write_text(report.to_markdown(), encoding="utf-8")
-    (out / "report.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    _write_text(out / "report.md", report.to_markdown())
+    _write_text(out / "report.json", report.to_json() + "\n")
     return report
 
 

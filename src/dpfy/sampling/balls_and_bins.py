@@ -11,7 +11,7 @@ from typing import ClassVar
 import numpy as np
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import BaseSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
@@ -65,7 +65,7 @@ class BallsAndBinsSampler(BaseSampler):
         randomness: Randomness | None = None,
     ) -> None:
         super().__init__(dataset_size, max_batch_size=max_batch_size, randomness=randomness)
-        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_int("steps_per_epoch", steps_per_epoch)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = self.dataset_size / self.steps_per_epoch
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import numpy as np
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.kinds import kind
 from dpfy.sampling.spec import SampleSpec, spec_event
@@ -95,7 +95,7 @@ def epochs_and_steps(
     if epochs is not None and steps is not None:
         raise ValueError(f"give epochs or steps, not both, got epochs={epochs!r}, steps={steps!r}")
     if steps is not None:
-        check_range("steps", steps, 1, None, integer=True)
+        check_int("steps", steps)
         total = int(steps)
     else:
         e = 1.0 if epochs is None else epochs
@@ -124,9 +124,9 @@ class BaseSampler:
         max_batch_size: int | None = None,
         randomness: Randomness | None = None,
     ) -> None:
-        check_range("dataset_size", dataset_size, 1, None, integer=True)
+        check_int("dataset_size", dataset_size)
         if max_batch_size is not None:
-            check_range("max_batch_size", max_batch_size, 1, None, integer=True)
+            check_int("max_batch_size", max_batch_size)
             max_batch_size = int(max_batch_size)
         self.dataset_size = int(dataset_size)
         self.max_batch_size = max_batch_size
@@ -187,7 +187,7 @@ class BaseSampler:
         If a loaded checkpoint stopped inside ``epoch``, iteration resumes after the last batch
         the checkpoint covered. Batches longer than ``max_batch_size`` are truncated.
         """
-        check_range("epoch", epoch, 0, None, integer=True)
+        check_int("epoch", epoch, 0)
         epoch = int(epoch)
         resume = epoch == self._epoch and 0 < self._step < self.steps_per_epoch
         if not resume:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import Sampler
 from dpfy.sampling.kinds import SamplerClass, column, kinds
@@ -48,7 +48,7 @@ def make_sampler(
     if name not in rows:
         allowed = ", ".join(rows)
         raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")
-    check_range("dataset_size", dataset_size, 1, None, integer=True)
+    check_int("dataset_size", dataset_size)
     check_range("batch_size", batch_size, 1, dataset_size, integer=True)
     row = rows[name]
     if max_batch_size is not None and not row.truncates:

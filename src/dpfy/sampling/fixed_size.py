@@ -12,7 +12,7 @@ from typing import ClassVar
 import numpy as np
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import BaseSampler, _no_truncation
 from dpfy.sampling.kinds import SamplerKind, register_kind
@@ -42,7 +42,7 @@ class FixedSizeSampler(BaseSampler):
         self.batch_size = int(batch_size)
         if steps_per_epoch is None:
             steps_per_epoch = math.ceil(self.dataset_size / self.batch_size)
-        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_int("steps_per_epoch", steps_per_epoch)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = float(self.batch_size)
 

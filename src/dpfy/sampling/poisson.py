@@ -11,7 +11,7 @@ from typing import ClassVar
 import numpy as np
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import BaseSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
@@ -50,7 +50,7 @@ class PoissonSampler(BaseSampler):
         self.sampling_rate = float(sampling_rate)
         if steps_per_epoch is None:
             steps_per_epoch = max(1, round(1.0 / self.sampling_rate))
-        check_range("steps_per_epoch", steps_per_epoch, 1, None, integer=True)
+        check_int("steps_per_epoch", steps_per_epoch)
         self.steps_per_epoch = int(steps_per_epoch)
         self.expected_batch_size = self.sampling_rate * self.dataset_size
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range, check_real
 from dpfy.sampling.kinds import kind, kind_names, kinds
 
 __all__ = ["SampleSpec", "spec_event"]
@@ -71,7 +71,7 @@ class SampleSpec:
         for name in _POSITIVE_INTS:
             value = getattr(self, name)
             if value is not None:
-                check_range(name, value, 1, None, integer=True)
+                check_int(name, value)
                 object.__setattr__(self, name, int(value))
         if self.sampling_rate is not None:
             check_range("sampling_rate", self.sampling_rate, 0.0, 1.0, low_open=True)
@@ -111,7 +111,10 @@ class SampleSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SampleSpec:
-        """Inverse of :meth:`to_dict` (validates again)."""
+        """Inverse of :meth:`to_dict` (validates again; a number given as a string or of
+        another JSON type is refused with ``TypeError`` naming the field)."""
+        if data.get("sampling_rate") is not None:
+            check_real("sampling_rate", data["sampling_rate"])
         return cls(**data)
 
     # Typed accessors for fields a kind's row guarantees (``needs``): event maps use these.
@@ -146,5 +149,5 @@ def spec_event(spec: SampleSpec, noise_multiplier: float, count: int) -> ev.Even
     """
     if not isinstance(spec, SampleSpec):
         raise ValueError(f"spec must be a dpfy.sampling.SampleSpec, got spec={spec!r}")
-    check_range("count", count, 1, None, integer=True)
+    check_int("count", count)
     return kind(spec.sampler).event(spec, noise_multiplier, int(count))

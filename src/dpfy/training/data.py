@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int
 
 __all__ = ["PhysicalBatch", "PhysicalBatcher", "accumulate_logical_batch"]
 
@@ -67,9 +67,9 @@ class PhysicalBatcher:
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
     ) -> None:
-        check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
+        check_int("max_physical_batch_size", max_physical_batch_size)
         if max_batch_size is not None:
-            check_range("max_batch_size", max_batch_size, 1, None, integer=True)
+            check_int("max_batch_size", max_batch_size)
         if len(inputs) != len(targets):
             raise ValueError(
                 f"inputs and targets must have the same length, got {len(inputs)} and "

@@ -206,25 +206,12 @@ def train_image_classifier(
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
     ledger_path = model_path = None
     if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        ledger_path = out / "ledger.jsonl"
+        ledger_path = Path(out_dir) / "ledger.jsonl"
         if ledger_path.exists():
             raise FileExistsError(
                 f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
             )
-        model_path = out / "model.pt"
-    ledger = Ledger(ledger_path)
-    ledger.record_metadata(
-        dataset=dataset,
-        model=model,
-        learning_rate=learning_rate,
-        momentum=momentum,
-        batch_size=batch_size,
-        unit_of_privacy="example (one training image)",
-        released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
-        data_accesses="final training run only (hyperparameter tuning not accounted)",
-    )
+        model_path = Path(out_dir) / "model.pt"
     trainer = PrivateTrainer(
         net,
         optimizer,
@@ -239,12 +226,28 @@ def train_image_classifier(
         noise_multiplier=noise_multiplier,
         max_physical_batch_size=max_physical_batch_size,
         accounting=accounting,
-        ledger=ledger,
+        ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
         randomness=noise_rng,
         ema_decay=ema_decay,
         test_data=(x_test, y_test),
         progress=progress,
         callbacks=callbacks,
+    )
+    # Calibrate before anything is written: an unreachable target is refused while out_dir
+    # is still empty, so the corrected command is not refused for an existing ledger.
+    trainer.calibrate()
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    ledger = trainer.ledger = Ledger(ledger_path)
+    ledger.record_metadata(
+        dataset=dataset,
+        model=model,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        batch_size=batch_size,
+        unit_of_privacy="example (one training image)",
+        released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
+        data_accesses="final training run only (hyperparameter tuning not accounted)",
     )
     start = time.perf_counter()
     result = trainer.fit()

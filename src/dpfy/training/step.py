@@ -75,7 +75,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.training.norms.capture import ModulePlan, capture_layers, plan_modules
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads
@@ -173,13 +173,13 @@ class PrivateGradient:
             high_open=True,
         )
         if microbatch_size is not None:
-            check_range("microbatch_size", microbatch_size, 1, None, integer=True)
+            check_int("microbatch_size", microbatch_size)
         if microbatch_mode not in _MODES:
             raise ValueError(
                 f"microbatch_mode must be one of {set(_MODES)}, "
                 f"got microbatch_mode={microbatch_mode!r}"
             )
-        check_range("fallback_chunk_size", fallback_chunk_size, 1, None, integer=True)
+        check_int("fallback_chunk_size", fallback_chunk_size)
         if not hasattr(query, "clip_weights") or not hasattr(query, "add_noise"):
             raise ValueError(f"query must be a dpfy.queries query, got query={query!r}")
         if hasattr(query, "denominator"):

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
@@ -316,12 +316,12 @@ class PrivateTrainer:
     # -- setup ------------------------------------------------------------------------------
     def _check_args(self) -> None:
         check_range("clip_norm", self.clip_norm, 0.0, math.inf, low_open=True, high_open=True)
-        check_range("epochs", self.epochs, 1, None, integer=True)
+        check_int("epochs", self.epochs)
         check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
         check_range(
             "max_physical_batch_size", self.max_physical_batch_size, 1, None, integer=True
         )
-        check_range("checkpoint_every", self.checkpoint_every, 1, None, integer=True)
+        check_int("checkpoint_every", self.checkpoint_every)
         if self.target_epsilon is None and self.noise_multiplier is None:
             raise ValueError(_NEED_TARGET_OR_Z)
         if self.target_epsilon is not None:

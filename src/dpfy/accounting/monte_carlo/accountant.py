@@ -39,7 +39,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting._api import PrivacyResult, register_accountant
 from dpfy.accounting.monte_carlo.epochs import Epoch, epochs_of_event, unsupported
 from dpfy.accounting.monte_carlo.lower_bound import lower_bound_delta, lower_bound_epsilon
@@ -95,7 +95,7 @@ class MonteCarloEstimate:
 
 
 def _check_common(samples: int, error_probability: float, method: str) -> None:
-    check_range("samples", samples, 1, None, integer=True)
+    check_int("samples", samples)
     check_range(
         "error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True
     )

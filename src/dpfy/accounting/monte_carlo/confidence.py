@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting import roots
 from dpfy.accounting.monte_carlo.base import FloatArray
 
@@ -35,7 +35,7 @@ def kl_upper_bound(mean: float | FloatArray, n: int, error_probability: float) -
     (Chernoff-Hoeffding; Hoeffding 1963, Thm. 1): the true mean exceeds it with probability at
     most ``error_probability``. Vectorised over ``mean``.
     """
-    check_range("n", n, 1, None, integer=True)
+    check_int("n", n)
     check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
     target = math.log(1.0 / error_probability) / n
     if np.ndim(mean) == 0:

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from dpfy import events as ev
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.accounting._api import first_unsupported
 
 __all__ = ["Epoch", "epochs_of_event", "group_epochs", "unsupported"]
@@ -30,7 +30,7 @@ class Epoch:
 
     def __post_init__(self) -> None:
         check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
-        check_range("steps", self.steps, 1, None, integer=True)
+        check_int("steps", self.steps)
 
 
 def unsupported(event: ev.Event) -> str | None:

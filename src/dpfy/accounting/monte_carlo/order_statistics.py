@@ -14,7 +14,7 @@ import math
 import numpy as np
 from scipy import special
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int
 from dpfy.accounting.monte_carlo.base import FloatArray, IntArray, Job, LossSamples
 from dpfy.accounting.monte_carlo.empirical import summed_losses
 from dpfy.accounting.monte_carlo.epochs import Epoch
@@ -26,7 +26,7 @@ __all__ = ["block_log_sums", "default_orders", "order_statistic_losses", "sample
 
 def default_orders(n: int, *, dense: int = 256, ratio: float = 1.005) -> IntArray:
     """Order-statistic indices 1 = k_1 < ... < k_m = n: dense at the top, then geometric."""
-    check_range("n", n, 1, None, integer=True)
+    check_int("n", n)
     if n <= dense:
         return np.arange(1, n + 1)
     ks = list(range(1, dense + 1))
