@@ -183,7 +183,8 @@ def train_and_report(
     for name, scale in (("learning_rate", learning_rate), ("clip_norm", clip_norm)):
         if scale is not None:
             check_positive(name, scale, MAX_SCALE)
-    check_seed("seed", seed)
+    if seed is not None:  # None: a secure run
+        check_seed("seed", seed)
     if threads is not None:
         check_int("threads", threads, 1, os.cpu_count() or 1)
     out_dir = _new_run_dir(out, dataset)
@@ -276,7 +277,8 @@ def features_and_report(
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
     _check_budget(target_epsilon, delta)
-    check_seed("seed", seed)
+    if seed is not None:  # None: a secure run
+        check_seed("seed", seed)
     if limit is not None:
         check_int("limit", limit, 2)
     if method not in FEATURE_METHODS:
