@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +59,12 @@ from dpfy.ledger.chain import (
     Verification,
     line_hash,
     new_run_id,
+)
+from dpfy.ledger.lines import (
+    check_nesting,
+    int_field,
+    is_resume_after_truncation,
+    recover_sum_query,
 )
 from dpfy.ledger.logfile import AppendFile, LedgerLockedError, LedgerWriteError
 from dpfy.ledger.records import (
@@ -507,13 +512,13 @@ class Ledger:
             lineno = i + 1
             where = f"ledger {source!r} line {lineno}"
             try:
-                _check_nesting(raw)
+                check_nesting(raw)
                 obj = json.loads(raw)
                 if not isinstance(obj, dict):
                     raise ValueError("not a JSON object")
             except (ValueError, RecursionError) as err:
                 last = i == n - 1 and self._ends_truncated
-                marked = i + 1 < n and _is_resume_after_truncation(lines[i + 1])
+                marked = i + 1 < n and is_resume_after_truncation(lines[i + 1])
                 if i > 0 and (last or marked):
                     checker.cut(lineno, raw, last=last)
                     self._cut_tail = line_hash(raw)
@@ -538,13 +543,13 @@ class Ledger:
 
     def _recover_truncated(self, line: str, where: str) -> None:
         self.truncated_lines += 1
-        recovered = _recover_sum_query(line)
+        recovered = recover_sum_query(line)
         counted = "nothing to recover"
         if recovered is not None and recovered.sample_id in self._samples:
             self._replay(recovered, write=False)
             counted = f"recovered and counted {recovered}"
         elif line.startswith('{"type":"non_private"'):
-            sid = _int_field(line, "sample_id")
+            sid = int_field(line, "sample_id")
             sid = sid if sid in self._samples else None
             marker = NonPrivateRecord(sid, "truncated", "entry cut short by a crash")
             self._replay(marker, write=False)
@@ -790,62 +795,6 @@ def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Reco
             if record.sample_id is not None and record.sample_id not in kept:
                 continue
         yield record
-
-
-#: Deepest JSON nesting a ledger line may have (records nest 3 deep; metadata a little more).
-MAX_NESTING = 32
-
-
-def _check_nesting(line: str | bytes) -> None:
-    """Refuse a line nested deeper than :data:`MAX_NESTING` before the JSON parser recurses
-    into it (a line of 100,000 brackets would otherwise raise ``RecursionError``)."""
-    text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
-    if text.count("[") + text.count("{") <= MAX_NESTING:
-        return
-    depth = 0
-    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        c = m.group(0)
-        if c in "[{":
-            depth += 1
-            if depth > MAX_NESTING:
-                raise ValueError(f"JSON nested deeper than {MAX_NESTING} levels")
-        elif c in "]}":
-            depth -= 1
-
-
-def _is_resume_after_truncation(line: bytes) -> bool:
-    try:
-        _check_nesting(line)
-        record = record_from_dict(json.loads(line))
-    except (ValueError, TypeError, KeyError, RecursionError):
-        return False
-    return isinstance(record, ResumeRecord) and record.truncated_previous
-
-
-_NUM = r"(-?[0-9.]+(?:[eE][-+]?[0-9]+)?)[,}]"
-
-
-def _float_field(line: str, name: str) -> float | None:
-    m = re.search(rf'"{name}":{_NUM}', line)
-    return float(m.group(1)) if m else None
-
-
-def _int_field(line: str, name: str) -> int | None:
-    m = re.search(rf'"{name}":(-?[0-9]+)[,}}]', line)
-    return int(m.group(1)) if m else None
-
-
-def _recover_sum_query(line: str) -> SumQueryRecord | None:
-    if not line.startswith('{"type":"sum_query"'):
-        return None
-    sid = _int_field(line, "sample_id")
-    s = _float_field(line, "sensitivity")
-    sigma = _float_field(line, "noise_std")
-    if sid is None or s is None or sigma is None:
-        return None
-    if not (0.0 <= s < math.inf and 0.0 <= sigma < math.inf):
-        return None
-    return SumQueryRecord(sid, s, sigma, "truncated")
 
 
 def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
