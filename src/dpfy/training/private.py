@@ -369,10 +369,12 @@ def _per_example(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
         return nn.CrossEntropyLoss(reduction="none")
     if isinstance(loss_fn, nn.Module) and hasattr(loss_fn, "reduction"):
         per_example = copy.copy(loss_fn)
-        per_example.reduction = "none"
+        per_example.reduction = "none"  # type: ignore[assignment]
         return per_example
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (outputs, targets) -> Tensor[B], got {loss_fn!r}")
+        raise TypeError(
+            f"loss_fn must be callable (outputs, targets) -> Tensor[B], got {loss_fn!r}"
+        )
     return loss_fn  # type: ignore[no-any-return]
 
 
@@ -462,9 +464,7 @@ def make_private(
             f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
         )
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    foreign = [
-        i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in trainable
-    ]
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in trainable]
     if foreign:
         raise ValueError(
             f"optimizer must update trainable parameters of model only, got {len(foreign)} "
@@ -545,10 +545,13 @@ def make_private(
         device=None if device is None else torch.device(device),
         loader_kwargs=dict(loader_kwargs or {}),
     )
-    return Private(model, PrivateOptimizer(optimizer, engine), PrivateCriterion(engine, per_example), loader)
+    criterion = PrivateCriterion(engine, per_example)
+    return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
 
 
-def _calibrate(sampler: Any, target_epsilon: float, delta: float, epochs: int, method: str) -> float:
+def _calibrate(
+    sampler: Any, target_epsilon: float, delta: float, epochs: int, method: str
+) -> float:
     from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
 
     try:

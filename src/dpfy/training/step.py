@@ -205,7 +205,9 @@ class PrivateGradient:
         self.microbatch_mode = microbatch_mode
         self.fallback_chunk_size = int(fallback_chunk_size)
         if forward is not None and not callable(forward):
-            raise ValueError(f"forward must be callable (model, inputs) -> outputs, got {forward!r}")
+            raise ValueError(
+                f"forward must be callable (model, inputs) -> outputs, got {forward!r}"
+            )
         self.forward = forward
         if microbatch_mode == "average":
             _check_average_sensitivity(query)
