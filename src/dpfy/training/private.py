@@ -34,6 +34,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -428,8 +429,9 @@ def make_private(
       loss_fn: per-example loss ``loss_fn(outputs, targets) -> Tensor[B]``; an ``nn`` loss
         with a ``reduction`` is used with ``reduction="none"``. Default: cross-entropy.
       collate_fn: collates a list of items (default ``default_collate``).
-      randomness: noise and sampling randomness. Default: ``Randomness.secure_mode()``;
-        pass ``Randomness(seed)`` for a reproducible experiment.
+      randomness: noise randomness, and the seed of the sampler's own stream when ``sampler``
+        is a kind name. Default: ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a
+        reproducible experiment.
       ledger: where samples and releases are recorded (default: a new in-memory ledger).
       accounting: accountant for calibration, the guard and ``epsilon()`` (default: the
         sampler kind's ``default_accountant``).
@@ -483,7 +485,11 @@ def make_private(
             )
         check_range("expected_batch_size", expected_batch_size, 1, n, integer=True)
         sampler = make_sampler(
-            sampler, n, int(expected_batch_size), max_batch_size=max_batch_size, randomness=rng
+            sampler,
+            n,
+            int(expected_batch_size),
+            max_batch_size=max_batch_size,
+            randomness=_sampling_stream(rng),
         )
     else:
         check_sampler(sampler, n, "sampler")
@@ -547,6 +553,19 @@ def make_private(
     )
     criterion = PrivateCriterion(engine, per_example)
     return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
+
+
+def _sampling_stream(rng: Randomness) -> Randomness:
+    """A stream for the sampler, independent of the noise stream of ``rng``.
+
+    Separate streams keep a seeded run reproducible whatever the order of sampling and noise
+    draws (a ``DataLoader`` with workers draws batches ahead of the releases).
+    """
+    if rng.secure:
+        return Randomness.secure_mode()
+    assert rng.seed is not None
+    state = np.random.SeedSequence([int(rng.seed), 0x5A4D]).generate_state(2, np.uint64)
+    return Randomness(int(state[0]))
 
 
 def _calibrate(
