@@ -4,7 +4,18 @@
 ``dpfy.features`` only.
 """
 
+from typing import Any
+
 from dpfy import events
 
-__all__ = ["events", "__version__"]
+__all__ = ["events", "make_private", "__version__"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``dpfy.make_private`` (:mod:`dpfy.training.private`), imported on first use (torch)."""
+    if name == "make_private":
+        from dpfy.training.private import make_private
+
+        return make_private
+    raise AttributeError(f"module 'dpfy' has no attribute {name!r}")

@@ -6,7 +6,15 @@ The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chun
 
 from dpfy.training.checkpoint import load_checkpoint, save_checkpoint
 from dpfy.training.data import PhysicalBatch, PhysicalBatcher, accumulate_logical_batch
-from dpfy.training.step import ChunkStats, MicrobatchMode, PrivateGradient, StepStats
+from dpfy.training.loader import DatasetBatcher, PrivateBatchSampler
+from dpfy.training.private import (
+    PrivateCriterion,
+    PrivateLoader,
+    PrivateLoss,
+    PrivateOptimizer,
+    make_private,
+)
+from dpfy.training.step import ChunkStats, MicrobatchMode, OpenChunk, PrivateGradient, StepStats
 from dpfy.training.trainer import (
     BudgetExceededError,
     BudgetGuard,
@@ -23,14 +31,20 @@ from dpfy.training.validate import (
     validate_module,
 )
 
-__all__ = ["ChunkStats", "MicrobatchMode", "PrivateGradient", "StepStats"]
+__all__ = ["ChunkStats", "MicrobatchMode", "OpenChunk", "PrivateGradient", "StepStats"]
 __all__ += [
     "BudgetExceededError",
     "BudgetGuard",
+    "DatasetBatcher",
     "History",
     "ModuleIssue",
     "PhysicalBatch",
     "PhysicalBatcher",
+    "PrivateBatchSampler",
+    "PrivateCriterion",
+    "PrivateLoader",
+    "PrivateLoss",
+    "PrivateOptimizer",
     "PrivateTrainer",
     "ProgressInfo",
     "TrainResult",
@@ -39,6 +53,7 @@ __all__ += [
     "check_module",
     "fix_module",
     "load_checkpoint",
+    "make_private",
     "save_checkpoint",
     "validate_module",
 ]

@@ -19,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from dpfy._validate import check_int
 
-__all__ = ["PhysicalBatch", "PhysicalBatcher", "accumulate_logical_batch"]
+__all__ = ["Batcher", "PhysicalBatch", "PhysicalBatcher", "accumulate_logical_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,16 +34,27 @@ class PhysicalBatch:
     """One fixed-shape chunk of a logical batch.
 
     Attributes:
-      inputs: ``[P, ...]`` rows of the dataset inputs (padding rows are zeros).
-      targets: ``[P, ...]`` rows of the dataset targets (padding rows are zeros).
+      inputs: ``[P, ...]`` rows of the dataset inputs (padding rows are zeros); from a
+        ``Dataset`` (:class:`dpfy.training.loader.DatasetBatcher`) whatever the collated batch
+        holds (a tensor, a tuple, a dict of tensors), padding rows repeating a valid example.
+      targets: ``[P, ...]`` rows of the dataset targets (padding rows are zeros), or None.
       weights: float ``[P]``; 1 for real examples, 0 for padding.
       count: number of real examples (the leading ``count`` rows).
     """
 
-    inputs: torch.Tensor
-    targets: torch.Tensor
+    inputs: Any
+    targets: Any
     weights: torch.Tensor
     count: int
+
+
+class Batcher(Protocol):
+    """Anything that cuts a logical batch of indices into padded physical batches."""
+
+    @property
+    def dataset_size(self) -> int: ...
+
+    def chunks(self, indices: np.ndarray) -> Iterator[PhysicalBatch]: ...
 
 
 class PhysicalBatcher:
@@ -128,7 +139,7 @@ class PhysicalBatcher:
 
 def accumulate_logical_batch(
     private_gradient: Any,
-    batcher: PhysicalBatcher,
+    batcher: Batcher,
     indices: np.ndarray,
     loss_fn: Callable[..., torch.Tensor],
     *,

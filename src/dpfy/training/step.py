@@ -64,6 +64,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -76,7 +77,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpfy._validate import check_int, check_range
-from dpfy.training.norms.capture import ModulePlan, capture_layers, plan_modules
+from dpfy.training.norms.capture import (
+    LayerCapture,
+    ModulePlan,
+    capture_layers,
+    plan_modules,
+)
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads
 
@@ -85,7 +91,7 @@ if TYPE_CHECKING:
     from dpfy.queries import Query
     from dpfy.randomness import Randomness
 
-__all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode"]
+__all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode", "OpenChunk"]
 
 MicrobatchMode = Literal["examples", "average"]
 _MODES = ("examples", "average")
@@ -148,6 +154,10 @@ class PrivateGradient:
       microbatch_mode: ``"examples"`` (Ponomareva et al. 2023, Alg. 3 option 1) or
         ``"average"`` (option 2).
       fallback_chunk_size: examples per ``vmap`` chunk for layers without a norm rule.
+      forward: ``forward(model, inputs) -> outputs`` for inputs the default convention does
+        not fit. Default: a mapping calls ``model(**inputs)`` (e.g. a tokenizer's
+        ``input_ids`` and ``attention_mask``), a tuple or list ``model(*inputs)``, anything
+        else ``model(inputs)``.
 
     Raises:
       ValueError: bad arguments, tied parameters, or an average-mode query whose recorded
@@ -163,6 +173,7 @@ class PrivateGradient:
         microbatch_size: int | None = None,
         microbatch_mode: MicrobatchMode = "examples",
         fallback_chunk_size: int = 32,
+        forward: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         check_range(
             "expected_batch_size",
@@ -193,6 +204,11 @@ class PrivateGradient:
         self.microbatch_size = None if microbatch_size is None else int(microbatch_size)
         self.microbatch_mode = microbatch_mode
         self.fallback_chunk_size = int(fallback_chunk_size)
+        if forward is not None and not callable(forward):
+            raise ValueError(
+                f"forward must be callable (model, inputs) -> outputs, got {forward!r}"
+            )
+        self.forward = forward
         if microbatch_mode == "average":
             _check_average_sensitivity(query)
         self.plans_: list[ModulePlan] = plan_modules(model)
@@ -297,33 +313,56 @@ class PrivateGradient:
         weights: torch.Tensor | None,
         return_norms: bool,
     ) -> ChunkStats:
-        k = self.group_size_
         with capture_layers(self.plans_) as recorder:
-            if isinstance(inputs, Mapping):
-                outputs = self.model(**inputs)
-            elif isinstance(inputs, tuple | list):
-                outputs = self.model(*inputs)
-            else:
-                outputs = self.model(inputs)
-            losses = loss_fn(outputs, targets)
-            if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
-                raise ValueError(
-                    "loss_fn must return per-example losses of shape [B] (use reduction='none'), "
-                    f"got {getattr(losses, 'shape', type(losses))}"
-                )
-            batch = losses.shape[0]
-            if batch % k:
-                raise ValueError(
-                    f"chunk size {batch} must be a multiple of microbatch_size={k} in "
-                    "microbatch_mode='average' (pad with weight-0 rows)"
-                )
-            if weights is None:
-                mask = None
-                scale = torch.full_like(losses, 1.0 / k).detach()
-            else:
-                mask = _check_weights(weights, batch, losses)
-                scale = mask if k == 1 else mask / k
-            captures = recorder.backward(losses, scale)
+            losses = loss_fn(self._forward(inputs), targets)
+            return self._accumulate_losses(recorder, losses, weights, return_norms)
+
+    def _forward(self, inputs: Any) -> Any:
+        """The model's outputs on ``inputs`` (``forward``, or the mapping/tuple convention)."""
+        if self.forward is not None:
+            return self.forward(self.model, inputs)
+        if isinstance(inputs, Mapping):
+            return self.model(**inputs)
+        if isinstance(inputs, tuple | list):
+            return self.model(*inputs)
+        return self.model(inputs)
+
+    def open_chunk(self) -> OpenChunk:
+        """Record the layers while the caller runs the forward pass itself (hooks until closed).
+
+        For loops that call the model themselves (:func:`dpfy.training.private.make_private`):
+        run ``model(...)`` and the per-example loss, then ``chunk.accumulate(losses, weights)``
+        (one backward pass to the module outputs, clipped sums added as in
+        :meth:`accumulate`); ``close()`` removes the hooks (``accumulate`` closes too).
+        """
+        return OpenChunk(self)
+
+    def _accumulate_losses(
+        self,
+        recorder: LayerCapture,
+        losses: Any,
+        weights: torch.Tensor | None,
+        return_norms: bool,
+    ) -> ChunkStats:
+        k = self.group_size_
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            raise ValueError(
+                "loss_fn must return per-example losses of shape [B] (use reduction='none'), "
+                f"got {getattr(losses, 'shape', type(losses))}"
+            )
+        batch = losses.shape[0]
+        if batch % k:
+            raise ValueError(
+                f"chunk size {batch} must be a multiple of microbatch_size={k} in "
+                "microbatch_mode='average' (pad with weight-0 rows)"
+            )
+        if weights is None:
+            mask = None
+            scale = torch.full_like(losses, 1.0 / k).detach()
+        else:
+            mask = _check_weights(weights, batch, losses)
+            scale = mask if k == 1 else mask / k
+        captures = recorder.backward(losses, scale)
         with torch.no_grad():
             n = batch // k
             layers = self._layer_grads(captures, batch, k)
@@ -546,6 +585,43 @@ class PrivateGradient:
             f"expected_batch_size={self.expected_batch_size}, "
             f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r})"
         )
+
+
+class OpenChunk:
+    """One physical chunk whose forward pass the caller runs (see ``PrivateGradient.open_chunk``).
+
+    The layer hooks are registered on construction and removed by :meth:`accumulate` or
+    :meth:`close`, whichever comes first; the model is never wrapped.
+    """
+
+    def __init__(self, private_gradient: PrivateGradient) -> None:
+        self._pg = private_gradient
+        self._stack = contextlib.ExitStack()
+        self._recorder: LayerCapture | None = self._stack.enter_context(
+            capture_layers(private_gradient.plans_)
+        )
+
+    @property
+    def open(self) -> bool:
+        return self._recorder is not None
+
+    def accumulate(
+        self, losses: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> ChunkStats:
+        """Backward from the per-example ``losses`` [B]; add the clipped sums; close."""
+        if self._recorder is None:
+            raise RuntimeError("this chunk was already accumulated or closed")
+        recorder, self._recorder = self._recorder, None
+        try:
+            self._pg._chunks += 1
+            return self._pg._accumulate_losses(recorder, losses, weights, False)
+        finally:
+            self._stack.close()
+
+    def close(self) -> None:
+        """Remove the hooks without accumulating (the recorded calls are dropped)."""
+        self._recorder = None
+        self._stack.close()
 
 
 def _flat_buffers(

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
@@ -54,7 +55,8 @@ from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tes
     spent,
     statement,
 )
-from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
+from dpfy.training.data import Batcher, PhysicalBatcher, accumulate_logical_batch
+from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
@@ -206,7 +208,12 @@ class PrivateTrainer:
       loss_fn: per-example loss ``loss_fn(outputs, targets) -> Tensor[B]``
         (e.g. ``nn.CrossEntropyLoss(reduction="none")``).
       inputs, targets: the training set, leading dimension = number of examples; one row is
-        the unit of privacy.
+        the unit of privacy. Or ``inputs`` a map-style ``torch.utils.data.Dataset`` (items:
+        tensors, tuples or dicts; one item is the unit) and ``targets=None``: physical batches
+        are read by index and collated (:mod:`dpfy.training.loader`), split into (inputs,
+        targets) by :func:`dpfy.training.loader.split_batch`; a dict batch calls
+        ``model(**inputs)`` with its ``target_key`` entry as the targets. In-memory tensors
+        stay the fast path.
       sampler: a :mod:`dpfy.sampling` sampler over ``len(inputs)`` examples.
       clip_norm: L2 clip norm C of each example's gradient.
       epochs: number of epochs (``sampler.steps_per_epoch`` steps each).
@@ -237,6 +244,10 @@ class PrivateTrainer:
         et al. 2023, Alg. 3 option 1: same privacy, less memory).
       validate: run :func:`dpfy.training.validate.validate_module` first.
       device: device of the physical batches (default: the inputs' device).
+      collate_fn: collates a list of Dataset items (default ``default_collate``).
+      target_key: the targets of a dict batch (default ``"labels"``).
+      forward: ``forward(model, inputs) -> outputs`` for inputs the convention of
+        :class:`PrivateGradient` does not fit.
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -253,8 +264,8 @@ class PrivateTrainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
+        inputs: torch.Tensor | Dataset[Any],
+        targets: torch.Tensor | None,
         sampler: Sampler,
         *,
         clip_norm: float,
@@ -277,6 +288,9 @@ class PrivateTrainer:
         microbatch_size: int | None = None,
         validate: bool = True,
         device: torch.device | str | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        target_key: str = "labels",
+        forward: Callable[[nn.Module, Any], Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -304,6 +318,9 @@ class PrivateTrainer:
         self.microbatch_size = microbatch_size
         self.validate = validate
         self.device = device
+        self.collate_fn = collate_fn
+        self.target_key = target_key
+        self.forward = forward
         # run state (fitted attributes end in "_")
         self.noise_multiplier_: float | None = None
         self.history_ = History()
@@ -337,11 +354,35 @@ class PrivateTrainer:
             raise ValueError(
                 f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
             )
-        if len(self.inputs) != self.sampler.dataset_size:
+        check_sampler(self.sampler, self.sampler_size(), "sampler")
+
+    def sampler_size(self) -> int:
+        """Examples in the training data (checked against the sampler's ``dataset_size``)."""
+        if isinstance(self.inputs, torch.Tensor):
+            if not isinstance(self.targets, torch.Tensor):
+                raise TypeError(
+                    "targets must be a tensor with tensor inputs (a Dataset carries its own "
+                    f"targets), got {type(self.targets).__name__}"
+                )
+            if len(self.targets) != len(self.inputs):
+                raise ValueError(
+                    f"inputs and targets must have the same length, got {len(self.inputs)} and "
+                    f"{len(self.targets)}"
+                )
+        else:
+            check_dataset(self.inputs, "inputs")
+            if self.targets is not None:
+                raise ValueError(
+                    "targets must be None when inputs is a Dataset (its items carry the "
+                    f"targets), got {type(self.targets).__name__}"
+                )
+        n = len(self.inputs)  # type: ignore[arg-type]
+        if n != self.sampler.dataset_size:
             raise ValueError(
                 f"the sampler draws from {self.sampler.dataset_size} examples but inputs has "
-                f"{len(self.inputs)} rows"
+                f"{n} rows"
             )
+        return n
 
     def calibrate(self) -> float:
         """The noise multiplier of the run: given, or calibrated from the sampler's event."""
@@ -380,14 +421,27 @@ class PrivateTrainer:
             self.query_,
             expected_batch_size=self.sampler.expected_batch_size,
             microbatch_size=self.microbatch_size,
+            forward=self.forward,
         )
-        self.batcher_ = PhysicalBatcher(
-            self.inputs,
-            self.targets,
-            max_physical_batch_size=self.max_physical_batch_size,
-            max_batch_size=self.sampler.max_batch_size,
-            device=self.device,
-        )
+        self.batcher_: Batcher
+        if isinstance(self.inputs, torch.Tensor):
+            assert isinstance(self.targets, torch.Tensor)  # _check_args
+            self.batcher_ = PhysicalBatcher(
+                self.inputs,
+                self.targets,
+                max_physical_batch_size=self.max_physical_batch_size,
+                max_batch_size=self.sampler.max_batch_size,
+                device=self.device,
+            )
+        else:
+            self.batcher_ = DatasetBatcher(
+                self.inputs,
+                max_physical_batch_size=self.max_physical_batch_size,
+                max_batch_size=self.sampler.max_batch_size,
+                collate_fn=self.collate_fn,
+                device=self.device,
+                target_key=self.target_key,
+            )
         self.spec_ = self.sampler.sample_spec()
         self.guard_ = (
             BudgetGuard(self.target_epsilon, self.delta, method=self.accounting)

@@ -1,0 +1,587 @@
+"""``make_private``: DP-SGD in the user's own loop, for people coming from Opacus.
+
+:func:`make_private` (compare Opacus 1.6, ``PrivacyEngine.make_private_with_epsilon`` with
+ghost clipping) checks everything, calibrates the noise multiplier from the *sampler's* event
+and arms the budget guard, then returns ``(model, optimizer, criterion, loader)``:
+
+* ``model`` is the user's model, untouched: same class, ``state_dict`` keys, ``generate()``,
+  ``save_pretrained()``. Forward hooks exist only between the loader handing out a physical
+  batch and ``loss.backward()`` of that batch (``PrivateGradient.open_chunk``).
+* ``loader`` yields fixed-shape physical batches (the collated items, a tensor, tuple or dict)
+  of the dpfy sampler's logical batches, padded with weight-0 rows
+  (:mod:`dpfy.training.loader`); one ``for`` over it is one epoch. Before the first physical
+  batch of a logical batch it writes the sample record to the ledger.
+* ``criterion(outputs, targets)`` computes the per-example losses with ``loss_fn`` and
+  returns a :class:`PrivateLoss`; its ``backward()`` adds the clipped per-example gradients
+  of the real rows to the accumulator (padding rows have weight 0). It does not write
+  ``p.grad``.
+* ``optimizer.step()`` after the *last* physical batch of a logical batch releases: the
+  Gaussian query writes its ledger entry first, noise goes on every trainable parameter, the
+  sum is divided by the expected batch size (``docs/architecture.md``, 5.11), then the user's
+  optimizer steps. After any other physical batch it does nothing (gradient accumulation over
+  virtual batches: one release per logical batch, as Opacus' ``BatchMemoryManager``).
+
+``optimizer.epsilon()`` (and ``.ledger``) read the ledger at any time; the guard ends an
+epoch before a step that would pass ``target_epsilon`` (``on_budget="stop"``: a warning;
+``"raise"``: :class:`~dpfy.training.budget.BudgetExceededError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dpfy._validate import check_range
+from dpfy.ledger import Ledger
+from dpfy.randomness import Randomness
+from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
+from dpfy.training.loader import (
+    ChunkInfo,
+    PrivateBatchSampler,
+    RowsDataset,
+    _to,
+    check_dataset,
+    check_sampler,
+    collated,
+)
+from dpfy.training.step import OpenChunk, PrivateGradient, StepStats
+from dpfy.training.validate import validate_module
+
+__all__ = ["PrivateLoader", "PrivateLoss", "PrivateCriterion", "PrivateOptimizer", "make_private"]
+
+OnBudget = Literal["stop", "raise"]
+
+
+class Private(NamedTuple):
+    """What :func:`make_private` returns; unpacks as ``model, optimizer, criterion, loader``."""
+
+    model: nn.Module
+    optimizer: PrivateOptimizer
+    criterion: PrivateCriterion
+    loader: PrivateLoader
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.optimizer.ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.optimizer.noise_multiplier
+
+    def epsilon(self, delta: float | None = None, method: str | None = None) -> float:
+        """Epsilon spent so far, read from the ledger (see :meth:`PrivateOptimizer.epsilon`)."""
+        return self.optimizer.epsilon(delta, method)
+
+
+class _Engine:
+    """State shared by the loader, the criterion and the optimizer of one private run."""
+
+    def __init__(
+        self,
+        *,
+        private_gradient: PrivateGradient,
+        sampler: Any,
+        ledger: Ledger,
+        randomness: Randomness,
+        noise_multiplier: float,
+        guard: BudgetGuard,
+        epochs: int,
+        delta: float,
+        accounting: str,
+        on_budget: OnBudget,
+        facts: dict[str, Any],
+    ) -> None:
+        self.pg = private_gradient
+        self.sampler = sampler
+        self.spec = sampler.sample_spec()
+        self.ledger = ledger
+        self.randomness = randomness
+        self.z = noise_multiplier
+        self.guard = guard
+        self.epochs = epochs
+        self.delta = delta
+        self.accounting = accounting
+        self.on_budget = on_budget
+        self.facts = facts
+        self.epoch = 0
+        self.steps = 0
+        self.info: ChunkInfo | None = None
+        self.weights: torch.Tensor | None = None
+        self.chunk: OpenChunk | None = None
+        self.sample_id: int | None = None
+        self.backwards = 0
+        self.last_stats: StepStats | None = None
+
+    # -- loader side ------------------------------------------------------------------------
+    def allowed_steps(self) -> int:
+        spe = int(self.sampler.steps_per_epoch)
+        return self.guard.allowed_steps(
+            self.ledger, lambda k: self.sampler.privacy_event(self.z, steps=k), spe
+        )
+
+    def start_chunk(self, info: ChunkInfo, device: torch.device | None) -> None:
+        self.close_chunk()
+        if info.chunk == 0:
+            if self.sample_id is not None:
+                raise RuntimeError(
+                    "the previous logical batch was never released: call optimizer.step() "
+                    "after loss.backward() of every physical batch"
+                )
+            if self.ledger.iteration == 0 and self.steps == 0:
+                self.ledger.record_metadata(**self.facts)
+            self.sample_id = self.ledger.record_sample(self.spec, epoch=info.epoch, step=self.steps)
+            self.backwards = 0
+        self.info = info
+        self.weights = info.weights(device)
+        self.chunk = self.pg.open_chunk()
+
+    def close_chunk(self) -> None:
+        if self.chunk is not None:
+            self.chunk.close()
+            self.chunk = None
+
+    def budget_message(self) -> str:
+        eps = self.guard.epsilon_after(self.ledger, self.sampler.privacy_event(self.z, steps=1))
+        return self.guard._message(self.ledger, eps)
+
+    # -- criterion and optimizer side -------------------------------------------------------
+    def backward(self, losses: torch.Tensor) -> None:
+        if self.chunk is None or not self.chunk.open:
+            raise RuntimeError(
+                "loss.backward() needs a physical batch from the private loader that has not "
+                "been backpropagated yet (one backward per batch)"
+            )
+        chunk, self.chunk = self.chunk, None
+        chunk.accumulate(losses, self.weights)
+        self.backwards += 1
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        info = self.info
+        if info is None:
+            raise RuntimeError("optimizer.step() before the first batch of the private loader")
+        if not info.last:
+            return False  # inside a logical batch: keep accumulating
+        if self.sample_id is None:
+            raise RuntimeError("optimizer.step() was already called for this logical batch")
+        if self.backwards != info.num_chunks:
+            raise RuntimeError(
+                f"optimizer.step() after loss.backward() of {self.backwards} of the "
+                f"{info.num_chunks} physical batches of this logical batch: call the private "
+                "criterion and backward() on every batch the loader yields"
+            )
+        self.close_chunk()
+        self.last_stats = self.pg.release(
+            ledger=self.ledger, sample_id=self.sample_id, randomness=self.randomness
+        )
+        self.sample_id = None
+        optimizer.step()
+        self.steps += 1
+        return True
+
+
+class PrivateLoader:
+    """Physical batches of the dpfy sampler's logical batches (see the module docstring).
+
+    Built by :func:`make_private`; each ``for`` over it is the next epoch. ``len()`` is the
+    number of logical batches per epoch. ``num_workers > 0`` reads rows in worker processes
+    (the sampler and its randomness stay in this process).
+    """
+
+    def __init__(
+        self,
+        engine: _Engine,
+        dataset: Any,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None,
+        max_physical_batch_size: int | None,
+        num_workers: int,
+        device: torch.device | None,
+        loader_kwargs: dict[str, Any],
+    ) -> None:
+        self._engine = engine
+        self.dataset = dataset
+        self.batch_sampler = PrivateBatchSampler(
+            engine.sampler, max_physical_batch_size=max_physical_batch_size
+        )
+        self.device = device
+        self._loader = DataLoader(
+            RowsDataset(dataset, collate_fn),
+            batch_sampler=self.batch_sampler,
+            collate_fn=collated,
+            num_workers=num_workers,
+            **loader_kwargs,
+        )
+
+    @property
+    def sampler(self) -> Any:
+        return self._engine.sampler
+
+    def __len__(self) -> int:
+        return int(self._engine.sampler.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        engine = self._engine
+        epoch = engine.epoch
+        engine.epoch += 1
+        allowed = engine.allowed_steps()
+        self.batch_sampler.begin(epoch, allowed)
+        try:
+            for batch in self._loader:
+                engine.start_chunk(self.batch_sampler.infos.popleft(), self.device)
+                yield _to(batch, self.device)
+        finally:
+            engine.close_chunk()
+        if allowed < int(engine.sampler.steps_per_epoch):
+            message = engine.budget_message()
+            if engine.on_budget == "raise":
+                raise BudgetExceededError(message)
+            warnings.warn(message, stacklevel=2)
+
+
+class PrivateLoss:
+    """Per-example losses of one physical batch; ``backward()`` accumulates them privately."""
+
+    def __init__(self, engine: _Engine, losses: torch.Tensor, weights: torch.Tensor) -> None:
+        self._engine = engine
+        self.losses = losses
+        self._weights = weights
+
+    def backward(self) -> None:
+        """Clip the real rows' gradients and add them to the accumulator (no ``p.grad``)."""
+        self._engine.backward(self.losses)
+
+    def detach(self) -> torch.Tensor:
+        """Mean loss over the real rows (monitoring only: not private); nan without any."""
+        w = self._weights.to(self.losses.device, self.losses.dtype)
+        n = w.sum()
+        total = (self.losses.detach() * w).sum()
+        return total / n if float(n) > 0 else torch.full_like(total, math.nan)
+
+    def item(self) -> float:
+        return float(self.detach())
+
+    def __float__(self) -> float:
+        return self.item()
+
+    def __repr__(self) -> str:
+        return f"PrivateLoss({self.item():.4g})"
+
+
+class PrivateCriterion:
+    """``criterion(outputs, targets) -> PrivateLoss`` for the current physical batch."""
+
+    def __init__(self, engine: _Engine, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+        self._engine = engine
+        self.loss_fn = loss_fn
+
+    def __call__(self, outputs: Any, targets: Any) -> PrivateLoss:
+        engine = self._engine
+        if engine.chunk is None or engine.weights is None:
+            raise RuntimeError(
+                "the private criterion works on the outputs of a batch from the private "
+                "loader (its hooks record the forward pass); iterate over the loader that "
+                "make_private returned"
+            )
+        losses = self.loss_fn(outputs, targets)
+        if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+            raise ValueError(
+                "loss_fn must return per-example losses of shape [B] (reduction='none'), got "
+                f"{getattr(losses, 'shape', type(losses))}"
+            )
+        return PrivateLoss(engine, losses, engine.weights)
+
+
+class PrivateOptimizer(torch.optim.Optimizer):
+    """The user's optimizer whose ``step()`` releases privately (see the module docstring).
+
+    Shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer (learning
+    rate schedulers work on either); ``zero_grad``, ``state_dict`` and ``load_state_dict``
+    delegate to it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: _Engine) -> None:
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.original_optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.defaults = optimizer.defaults
+        self._engine = engine
+
+    @property
+    def ledger(self) -> Ledger:
+        """The run's ledger (every sample and noisy release, written before it happens)."""
+        return self._engine.ledger
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._engine.z
+
+    @property
+    def steps(self) -> int:
+        """Logical batches released so far (this session)."""
+        return self._engine.steps
+
+    @property
+    def last_step(self) -> StepStats | None:
+        """Statistics of the latest release (not private: monitoring)."""
+        return self._engine.last_stats
+
+    def epsilon(self, delta: float | None = None, method: str | None = None) -> float:
+        """Epsilon the ledger has spent so far at ``delta`` (default: the target delta)."""
+        engine = self._engine
+        d = engine.delta if delta is None else delta
+        return spent(engine.ledger, d, method or engine.accounting)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """Release at the end of a logical batch (then the wrapped optimizer steps)."""
+        if closure is not None:
+            raise ValueError(
+                "closure must be None: the private loss is computed from the loader's batches"
+            )
+        self._engine.step(self.original_optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivateOptimizer({type(self.original_optimizer).__name__}, "
+            f"noise_multiplier={self._engine.z:.4g})"
+        )
+
+
+def _per_example(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
+    """A loss with ``reduction="none"`` (a copy of an ``nn`` loss; a function as given)."""
+    if loss_fn is None:
+        return nn.CrossEntropyLoss(reduction="none")
+    if isinstance(loss_fn, nn.Module) and hasattr(loss_fn, "reduction"):
+        per_example = copy.copy(loss_fn)
+        per_example.reduction = "none"  # type: ignore[assignment]
+        return per_example
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be callable (outputs, targets) -> Tensor[B], got {loss_fn!r}"
+        )
+    return loss_fn  # type: ignore[no-any-return]
+
+
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Any,
+    *,
+    target_epsilon: float,
+    delta: float,
+    epochs: int,
+    clip_norm: float,
+    expected_batch_size: int | None = None,
+    sampler: Any = "poisson",
+    max_physical_batch_size: int | None = None,
+    max_batch_size: int | None = None,
+    loss_fn: Any = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    randomness: Randomness | None = None,
+    ledger: Ledger | None = None,
+    accounting: str | None = None,
+    num_workers: int = 0,
+    device: torch.device | str | None = None,
+    on_budget: OnBudget = "stop",
+    validate: bool = True,
+    loader_kwargs: dict[str, Any] | None = None,
+) -> Private:
+    """Make ``model``/``optimizer`` private on ``data``: ``(model, optimizer, criterion, loader)``.
+
+    Everything is checked, and the noise multiplier calibrated, before anything is written:
+    a refused argument leaves the ledger untouched.
+
+    Args:
+      model: the model; validated (layers that mix examples are refused), never wrapped.
+      optimizer: a ``torch.optim`` optimizer over trainable parameters of ``model``.
+      data: a map-style ``torch.utils.data.Dataset`` (items: tensors, tuples, dicts); one
+        item is the unit of privacy. Not a ``DataLoader`` nor an ``IterableDataset``.
+      target_epsilon: budget; the noise multiplier is calibrated to it over ``epochs`` and the
+        budget guard refuses any step past it.
+      delta: target delta in (0, 1).
+      epochs: planned epochs (passes over the loader).
+      clip_norm: L2 clip norm C of each example's gradient (Opacus' ``max_grad_norm``).
+      expected_batch_size: (expected) logical batch size B (Poisson: q = B / N); needed when
+        ``sampler`` is a kind name.
+      sampler: a kind name (``"poisson"``, ``"balls_and_bins"``, ``"shuffle"``, ...) or a
+        :mod:`dpfy.sampling` sampler over ``len(data)`` examples.
+      max_physical_batch_size: rows per physical batch (virtual batches: one release per
+        logical batch). Default: one physical batch per logical batch.
+      max_batch_size: truncate logical batches to this size (fixed work per step; the extra
+        delta enters every epsilon, ``docs/architecture.md`` 5.10).
+      loss_fn: per-example loss ``loss_fn(outputs, targets) -> Tensor[B]``; an ``nn`` loss
+        with a ``reduction`` is used with ``reduction="none"``. Default: cross-entropy.
+      collate_fn: collates a list of items (default ``default_collate``).
+      randomness: noise randomness, and the seed of the sampler's own stream when ``sampler``
+        is a kind name. Default: ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a
+        reproducible experiment.
+      ledger: where samples and releases are recorded (default: a new in-memory ledger).
+      accounting: accountant for calibration, the guard and ``epsilon()`` (default: the
+        sampler kind's ``default_accountant``).
+      num_workers: DataLoader worker processes reading rows.
+      device: where batches go (default: as collated).
+      on_budget: ``"stop"`` (end the epoch with a warning) or ``"raise"``.
+      validate: check the model's layers first.
+      loader_kwargs: extra ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``...).
+
+    Raises:
+      TypeError, ValueError: a bad argument, named in the message.
+      dpfy.training.validate.UnsupportedModuleError: layers that are not private.
+    """
+    from dpfy.sampling import kind as sampler_kind
+    from dpfy.sampling import make_sampler
+
+    check_range("target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("epochs", epochs, 1, None, integer=True)
+    check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("num_workers", num_workers, 0, None, integer=True)
+    if max_physical_batch_size is not None:
+        check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
+    if on_budget not in ("stop", "raise"):
+        raise ValueError(f"on_budget must be one of {{stop, raise}}, got on_budget={on_budget!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, PrivateOptimizer) or not isinstance(
+        optimizer, torch.optim.Optimizer
+    ):
+        raise TypeError(
+            f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
+        )
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in trainable]
+    if foreign:
+        raise ValueError(
+            f"optimizer must update trainable parameters of model only, got {len(foreign)} "
+            "other parameter(s) (their gradients would not be private)"
+        )
+    check_dataset(data, "data")
+    if randomness is not None and not isinstance(randomness, Randomness):
+        raise TypeError(f"randomness must be a dpfy Randomness, got {type(randomness).__name__}")
+    rng = randomness if randomness is not None else Randomness.secure_mode()
+    n = len(data)
+    if isinstance(sampler, str):
+        if expected_batch_size is None:
+            raise ValueError(
+                "expected_batch_size must be given with a sampler kind, got "
+                "expected_batch_size=None"
+            )
+        check_range("expected_batch_size", expected_batch_size, 1, n, integer=True)
+        sampler = make_sampler(
+            sampler,
+            n,
+            int(expected_batch_size),
+            max_batch_size=max_batch_size,
+            randomness=_sampling_stream(rng),
+        )
+    else:
+        check_sampler(sampler, n, "sampler")
+        if expected_batch_size is not None and not math.isclose(
+            float(expected_batch_size), float(sampler.expected_batch_size), rel_tol=1e-9
+        ):
+            raise ValueError(
+                f"expected_batch_size must match the sampler's "
+                f"{sampler.expected_batch_size!r}, got expected_batch_size={expected_batch_size!r}"
+            )
+    per_example = _per_example(loss_fn)
+    if validate:
+        validate_module(model)
+    method = accounting or sampler_kind(sampler.sample_spec().sampler).default_accountant
+    z = _calibrate(sampler, float(target_epsilon), float(delta), int(epochs), method)
+    guard = BudgetGuard(target_epsilon, delta, method=method)
+    from dpfy.queries import GaussianSumQuery
+
+    pg = PrivateGradient(
+        model,
+        GaussianSumQuery(clip_norm, z, name="gradient"),
+        expected_batch_size=sampler.expected_batch_size,
+    )
+    facts = {
+        "trainer": "dpfy.make_private",
+        "noise_multiplier": z,
+        "clip_norm": float(clip_norm),
+        "epochs": int(epochs),
+        "steps_per_epoch": int(sampler.steps_per_epoch),
+        "expected_batch_size": float(sampler.expected_batch_size),
+        "max_physical_batch_size": max_physical_batch_size,
+        "sampler": repr(sampler),
+        "target_epsilon": float(target_epsilon),
+        "target_delta": float(delta),
+        "accounting": method,
+        "optimizer": type(optimizer).__name__,
+        "secure_randomness": bool(rng.secure),
+        "calibrated": True,
+    }
+    engine = _Engine(
+        private_gradient=pg,
+        sampler=sampler,
+        ledger=ledger if ledger is not None else Ledger(),
+        randomness=rng,
+        noise_multiplier=z,
+        guard=guard,
+        epochs=int(epochs),
+        delta=float(delta),
+        accounting=method,
+        on_budget=on_budget,
+        facts=facts,
+    )
+    loader = PrivateLoader(
+        engine,
+        data,
+        collate_fn=collate_fn,
+        max_physical_batch_size=max_physical_batch_size,
+        num_workers=int(num_workers),
+        device=None if device is None else torch.device(device),
+        loader_kwargs=dict(loader_kwargs or {}),
+    )
+    criterion = PrivateCriterion(engine, per_example)
+    return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
+
+
+def _sampling_stream(rng: Randomness) -> Randomness:
+    """A stream for the sampler, independent of the noise stream of ``rng``.
+
+    Separate streams keep a seeded run reproducible whatever the order of sampling and noise
+    draws (a ``DataLoader`` with workers draws batches ahead of the releases).
+    """
+    if rng.secure:
+        return Randomness.secure_mode()
+    assert rng.seed is not None
+    state = np.random.SeedSequence([int(rng.seed), 0x5A4D]).generate_state(2, np.uint64)
+    return Randomness(int(state[0]))
+
+
+def _calibrate(
+    sampler: Any, target_epsilon: float, delta: float, epochs: int, method: str
+) -> float:
+    from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
+
+    try:
+        return float(
+            calibrate_noise_multiplier(
+                lambda z: sampler.privacy_event(z, epochs=epochs), target_epsilon, delta, method
+            )
+        )
+    except CalibrationError as err:
+        raise ValueError(
+            f"target_epsilon={target_epsilon!r} cannot be met at delta={delta!r} over "
+            f"epochs={epochs!r} with this sampler (even the largest noise multiplier does not "
+            f"reach it): raise target_epsilon, or train fewer epochs or smaller batches ({err})"
+        ) from err
