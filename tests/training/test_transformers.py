@@ -136,6 +136,29 @@ def test_norms_and_clipped_sum_match_loop(arch, lora):
         assert "lm_head" in planned and "lm_head.weight" not in pg.param_names_
 
 
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_forced_modes_match_loop(mode, lora, monkeypatch):
+    """Both ways of the cost choice, for Conv1D (transposed weight) and LoRA factors."""
+    import dpfy.training.norms.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "choose_mode", lambda *args: mode)
+    torch.manual_seed(3)
+    model = _lora(_gpt2(), ["c_attn", "c_fc"], "CAUSAL_LM") if lora else _gpt2()
+    inputs, labels = _batch(seed=3)
+    _check_exact(model.eval(), inputs, labels, causal_lm_loss)
+
+
+def test_choose_mode_by_cost_and_memory():
+    from dpfy.training.norms import choose_mode
+
+    assert choose_mode(8, 1, 16, 768, 768, 4) == "ghost"  # short sequence, wide layer
+    assert choose_mode(8, 1, 1024, 768, 768, 4) == "materialize"  # long sequence
+    assert choose_mode(8, 1, 128, 768, 8, 4) == "materialize"  # LoRA factor d x r
+    assert choose_mode(8, 1, 128, 768, 50257, 4) == "ghost"  # LM head: N V d too large
+    assert choose_mode(2, 1, 16384, 64, 64, 4) == "materialize"  # T^2 Grams too large
+
+
 def test_padding_contributes_nothing():
     torch.manual_seed(1)
     model = _llama().eval()

@@ -237,16 +237,22 @@ def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> Mode:
 
     Ghost needs two T x T Gram matrices per example and block (~T^2 (d + o) flops) and then
     the book-keeping GEMM; materialising costs the per-example GEMM (T d o) but makes the
-    clipped sum cheap, and moves N*H*d*o numbers through memory.
+    clipped sum cheap, and moves N*H*d*o numbers through memory. Memory decides first: when
+    either mode's extra tensors (N H d o per-example gradients, or 2 N H T^2 Gram entries)
+    exceed :data:`MATERIALIZE_BYTES_LIMIT`, the mode needing less memory is used (long
+    sequences materialise, wide layers such as an LM head over a large vocabulary go ghost).
+    Otherwise ghost wins when ``T^2 (d + o)`` is below ``~2.5 d o`` (the book-keeping GEMM is
+    common to both): for a transformer on [B, T, d] short sequences through wide layers go
+    ghost, long sequences and narrow layers (LoRA factors, d x r) materialise.
     """
     if t == 1:
         return "ghost"
+    mat_bytes = n * h * d * o * itemsize
+    ghost_bytes = 2 * n * h * t * t * itemsize
+    if max(mat_bytes, ghost_bytes) > MATERIALIZE_BYTES_LIMIT:
+        return "ghost" if ghost_bytes < mat_bytes else "materialize"
     ghost = t * t * (d + o + 1)
     materialize = 2 * d * o + (d * o) // 2  # extra for the memory traffic of P
-    if n * h * d * o * itemsize > MATERIALIZE_BYTES_LIMIT and n * h * t * t * itemsize * 2 < (
-        n * h * d * o * itemsize
-    ):
-        return "ghost"
     return "ghost" if ghost <= materialize else "materialize"
 
 
