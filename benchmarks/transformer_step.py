@@ -57,21 +57,27 @@ def make_model(name: str, variant: str) -> tuple[nn.Module, Callable]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = transformers.BertForSequenceClassification.from_pretrained(
-                str(root), num_labels=2
+                str(root), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
             )
         loss, targets, task = sequence_classification_loss, ["query", "value"], "SEQ_CLS"
     else:
-        cfg = transformers.GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=128)
+        cfg = transformers.GPT2Config(
+            n_layer=12, n_embd=768, n_head=12, n_positions=128,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
         loss, targets, task = causal_lm_loss, ["c_attn"], "CAUSAL_LM"
-    model.eval()  # dropout off in every method alike
+    model.train()  # Opacus needs training mode; dropout is off (p = 0) for every method
     if variant == "lora":
         import peft
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = peft.get_peft_model(
-                model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, task_type=task)
+                model,
+                peft.LoraConfig(
+                    r=8, lora_alpha=16, lora_dropout=0.0, target_modules=targets, task_type=task
+                ),
             )
     return model, loss
 
