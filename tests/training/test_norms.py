@@ -242,11 +242,45 @@ def test_hooks_removed_even_on_error():
     assert not model[0]._forward_hooks
 
 
-def test_tied_weights_refused():
-    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
-    b.weight = a.weight
-    with pytest.raises(ValueError, match="tied"):
-        plan_modules(nn.Sequential(a, b))
+class _TiedLM(nn.Module):
+    """Embedding and output projection sharing one table, plus a Linear tied transposed-free."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.mid = nn.Linear(4, 4)
+        self.mid2 = nn.Linear(4, 4)
+        self.mid2.weight = self.mid.weight
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.emb(x)))
+        return self.head(torch.tanh(self.mid2(h)))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_tied_weights_are_exact(mode, monkeypatch):
+    import dpfy.training.norms.linear as linear_module
+
+    monkeypatch.setattr(linear_module, "choose_mode", lambda *args: mode)
+    torch.manual_seed(0)
+    model = _TiedLM()
+    plans = plan_modules(model)
+    assert {p.name for p in plans} == {"emb", "mid", "mid2", "head"}
+    assert plans[-1].qualified("weight") == "emb.weight"
+    x = torch.randint(0, 7, (5, 6))
+    y = torch.randint(0, 7, (5, 6))
+
+    def loss_fn(out, t):
+        return nn.functional.cross_entropy(out.transpose(1, 2), t, reduction="none").sum(1)
+
+    norms, total = _norms_and_sum(model, x, y, loss_fn)
+    ref_norms, ref_total = _reference(model, x, y, loss_fn)
+    _close(norms, ref_norms)
+    assert set(total) == set(ref_total)
+    for n in ref_total:
+        _close(total[n], ref_total[n])
 
 
 def test_inplace_output_modification_refused():

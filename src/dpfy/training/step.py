@@ -40,8 +40,11 @@ Microbatching (Ponomareva et al. 2023, Alg. 3):
 
 Limits: layers must see batch-first inputs (dimension 0 = the example), module outputs must
 not be modified in place (``ReLU(inplace=True)``, ``out += x``: refused with a clear error),
-tied parameters are refused, and activation checkpointing is not supported (layers run
-without grad inside a checkpointed segment are invisible to the hooks).
+and activation checkpointing must be non-reentrant (``use_reentrant=False``, the default of
+``transformers``' ``gradient_checkpointing_enable``; layers recomputed during the backward
+pass are not recorded twice, and a layer run without autograd is refused). Tied parameters
+(one Parameter used by several modules) are clipped exactly: their per-example gradient is
+the sum of the owners' contributions.
 
 Example:
     >>> import torch
@@ -78,13 +81,15 @@ from torch.utils._pytree import tree_map
 
 from dpfy._validate import check_int, check_range
 from dpfy.training.norms.capture import (
+    Fallback,
     LayerCapture,
     ModulePlan,
     capture_layers,
     plan_modules,
+    shared_parameters,
 )
 from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.registry import Capture, LayerGrads
+from dpfy.training.norms.registry import Capture, LayerGrads, cross_term
 
 if TYPE_CHECKING:
     from dpfy.ledger import Ledger
@@ -158,9 +163,16 @@ class PrivateGradient:
         not fit. Default: a mapping calls ``model(**inputs)`` (e.g. a tokenizer's
         ``input_ids`` and ``attention_mask``), a tuple or list ``model(*inputs)``, anything
         else ``model(inputs)``.
+      fallback: ``"vmap"`` (layers without a norm rule use the generic ``vmap(grad)`` rule)
+        or ``"error"`` (such a layer is refused here, with its name).
+
+    Parameters used by several modules (tied input/output embeddings) get the exact
+    per-example norm of the *sum* of their contributions (own norms plus cross terms,
+    :func:`dpfy.training.norms.cross_term`).
 
     Raises:
-      ValueError: bad arguments, tied parameters, or an average-mode query whose recorded
+      ValueError: bad arguments, a layer that cannot be clipped per example (see
+        :func:`dpfy.training.norms.plan_modules`), or an average-mode query whose recorded
         sensitivity is below twice its clip norm.
     """
 
@@ -174,6 +186,7 @@ class PrivateGradient:
         microbatch_mode: MicrobatchMode = "examples",
         fallback_chunk_size: int = 32,
         forward: Callable[[nn.Module, Any], Any] | None = None,
+        fallback: Fallback = "vmap",
     ) -> None:
         check_range(
             "expected_batch_size",
@@ -211,7 +224,8 @@ class PrivateGradient:
         self.forward = forward
         if microbatch_mode == "average":
             _check_average_sensitivity(query)
-        self.plans_: list[ModulePlan] = plan_modules(model)
+        self.plans_: list[ModulePlan] = plan_modules(model, fallback=fallback)
+        self._shared = shared_parameters(self.plans_)
         self._qnames = [{ln: plan.qualified(ln) for ln in plan.param_names} for plan in self.plans_]
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.param_names_: tuple[str, ...] = tuple(self._params)
@@ -313,7 +327,7 @@ class PrivateGradient:
         weights: torch.Tensor | None,
         return_norms: bool,
     ) -> ChunkStats:
-        with capture_layers(self.plans_) as recorder:
+        with capture_layers(self.plans_, _batch_size(inputs)) as recorder:
             losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms)
 
@@ -414,17 +428,21 @@ class PrivateGradient:
         acc, fresh = self._buffers, self._dirty
         self._dirty, self._active = False, True
         covered: set[str] = set()
+        shared = self._shared
         for idx, lg in layers.items():
             qnames = self._qnames[idx]
             local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
             dst = {ln: acc[qn] for ln, qn in qnames.items()}
-            if fresh and _overwrites(type(lg)):
+            # a tied parameter's buffer already written by another owner is added to
+            first = not shared or covered.isdisjoint(qnames.values())
+            if fresh and first and _overwrites(type(lg)):
                 cast(_OverwritingGrads, lg).weighted_sum(local, dst, overwrite=True)
                 covered.update(qn for qn in qnames.values() if qn in sq)
                 continue
             if fresh:
-                for t in dst.values():
-                    t.zero_()
+                for ln, t in dst.items():
+                    if qnames[ln] not in covered:
+                        t.zero_()
                 covered.update(qnames.values())
             lg.weighted_sum(local, dst)
         if fresh and len(covered) < len(acc):
@@ -469,7 +487,14 @@ class PrivateGradient:
                         f"norm rule of {self.plans_[idx].name!r} returned shape "
                         f"{tuple(v.shape)}, expected ({n},)"
                     )
-                sq[qnames[name]] = v
+                qn = qnames[name]
+                sq[qn] = sq[qn] + v if qn in sq else v  # tied: the owners' own norms add up
+        for name, owners in self._shared.items():
+            present = [(i, ln) for i, ln in owners if i in layers]
+            for j, (ia, la) in enumerate(present):
+                for ib, lb in present[j + 1 :]:
+                    cross = cross_term(layers[ia], la, layers[ib], lb)
+                    sq[name] = (sq[name] + 2.0 * cross).clamp_(min=0.0)
         return sq
 
     def _clip_weights(

@@ -173,6 +173,16 @@ def _fast_layers() -> tuple[type[nn.Module], ...]:
     return registered_types() or FAST_NORM_LAYERS
 
 
+def _has_rule(module: nn.Module, fast: tuple[type[nn.Module], ...], engine: bool) -> bool:
+    if type(module) in fast:
+        return True
+    if not engine:
+        return False
+    from dpfy.training.norms.registry import norm_rule_for  # rules registered by class name
+
+    return norm_rule_for(module) is not None
+
+
 def _own_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
@@ -203,7 +213,6 @@ def check_module(
                 "set requires_grad=True on the parameters to train.",
             )
         )
-    owners: dict[int, tuple[int, str]] = {}  # parameter id -> (module id, module path)
     for path, module in model.named_modules(remove_duplicate=False):
         name = type(module).__name__
         for pname, p in module.named_parameters(recurse=False):
@@ -219,26 +228,13 @@ def check_module(
                     )
                 )
                 continue
-            owner = owners.setdefault(id(p), (id(module), path))
-            if p.requires_grad and owner[0] != id(module):
-                issues.append(
-                    ModuleIssue(
-                        path,
-                        name,
-                        Severity.ERROR,
-                        f"parameter {pname!r} is tied to a parameter of module {owner[1]!r}: its "
-                        "per-example gradient is a sum over both modules, which per-layer "
-                        "norm rules cannot see, so the clipping engine refuses it.",
-                        "untie the parameters, or freeze one copy (requires_grad=False).",
-                    )
-                )
         for check in module_checks_for(module):
             issues.extend(
                 ModuleIssue(path, name, f.severity, f.reason, f.fix) for f in check(module)
             )
         if (
             _own_trainable(module)
-            and type(module) not in fast
+            and not _has_rule(module, fast, fast_layers is None)
             and not isinstance(module, _BatchNorm)
         ):
             issues.append(

@@ -5,14 +5,23 @@ ghost norms without sequence dims; Gram-matrix ghost norms or materialised per-e
 gradients with sequence dims, chosen per layer by cost), ``nn.Conv1d``/``nn.Conv2d``
 (``conv.py``: per-example gradients from one grouped weight-gradient call, or ghost norms on
 unfolded patches), ``nn.Embedding`` (``embedding.py``: row-sparse norms), ``nn.LayerNorm``,
-``nn.GroupNorm`` and ``nn.RMSNorm`` (``normalization.py``). Every other module with trainable
+``nn.GroupNorm`` and ``nn.RMSNorm`` (``normalization.py``), and -- by class name, without
+importing ``transformers`` -- its GPT-2 ``Conv1D`` (``linear.py``, weight stored transposed)
+and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``). A Parameter
+shared by several modules (tied input/output embeddings) is clipped exactly: the owners'
+norms plus cross terms (:func:`register_cross_term`). Every other module with trainable
 parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``, chunked). Register
 a rule for your own layer with :func:`register_norm_rule`; check it against
 :func:`dpfy.training.norms.reference.per_example_gradients`.
 """
 
 from dpfy.training.norms import conv, embedding, linear, normalization  # noqa: F401 (register)
-from dpfy.training.norms.capture import LayerCapture, capture_layers, plan_modules
+from dpfy.training.norms.capture import (
+    LayerCapture,
+    capture_layers,
+    plan_modules,
+    shared_parameters,
+)
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.linear import LinearForm, choose_mode
 from dpfy.training.norms.registry import (
@@ -20,8 +29,13 @@ from dpfy.training.norms.registry import (
     LayerGrads,
     MaterializedGrads,
     NormRule,
+    cross_term,
     norm_rule_for,
+    register_cross_term,
     register_norm_rule,
+    register_norm_rule_by_name,
+    register_unsupported,
+    registered_names,
     registered_types,
 )
 
@@ -34,9 +48,15 @@ __all__ = [
     "NormRule",
     "capture_layers",
     "choose_mode",
+    "cross_term",
     "fallback_rule",
     "norm_rule_for",
     "plan_modules",
+    "register_cross_term",
     "register_norm_rule",
+    "register_norm_rule_by_name",
+    "register_unsupported",
+    "registered_names",
     "registered_types",
+    "shared_parameters",
 ]

@@ -16,18 +16,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from dpfy.training.norms.registry import Capture, NormRule, norm_rule_for
+from dpfy.training.norms.registry import (
+    Capture,
+    NormRule,
+    norm_rule_for,
+    unsupported_reason,
+)
 
-__all__ = ["ModulePlan", "LayerCapture", "plan_modules", "capture_layers"]
+__all__ = [
+    "Fallback",
+    "ModulePlan",
+    "LayerCapture",
+    "plan_modules",
+    "shared_parameters",
+    "capture_layers",
+]
 
 #: A forward hook registered with ``with_kwargs=True``: (module, args, kwargs, output).
-_ForwardHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
+_ForwardHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,42 +51,77 @@ class ModulePlan:
       module: the module.
       rule: registered norm rule, or ``None`` for the generic vmap(grad) rule.
       param_names: local names of its trainable direct parameters.
+      names: the same parameters' names as ``model.named_parameters()`` reports them (for a
+        parameter shared with another module -- tied weights -- the first owner's name).
     """
 
     name: str
     module: nn.Module
     rule: NormRule | None
     param_names: tuple[str, ...]
+    names: tuple[str, ...] = ()
 
     def qualified(self, local: str) -> str:
-        """Qualified parameter name as in ``model.named_parameters()``."""
+        """Name of local parameter ``local`` as in ``model.named_parameters()``."""
+        if self.names:
+            return self.names[self.param_names.index(local)]
         return f"{self.name}.{local}" if self.name else local
 
 
-def plan_modules(model: nn.Module) -> list[ModulePlan]:
+#: What to do with a trainable module that has no registered norm rule.
+Fallback = Literal["vmap", "error"]
+
+
+def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[ModulePlan]:
     """Modules of ``model`` owning trainable parameters, with their norm rules.
 
+    Decided once, when the step is built: every trainable module gets its registered rule,
+    or (``fallback="vmap"``) the generic ``vmap(grad)`` rule; with ``fallback="error"`` a
+    module without a rule is refused here, never in the middle of training. A parameter
+    used by several modules (tied weights, e.g. the input embedding and the LM head of a
+    language model) is planned under each owner with its one canonical name; the step adds
+    the owners' contributions per example (see :func:`shared_parameters`).
+
     Raises:
-      ValueError: a trainable Parameter is owned by two modules (tied weights), whose
-        per-example gradient is a sum over modules that the per-layer rules cannot see.
+      ValueError: a trainable module of a type that cannot be clipped per example
+        (:func:`dpfy.training.norms.register_unsupported`), or without a rule when
+        ``fallback="error"``; the message names the module and what to do.
     """
+    if fallback not in ("vmap", "error"):
+        raise ValueError(f"fallback must be 'vmap' or 'error', got fallback={fallback!r}")
+    canonical = {id(p): n for n, p in model.named_parameters()}
     plans: list[ModulePlan] = []
-    owner: dict[int, str] = {}
+    missing: list[str] = []
     for mname, module in model.named_modules():
         local = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if not local:
             continue
-        for n, p in local:
-            qn = f"{mname}.{n}" if mname else n
-            if id(p) in owner:
-                raise ValueError(
-                    f"parameter {qn!r} is the same tensor as {owner[id(p)]!r} (tied weights); "
-                    "per-example clipping of tied parameters is not supported -- untie them or "
-                    "freeze one copy"
-                )
-            owner[id(p)] = qn
-        plans.append(ModulePlan(mname, module, norm_rule_for(module), tuple(n for n, _ in local)))
+        label = f"{mname or '<root>'!r} ({type(module).__name__})"
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"module {label} cannot be trained with DP-SGD: {reason}")
+        rule = norm_rule_for(module)
+        if rule is None and fallback == "error":
+            missing.append(label)
+        names = tuple(canonical[id(p)] for _, p in local)
+        plans.append(ModulePlan(mname, module, rule, tuple(n for n, _ in local), names))
+    if missing:
+        raise ValueError(
+            f"no per-example norm rule for the trainable module(s) {', '.join(missing)}; "
+            "register one (dpfy.training.norms.register_norm_rule, checked against "
+            "dpfy.training.norms.reference), freeze their parameters (requires_grad=False), or "
+            "allow the generic vmap(grad) rule (fallback='vmap')"
+        )
     return plans
+
+
+def shared_parameters(plans: list[ModulePlan]) -> dict[str, list[tuple[int, str]]]:
+    """Parameters owned by more than one planned module: ``{name: [(plan index, local)]}``."""
+    owners: dict[str, list[tuple[int, str]]] = {}
+    for i, plan in enumerate(plans):
+        for local in plan.param_names:
+            owners.setdefault(plan.qualified(local), []).append((i, local))
+    return {n: o for n, o in owners.items() if len(o) > 1}
 
 
 def _detach(x: Any) -> Any:
@@ -94,10 +141,11 @@ class _Call:
 class LayerCapture:
     """Recorder of module calls; use through :func:`capture_layers`."""
 
-    def __init__(self, plans: list[ModulePlan]) -> None:
+    def __init__(self, plans: list[ModulePlan], batch_size: int | None = None) -> None:
         self.plans = plans
         self.calls: list[list[_Call]] = [[] for _ in plans]
         self.active = True
+        self.batch_size = batch_size
 
     def _hook(self, index: int) -> _ForwardHook:
         plan = self.plans[index]
@@ -107,18 +155,36 @@ class LayerCapture:
 
         def rule_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> None:
+        ) -> Any:
             # registered layers: one tensor input, one tensor output (fast path)
-            if not self.active or not output.requires_grad:
-                return
+            if not self.active:
+                return None
+            if not output.requires_grad:
+                _check_grad_mode(plan)
+                return None
             x = args[0] if args else kwargs["input"]
+            batch = self.batch_size
+            if batch is not None and batch != 1 and x.dim() > 0 and x.shape[0] == 1:
+                # A call shared by the whole batch whose output is broadcast later (position
+                # embeddings of ids [1, T]): registered layers act row by row, so the output
+                # on the expanded input is the expanded output; handing *that* on gives each
+                # example its own output gradient.
+                x = x.expand(batch, *x.shape[1:])
+                output = output.expand(batch, *output.shape[1:])
+                extra = None if on_forward is None else on_forward(module, x, output)
+                calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
+                return output
             extra = None if on_forward is None else on_forward(module, x, output)
             calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
+            return None
 
         def generic_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> None:
-            if not self.active or not torch.is_grad_enabled():
+        ) -> Any:
+            if not self.active:
+                return
+            if not torch.is_grad_enabled():
+                _check_grad_mode(plan)
                 return
             leaves, spec = tree_flatten(output)
             outs = [o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point()]
@@ -178,10 +244,30 @@ class LayerCapture:
         return result
 
 
+def _check_grad_mode(plan: ModulePlan) -> None:
+    """Refuse a trainable module run without autograd inside the step (it would get no
+    gradient, silently): reentrant activation checkpointing runs its segments so."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            f"module {plan.name or '<root>'!r} ({type(plan.module).__name__}) ran with gradients "
+            "disabled during the private step, so its per-example gradients cannot be "
+            "recorded; with activation checkpointing use the non-reentrant variant "
+            "(torch.utils.checkpoint(..., use_reentrant=False); transformers: "
+            "model.gradient_checkpointing_enable() or gradient_checkpointing_kwargs="
+            "{'use_reentrant': False})"
+        )
+
+
 @contextlib.contextmanager
-def capture_layers(plans: list[ModulePlan]) -> Iterator[LayerCapture]:
-    """Record the calls of the planned modules inside the block; hooks are always removed."""
-    recorder = LayerCapture(plans)
+def capture_layers(
+    plans: list[ModulePlan], batch_size: int | None = None
+) -> Iterator[LayerCapture]:
+    """Record the calls of the planned modules inside the block; hooks are always removed.
+
+    ``batch_size`` (when known) lets a registered layer called once on a batch-1 input whose
+    output is broadcast over the batch (position embeddings) be recorded per example.
+    """
+    recorder = LayerCapture(plans, batch_size)
     handles = []
     try:
         for i, plan in enumerate(plans):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpfy.training.norms.registry import Capture, register_norm_rule
+from dpfy.training.norms.linear import LinearForm
+from dpfy.training.norms.registry import Capture, register_cross_term, register_norm_rule
 
 __all__ = ["EmbeddingGrads", "embedding_rule"]
 
@@ -35,6 +36,15 @@ class EmbeddingGrads:
         out = self.g.new_zeros(n)
         out.index_add_(0, torch.div(uniq, self.num_embeddings, rounding_mode="floor"), sq_rows)
         return {"weight": out}
+
+    def per_example(self, name: str) -> torch.Tensor:
+        """Dense per-example gradients [N, V, d] (memory N V d: for checks and rare pairings)."""
+        n, t = self.idx.shape
+        d = self.g.shape[-1]
+        rows = torch.arange(n, device=self.idx.device)[:, None] * self.num_embeddings + self.idx
+        dense = self.g.new_zeros(n * self.num_embeddings, d)
+        dense.index_add_(0, rows.reshape(-1), self.g.reshape(n * t, d))
+        return dense.reshape(n, self.num_embeddings, d)
 
     def zero_rows(self, rows: torch.Tensor) -> None:
         keep = (~rows).reshape(-1, 1, 1)
@@ -77,3 +87,36 @@ def embedding_rule(
         idx = idx.reshape(m, -1)
         g = g.reshape(m, -1, d)
     return EmbeddingGrads(idx, g, module.num_embeddings)
+
+
+@register_cross_term(EmbeddingGrads, EmbeddingGrads)
+def _embedding_cross(
+    a: EmbeddingGrads, name_a: str, b: EmbeddingGrads, name_b: str
+) -> torch.Tensor:
+    """One table read by two embedding modules: from the norm of the combined lookups."""
+    both = EmbeddingGrads(
+        torch.cat([a.idx, b.idx], 1), torch.cat([a.g, b.g], 1), a.num_embeddings
+    )
+    sq_a, sq_b = a.squared_norms()["weight"], b.squared_norms()["weight"]
+    return (both.squared_norms()["weight"] - sq_a - sq_b) / 2
+
+
+@register_cross_term(EmbeddingGrads, LinearForm)
+def _embedding_linear_cross(
+    emb: EmbeddingGrads, name_e: str, lin: LinearForm, name_l: str
+) -> torch.Tensor:
+    """Tied input embedding and output projection (Press & Wolf 2017) without [V, d] per example.
+
+    Example n's embedding gradient is ``sum_s onehot(i_s) e_s^T`` and its output-layer
+    gradient ``sum_t g_t a_t^T`` (g_t over the vocabulary), so their inner product is
+    ``sum_{s,t} (e_s . a_t) g_t[i_s]``: a T_s x T_t Gram matrix and a gather, O(N T^2 d).
+    """
+    n, h = lin.a.shape[:2]
+    if name_l != lin.weight_name or h != 1 or lin.transposed:
+        da, db = emb.per_example(name_e), lin.per_example(name_l)
+        return (da.reshape(n, -1) * db.reshape(n, -1)).sum(1)
+    a, g = lin.a[:, 0], lin.g[:, 0]  # [N, T, d], [N, T, V]
+    gram = torch.matmul(emb.g, a.transpose(1, 2))  # [N, T_s, T_t]
+    t_out = g.shape[1]
+    picked = torch.gather(g, 2, emb.idx[:, None, :].expand(n, t_out, emb.idx.shape[1]))
+    return (gram * picked.transpose(1, 2)).sum((1, 2))

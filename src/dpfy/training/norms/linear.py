@@ -25,9 +25,20 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dpfy.training.norms.registry import Capture, register_norm_rule
+from dpfy.training.norms.registry import (
+    Capture,
+    register_cross_term,
+    register_norm_rule,
+    register_norm_rule_by_name,
+)
 
-__all__ = ["LinearForm", "linear_rule", "fold_linear_form", "MATERIALIZE_BYTES_LIMIT"]
+__all__ = [
+    "LinearForm",
+    "linear_rule",
+    "conv1d_transposed_rule",
+    "fold_linear_form",
+    "MATERIALIZE_BYTES_LIMIT",
+]
 
 #: How a layer's per-example weight-gradient norms are computed (see the module docstring).
 Mode = Literal["ghost", "materialize"]
@@ -61,6 +72,8 @@ class LinearForm:
       weight_shape: shape of the weight parameter (its H*o*d entries in (h, o, d) order).
       weight_name, bias_name: local parameter names to report; ``None`` skips the parameter.
       mode: ``"auto"`` (cheapest by the cost model), ``"ghost"`` or ``"materialize"``.
+      transposed: the weight is stored as [d, o] (``y = x W + b``, e.g. GPT-2's ``Conv1D``)
+        instead of [o, d]; per-example gradients are then ``A_n^T G_n``.
     """
 
     def __init__(
@@ -72,8 +85,10 @@ class LinearForm:
         weight_name: str | None = "weight",
         bias_name: str | None = None,
         mode: Mode | Literal["auto"] = "auto",
+        transposed: bool = False,
     ) -> None:
         self.a, self.g = a, g
+        self.transposed = transposed
         self.weight_shape = tuple(weight_shape)
         self.weight_name, self.bias_name = weight_name, bias_name
         n, h, t, d = a.shape
@@ -83,9 +98,21 @@ class LinearForm:
 
     def _materialize(self) -> torch.Tensor:
         if self._per_example is None:
-            # [N, H, o, d] = G^T A per example and block
-            self._per_example = torch.matmul(self.g.transpose(-1, -2), self.a)
+            # [N, H, o, d] = G^T A per example and block ([N, H, d, o] = A^T G if transposed)
+            if self.transposed:
+                self._per_example = torch.matmul(self.a.transpose(-1, -2), self.g)
+            else:
+                self._per_example = torch.matmul(self.g.transpose(-1, -2), self.a)
         return self._per_example
+
+    def per_example(self, name: str) -> torch.Tensor:
+        """Per-example gradients of parameter ``name``: [N, *shape] (materialised)."""
+        n = self.a.shape[0]
+        if name == self.weight_name:
+            return self._materialize().reshape(n, *self.weight_shape)
+        if name == self.bias_name:
+            return self.g.sum(2).reshape(n, -1)
+        raise KeyError(name)
 
     def squared_norms(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -150,13 +177,19 @@ class LinearForm:
             elif h == 1:
                 a2, g2 = a.reshape(n * t, d), g.reshape(n * t, o)
                 wr = (w.repeat_interleave(t) if t > 1 else w).unsqueeze(1)
-                left, right = ((g2 * wr).t(), a2) if o <= d else (g2.t(), a2 * wr)
+                if self.transposed:
+                    left, right = (a2.t(), g2 * wr) if o <= d else ((a2 * wr).t(), g2)
+                    shape2d = (d, o)
+                else:
+                    left, right = ((g2 * wr).t(), a2) if o <= d else (g2.t(), a2 * wr)
+                    shape2d = (o, d)
                 if dst is None:
                     res[self.weight_name] = torch.mm(left, right).reshape(self.weight_shape)
                 else:
-                    dst.view(o, d).addmm_(left, right, beta=beta)
+                    dst.view(shape2d).addmm_(left, right, beta=beta)
             else:
-                ws = torch.einsum("nhto,nhtd->hod", g * w.reshape(n, 1, 1, 1), a)
+                spec = "nhto,nhtd->hdo" if self.transposed else "nhto,nhtd->hod"
+                ws = torch.einsum(spec, g * w.reshape(n, 1, 1, 1), a)
                 if dst is None:
                     res[self.weight_name] = ws.reshape(self.weight_shape)
                 elif overwrite:
@@ -173,6 +206,26 @@ class LinearForm:
         return res
 
 
+@register_cross_term(LinearForm, LinearForm)
+def _linear_cross(a: LinearForm, name_a: str, b: LinearForm, name_b: str) -> torch.Tensor:
+    """``<grad_a_n, grad_b_n>`` of one weight (or bias) used by two linear-form layers.
+
+    Ghost form: ``<G1^T A1, G2^T A2> = <A1 A2^T, G1 G2^T>`` (T1 x T2 cross Gram matrices);
+    when exactly one of them stores the weight transposed, ``<A1 G2^T, G1 A2^T>``.
+    """
+    if name_a == a.bias_name and name_b == b.bias_name:
+        return (a.g.sum(2).flatten(1) * b.g.sum(2).flatten(1)).sum(1)
+    if name_a != a.weight_name or name_b != b.weight_name or a.a.shape[1] != b.a.shape[1]:
+        raise ValueError(f"cannot pair {name_a!r} and {name_b!r} of two linear layers")
+    if a.transposed == b.transposed:
+        left = torch.matmul(a.a, b.a.transpose(-1, -2))
+        right = torch.matmul(a.g, b.g.transpose(-1, -2))
+    else:
+        left = torch.matmul(a.a, b.g.transpose(-1, -2))
+        right = torch.matmul(a.g, b.a.transpose(-1, -2))
+    return (left * right).sum((1, 2, 3))
+
+
 def _squared_rows(x: torch.Tensor) -> torch.Tensor:
     """Squared L2 norms over the last dimension, in one reduction (no squared copy of x)."""
     norms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1)  # untyped in torch's stubs
@@ -184,16 +237,22 @@ def choose_mode(n: int, h: int, t: int, d: int, o: int, itemsize: int) -> Mode:
 
     Ghost needs two T x T Gram matrices per example and block (~T^2 (d + o) flops) and then
     the book-keeping GEMM; materialising costs the per-example GEMM (T d o) but makes the
-    clipped sum cheap, and moves N*H*d*o numbers through memory.
+    clipped sum cheap, and moves N*H*d*o numbers through memory. Memory decides first: when
+    either mode's extra tensors (N H d o per-example gradients, or 2 N H T^2 Gram entries)
+    exceed :data:`MATERIALIZE_BYTES_LIMIT`, the mode needing less memory is used (long
+    sequences materialise, wide layers such as an LM head over a large vocabulary go ghost).
+    Otherwise ghost wins when ``T^2 (d + o)`` is below ``~2.5 d o`` (the book-keeping GEMM is
+    common to both): for a transformer on [B, T, d] short sequences through wide layers go
+    ghost, long sequences and narrow layers (LoRA factors, d x r) materialise.
     """
     if t == 1:
         return "ghost"
+    mat_bytes = n * h * d * o * itemsize
+    ghost_bytes = 2 * n * h * t * t * itemsize
+    if max(mat_bytes, ghost_bytes) > MATERIALIZE_BYTES_LIMIT:
+        return "ghost" if ghost_bytes < mat_bytes else "materialize"
     ghost = t * t * (d + o + 1)
     materialize = 2 * d * o + (d * o) // 2  # extra for the memory traffic of P
-    if n * h * d * o * itemsize > MATERIALIZE_BYTES_LIMIT and n * h * t * t * itemsize * 2 < (
-        n * h * d * o * itemsize
-    ):
-        return "ghost"
     return "ghost" if ghost <= materialize else "materialize"
 
 
@@ -223,4 +282,28 @@ def linear_rule(module: nn.Linear, captures: list[Capture], group_size: int) -> 
         module.weight.shape,
         weight_name="weight" if module.weight.requires_grad else None,
         bias_name="bias" if module.bias is not None and module.bias.requires_grad else None,
+    )
+
+
+@register_norm_rule_by_name("transformers.pytorch_utils.Conv1D")
+def conv1d_transposed_rule(
+    module: nn.Module, captures: list[Capture], group_size: int
+) -> LinearForm:
+    """Rule for ``transformers``' ``Conv1D`` (GPT-2): ``y = x W + b`` with W stored [d, o].
+
+    The same linear form as ``nn.Linear`` with the weight transposed (per-example gradient
+    ``A_n^T G_n``); ghost or materialised by the same cost model. Registered by class name, so
+    ``transformers`` is never imported by dpfy.
+    """
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    a, g = _linear_factors(captures)
+    a, g = fold_linear_form(a, g, group_size)
+    return LinearForm(
+        a,
+        g,
+        weight.shape,
+        weight_name="weight" if weight.requires_grad else None,
+        bias_name="bias" if bias is not None and bias.requires_grad else None,
+        transposed=True,
     )

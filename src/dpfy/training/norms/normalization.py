@@ -17,10 +17,11 @@ from dpfy.training.norms.registry import (
     MaterializedGrads,
     fold_rows,
     register_norm_rule,
+    register_norm_rule_by_name,
     tensor_sum,
 )
 
-__all__ = ["layer_norm_rule", "group_norm_rule", "rms_norm_rule"]
+__all__ = ["layer_norm_rule", "group_norm_rule", "rms_norm_rule", "hf_rms_norm_rule"]
 
 
 def _affine_grads(
@@ -140,3 +141,40 @@ if hasattr(nn, "RMSNorm"):
         k = len(module.normalized_shape)
         dims = tuple(range(1, captures[0].args[0].dim() - k))
         return _affine_grads(module, pairs, dims, group_size)
+
+
+#: ``transformers``' RMSNorm copies (one class per model family, same computation):
+#: ``weight * (x * rsqrt(mean(x^2) + eps))`` (Gemma: ``(1 + weight) * ...``), in float32.
+#: Any of them has per-example weight gradient ``sum_positions g * x_hat``.
+HF_RMS_NORMS = tuple(
+    f"transformers.models.{pkg}.modeling_{pkg}.{cls}"
+    for pkg, cls in (
+        ("llama", "LlamaRMSNorm"),
+        ("mistral", "MistralRMSNorm"),
+        ("mixtral", "MixtralRMSNorm"),
+        ("qwen2", "Qwen2RMSNorm"),
+        ("qwen3", "Qwen3RMSNorm"),
+        ("phi3", "Phi3RMSNorm"),
+        ("gemma", "GemmaRMSNorm"),
+        ("gemma2", "Gemma2RMSNorm"),
+        ("olmo2", "Olmo2RMSNorm"),
+        ("t5", "T5LayerNorm"),
+    )
+)
+
+
+@register_norm_rule_by_name(*HF_RMS_NORMS)
+def hf_rms_norm_rule(
+    module: nn.Module, captures: list[Capture], group_size: int
+) -> MaterializedGrads:
+    """Rule for ``transformers``' RMSNorm layers (``LlamaRMSNorm`` and its per-model copies)."""
+    eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for cap in captures:
+        x = cap.args[0]
+        x32 = x.to(torch.float32)
+        xhat = x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+        gy = cap.grad_outputs[0]
+        pairs.append((xhat.to(gy.dtype), gy))
+    dims = tuple(range(1, captures[0].args[0].dim() - 1))
+    return _affine_grads(module, pairs, dims, group_size)

@@ -22,11 +22,18 @@ from torch import nn
 
 __all__ = [
     "Capture",
+    "CrossTerm",
+    "cross_term",
+    "register_cross_term",
+    "register_unsupported",
+    "unsupported_reason",
     "LayerGrads",
     "MaterializedGrads",
     "NormRule",
     "RuleFor",
     "register_norm_rule",
+    "register_norm_rule_by_name",
+    "registered_names",
     "norm_rule_for",
     "registered_types",
     "fold_rows",
@@ -122,14 +129,119 @@ def register_norm_rule(
     return deco
 
 
+_BY_NAME: dict[str, NormRule] = {}
+
+
+def register_norm_rule_by_name(
+    *qualified_names: str,
+) -> Callable[[RuleFor[_M, _G]], RuleFor[_M, _G]]:
+    """Decorator registering a rule for classes named ``"package.module.ClassName"``.
+
+    For layers of optional libraries (``transformers``' ``Conv1D`` and its many per-model
+    RMSNorm copies): nothing is imported; a module whose exact class has that qualified name
+    gets the rule (and its type is then registered as by :func:`register_norm_rule`).
+    """
+
+    def deco(rule: RuleFor[_M, _G]) -> RuleFor[_M, _G]:
+        for name in qualified_names:
+            _BY_NAME[name] = cast(NormRule, rule)
+        return rule
+
+    return deco
+
+
 def norm_rule_for(module: nn.Module) -> NormRule | None:
     """The registered rule for ``type(module)`` (exact type), or ``None``."""
-    return _RULES.get(type(module))
+    kind = type(module)
+    rule = _RULES.get(kind)
+    if rule is None and _BY_NAME:
+        rule = _BY_NAME.get(f"{kind.__module__}.{kind.__qualname__}")
+        if rule is not None:
+            _RULES[kind] = rule
+    return rule
 
 
 def registered_types() -> tuple[type[nn.Module], ...]:
-    """Module types with a registered norm rule."""
+    """Module types with a registered norm rule (those registered by name once seen)."""
     return tuple(_RULES)
+
+
+def registered_names() -> tuple[str, ...]:
+    """Qualified class names registered with :func:`register_norm_rule_by_name`."""
+    return tuple(_BY_NAME)
+
+
+_UNSUPPORTED: dict[type[nn.Module], str] = {}
+
+
+def register_unsupported(*module_types: type[nn.Module], reason: str) -> None:
+    """Mark module types (and their subclasses) whose trainable parameters cannot be clipped
+    per example at all (e.g. BatchNorm mixes the examples of a batch).
+
+    :func:`dpfy.training.norms.plan_modules` refuses a model with such a trainable module when
+    the step is built, naming the module and ``reason`` (which should say what to do).
+    """
+    for t in module_types:
+        _UNSUPPORTED[t] = reason
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why ``module``'s trainable parameters cannot be handled, or ``None``."""
+    for t in type(module).__mro__:
+        reason = _UNSUPPORTED.get(t)
+        if reason is not None:
+            return reason
+    return None
+
+
+#: ``cross(lg_a, name_a, lg_b, name_b) -> [N]``: per-example inner products
+#: ``<grad_a_n, grad_b_n>`` of two modules' contributions to one shared (tied) parameter.
+CrossTerm = Callable[[Any, str, Any, str], torch.Tensor]
+_CROSS: dict[tuple[type, type], CrossTerm] = {}
+
+
+def register_cross_term(
+    type_a: type, type_b: type
+) -> Callable[[CrossTerm], CrossTerm]:
+    """Decorator registering the cross term of two :class:`LayerGrads` types (either order).
+
+    A parameter used by several modules (tied weights) has per-example gradient
+    ``sum_m grad_m``; its squared norm is ``sum_m ||grad_m||^2 + 2 sum_{m<m'} <grad_m,
+    grad_m'>``. A cross term computes ``<grad_m, grad_m'>`` per example without the
+    per-example gradients where it can; without one, both are materialised
+    (:func:`cross_term`).
+    """
+
+    def deco(fn: CrossTerm) -> CrossTerm:
+        _CROSS[(type_a, type_b)] = fn
+        return fn
+
+    return deco
+
+
+def cross_term(a: LayerGrads, name_a: str, b: LayerGrads, name_b: str) -> torch.Tensor:
+    """``<grad_a_n, grad_b_n>`` per example for one parameter shared by two modules."""
+    fn = _CROSS.get((type(a), type(b)))
+    if fn is not None:
+        return fn(a, name_a, b, name_b)
+    fn = _CROSS.get((type(b), type(a)))
+    if fn is not None:
+        return fn(b, name_b, a, name_a)
+    da, db = _dense(a, name_a), _dense(b, name_b)
+    return (da.reshape(da.shape[0], -1) * db.reshape(db.shape[0], -1)).sum(1)
+
+
+def _dense(lg: LayerGrads, name: str) -> torch.Tensor:
+    dense = getattr(lg, "per_example", None)
+    if dense is None:
+        raise NotImplementedError(
+            f"{type(lg).__name__} neither materialises per-example gradients (a "
+            "`per_example(name)` method) nor has a registered cross term "
+            "(register_cross_term), so a parameter it shares with another module cannot be "
+            "clipped per example"
+        )
+    out: torch.Tensor = dense(name)
+    return out
 
 
 def tensor_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -166,6 +278,10 @@ class MaterializedGrads:
         for k, g in self.grads.items():
             keep = (~rows).reshape(-1, *([1] * (g.dim() - 1)))
             self.grads[k] = torch.where(keep, g, torch.zeros((), dtype=g.dtype))
+
+    def per_example(self, name: str) -> torch.Tensor:
+        """Per-example gradients of parameter ``name``: [N, *shape]."""
+        return self.grads[name]
 
     def weighted_sum(
         self,
