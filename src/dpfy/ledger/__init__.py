@@ -11,11 +11,10 @@ The ledger imports neither torch nor the accountants: ``dpfy.accounting.epsilon(
 turns it into a number. See ``docs/architecture.md`` and ``docs/ledger.md``.
 """
 
-from dpfy.ledger.chain import LedgerIntegrityError, Verification
+from dpfy.ledger.chain import LedgerFormatError, LedgerIntegrityError, Verification
 from dpfy.ledger.ledger import (
     SAMPLERS,
     Ledger,
-    LedgerFormatError,
     LedgerTruncationWarning,
     effective_noise_multiplier,
     ledger_hyperparameters,

@@ -55,7 +55,6 @@ from dpfy.ledger.chain import (
     IN_MEMORY,
     ChainChecker,
     LedgerFormatError,
-    LedgerIntegrityError,
     Verification,
     line_hash,
     new_run_id,
@@ -66,7 +65,7 @@ from dpfy.ledger.lines import (
     is_resume_after_truncation,
     recover_sum_query,
 )
-from dpfy.ledger.logfile import AppendFile, LedgerLockedError, LedgerWriteError
+from dpfy.ledger.logfile import AppendFile
 from dpfy.ledger.records import (
     FORMAT,
     VERSION,
@@ -80,33 +79,16 @@ from dpfy.ledger.records import (
     SampleRecord,
     SumQueryRecord,
     record_from_dict,
-    register_record,
 )
 from dpfy.sampling.kinds import kind, kind_names
 from dpfy.sampling.spec import SampleSpec, spec_event
 
 __all__ = [
     "SAMPLERS",
-    "SampleSpec",
-    "SampleRecord",
-    "SumQueryRecord",
-    "NonPrivateRecord",
-    "MetadataRecord",
-    "HeaderRecord",
-    "ResumeRecord",
-    "EndRecord",
-    "Record",
-    "record_from_dict",
-    "register_record",
     "Ledger",
-    "ledger_hyperparameters",
-    "LedgerFormatError",
-    "LedgerIntegrityError",
-    "LedgerLockedError",
-    "LedgerWriteError",
     "LedgerTruncationWarning",
-    "Verification",
     "effective_noise_multiplier",
+    "ledger_hyperparameters",
 ]
 
 
