@@ -28,6 +28,13 @@ def _number(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.4g}"
 
 
+def _sampler(spec: dict[str, Any]) -> str:
+    rest = ", ".join(
+        f"{k} = {v}" for k, v in spec.items() if k not in ("sampler", "adjacency", "unit")
+    )
+    return f"{spec.get('sampler', 'unknown')} ({rest})" if rest else str(spec.get("sampler"))
+
+
 def privacy_section(report: PrivacyReport, ledger_ref: str = "ledger.jsonl") -> str:
     """Markdown of the card's ``## Privacy`` section for ``report``."""
     integrity = report.ledger_integrity.get("summary", "not checked")
@@ -42,7 +49,7 @@ def privacy_section(report: PrivacyReport, ledger_ref: str = "ledger.jsonl") -> 
         f"- Adjacency: {report.adjacency}",
         f"- Unit of privacy: {report.unit_of_privacy}",
         f"- Epsilon: {_number(report.epsilon)}; delta: {report.delta:.3g}",
-        f"- Sampler: {report.sampler.get('kind', report.sampler)}",
+        f"- Sampler: {_sampler(report.sampler)}",
         f"- Ledger integrity: {integrity}",
         f"- Ledger: `{ledger_ref}` (every sample and noisy release, hash-chained); the full "
         "report is `privacy_report.md` / `privacy_report.json` in the training output "

@@ -229,6 +229,8 @@ class DPTrainingMixin:
             raise TypeError(f"randomness must be a dpfy Randomness, got {type(randomness).__name__}")
         accumulation = int(args.gradient_accumulation_steps)
         _refuse_arguments(args, type(self), trainer_kwargs)
+        if trainer_kwargs.get("train_dataset") is not None:
+            check_dataset(trainer_kwargs["train_dataset"], "train_dataset")
         private_args = copy.copy(args)  # the Trainer's loop steps once per logical batch
         private_args.gradient_accumulation_steps = 1
         super().__init__(model, private_args, *trainer_args, **trainer_kwargs)  # type: ignore[call-arg]
@@ -308,6 +310,8 @@ class DPTrainingMixin:
             "learning_rate": float(args.learning_rate),
             "max_grad_norm_post_processing": float(args.max_grad_norm),
             "secure_randomness": bool(rng.secure),
+            "sampling_randomness": _describe(getattr(sampler, "randomness", None)),
+            "noise_randomness": rng.describe(),
             "calibrated": calibrated,
             "model": type(self.model).__name__,
         }
@@ -369,7 +373,7 @@ class DPTrainingMixin:
             labels = batch.pop(label_key, None)
             if labels is None:
                 raise ValueError(f"every batch needs {label_key!r} for the per-example loss")
-            chunk = pg.open_chunk()
+            chunk = pg.open_chunk(batch_size=len(weights))
             try:
                 with self.compute_loss_context_manager():  # type: ignore[attr-defined]
                     outputs = model(**batch)
@@ -504,6 +508,11 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
             f"DPTrainer refuses {', '.join(bad)}: dpfy's sampler and per-example clipping "
             "must decide every batch and gradient for the privacy statement to hold"
         )
+
+
+def _describe(randomness: Any) -> str:
+    describe = getattr(randomness, "describe", None)
+    return str(describe()) if callable(describe) else "not recorded (a sampler without one)"
 
 
 def _label_key(args: TrainingArguments) -> str:
