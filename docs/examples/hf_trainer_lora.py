@@ -39,7 +39,8 @@ class ToyTokens(torch.utils.data.Dataset):
 def main(output_dir: str, randomness=None) -> DPTrainer:
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=63, eos_token_id=63
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=63,
+        eos_token_id=63,
     )
     model = peft.get_peft_model(
         GPT2LMHeadModel(config),
@@ -68,7 +69,8 @@ def main(output_dir: str, randomness=None) -> DPTrainer:
     )
     trainer.train()  # ledger.jsonl, then privacy_report.md / .json
     trainer.save_model()  # adapter + README.md with a "Privacy" section
-    print(f"epsilon = {trainer.epsilon():.3f} at delta = 1e-5 over {trainer.ledger.iteration} steps")
+    steps = trainer.ledger.iteration
+    print(f"epsilon = {trainer.epsilon():.3f} at delta = 1e-5 over {steps} steps")
     return trainer
 
 

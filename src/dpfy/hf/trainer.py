@@ -226,7 +226,9 @@ class DPTrainingMixin:
         if noise_multiplier is not None:
             check_range("noise_multiplier", noise_multiplier, 0.0, math.inf, high_open=True)
         if randomness is not None and not isinstance(randomness, Randomness):
-            raise TypeError(f"randomness must be a dpfy Randomness, got {type(randomness).__name__}")
+            raise TypeError(
+                f"randomness must be a dpfy Randomness, got {type(randomness).__name__}"
+            )
         accumulation = int(args.gradient_accumulation_steps)
         _refuse_arguments(args, type(self), trainer_kwargs)
         if trainer_kwargs.get("train_dataset") is not None:
@@ -468,7 +470,8 @@ class DPTrainingMixin:
     def _dp_budget_message(self) -> str:
         assert self._dp_guard is not None
         event = self._dp_sampler.privacy_event(self._dp_z, steps=1)
-        return self._dp_guard._message(self.ledger, self._dp_guard.epsilon_after(self.ledger, event))
+        guard = self._dp_guard
+        return guard._message(self.ledger, guard.epsilon_after(self.ledger, event))
 
 
 class DPTrainer(DPTrainingMixin, Trainer):
@@ -522,7 +525,8 @@ def _label_key(args: TrainingArguments) -> str:
 
 def _default_loss(model: nn.Module, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
     """Per-example loss chosen from the model's class name and the labels' shape."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
     name = type(base).__name__
     if name.endswith(("ForCausalLM", "LMHeadModel")):
         return causal_lm_loss(outputs, labels)
