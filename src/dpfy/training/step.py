@@ -341,15 +341,17 @@ class PrivateGradient:
             return self.model(*inputs)
         return self.model(inputs)
 
-    def open_chunk(self) -> OpenChunk:
+    def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
 
         For loops that call the model themselves (:func:`dpfy.training.private.make_private`):
         run ``model(...)`` and the per-example loss, then ``chunk.accumulate(losses, weights)``
         (one backward pass to the module outputs, clipped sums added as in
         :meth:`accumulate`); ``close()`` removes the hooks (``accumulate`` closes too).
+        ``batch_size``, when known, lets a layer called once on a batch-1 input broadcast over
+        the batch (position embeddings) be recorded per example.
         """
-        return OpenChunk(self)
+        return OpenChunk(self, batch_size)
 
     def _accumulate_losses(
         self,
@@ -619,11 +621,13 @@ class OpenChunk:
     :meth:`close`, whichever comes first; the model is never wrapped.
     """
 
-    def __init__(self, private_gradient: PrivateGradient) -> None:
+    def __init__(
+        self, private_gradient: PrivateGradient, batch_size: int | None = None
+    ) -> None:
         self._pg = private_gradient
         self._stack = contextlib.ExitStack()
         self._recorder: LayerCapture | None = self._stack.enter_context(
-            capture_layers(private_gradient.plans_)
+            capture_layers(private_gradient.plans_, batch_size)
         )
 
     @property

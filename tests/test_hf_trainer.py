@@ -1,0 +1,161 @@
+"""dpfy.hf.DPTrainer: ledger, epsilon, exact clipped update, model card, refusals (tiny models)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from dpfy import accounting  # noqa: E402
+from dpfy.hf import DPTrainer, LogicalBatch  # noqa: E402
+from dpfy.ledger import Ledger  # noqa: E402
+from dpfy.randomness import Randomness  # noqa: E402
+from dpfy.training.losses import causal_lm_loss  # noqa: E402
+from dpfy.training.norms.reference import (  # noqa: E402
+    clipped_sum_reference,
+    per_example_gradients,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 64
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "hf_trainer_lora", ROOT / "docs" / "examples" / "hf_trainer_lora.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=V - 1,
+        eos_token_id=V - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _args(out, **kw):
+    base = dict(
+        output_dir=str(out), per_device_train_batch_size=4, report_to=[], save_strategy="no",
+        use_cpu=True, num_train_epochs=1, logging_steps=100, disable_tqdm=True,
+    )
+    return transformers.TrainingArguments(**{**base, **kw})
+
+
+def test_example_ledger_report_and_model_card(tmp_path):
+    trainer = _example().main(str(tmp_path))  # secure randomness: a DP release
+    ledger = Ledger.load(tmp_path / "ledger.jsonl")
+    steps = trainer.state.global_step
+    assert steps == ledger.iteration == 4  # 64 examples, expected logical batch 8 x 2 = 16
+    z = trainer.noise_multiplier
+    assert ledger.to_event() == trainer._dp_sampler.privacy_event(z, steps=steps)
+    eps = accounting.epsilon(ledger, 1e-5, trainer._dp_method).epsilon
+    assert trainer.epsilon() == eps and eps <= 8.0 and abs(eps - 8.0) < 0.05
+    assert ledger.metadata["expected_batch_size"] == 16.0
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert report["epsilon"] == pytest.approx(eps) and report["delta"] == 1e-5
+    assert report["release"].startswith("DP release")
+    assert "differential privacy" in (tmp_path / "privacy_report.md").read_text()
+    card = (tmp_path / "README.md").read_text()
+    privacy = card[card.index("## Privacy") :]
+    for text in ("DP release", "Formal statement", "add_or_remove", "Unit of privacy: example",
+                 "delta: 1e-05", "Ledger integrity: verified", "`ledger.jsonl`", "poisson"):
+        assert text in privacy, text
+    assert "PEFT" in card  # peft's own card is kept
+    # Only the LoRA parameters were trained (and noised).
+    assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+
+
+class Capturing(DPTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen = getattr(self, "seen", []) + [inputs]
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class Ids(torch.utils.data.Dataset):
+    def __init__(self, n=24, length=8):
+        self.ids = torch.randint(0, V, (n, length), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def test_noise_off_update_equals_per_example_clipped_reference(tmp_path):
+    model = _gpt2()
+    before = copy.deepcopy(model)
+    lr, clip = 0.5, 0.1
+    args = _args(tmp_path, optim="sgd", learning_rate=lr, max_steps=1, max_grad_norm=0.0,
+                 lr_scheduler_type="constant", weight_decay=0.0, per_device_train_batch_size=3,
+                 gradient_accumulation_steps=3)
+    trainer = Capturing(model=model, args=args, train_dataset=Ids(), noise_multiplier=0.0,
+                        clip_norm=clip, randomness=Randomness(2))
+    trainer.train()
+    (batch,) = trainer.seen
+    assert isinstance(batch, LogicalBatch) and batch.num_rows > 0
+    ref = None
+    for inputs, weights in batch.chunks:
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        grads = per_example_gradients(before, inputs, labels, causal_lm_loss)
+        part = clipped_sum_reference(grads, clip, weights=weights)
+        ref = part if ref is None else {n: ref[n] + part[n] for n in ref}
+    params = dict(model.named_parameters())
+    for name, p0 in before.named_parameters():
+        expected = (p0.detach().double() - lr * ref[name].double() / 9.0).float()  # / E[B]
+        torch.testing.assert_close(params[name].detach(), expected, rtol=1e-4, atol=1e-6)
+    assert trainer.epsilon() == float("inf")  # released without noise: not private
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield from ()
+
+
+class OwnSampler(DPTrainer):
+    def _get_train_sampler(self, train_dataset=None):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (dict(args=dict(train_sampling_strategy="group_by_length")), "group_by_length"),
+        (dict(args=dict(gradient_checkpointing=True)), "gradient_checkpointing"),
+        (dict(args=dict(label_smoothing_factor=0.1)), "label_smoothing"),
+        (dict(cls=OwnSampler), "custom train sampler"),
+        (dict(train_dataset=Stream()), "IterableDataset"),
+        (dict(target_epsilon=None), "target_epsilon must be given"),
+        (dict(train=dict(resume_from_checkpoint=True)), "resume_from_checkpoint"),
+    ],
+)
+def test_refusals_come_before_any_ledger_write(tmp_path, change, match):
+    kw = dict(model=_gpt2(), args=_args(tmp_path, **change.get("args", {})),
+              train_dataset=change.get("train_dataset", Ids()), target_epsilon=4.0,
+              randomness=Randomness(0))
+    if "target_epsilon" in change:
+        kw["target_epsilon"] = change["target_epsilon"]
+    with pytest.raises((ValueError, TypeError), match=match):
+        trainer = change.get("cls", DPTrainer)(**kw)
+        trainer.train(**change.get("train", {}))
+    assert not (tmp_path / "ledger.jsonl").exists()
+
+
+def test_import_dpfy_does_not_import_transformers():
+    code = "import sys, dpfy, dpfy.training; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
