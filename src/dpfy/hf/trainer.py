@@ -210,7 +210,7 @@ class DPTrainingMixin:
         from dpfy._validate import check_range
         from dpfy.sampling import kind as sampler_kind
         from dpfy.sampling import make_sampler
-        from dpfy.training.private import _calibrate, _sampling_stream
+        from dpfy.training.private import _sampling_stream, calibrate_to_budget
 
         if args is None:
             args = TrainingArguments()
@@ -263,12 +263,11 @@ class DPTrainingMixin:
         calibrated = noise_multiplier is None
         if noise_multiplier is None:
             assert target_epsilon is not None
-            epochs = max(1, math.ceil(steps / spe))
-            z = (
-                _calibrate(sampler, float(target_epsilon), float(target_delta), epochs, method)
-                if steps % spe == 0
-                else _calibrate_steps(sampler, float(target_epsilon), float(target_delta),
-                                      steps, method)
+            span = (
+                {"epochs": steps // spe} if steps % spe == 0 else {"steps": steps}
+            )
+            z = calibrate_to_budget(
+                sampler, float(target_epsilon), float(target_delta), method, **span
             )
         else:
             z = float(noise_multiplier)
@@ -533,21 +532,3 @@ def _default_loss(model: nn.Module, outputs: Any, labels: torch.Tensor) -> torch
     if labels.dim() >= 2 and not labels.is_floating_point():
         return token_classification_loss(outputs, labels)
     return sequence_classification_loss(outputs, labels)
-
-
-def _calibrate_steps(
-    sampler: Any, target_epsilon: float, delta: float, steps: int, method: str
-) -> float:
-    from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
-
-    try:
-        return float(
-            calibrate_noise_multiplier(
-                lambda z: sampler.privacy_event(z, steps=steps), target_epsilon, delta, method
-            )
-        )
-    except CalibrationError as err:
-        raise ValueError(
-            f"target_epsilon={target_epsilon!r} cannot be met at delta={delta!r} over "
-            f"{steps} steps with this sampler: raise target_epsilon or train fewer steps ({err})"
-        ) from err

@@ -55,7 +55,14 @@ from dpfy.training.loader import (
 from dpfy.training.step import OpenChunk, PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
-__all__ = ["PrivateLoader", "PrivateLoss", "PrivateCriterion", "PrivateOptimizer", "make_private"]
+__all__ = [
+    "PrivateLoader",
+    "PrivateLoss",
+    "PrivateCriterion",
+    "PrivateOptimizer",
+    "calibrate_to_budget",
+    "make_private",
+]
 
 OnBudget = Literal["stop", "raise"]
 
@@ -504,7 +511,9 @@ def make_private(
     if validate:
         validate_module(model)
     method = accounting or sampler_kind(sampler.sample_spec().sampler).default_accountant
-    z = _calibrate(sampler, float(target_epsilon), float(delta), int(epochs), method)
+    z = calibrate_to_budget(
+        sampler, float(target_epsilon), float(delta), method, epochs=int(epochs)
+    )
     guard = BudgetGuard(target_epsilon, delta, method=method)
     from dpfy.queries import GaussianSumQuery
 
@@ -568,20 +577,33 @@ def _sampling_stream(rng: Randomness) -> Randomness:
     return Randomness(int(state[0]))
 
 
-def _calibrate(
-    sampler: Any, target_epsilon: float, delta: float, epochs: int, method: str
+def calibrate_to_budget(
+    sampler: Any,
+    target_epsilon: float,
+    delta: float,
+    method: str,
+    *,
+    epochs: int | None = None,
+    steps: int | None = None,
 ) -> float:
+    """The noise multiplier that spends ``target_epsilon`` at ``delta`` over ``epochs`` (or
+    ``steps``) of ``sampler``'s event; a target no noise can meet is a ``ValueError`` naming
+    ``target_epsilon``."""
     from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
 
+    span = f"epochs={epochs!r}" if steps is None else f"{steps} steps"
     try:
         return float(
             calibrate_noise_multiplier(
-                lambda z: sampler.privacy_event(z, epochs=epochs), target_epsilon, delta, method
+                lambda z: sampler.privacy_event(z, epochs=epochs, steps=steps),
+                target_epsilon,
+                delta,
+                method,
             )
         )
     except CalibrationError as err:
         raise ValueError(
             f"target_epsilon={target_epsilon!r} cannot be met at delta={delta!r} over "
-            f"epochs={epochs!r} with this sampler (even the largest noise multiplier does not "
-            f"reach it): raise target_epsilon, or train fewer epochs or smaller batches ({err})"
+            f"{span} with this sampler (even the largest noise multiplier does not "
+            f"reach it): raise target_epsilon, or train fewer steps or smaller batches ({err})"
         ) from err
