@@ -36,6 +36,7 @@ import numpy.typing as npt
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range
 from dpfy.accounting import gaussian, roots
+from dpfy.accounting._api import first_unsupported
 from dpfy.ledger import Ledger, NonPrivateRecord, SumQueryRecord
 
 __all__ = [
@@ -167,11 +168,8 @@ def gdp_figures(ledger: Ledger) -> GDPFigures:
 
 def _not_full_batch(event: ev.Event) -> str | None:
     """None if ``event`` composes only unsampled Gaussians (and non-private releases)."""
-    if isinstance(event, ev.Gaussian | ev.NonPrivate):
-        return None
-    if isinstance(event, ev.SelfComposed):
-        return _not_full_batch(event.event)
-    if isinstance(event, ev.Composed):
-        reasons = (_not_full_batch(e) for e in event.events)
-        return next((r for r in reasons if r is not None), None)
-    return f"a {type(event).__name__} event"
+
+    def leaf(e: ev.Event) -> str | None:
+        return None if isinstance(e, ev.Gaussian | ev.NonPrivate) else f"a {type(e).__name__} event"
+
+    return first_unsupported(event, leaf)
