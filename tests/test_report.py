@@ -76,13 +76,21 @@ def test_markdown_and_figures_written(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["epsilon"] == pytest.approx(rep.epsilon)
     for heading in ("# Privacy report", "## Checklist", "## Assumptions", "## Reproduce",
-                    "## DP hyperparameters", "## Figures"):
+                    "## DP hyperparameters", "## Figures", "## Attack risk"):
         assert heading in md
     # every table row has the same number of cells as its header
     table = [line for line in md.splitlines() if line.startswith("|")]
     assert table and all(line.count("|") - line.count("\\|") == 3 for line in table)
     assert set(rep.figures) == {"epsilon_over_training", "epsilon_vs_delta",
-                                "accountant_comparison"}
+                                "accountant_comparison", "attack_risk"}
+    # the attack-risk table is the report's TPR bound, from the ledger's event
+    from dpfy.accounting.risk import attack_risk
+
+    want = attack_risk(ledger.to_event()).to_dict()["tpr_at_fpr"]
+    assert data["attack_risk"]["tpr_at_fpr"] == pytest.approx(want)
+    assert set(want) == {"0.001", "0.01", "0.1"}
+    for fpr, tpr in want.items():
+        assert f"| {fpr} | {tpr:.4g}" in md
     for path in rep.figures.values():
         assert (tmp_path / path).stat().st_size > 10_000  # a real PNG, not an empty file
 

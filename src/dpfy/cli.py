@@ -258,6 +258,12 @@ def epsilon(
     payload = _run_fields(sampler, run)
     payload["noise_multiplier"] = noise_multiplier
     payload.update(_result_fields(run.result))
+    if run.attack_risk is not None:
+        tpr = run.attack_risk.to_dict()["tpr_at_fpr"]
+        payload["tpr_at_fpr"] = (
+            tpr if as_json else "; ".join(f"FPR {k}: TPR <= {v:.4g}" for k, v in tpr.items())
+        )
+        payload["tpr_method"] = run.attack_risk.method
     if run.comparison is not None:
         payload["results"] = {
             k: (v if isinstance(v, str) else _result_fields(v)) for k, v in run.comparison.items()

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from dpfy.accounting import Accountant, PrivacyResult
+    from dpfy.accounting.risk import AttackRisk
     from dpfy.ledger import Ledger
     from dpfy.planning import Plan
     from dpfy.report import PrivacyReport
@@ -607,6 +608,7 @@ class RunAccounting:
       noise_multiplier: noise std / clip norm.
       result: epsilon at delta by the chosen method (``all``: the tightest valid one).
       comparison: with ``method="all"``, every method's result or why it does not apply.
+      attack_risk: a membership-inference attacker's TPR bound at FPRs 1e-3, 1e-2, 0.1.
     """
 
     sampler: str
@@ -617,6 +619,7 @@ class RunAccounting:
     noise_multiplier: float
     result: PrivacyResult
     comparison: dict[str, PrivacyResult | str] | None = None
+    attack_risk: AttackRisk | None = None
 
     @property
     def sampling_rate(self) -> float:
@@ -662,8 +665,17 @@ def account_run(
         acc = _accountant(method, samples, error_probability, seed)
         result = accounting.epsilon(event, delta, method=acc)
     total = _total_steps(smp, epochs, steps)
+    risk = _attack_risk(event, result)
     return RunAccounting(
-        smp.kind, dataset_size, batch_size, total, epochs, noise_multiplier, result, comparison
+        smp.kind,
+        dataset_size,
+        batch_size,
+        total,
+        epochs,
+        noise_multiplier,
+        result,
+        comparison,
+        risk,
     )
 
 
@@ -730,6 +742,18 @@ def _planned_sampler(
         # finite, and few enough that the run's step count stays a count (<= MAX_COUNT)
         check_positive("epochs", epochs, MAX_COUNT / smp.steps_per_epoch)
     return smp, epochs, steps
+
+
+def _attack_risk(event: Any, result: PrivacyResult) -> AttackRisk:
+    """The attacker's TPR bounds for ``event``; none from a non-provable (estimated) result."""
+    from dpfy.accounting.risk import AttackRisk, attack_risk
+
+    if not result.provable:
+        return AttackRisk.unavailable(
+            f"epsilon is a {result.method} estimate, not a proof: no provable bound on the "
+            "attacker"
+        )
+    return attack_risk(event, method=result.method)
 
 
 def _check_monte_carlo(samples: int | None, error_probability: float, seed: int | None) -> None:

@@ -76,6 +76,7 @@ __all__ = [
     "pld_delta",
     "epsilon_with_interval",
     "first_interval",
+    "composed_plds",
     "PLDAccountant",
 ]
 
@@ -499,12 +500,44 @@ def _level_value(
     Without subsampling (q = 1) the two directions are mirror images (x -> 1 - x swaps
     N(0, z^2) and N(1, z^2)), so their hockey-stick curves coincide and one suffices.
     """
+    return max(evaluate(p) for p in _composed_directions(mechanisms, h, tail, max_size))
+
+
+def _composed_directions(
+    mechanisms: dict[tuple[float, float], int], h: float, tail: float, max_size: int
+) -> tuple[DiscretePLD, ...]:
     total = sum(mechanisms.values())
     steps = {
         (q, z): poisson_gaussian_pmf(q, z, h, tail_mass=tail / 4.0 / total) for q, z in mechanisms
     }
     directions = ("remove",) if all(q == 1.0 for q, _ in mechanisms) else _DIRECTIONS
-    return max(evaluate(_composed_pld(mechanisms, h, d, tail, max_size, steps)) for d in directions)
+    return tuple(_composed_pld(mechanisms, h, d, tail, max_size, steps) for d in directions)
+
+
+def composed_plds(
+    event: ev.Event,
+    interval: float,
+    *,
+    tail_mass: float = 1e-12,
+    max_size: int = MAX_GRID_SIZE,
+) -> tuple[DiscretePLD, ...]:
+    """The pessimistic composed PLD of ``event`` on loss grid ``interval``, per direction.
+
+    One PLD (remove) when no step is subsampled (the two directions coincide), else two
+    (remove, add). Each dominates the exact pair of its direction (connect-the-dots,
+    wrapped-around and outside mass sent to +infinity), so anything monotone in the
+    hockey-stick curve computed from it (delta, the attacker's true-positive rate) is a valid
+    upper bound. ``tail_mass`` bounds the mass moved to +infinity by truncation.
+
+    Raises:
+      UnsupportedEventError: the event has a sub-event the PLD engine cannot account.
+    """
+    check_range("interval", interval, 0.0, None, low_open=True)
+    check_range("tail_mass", tail_mass, 0.0, 1.0, low_open=True, high_open=True)
+    mech = _mechanisms(event)
+    if not mech:
+        return ()
+    return _composed_directions(mech, float(interval), float(tail_mass), max_size)
 
 
 def _composed_pld(

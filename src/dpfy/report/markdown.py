@@ -87,6 +87,7 @@ def to_markdown(r: PrivacyReport) -> str:
         else:
             cell = _fmt(res)
         lines.append(f"| {name} | {_escape(cell)} |")
+    lines += _attack_risk_lines(r.attack_risk, r.unit_of_privacy)
     if r.utility:
         lines += ["", "## Utility", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.utility.items()]
@@ -103,6 +104,30 @@ def to_markdown(r: PrivacyReport) -> str:
     if r.reproduce.get("train_command"):
         lines.append(f"- re-train: `{r.reproduce['train_command']}`")
     return "\n".join(lines) + "\n"
+
+
+def _attack_risk_lines(risk: dict[str, Any], unit: str) -> list[str]:
+    """The attack-risk table: the TPR bound of a membership-inference attacker per FPR."""
+    table = risk.get("tpr_at_fpr") or {}
+    if not table:
+        return []
+    lines = [
+        "",
+        "## Attack risk (membership inference)",
+        "",
+        f"An attacker who tries to tell whether one {unit} was in the training data, and "
+        "accepts a false-positive rate (FPR), cannot reach a true-positive rate (TPR) above "
+        "these bounds, whatever it knows about the other data. A random guess reaches "
+        "TPR = FPR.",
+        "",
+        "| FPR | TPR at most |",
+        "|---|---|",
+    ]
+    for fpr, tpr in table.items():
+        lines.append(f"| {fpr} | {tpr:.4g} ({tpr / float(fpr):.3g} x FPR) |")
+    notes = " ".join(risk.get("notes", []))
+    lines += ["", _escape(f"Method: {risk.get('method')}. {notes}")]
+    return lines
 
 
 def _escape(text: str) -> str:

@@ -104,3 +104,29 @@ def accountant_comparison(
     _figures.legend(ax)
     _figures.grid(ax, axis="y")
     return _figures.save(fig, path)
+
+
+def attack_risk(
+    fpr: Sequence[float],
+    tpr: Sequence[float],
+    path: str | Path,
+    *,
+    marked: Mapping[str, float] | None = None,
+) -> Path:
+    """The membership-inference trade-off: the TPR bound against the FPR (log-log), with the
+    random-guess diagonal and the reported FPRs marked."""
+    fig, (ax,) = _figures.new_figure()
+    ax.plot(fpr, tpr, lw=2, color="tab:red", label="attacker's TPR at most")
+    ax.plot(fpr, fpr, lw=1, ls="--", color="grey", label="random guess")
+    for key, value in (marked or {}).items():
+        ax.plot([float(key)], [value], "o", color="tab:red")
+        ax.annotate(f"{value:.3g}", (float(key), value), textcoords="offset points",
+                    xytext=(4, -12), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("false-positive rate")
+    ax.set_ylabel("true-positive rate")
+    ax.set_title("Membership inference: best possible attack")
+    _figures.grid(ax, which="both")
+    _figures.legend(ax, loc="lower right")
+    return _figures.save(fig, path)

@@ -26,6 +26,7 @@ from typing import Any
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
+from dpfy.accounting.risk import AttackRisk, attack_risk
 from dpfy.ledger import Ledger, NonPrivateRecord, ledger_hyperparameters
 from dpfy.report.markdown import to_markdown
 from dpfy.sampling import column as sampler_column
@@ -65,6 +66,7 @@ REPORT_FIELDS = (
     "privacy_tier",
     "hyperparameters",
     "other_methods",
+    "attack_risk",
     "utility",
     "reproduce",
     "ledger_integrity",
@@ -142,6 +144,9 @@ class PrivacyReport:
     #: What the ledger's hash chain says (``dpfy.ledger.Verification`` as a dict, plus
     #: ``summary``: one line). See ``docs/ledger.md``.
     ledger_integrity: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Upper bounds on a membership-inference attacker's TPR at FPRs 1e-3, 1e-2 and 0.1
+    #: (``dpfy.accounting.risk.AttackRisk.to_dict``): what epsilon means for an attacker.
+    attack_risk: dict[str, Any] = dataclasses.field(default_factory=dict)
     release: str = ""
     sampling_randomness: str = NOT_RECORDED
     noise_randomness: str = NOT_RECORDED
@@ -222,6 +227,11 @@ def build_report(
     seeded = release.startswith("Seeded")
     mu = _mu(event)
     rdp_curve = _rdp_curve(event)
+    risk = (
+        attack_risk(event, method=result.method)
+        if result.provable
+        else AttackRisk.unavailable(f"epsilon is a {result.method} estimate, not a proof")
+    )
     nonprivate = [r for r in ledger.entries if isinstance(r, NonPrivateRecord)]
     if nonprivate or math.isinf(result.epsilon):
         statement = (
@@ -276,6 +286,7 @@ def build_report(
         epsilon_estimate=result.epsilon_estimate,
         epsilon_lower=result.epsilon_lower,
         error_probability=result.error_probability,
+        attack_risk=risk.to_dict(),
         ledger_integrity={
             **dataclasses.asdict(ledger.verification),
             "summary": ledger.verification.describe(),

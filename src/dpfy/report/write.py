@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dpfy import accounting
+from dpfy.accounting.risk import attack_curve
 from dpfy.ledger import Ledger
 from dpfy.report.statement import PrivacyReport, epsilon_history
 
@@ -120,6 +121,15 @@ def _write_staged(
                 comparison, out / "figures" / "accountant_comparison.png", delta=report.delta
             )
             paths["accountant_comparison"] = str(p.relative_to(out))
+        if report.attack_risk.get("method") in ("pld", "epsilon-delta"):
+            curve = attack_curve(ledger)
+            p = plots.attack_risk(
+                curve.fpr,
+                curve.tpr,
+                out / "figures" / "attack_risk.png",
+                marked=report.attack_risk["tpr_at_fpr"],
+            )
+            paths["attack_risk"] = str(p.relative_to(out))
     report = dataclasses.replace(report, figures=paths)
     _write_text(out / "report.md", report.to_markdown())
     _write_text(out / "report.json", report.to_json() + "\n")
