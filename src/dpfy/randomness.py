@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from dpfy._philox import PhiloxStream, philox_key
+
 __all__ = ["Randomness", "SECURE_DESCRIPTION"]
 
 _TWO_POW_53 = float(2**53)
@@ -69,10 +71,21 @@ class Randomness:
       seed: seed of the reproducible generator; ``None`` draws a fresh seed from the OS.
       secure: draw every bit from an AES-256-CTR keystream keyed from the OS (no
         reproducibility; what a DP release needs, docs/randomness.md).
+      device_noise: where the float32 noise transform runs. ``None`` (default): on the
+        tensors' device when they are not on the CPU, on the host otherwise; ``True``: always
+        the device path, also for CPU tensors (how tests exercise it); ``False``: always the
+        host path (noise drawn on the CPU and copied). On the device path seeded bits come
+        from Philox4x32-10 generated on the device (``dpfy._philox``), secure bits from the
+        host keystream copied asynchronously; float32 values in either case.
     """
 
-    def __init__(self, seed: int | None = None, *, secure: bool = False) -> None:
+    def __init__(
+        self, seed: int | None = None, *, secure: bool = False, device_noise: bool | None = None
+    ) -> None:
+        if device_noise not in (None, True, False):
+            raise ValueError(f"device_noise must be None, True or False, got {device_noise!r}")
         self.secure = bool(secure)
+        self.device_noise = device_noise
         self.seed = None if secure else (seed if seed is not None else _fresh_seed())
         self._np = None if secure else np.random.Generator(np.random.PCG64(self.seed))
         self._stream = _Keystream() if secure else None
@@ -81,6 +94,8 @@ class Randomness:
         self._work: Any = None  # reused work buffers of the noise transform
         self._values: Any = None
         self._words: np.ndarray | None = None  # reused buffer of secure noise words
+        self._philox: PhiloxStream | None = None  # seeded device stream, keyed at first use
+        self._device: _DeviceScratch | None = None  # device path buffers (docs/randomness.md)
 
     @classmethod
     def secure_mode(cls) -> Randomness:
@@ -184,9 +199,9 @@ class Randomness:
         """A torch tensor of N(0, std^2) noise of the given shape, dtype and device."""
         import torch
 
-        noise = torch.empty(shape, dtype=dtype or torch.get_default_dtype())
+        noise = torch.empty(shape, dtype=dtype or torch.get_default_dtype(), device=device)
         self.normal_([noise], [std])
-        return noise.to(device) if device is not None else noise
+        return noise
 
     def normal_(
         self,
@@ -220,6 +235,9 @@ class Randomness:
             if a is not None and (not isinstance(a, torch.Tensor) or a.shape != t.shape):
                 raise ValueError(f"add[{i}] must be a tensor of shape {tuple(t.shape)}")
         if not tensors:
+            return
+        if self._device_path(tensors):
+            self._device_normal_(tensors, stds, adds)
             return
         if _all_equal(stds):
             span = _flat_span(tensors)
@@ -310,6 +328,86 @@ class Randomness:
             _box_muller32(bits32, flat, *work, std=scale, add=base, deep_tail=deep)
             base = flat
 
+    # -- the device path (docs/randomness.md, "Noise on the parameters' device") -----------
+    def _device_path(self, tensors: Sequence[Any]) -> bool:
+        if self.device_noise is not None:
+            return self.device_noise
+        return any(t.device.type != "cpu" for t in tensors)
+
+    def _device_normal_(self, tensors: list[Any], stds: list[float], adds: list[Any]) -> None:
+        """:meth:`normal_` with float32 values made on ``tensors[0]``'s device.
+
+        No host synchronisation: seeded bits are generated on the device, secure bits are
+        copied to it asynchronously; nothing reads a device value back.
+        """
+        import torch
+
+        device = tensors[0].device
+        no_add = all(a is None for a in adds)
+        if _all_equal(stds):
+            span = _flat_span(tensors, device)
+            base = None if no_add else _flat_span(adds, device)
+            if span is not None and (no_add or base is not None):
+                self._device_normal32_into(span, stds[0], base)
+                return
+        values = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32, device=device)
+        self._device_normal32_into(values, 1.0, None)
+        start = 0
+        for t, sd, a in zip(tensors, stds, adds, strict=True):
+            part = values[start : start + t.numel()].view(t.shape)
+            start += t.numel()
+            t.copy_(part * sd)  # scaled in float32, then rounded to t's dtype (and device)
+            if a is not None:
+                t.add_(a)
+
+    def _device_normal32_into(self, out: Any, std: float, add: Any) -> None:
+        """``out = add + std * N(0, 1)`` on ``out``'s device (contiguous float32 ``out``)."""
+        m = (out.numel() + 1) // 2
+        scratch = self._device
+        if scratch is None or scratch.device != out.device or scratch.size < m:
+            scratch = self._device = _DeviceScratch(out.device, m, self._device)
+        flat = out.view(-1)
+        base = None if add is None else add.view(-1)
+        scale = std / math.sqrt(self._draws)
+        if self._stream is None:
+            if self._philox is None:
+                assert self.seed is not None
+                self._philox = PhiloxStream(philox_key(self.seed))
+            draws = [(self._philox.words(2 * m, out.device), None)]
+        else:
+            draws = self._secure_device_words(m, scratch)
+        work = [x[:m] for x in scratch.work]
+        for words, deep in draws:
+            _box_muller32(words, flat, *work, std=scale, add=base, deep_radii=deep)
+            base = flat
+
+    def _secure_device_words(self, m: int, scratch: _DeviceScratch) -> list[tuple[Any, Any]]:
+        """Per draw: ``2m`` keystream words on the device, and the deep radii (indices, values).
+
+        The words are written by the keystream into a (pinned, on CUDA) host buffer and copied
+        with ``non_blocking``; the radius words whose 31 bits are all zero are found on the
+        host, where the words are, and refined from the keystream right after their draw (the
+        order of the host path).
+        """
+        import torch
+
+        assert self._stream is not None
+        host = scratch.staging(self._draws * 2 * m)
+        draws = []
+        for d in range(self._draws):
+            words = host[d * 2 * m : (d + 1) * 2 * m]
+            self._stream.fill(words.numpy())
+            zero = np.flatnonzero((words.numpy()[:m] & 0x7FFFFFFF) == 0)
+            deep = None
+            if zero.size:
+                radii = self._deep_radii(zero.size).astype(np.float32)
+                deep = (
+                    scratch.to_device(torch.from_numpy(zero)),
+                    scratch.to_device(torch.from_numpy(radii)),
+                )
+            draws.append((scratch.to_device(words), deep))
+        return draws
+
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Generator state for checkpoint/resume (seeded mode only)."""
@@ -318,6 +416,8 @@ class Randomness:
         state: dict[str, Any] = {"seed": self.seed, "numpy": self._np.bit_generator.state}
         if self._noise is not None:
             state["noise"] = self._noise.state
+        if self._philox is not None:
+            state["device_noise"] = self._philox.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -326,6 +426,8 @@ class Randomness:
         self.seed = state["seed"]
         self._np.bit_generator.state = state["numpy"]
         self._noise = None
+        dev = state.get("device_noise")
+        self._philox = None if dev is None else PhiloxStream.from_state(dev)
         if "torch" in state and "noise" not in state:
             warnings.warn(
                 "this Randomness state comes from an older dpfy (torch generator noise); its "
@@ -353,6 +455,7 @@ def _box_muller32(
     std: float = 1.0,
     add: Any = None,
     deep_tail: Callable[[int], np.ndarray] | None = None,
+    deep_radii: tuple[Any, Any] | None = None,
 ) -> None:
     """Box-Muller on 2m random int32 ``bits32`` into float32 ``out`` (n <= 2m values).
 
@@ -364,6 +467,8 @@ def _box_muller32(
     half cut to n - m values); ``add`` (same shape as ``out``, may be ``out`` itself) is
     optional. ``deep_tail`` (secure mode) maps a count c to c float64 radii drawn from more
     bits; it replaces the radius of every word whose 31 bits are all zero (u < 2^-31).
+    ``deep_radii`` (the device path) gives those replacements precomputed: (indices, float32
+    radii) on ``out``'s device, so nothing here reads a device value.
     """
     import torch
 
@@ -378,6 +483,8 @@ def _box_muller32(
     radius.add_(0.5).mul_(2.0**-31).log_().mul_(-2.0).sqrt_()
     if deep_tail is not None and deep is not None:
         radius[deep] = torch.from_numpy(deep_tail(deep.numel())).to(torch.float32)
+    if deep_radii is not None:
+        radius.index_put_((deep_radii[0],), deep_radii[1])
     theta.copy_(bits32[m : 2 * m]).mul_(_TWO_PI * 2.0**-32)
     trig_out = bits.view(torch.float32)  # the bits are spent: reuse the buffer
     for dst, trig, lo, hi in ((out[:m], torch.cos, 0, m), (out[m:], torch.sin, m, n)):
@@ -391,8 +498,9 @@ def _box_muller32(
             torch.mul(t, radius[:k], out=dst).mul_(std)
 
 
-def _flat_span(tensors: Sequence[Any]) -> Any:
-    """The 1-D float32 CPU tensor that ``tensors`` tile in order, or ``None``.
+def _flat_span(tensors: Sequence[Any], device: Any = None) -> Any:
+    """The 1-D float32 tensor on ``device`` (default the CPU) that ``tensors`` tile in order,
+    or ``None``.
 
     True for consecutive contiguous views of one buffer (a model's flat gradient buffer) or a
     single contiguous tensor.
@@ -402,12 +510,13 @@ def _flat_span(tensors: Sequence[Any]) -> Any:
     first = tensors[0]
     if not isinstance(first, torch.Tensor):
         return None
+    want = torch.device("cpu") if device is None else torch.device(device)
     ptr = first.data_ptr()
     for t in tensors:
         if not (
             isinstance(t, torch.Tensor)
             and t.dtype == torch.float32
-            and t.is_cpu
+            and t.device == want
             and t.data_ptr() == ptr
             and t.is_contiguous()
         ):
@@ -496,3 +605,69 @@ class _Keystream:
                 view[pos : pos + k] = self._enc.update(self._zeros[:k])
             pos += k
             self._used += k
+
+
+class _DeviceScratch:
+    """Reused buffers of the device path on one device.
+
+    ``work``: the transform's scratch (int32 bits, float32 radius and angle, ``size`` each).
+    ``staging``: a host buffer for secure keystream words, pinned when the device is a CUDA
+    device, copied by :meth:`to_device` on a side CUDA stream with ``non_blocking`` (the copy
+    waits for no compute queued before it; the compute stream waits for the copy on the
+    device). Before the staging buffer is refilled, the host waits for the copy out of it
+    (issued one call earlier: only the PCIe transfer, not the training step's kernels).
+    """
+
+    def __init__(self, device: Any, size: int, old: _DeviceScratch | None = None) -> None:
+        import torch
+
+        self.device, self.size = device, size
+        self.work = (
+            torch.empty(size, dtype=torch.int32, device=device),
+            torch.empty(size, dtype=torch.float32, device=device),  # radius
+            torch.empty(size, dtype=torch.float32, device=device),  # angle
+        )
+        self._host: Any = None
+        self._copied: Any = None  # CUDA event: the last copy out of the staging buffer is done
+        self._side: Any = None
+        if old is not None:
+            old.wait()
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.device.type == "cuda")
+
+    def wait(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def staging(self, n: int) -> Any:
+        """A host int32 buffer of ``n`` words, free to overwrite."""
+        import torch
+
+        self.wait()
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
+        return self._host[:n]
+
+    def to_device(self, host: Any) -> Any:
+        """``host`` on the device, copied asynchronously (the CPU device: ``host`` itself)."""
+        import torch
+
+        if self.device.type == "cpu":
+            return host
+        if not self.cuda:
+            return host.to(self.device, non_blocking=True)
+        if not host.is_pinned():
+            host = host.pin_memory()
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._side):
+            dev = host.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copied.record(self._side)
+        main.wait_stream(self._side)
+        dev.record_stream(main)
+        return dev
