@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -200,7 +200,10 @@ class LayerCapture:
                 )
             )
 
-        return rule_hook if plan.rule is not None else generic_hook
+        hook = rule_hook if plan.rule is not None else generic_hook
+        # Under torch.compile the hook must see the real output tensor, the one autograd.grad
+        # differentiates for: a traced hook would record a graph-internal value (docs/devices.md)
+        return cast(_ForwardHook, torch.compiler.disable(hook, recursive=True))  # type: ignore[no-untyped-call]
 
     def backward(self, losses: torch.Tensor, scale: torch.Tensor) -> list[list[Capture]]:
         """Gradients of ``sum_i scale_i * losses_i`` w.r.t. every recorded module output.
