@@ -83,12 +83,17 @@ def per_example_norms(
 def clip_weights_from_norms(
     norms: torch.Tensor, clip_norm: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``min(1, clip_norm / norm)`` per example (float64); 0 for padding or non-finite norms."""
+    """``min(1, clip_norm / norm)`` per example (float64); 0 for padding or non-finite norms.
+
+    A negative norm is refused on the CPU; on another device that check would need a host
+    synchronisation, so the example's weight is 0 instead (docs/devices.md).
+    """
     norms = torch.as_tensor(norms).to(torch.float64)
-    if bool((norms < 0).any()):
+    if norms.device.type == "cpu" and bool((norms < 0).any()):
         raise ValueError(f"norms must be in [0, inf], got a norm of {float(norms.min())!r}")
     # C / norm, capped at 1: norm 0 gives inf -> 1, norm inf gives 0, NaN stays NaN -> 0
-    w = torch.nan_to_num_((clip_norm / norms).clamp_(max=1.0), nan=0.0)
+    # (a negative norm, off the CPU, gives a negative weight: clamped to 0)
+    w = torch.nan_to_num_((clip_norm / norms).clamp_(0.0, 1.0), nan=0.0)
     return w if mask is None else w * check_mask(mask, w)
 
 
@@ -108,10 +113,16 @@ def expand_weights(
 
 
 def check_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``mask`` as float64 on ``like``'s device, checked to be in [0, 1] with ``like``'s shape."""
+    """``mask`` as float64 on ``like``'s device, checked to be in [0, 1] with ``like``'s shape.
+
+    Off the CPU the range check would need a host synchronisation: values are clamped into
+    [0, 1] there instead (NaN to 0), which can only lower an example's weight (docs/devices.md).
+    """
     m = torch.as_tensor(mask, device=like.device).to(torch.float64)
     if m.shape != like.shape:
         raise ValueError(f"mask must have shape {tuple(like.shape)}, got {tuple(m.shape)}")
+    if m.device.type != "cpu":
+        return torch.nan_to_num(m, nan=0.0).clamp_(0.0, 1.0)
     if not bool(((m >= 0) & (m <= 1)).all()):
         # A weight above 1 would scale an example past the clip norm (more sensitivity).
         bad = m[~((m >= 0) & (m <= 1))][0].item()

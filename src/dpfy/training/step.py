@@ -372,11 +372,12 @@ class PrivateGradient:
                 f"chunk size {batch} must be a multiple of microbatch_size={k} in "
                 "microbatch_mode='average' (pad with weight-0 rows)"
             )
+        weights_ok = None  # device weights: validity read with the chunk's statistics
         if weights is None:
             mask = None
             scale = torch.full_like(losses, 1.0 / k).detach()
         else:
-            mask = _check_weights(weights, batch, losses)
+            mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if k == 1 else mask / k
         captures = recorder.backward(losses, scale)
         with torch.no_grad():
@@ -389,9 +390,24 @@ class PrivateGradient:
             sq = self._squared_norms(layers, n)
             total_sq = torch.stack(list(sq.values())).sum(0) if sq else losses.new_zeros(n)
             nonfinite = 0
-            # a sum of squares is finite iff every term is (one scalar read; the elementwise
-            # test runs only when it is not, or overflows)
-            if not math.isfinite(float(total_sq.sum())):
+            detached = losses.detach()
+            if mask is None:
+                loss_t, n_real = detached.sum(), batch
+            else:
+                loss_t = torch.where(mask > 0, detached, 0.0).sum()
+            # The chunk's one host read (docs/devices.md): a sum of squares is finite iff
+            # every term is (the elementwise test runs only when it is not, or overflows),
+            # the loss sum, the real-row count and the weights' validity, fetched together.
+            reads = [total_sq.sum(), loss_t] + ([] if mask is None else [mask.sum()])
+            if weights_ok is not None:
+                reads.append(weights_ok)
+            host = torch.stack([r.to(torch.float64) for r in reads]).tolist()
+            loss_sum = host[1]
+            if mask is not None:
+                n_real = int(host[2])
+            if weights_ok is not None and not host[-1]:
+                raise ValueError("weights must be 0 (padding row) or 1 (real row)")
+            if not math.isfinite(host[0]):
                 bad = ~torch.isfinite(total_sq)
                 nonfinite = int((bad if real is None else bad & (real > 0)).sum())
                 for lg in layers.values():
@@ -401,12 +417,6 @@ class PrivateGradient:
                 total_sq = torch.where(bad, inf, total_sq)
             weights_by_param = self._clip_weights(sq, total_sq, real, n, losses.dtype)
             self._add_weighted_sums(layers, weights_by_param, sq)
-            detached = losses.detach()
-            if mask is None:
-                loss_sum, n_real = float(detached.sum()), batch
-            else:
-                loss_sum = float(torch.where(mask > 0, detached, 0.0).sum())
-                n_real = int(mask.sum())
         self._loss_sum += loss_sum
         self._examples += n_real
         self._nonfinite += nonfinite
@@ -515,7 +525,7 @@ class PrivateGradient:
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"a query without groups must return one Tensor[B], got {w!r}")
             return dict.fromkeys(self.param_names_, _scaled(w, scale, dtype))
-        zeros = torch.zeros(n, dtype=torch.float64)
+        zeros = torch.zeros(n, dtype=torch.float64, device=total_sq.device)
         group_sq: dict[str, torch.Tensor] = {g: zeros for g in self._group_names}
         for name, v in sq.items():
             g = self._owner[name]
@@ -723,15 +733,24 @@ def _check_average_sensitivity(query: Query) -> None:
         )
 
 
-def _check_weights(weights: torch.Tensor | None, batch: int, like: torch.Tensor) -> torch.Tensor:
-    if weights is None:
-        return torch.ones(batch, dtype=like.dtype, device=like.device)
-    w = torch.as_tensor(weights, device=like.device)
+def _check_weights(
+    weights: torch.Tensor, batch: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``weights`` on ``like``'s device and dtype, checked to be 0 or 1.
+
+    Weights given on the CPU (a loader's) are checked there, before the copy: no device read.
+    Weights already on another device return, second, a 0-dim "all valid" tensor for the
+    caller to read with its other statistics (and to raise on before anything is written).
+    """
+    w = torch.as_tensor(weights)
     if w.shape != (batch,):
         raise ValueError(f"weights must have shape ({batch},), got {tuple(w.shape)}")
-    if not bool(((w == 0) | (w == 1)).all()):
-        raise ValueError("weights must be 0 (padding row) or 1 (real row)")
-    return w.to(like.dtype)
+    valid = ((w == 0) | (w == 1)).all()
+    if w.device.type == "cpu":
+        if not bool(valid):
+            raise ValueError("weights must be 0 (padding row) or 1 (real row)")
+        return w.to(like.device, like.dtype), None
+    return w.to(like.device, like.dtype), valid
 
 
 def _batch_size(inputs: Any) -> int:
