@@ -8,7 +8,12 @@ load from other processes hits them alike; medians and ratios are reported:
 * noise alone, ``normal_`` with an addend on one flat float32 buffer (the fused path of a
   training step), for 1M and 22.6M values: seeded, secure, and secure with one draw per
   value (no floating-point mitigation: the keystream's own cost);
-* raw bits: the AES-256-CTR keystream against NumPy's SFC64 ``random_raw`` (GB/s).
+* raw bits: the AES-256-CTR keystream against NumPy's SFC64 ``random_raw`` (GB/s);
+* the device path (docs/randomness.md) run on the CPU: seeded noise from the Philox4x32-10
+  generator in torch integer ops (``device_noise=True``) against the host SFC64 path, and
+  the host side of secure noise for a device: the keystream words of both draws written
+  into the staging buffer plus the deep-tail scan (what the host does per step; on a GPU the
+  words then travel by an asynchronous copy, estimated in docs/randomness.md, not measured).
 
 Usage::
 
@@ -32,6 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import dpsgd_step  # noqa: E402  (the step builders and the interleaved timer)
 
+import dpfy.randomness as R  # noqa: E402
 from dpfy.randomness import Randomness, _Keystream  # noqa: E402
 
 
@@ -65,6 +71,20 @@ def noise_variants(n: int) -> dict[str, Callable[[], object]]:
     return {"seeded": run(seeded), "secure": run(secure), "secure_1draw": run(single)}
 
 
+def device_variants(n: int) -> dict[str, Callable[[], object]]:
+    """The device path on the CPU: Philox seeded noise, and secure words for a device."""
+    flat, base = torch.empty(n), torch.randn(n)
+    seeded, philox = Randomness(seed=0), Randomness(seed=0, device_noise=True)
+    secure = Randomness.secure_mode()
+    m = (n + 1) // 2
+    scratch = R._DeviceScratch(torch.device("cpu"), m)
+    return {
+        "seeded": lambda: seeded.normal_([flat], [1.0], add=[base]),
+        "seeded_philox": lambda: philox.normal_([flat], [1.0], add=[base]),
+        "secure_host_words": lambda: secure._secure_device_words(m, scratch),
+    }
+
+
 def bits_variants(nbytes: int) -> dict[str, Callable[[], object]]:
     stream, sfc = _Keystream(), np.random.SFC64(0)
     buf = np.empty(nbytes, dtype=np.uint8)
@@ -85,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--noise-rounds", type=int, default=15)
+    parser.add_argument("--device-rounds", type=int, default=5)
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -121,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         for f in fns.values():
             f()  # warm-up: buffers
         report["noise"][str(n)] = summary(interleaved(fns, args.noise_rounds, clock), "seeded")
+    report["device_path_on_cpu"] = {}
+    for n in (1_000_000, 22_600_000):
+        fns = device_variants(n)
+        for f in fns.values():
+            f()
+        times = interleaved(fns, args.device_rounds, clock)
+        report["device_path_on_cpu"][str(n)] = summary(times, "seeded")
     nbytes = 4 * 22_600_000
     fns = bits_variants(nbytes)
     times = interleaved(fns, args.noise_rounds, clock)
@@ -139,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     for n, res in report["noise"].items():
         for k, r in res.items():
             print(f"  {int(n):10d} {k:13s} {r['median_ms']:10.2f} {r['ratio_to_seeded']:9.3f}")
+    print("\ndevice path on the CPU (Philox seeded noise; host side of secure device noise)")
+    print(f"  {'values':>10s} {'variant':17s} {'median ms':>10s} {'x seeded':>9s}")
+    for n, res in report["device_path_on_cpu"].items():
+        for k, r in res.items():
+            print(f"  {int(n):10d} {k:17s} {r['median_ms']:10.2f} {r['ratio_to_seeded']:9.3f}")
     print(f"\nraw bits ({nbytes / 1e6:.0f} MB)")
     for k, r in report["bits"].items():
         print(f"  {k:8s} {r['median_ms']:8.2f} ms {r['GB_per_s']:6.2f} GB/s")

@@ -28,6 +28,12 @@ Every sampler and query takes a :class:`Randomness` instead of touching global R
   Sampling draws (uniform, bernoulli, permutation, choice, binomial) come from the same
   keystream. Secure mode refuses to save or restore generator state: there is none to leak.
 
+* Tensors off the CPU (``device_noise``): float32 noise is made on their device. Seeded bits
+  come from Philox4x32-10 in torch integer ops (``dpfy._philox``; state: key and block
+  counter, resumable bit for bit), secure bits from the host keystream, written into a
+  pinned buffer and copied asynchronously; the same Box-Muller transform runs on the device
+  and reads no value back (docs/randomness.md, "Noise on the parameters' device").
+
 NumPy only at import time; torch and ``cryptography`` are imported lazily.
 """
 
