@@ -112,8 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="wall time, or process CPU time (steadier when other processes load the machine)",
     )
+    parser.add_argument(
+        "--sections",
+        default="step,noise,device,bits",
+        help="comma-separated subset of step,noise,device,bits to run",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= {"step", "noise", "device", "bits"}:
+        parser.error(f"--sections must name step, noise, device or bits, got {args.sections!r}")
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     report: dict = {
@@ -128,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     builders = {"plain": dpsgd_step.plain_step, "seeded": dpsgd_step.dpfy_step,
                 "secure": secure_dpfy_step}
     report["step"] = {}
-    for model in dpsgd_step.MODELS:
+    for model in dpsgd_step.MODELS if "step" in sections else ():
         res = dpsgd_step.measure(
             model, list(builders), batch=args.batch, rounds=args.rounds, steps=2, warmup=3,
             max_seconds=1e9, builders=builders, clock=clock,
@@ -137,22 +145,22 @@ def main(argv: list[str] | None = None) -> int:
             r["ratio_to_seeded"] = r["median_ms"] / res["seeded"]["median_ms"]
         report["step"][model] = res
     report["noise"] = {}
-    for n in (1_000_000, 22_600_000):
+    for n in (1_000_000, 22_600_000) if "noise" in sections else ():
         fns = noise_variants(n)
         for f in fns.values():
             f()  # warm-up: buffers
         report["noise"][str(n)] = summary(interleaved(fns, args.noise_rounds, clock), "seeded")
     report["device_path_on_cpu"] = {}
-    for n in (1_000_000, 22_600_000):
+    for n in (1_000_000, 22_600_000) if "device" in sections else ():
         fns = device_variants(n)
         for f in fns.values():
             f()
         times = interleaved(fns, args.device_rounds, clock)
         report["device_path_on_cpu"][str(n)] = summary(times, "seeded")
     nbytes = 4 * 22_600_000
-    fns = bits_variants(nbytes)
+    fns = bits_variants(nbytes) if "bits" in sections else {}
     times = interleaved(fns, args.noise_rounds, clock)
-    report["bits"] = summary(times, "sfc64")
+    report["bits"] = summary(times, "sfc64") if fns else {}
     for r in report["bits"].values():
         r["GB_per_s"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
 
