@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
@@ -202,7 +203,11 @@ class LayerCapture:
 
         hook = rule_hook if plan.rule is not None else generic_hook
         # Under torch.compile the hook must see the real output tensor, the one autograd.grad
-        # differentiates for: a traced hook would record a graph-internal value (docs/devices.md)
+        # differentiates for: a traced hook would record a graph-internal value, so it is a
+        # graph break (docs/devices.md). torch.compile imports torch._dynamo; without it no
+        # compiled code runs, and eager users are spared its import (seconds).
+        if "torch._dynamo" not in sys.modules:
+            return hook
         return cast(_ForwardHook, torch.compiler.disable(hook, recursive=True))  # type: ignore[no-untyped-call]
 
     def backward(self, losses: torch.Tensor, scale: torch.Tensor) -> list[list[Capture]]:
