@@ -91,9 +91,13 @@ from dpfy.training.norms.capture import (
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads, cross_term
 from dpfy.training.precision import (
+    DEFAULT_FP16_LOSS_SCALE,
+    Precision,
     autocast_off,
     check_loss_scale,
     check_master_weights,
+    check_precision,
+    precision_autocast,
     upcast_captures,
     work_dtype,
 )
@@ -172,6 +176,12 @@ class PrivateGradient:
         else ``model(inputs)``.
       fallback: ``"vmap"`` (layers without a norm rule use the generic ``vmap(grad)`` rule)
         or ``"error"`` (such a layer is refused here, with its name).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the forward of :meth:`accumulate` (and
+        :meth:`autocast` for loops that run it themselves) under ``torch.autocast`` in that
+        dtype; norms, clip weights, clipped sums and noise stay fp32
+        (:mod:`dpfy.training.precision`). Trainable parameters must be fp32 master weights.
+      loss_scale: fixed loss scale S in [1, 2**24] of the backward (default 2**8 for fp16,
+        else 1); divided out in fp32 before any norm.
 
     Parameters used by several modules (tied input/output embeddings) get the exact
     per-example norm of the *sum* of their contributions (own norms plus cross terms,
@@ -194,7 +204,13 @@ class PrivateGradient:
         fallback_chunk_size: int = 32,
         forward: Callable[[nn.Module, Any], Any] | None = None,
         fallback: Fallback = "vmap",
+        precision: Precision = "fp32",
+        loss_scale: float | None = None,
     ) -> None:
+        self.precision: Precision = check_precision(precision)
+        if loss_scale is None:
+            loss_scale = DEFAULT_FP16_LOSS_SCALE if precision == "fp16" else 1.0
+        self.loss_scale = check_loss_scale(loss_scale)
         check_range(
             "expected_batch_size",
             expected_batch_size,
@@ -288,12 +304,13 @@ class PrivateGradient:
         weights: torch.Tensor | None = None,
         *,
         return_norms: bool = False,
-        loss_scale: float = 1.0,
+        loss_scale: float | None = None,
     ) -> ChunkStats:
         """Add the clipped per-example gradients of one physical chunk to the accumulator.
 
-        Run it inside ``torch.autocast`` for a bf16/fp16 forward and backward: the norms, clip
-        weights and clipped sums are still computed in fp32 (:mod:`dpfy.training.precision`).
+        The forward runs under ``torch.autocast`` with ``precision`` bf16/fp16 (or inside the
+        caller's own autocast block); the norms, clip weights and clipped sums are still
+        computed in fp32 (:mod:`dpfy.training.precision`).
 
         Args:
           inputs: model input with the batch on dim 0: a tensor (``model(inputs)``), a tuple
@@ -303,15 +320,16 @@ class PrivateGradient:
             ``nn.CrossEntropyLoss(reduction="none")``).
           weights: [B] tensor of 0/1 (0 = padding row), or ``None`` (all rows real).
           return_norms: also return the per-example norms before clipping.
-          loss_scale: S >= 1 (fp16: a power of two such as 2**8): the backward is seeded with
-            S x weight so that small fp16 gradients do not underflow; the output gradients are
-            divided by S in fp32 before any norm, so S never changes a clip weight. A row whose
-            scaled gradient overflows is dropped (counted in ``num_nonfinite``).
+          loss_scale: S >= 1 (default: the ``loss_scale`` given at construction): the
+            backward is seeded with S x weight so that small fp16 gradients do not underflow;
+            the output gradients are divided by S in fp32 before any norm, so S never changes
+            a clip weight. A row whose scaled gradient overflows is dropped (counted in
+            ``num_nonfinite``).
 
         Returns:
           :class:`ChunkStats` of the chunk.
         """
-        loss_scale = check_loss_scale(loss_scale)
+        loss_scale = check_loss_scale(self.loss_scale if loss_scale is None else loss_scale)
         self._chunks += 1
         k = self.microbatch_size
         if k is not None and self.microbatch_mode == "examples":
@@ -347,7 +365,8 @@ class PrivateGradient:
         loss_scale: float = 1.0,
     ) -> ChunkStats:
         with capture_layers(self.plans_, _batch_size(inputs)) as recorder:
-            losses = loss_fn(self._forward(inputs), targets)
+            with self.autocast():
+                losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
 
     def _forward(self, inputs: Any) -> Any:
@@ -359,6 +378,11 @@ class PrivateGradient:
         if isinstance(inputs, tuple | list):
             return self.model(*inputs)
         return self.model(inputs)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` in ``precision`` on the parameters' device (fp32: a no-op)."""
+        device = next(iter(self._params.values())).device.type if self._params else "cpu"
+        return precision_autocast(self.precision, device)
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -635,7 +659,8 @@ class PrivateGradient:
         return (
             f"PrivateGradient(query={self.query!r}, "
             f"expected_batch_size={self.expected_batch_size}, "
-            f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r})"
+            f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r}, "
+            f"precision={self.precision!r})"
         )
 
 
@@ -664,7 +689,7 @@ class OpenChunk:
         losses: torch.Tensor,
         weights: torch.Tensor | None = None,
         *,
-        loss_scale: float = 1.0,
+        loss_scale: float | None = None,
     ) -> ChunkStats:
         """Backward from the per-example ``losses`` [B]; add the clipped sums; close.
 
@@ -673,7 +698,8 @@ class OpenChunk:
         """
         if self._recorder is None:
             raise RuntimeError("this chunk was already accumulated or closed")
-        loss_scale = check_loss_scale(loss_scale)
+        pg = self._pg
+        loss_scale = check_loss_scale(pg.loss_scale if loss_scale is None else loss_scale)
         recorder, self._recorder = self._recorder, None
         try:
             self._pg._chunks += 1
