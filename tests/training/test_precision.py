@@ -20,8 +20,6 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from test_transformers import B, CASES, _batch, _lora  # noqa: E402
-
 from dpfy.ledger import Ledger, SampleSpec  # noqa: E402
 from dpfy.queries import GaussianSumQuery, NoPrivacyQuery  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
@@ -32,6 +30,7 @@ from dpfy.training.norms.reference import (  # noqa: E402
     per_example_gradients,
 )
 from dpfy.training.precision import check_loss_scale, check_precision  # noqa: E402
+from tests.training.test_transformers import CASES, B, _batch, _lora  # noqa: E402
 
 TOL = {"bf16": 0.02, "fp16": 0.005}
 WEIGHTS = torch.tensor([1.0, 1.0, 0.0, 1.0])  # row 2 is padding
