@@ -103,6 +103,7 @@ def test_user_autocast_block_and_rules_in_fp32():
         losses = loss_fn(model(**inputs), labels)
     stats = chunk.accumulate(losses)
     assert stats.num_examples == B
+    assert stats.loss_sum == pytest.approx(s_ref.loss_sum, rel=1e-6)
     assert _rel(pg.clipped_sum(), ref.clipped_sum()) < 1e-6
 
 
