@@ -29,7 +29,7 @@ from dpfy.training.norms.reference import (  # noqa: E402
     clipped_sum_reference,
     per_example_gradients,
 )
-from dpfy.training.precision import check_loss_scale, check_precision  # noqa: E402
+from dpfy.training.precision import autocast_dtype, check_loss_scale, check_precision  # noqa: E402
 from tests.training.test_transformers import CASES, B, _batch, _lora  # noqa: E402
 
 TOL = {"bf16": 0.02, "fp16": 0.005}
@@ -188,3 +188,81 @@ def test_bad_precision_and_loss_scale():
     with pytest.raises(ValueError, match="loss_scale"):
         pg.accumulate(torch.randn(2, 2), torch.tensor([0, 1]), nn.CrossEntropyLoss(
             reduction="none"), loss_scale=0.0)
+
+
+def _tiny_private(precision, dtype=torch.float32, **kw):
+    from torch.utils.data import TensorDataset
+
+    import dpfy
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    private = dpfy.make_private(
+        model, opt, TensorDataset(x, y), target_epsilon=4.0, delta=1e-5, epochs=1,
+        clip_norm=1.0, expected_batch_size=16, randomness=Randomness(0),
+        precision=precision, **kw,
+    )
+    return private
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_make_private_autocast_equals_fp32_up_to_the_forward_rounding(precision):
+    """Same seed, same batches, same noise: one released step differs from the fp32 run only
+    by the low-precision forward (noise is fp32 in both)."""
+    grads = {}
+    for prec in ("fp32", precision):
+        model, optimizer, criterion, loader = _tiny_private(prec)
+        batches = iter(loader)  # kept: closing the generator closes the chunk
+        x, y = next(batches)
+        with optimizer.autocast():
+            out = model(x)
+            loss = criterion(out, y)
+        assert out.dtype == (torch.float32 if prec == "fp32" else autocast_dtype(prec))
+        loss.backward()
+        optimizer.step()
+        assert optimizer.ledger.metadata["precision"] == prec
+        grads[prec] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert all(g.dtype == torch.float32 for g in grads[prec].values())
+    assert _rel(grads[precision], grads["fp32"]) < TOL[precision]
+    assert _rel(grads[precision], grads["fp32"]) > 0  # the forward did run in low precision
+
+
+def test_make_private_refuses_pure_bf16_and_bad_options_before_writing():
+    with pytest.raises(ValueError, match=r"'0\.weight' is torch\.bfloat16.*master"):
+        _tiny_private("bf16", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _tiny_private("float16")
+    with pytest.raises(ValueError, match="loss_scale must be in"):
+        _tiny_private("fp16", loss_scale=2.0**30)
+
+
+def test_private_trainer_precision():
+    from dpfy.sampling import PoissonSampler
+    from dpfy.training import PrivateTrainer
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    trainer = PrivateTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
+        x, y, PoissonSampler(64, 0.25, randomness=Randomness(0)), clip_norm=1.0, epochs=1,
+        delta=1e-5, noise_multiplier=1.0, randomness=Randomness(0), precision="bf16",
+    )
+    trainer.fit()
+    assert trainer.private_gradient_.precision == "bf16"
+    assert trainer.ledger.metadata["precision"] == "bf16"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    bad = PrivateTrainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
+        x, y, PoissonSampler(64, 0.25, randomness=Randomness(0)), clip_norm=1.0, epochs=1,
+        delta=1e-5, noise_multiplier=1.0, precision="fp8",
+    )
+    with pytest.raises(ValueError, match="precision must be one of"):
+        bad.fit()
+    assert bad.ledger.iteration == 0
