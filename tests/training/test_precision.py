@@ -75,8 +75,33 @@ def test_autocast_matches_fp32_loop(arch, lora, precision):
     assert all(t.dtype == torch.float32 for t in got.values())
     sum_err = _rel(got, clipped_sum_reference(ref, clip, weights=WEIGHTS))
     assert sum_err <= TOL[precision], sum_err
-    # the fp32 step itself is far closer: the error above is the low-precision forward's
     assert stats.num_nonfinite == 0 and stats.num_examples == 3
+
+
+class _Gate(nn.Module):
+    """A layer without a norm rule: the generic vmap(grad) rule handles it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_generic_rule_under_autocast(precision):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), _Gate(8), nn.Linear(8, 3))
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    loss_fn = nn.CrossEntropyLoss(reduction="none")
+    ref = per_example_gradients(model, x, y, loss_fn)
+    ref_norms = sum(g.double().flatten(1).square().sum(1) for g in ref.values()).sqrt()
+    pg = PrivateGradient(model, NoPrivacyQuery(0.3), expected_batch_size=5, precision=precision)
+    assert pg.plans_[1].rule is None
+    stats = pg.accumulate(x, y, loss_fn, return_norms=True)
+    assert float(((stats.norms - ref_norms).abs() / ref_norms).max()) <= TOL[precision]
+    assert _rel(pg.clipped_sum(), clipped_sum_reference(ref, 0.3)) <= TOL[precision]
 
 
 def test_autocast_forward_really_ran_in_low_precision():
