@@ -122,11 +122,15 @@ def test_user_autocast_block_and_rules_in_fp32():
     model, inputs, labels, loss_fn = _model("llama", False)
     ref = PrivateGradient(model, NoPrivacyQuery(), expected_batch_size=B, precision="bf16")
     s_ref = ref.accumulate(inputs, labels, loss_fn, return_norms=True)
-    pg = PrivateGradient(model, NoPrivacyQuery(), expected_batch_size=B)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    assert s_ref.norms is not None
+    clip = float(s_ref.norms.median())  # the clip weights depend on the norms
+    ref = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B, precision="bf16")
+    ref.accumulate(inputs, labels, loss_fn)
+    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # backward inside the block too
         chunk = pg.open_chunk(B)
         losses = loss_fn(model(**inputs), labels)
-    stats = chunk.accumulate(losses)
+        stats = chunk.accumulate(losses)
     assert stats.num_examples == B
     assert stats.loss_sum == pytest.approx(s_ref.loss_sum, rel=1e-6)
     assert _rel(pg.clipped_sum(), ref.clipped_sum()) < 1e-6
