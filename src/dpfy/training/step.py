@@ -427,7 +427,8 @@ class PrivateGradient:
         # never under autocast: docs/architecture.md, "Mixed precision".
         with torch.no_grad(), autocast_off((losses.device.type,)):
             n = batch // k
-            captures = [upcast_captures(caps, loss_scale) for caps in captures]
+            for i, caps in enumerate(captures):  # in place: each bf16 original freed at once
+                captures[i] = upcast_captures(caps, loss_scale)
             layers = self._layer_grads(captures, batch, k)
             if mask is None:
                 real = None
