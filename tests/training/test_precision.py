@@ -295,3 +295,17 @@ def test_private_trainer_precision():
     with pytest.raises(ValueError, match="precision must be one of"):
         bad.fit()
     assert bad.ledger.iteration == 0
+
+
+def test_average_microbatches_under_fp16():
+    """Microbatch averages (Ponomareva et al. 2023, Alg. 3 option 2): the seed S / k."""
+    model, inputs, labels, loss_fn = _model("gpt2", False)
+    ref = per_example_gradients(model, inputs, labels, loss_fn)
+    pg = PrivateGradient(
+        model, NoPrivacyQuery(0.05), expected_batch_size=B, microbatch_size=2,
+        microbatch_mode="average", precision="fp16",
+    )
+    stats = pg.accumulate(inputs, labels, loss_fn, weights=WEIGHTS)
+    want = clipped_sum_reference(ref, 0.05, weights=WEIGHTS, microbatch_size=2)
+    assert stats.num_nonfinite == 0
+    assert _rel(pg.clipped_sum(), want) <= TOL["fp16"]
