@@ -250,3 +250,17 @@ def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypat
     assert seeded_md.splitlines()[2].startswith("> Seeded experiment — not a DP release")
     assert "`dpfy features mnist" in secure_md and "--seed" not in secure_md
     assert "--seed 5" in seeded_md
+
+
+def test_train_precision_bf16_is_recorded_and_repeated(tmp_path):
+    from dpfy.ledger import Ledger
+
+    run_dir = tmp_path / "bf16"
+    code, printed = _dpfy(["train", "mnist", "--out", str(run_dir), *TINY_TRAIN, "--seed", "0",
+                           "--precision", "bf16"])
+    assert code == 0, printed
+    meta = Ledger.load(run_dir / "ledger.jsonl").metadata
+    assert meta["precision"] == "bf16"
+    assert "--precision bf16" in meta["train_command"]
+    code = main(["train", "mnist", "--out", str(tmp_path / "bad"), "--precision", "fp8"])
+    assert code == 2 and not (tmp_path / "bad").exists()

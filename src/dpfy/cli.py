@@ -435,6 +435,12 @@ if not TYPE_CHECKING:
     TrainSampler = _sampler_enum("TrainSampler", train=True)
 
 
+class TrainPrecision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
 @app.command()
 def train(
     dataset: Annotated[DatasetName, typer.Argument(help="Training data (offline packages).")],
@@ -482,6 +488,11 @@ def train(
         typer.Option("--threads", help="Torch threads, in [1, cpu count].",
                      parser=_threads("threads")),
     ] = None,
+    precision: Annotated[
+        TrainPrecision,
+        typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
+                     "noise stay fp32."),
+    ] = TrainPrecision.fp32,
 ) -> None:
     """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
     from dpfy import runs
@@ -500,6 +511,7 @@ def train(
         train_limit=train_limit,
         threads=threads,
         progress=True,
+        precision=precision.value,
     )
     from rich.console import Console
 

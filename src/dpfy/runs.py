@@ -153,6 +153,7 @@ def train_and_report(
     train_limit: int | None = None,
     threads: int | None = None,
     progress: bool = False,
+    precision: str = "fp32",
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier`, then account the ledger
     and write ``report.md``, ``report.json`` and figures beside the model.
@@ -167,6 +168,8 @@ def train_and_report(
         int runs a reproducible seeded experiment, which is NOT a DP release (anyone with the
         seed and the data can re-create the model); its report says so in its headline.
       train_limit, threads, progress: as in the recipe.
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
+        noise stay fp32).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -188,6 +191,9 @@ def train_and_report(
         check_seed("seed", seed)
     if threads is not None:
         check_int("threads", threads, 1, os.cpu_count() or 1)
+    from dpfy.training.precision import check_precision
+
+    check_precision(precision)
     out_dir = _new_run_dir(out, dataset)
 
     from dpfy.training.recipes import train_image_classifier
@@ -199,6 +205,7 @@ def train_and_report(
         "clip_norm": clip_norm,
         "train_limit": train_limit,
         "threads": threads,
+        "precision": precision,
     }
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
     summary = train_image_classifier(
@@ -220,7 +227,7 @@ def train_and_report(
         "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
-         "train_limit": train_limit},
+         "train_limit": train_limit, "precision": None if precision == "fp32" else precision},
     )
     summary.ledger.record_metadata(
         delta=delta,

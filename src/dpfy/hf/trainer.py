@@ -37,11 +37,14 @@ Refused at construction, before any ledger exists (each breaks or would silently
 guarantee): an ``IterableDataset`` or no ``train_dataset``; ``group_by_length``, a
 non-random ``train_sampling_strategy`` or an overridden ``_get_train_sampler`` (dpfy's sampler
 decides the batches, so only it can state their privacy event); several processes or GPUs
-(``world_size > 1``, ``n_gpu > 1``, DeepSpeed, FSDP: not implemented); ``fp16``/``bf16`` (loss
-scaling and autocast are not supported by the per-example norm rules yet, so the clip would
-not be exact); gradient checkpointing (the forward is re-run inside backward, which the layer
-hooks would record twice); ``torch_compile``; ``auto_find_batch_size``; label smoothing (the
-per-example loss would differ from the Trainer's); ``model_init``. ``train()`` refuses
+(``world_size > 1``, ``n_gpu > 1``, DeepSpeed, FSDP: not implemented); ``fp16=True`` (the
+Trainer's dynamic GradScaler would unscale the released gradient and skip steps on a
+non-private overflow bit; ``precision="fp16"`` uses dpfy's fixed loss scale instead;
+``bf16=True`` is honoured: bf16 autocast, fp32 clipping and noise,
+:mod:`dpfy.training.precision`); gradient checkpointing (the forward is re-run inside
+backward, which the layer hooks would record twice); ``torch_compile``;
+``auto_find_batch_size``; label smoothing (the per-example loss would differ from the
+Trainer's); ``model_init``. ``train()`` refuses
 ``resume_from_checkpoint`` (the ledger is not resumed yet) and a second call.
 
 Other ``Trainer`` subclasses (TRL's ``SFTTrainer``, for one): :class:`DPTrainingMixin` holds
@@ -82,6 +85,7 @@ from dpfy.training.losses import (
     sequence_classification_loss,
     token_classification_loss,
 )
+from dpfy.training.precision import Precision, check_precision
 from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
@@ -183,6 +187,8 @@ class DPTrainingMixin:
       noise_multiplier: skip calibration and use this z (``target_epsilon`` then only arms
         the guard); ``0`` releases without noise and the ledger says epsilon = infinity
         (debugging and tests only).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (default:
+        ``"bf16"`` with ``args.bf16``, else ``"fp32"``); norms, clipping and noise stay fp32.
     """
 
     args: TrainingArguments
@@ -205,6 +211,7 @@ class DPTrainingMixin:
         randomness: Randomness | None = None,
         accounting: str | None = None,
         noise_multiplier: float | None = None,
+        precision: Precision | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         from dpfy._validate import check_range
@@ -275,7 +282,8 @@ class DPTrainingMixin:
 
         query = NoPrivacyQuery(clip_norm) if z == 0 else GaussianSumQuery(clip_norm, z)
         self._dp_gradient = PrivateGradient(
-            self.model, query, expected_batch_size=sampler.expected_batch_size
+            self.model, query, expected_batch_size=sampler.expected_batch_size,
+            precision=_precision(args, precision),
         )
         self._dp_sampler = sampler
         self._dp_spec = sampler.sample_spec()
@@ -315,6 +323,7 @@ class DPTrainingMixin:
             "noise_randomness": rng.describe(),
             "calibrated": calibrated,
             "model": type(self.model).__name__,
+            "precision": self._dp_gradient.precision,
         }
 
     # -- reading the ledger -----------------------------------------------------------------
@@ -376,9 +385,9 @@ class DPTrainingMixin:
                 raise ValueError(f"every batch needs {label_key!r} for the per-example loss")
             chunk = pg.open_chunk(batch_size=len(weights))
             try:
-                with self.compute_loss_context_manager():  # type: ignore[attr-defined]
+                with self.compute_loss_context_manager(), pg.autocast():  # type: ignore[attr-defined]
                     outputs = model(**batch)
-                losses = self._per_example_loss(outputs, labels)
+                    losses = self._per_example_loss(outputs, labels)
                 chunk.accumulate(losses, weights.to(losses.device))
             finally:
                 chunk.close()
@@ -494,8 +503,9 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
          f"train_sampling_strategy={getattr(args, 'train_sampling_strategy', None)!r}"),
         (cls._get_train_sampler is not Trainer._get_train_sampler,  # type: ignore[attr-defined]
          "a custom train sampler (_get_train_sampler is overridden)"),
-        (args.fp16 or args.bf16, "fp16/bf16 mixed precision (per-example clipping is exact "
-         "in fp32 only for now)"),
+        (args.fp16, "fp16=True (the Trainer's dynamic GradScaler would divide the released "
+         "gradient by its scale and skip steps on an overflow bit the noise does not cover; "
+         "pass precision='fp16' to DPTrainer for dpfy's fixed loss scale)"),
         (args.gradient_checkpointing, "gradient_checkpointing (the layer hooks would record "
          "the re-run forward)"),
         (args.torch_compile, "torch_compile"),
@@ -510,6 +520,19 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
             f"DPTrainer refuses {', '.join(bad)}: dpfy's sampler and per-example clipping "
             "must decide every batch and gradient for the privacy statement to hold"
         )
+
+
+def _precision(args: TrainingArguments, precision: Any) -> Precision:
+    """``precision`` of the step: the argument, else ``"bf16"`` with ``args.bf16``."""
+    if precision is None:
+        return "bf16" if args.bf16 else "fp32"
+    checked = check_precision(precision)
+    if args.bf16 and checked != "bf16":
+        raise ValueError(
+            f"precision must be 'bf16' (or None) with TrainingArguments(bf16=True), got "
+            f"precision={precision!r}"
+        )
+    return checked
 
 
 def _describe(randomness: Any) -> str:

@@ -52,6 +52,12 @@ from dpfy.training.loader import (
     check_sampler,
     collated,
 )
+from dpfy.training.precision import (
+    Precision,
+    check_loss_scale,
+    check_master_weights,
+    check_precision,
+)
 from dpfy.training.step import OpenChunk, PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
@@ -86,6 +92,10 @@ class Private(NamedTuple):
     def epsilon(self, delta: float | None = None, method: str | None = None) -> float:
         """Epsilon spent so far, read from the ledger (see :meth:`PrivateOptimizer.epsilon`)."""
         return self.optimizer.epsilon(delta, method)
+
+    def autocast(self) -> Any:
+        """The forward's ``torch.autocast`` context for ``precision`` (see the optimizer's)."""
+        return self.optimizer.autocast()
 
 
 class _Engine:
@@ -358,6 +368,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
+    def autocast(self) -> Any:
+        """``with optimizer.autocast(): loss = criterion(model(x), y)``: the forward in the
+        ``precision`` given to :func:`make_private` (``torch.autocast``; fp32: a no-op). The
+        fp16 loss scale is applied inside ``loss.backward()`` and divided out before clipping.
+        """
+        return self._engine.pg.autocast()
+
     def state_dict(self) -> dict[str, Any]:
         return self.original_optimizer.state_dict()
 
@@ -409,6 +426,8 @@ def make_private(
     on_budget: OnBudget = "stop",
     validate: bool = True,
     loader_kwargs: dict[str, Any] | None = None,
+    precision: Precision = "fp32",
+    loss_scale: float | None = None,
 ) -> Private:
     """Make ``model``/``optimizer`` private on ``data``: ``(model, optimizer, criterion, loader)``.
 
@@ -447,6 +466,11 @@ def make_private(
       on_budget: ``"stop"`` (end the epoch with a warning) or ``"raise"``.
       validate: check the model's layers first.
       loader_kwargs: extra ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``...).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: run the forward inside
+        ``optimizer.autocast()``; norms, clipping, the clipped sum and the noise stay fp32 and
+        the parameters must be fp32 master weights (:mod:`dpfy.training.precision`).
+      loss_scale: fixed fp16 loss scale (default 2**8; a dynamic ``GradScaler`` would adapt
+        to a data-dependent overflow bit the noise does not cover, so none is used).
 
     Raises:
       TypeError, ValueError: a bad argument, named in the message.
@@ -460,6 +484,9 @@ def make_private(
     check_range("epochs", epochs, 1, None, integer=True)
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
     check_range("num_workers", num_workers, 0, None, integer=True)
+    check_precision(precision)
+    if loss_scale is not None:
+        check_loss_scale(loss_scale)
     if max_physical_batch_size is not None:
         check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
     if on_budget not in ("stop", "raise"):
@@ -472,6 +499,7 @@ def make_private(
         raise TypeError(
             f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
         )
+    check_master_weights((n, p) for n, p in model.named_parameters() if p.requires_grad)
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in trainable]
     if foreign:
@@ -521,6 +549,8 @@ def make_private(
         model,
         GaussianSumQuery(clip_norm, z, name="gradient"),
         expected_batch_size=sampler.expected_batch_size,
+        precision=precision,
+        loss_scale=loss_scale,
     )
     facts = {
         "trainer": "dpfy.make_private",
@@ -537,6 +567,8 @@ def make_private(
         "optimizer": type(optimizer).__name__,
         "secure_randomness": bool(rng.secure),
         "calibrated": True,
+        "precision": pg.precision,
+        "loss_scale": pg.loss_scale,
     }
     engine = _Engine(
         private_gradient=pg,

@@ -32,6 +32,7 @@ from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
 __all__ = ["MODELS", "TrainResultSummary", "make_model", "train_image_classifier"]
@@ -147,6 +148,7 @@ def train_image_classifier(
     threads: int | None = None,
     train_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
+    precision: str = "fp32",
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -179,10 +181,13 @@ def train_image_classifier(
       threads: ``torch.set_num_threads`` for the run (None: leave as is).
       train_limit: use only the first ``train_limit`` training images (smoke tests).
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
+        noise stay fp32; :mod:`dpfy.training.precision`).
 
     Returns:
       :class:`TrainResultSummary`.
     """
+    checked_precision = check_precision(precision)
     if threads is not None:
         torch.set_num_threads(int(threads))
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
@@ -232,6 +237,7 @@ def train_image_classifier(
         test_data=(x_test, y_test),
         progress=progress,
         callbacks=callbacks,
+        precision=checked_precision,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.

@@ -90,6 +90,17 @@ from dpfy.training.norms.capture import (
 )
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads, cross_term
+from dpfy.training.precision import (
+    DEFAULT_FP16_LOSS_SCALE,
+    Precision,
+    autocast_off,
+    check_loss_scale,
+    check_master_weights,
+    check_precision,
+    precision_autocast,
+    upcast_captures,
+    work_dtype,
+)
 
 if TYPE_CHECKING:
     from dpfy.ledger import Ledger
@@ -165,6 +176,12 @@ class PrivateGradient:
         else ``model(inputs)``.
       fallback: ``"vmap"`` (layers without a norm rule use the generic ``vmap(grad)`` rule)
         or ``"error"`` (such a layer is refused here, with its name).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: the forward of :meth:`accumulate` (and
+        :meth:`autocast` for loops that run it themselves) under ``torch.autocast`` in that
+        dtype; norms, clip weights, clipped sums and noise stay fp32
+        (:mod:`dpfy.training.precision`). Trainable parameters must be fp32 master weights.
+      loss_scale: fixed loss scale S in [1, 2**24] of the backward (default 2**8 for fp16,
+        else 1); divided out in fp32 before any norm.
 
     Parameters used by several modules (tied input/output embeddings) get the exact
     per-example norm of the *sum* of their contributions (own norms plus cross terms,
@@ -187,7 +204,13 @@ class PrivateGradient:
         fallback_chunk_size: int = 32,
         forward: Callable[[nn.Module, Any], Any] | None = None,
         fallback: Fallback = "vmap",
+        precision: Precision = "fp32",
+        loss_scale: float | None = None,
     ) -> None:
+        self.precision: Precision = check_precision(precision)
+        if loss_scale is None:
+            loss_scale = DEFAULT_FP16_LOSS_SCALE if precision == "fp16" else 1.0
+        self.loss_scale = check_loss_scale(loss_scale)
         check_range(
             "expected_batch_size",
             expected_batch_size,
@@ -228,6 +251,7 @@ class PrivateGradient:
         self._shared = shared_parameters(self.plans_)
         self._qnames = [{ln: plan.qualified(ln) for ln in plan.param_names} for plan in self.plans_]
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        check_master_weights(self._params.items())
         self.param_names_: tuple[str, ...] = tuple(self._params)
         groups = getattr(query, "groups", None)
         self._owner: dict[str, str] | None = None
@@ -280,8 +304,13 @@ class PrivateGradient:
         weights: torch.Tensor | None = None,
         *,
         return_norms: bool = False,
+        loss_scale: float | None = None,
     ) -> ChunkStats:
         """Add the clipped per-example gradients of one physical chunk to the accumulator.
+
+        The forward runs under ``torch.autocast`` with ``precision`` bf16/fp16 (or inside the
+        caller's own autocast block); the norms, clip weights and clipped sums are still
+        computed in fp32 (:mod:`dpfy.training.precision`).
 
         Args:
           inputs: model input with the batch on dim 0: a tensor (``model(inputs)``), a tuple
@@ -291,10 +320,16 @@ class PrivateGradient:
             ``nn.CrossEntropyLoss(reduction="none")``).
           weights: [B] tensor of 0/1 (0 = padding row), or ``None`` (all rows real).
           return_norms: also return the per-example norms before clipping.
+          loss_scale: S >= 1 (default: the ``loss_scale`` given at construction): the
+            backward is seeded with S x weight so that small fp16 gradients do not underflow;
+            the output gradients are divided by S in fp32 before any norm, so S never changes
+            a clip weight. A row whose scaled gradient overflows is dropped (counted in
+            ``num_nonfinite``).
 
         Returns:
           :class:`ChunkStats` of the chunk.
         """
+        loss_scale = check_loss_scale(self.loss_scale if loss_scale is None else loss_scale)
         self._chunks += 1
         k = self.microbatch_size
         if k is not None and self.microbatch_mode == "examples":
@@ -307,6 +342,7 @@ class PrivateGradient:
                         loss_fn,
                         None if weights is None else weights[s : s + k],
                         return_norms,
+                        loss_scale,
                     )
                     for s in range(0, batch, k)
                 ]
@@ -317,7 +353,7 @@ class PrivateGradient:
                     sum(p.num_nonfinite for p in parts),
                     torch.cat(norms) if return_norms else None,
                 )
-        return self._accumulate_one(inputs, targets, loss_fn, weights, return_norms)
+        return self._accumulate_one(inputs, targets, loss_fn, weights, return_norms, loss_scale)
 
     def _accumulate_one(
         self,
@@ -326,10 +362,12 @@ class PrivateGradient:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         weights: torch.Tensor | None,
         return_norms: bool,
+        loss_scale: float = 1.0,
     ) -> ChunkStats:
         with capture_layers(self.plans_, _batch_size(inputs)) as recorder:
-            losses = loss_fn(self._forward(inputs), targets)
-            return self._accumulate_losses(recorder, losses, weights, return_norms)
+            with self.autocast():
+                losses = loss_fn(self._forward(inputs), targets)
+            return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
 
     def _forward(self, inputs: Any) -> Any:
         """The model's outputs on ``inputs`` (``forward``, or the mapping/tuple convention)."""
@@ -340,6 +378,11 @@ class PrivateGradient:
         if isinstance(inputs, tuple | list):
             return self.model(*inputs)
         return self.model(inputs)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` in ``precision`` on the parameters' device (fp32: a no-op)."""
+        device = next(iter(self._params.values())).device.type if self._params else "cpu"
+        return precision_autocast(self.precision, device)
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -359,6 +402,7 @@ class PrivateGradient:
         losses: Any,
         weights: torch.Tensor | None,
         return_norms: bool,
+        loss_scale: float = 1.0,
     ) -> ChunkStats:
         k = self.group_size_
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
@@ -375,13 +419,17 @@ class PrivateGradient:
         weights_ok = None  # device weights: validity read with the chunk's statistics
         if weights is None:
             mask = None
-            scale = torch.full_like(losses, 1.0 / k).detach()
+            scale = torch.full_like(losses, loss_scale / k).detach()
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
-            scale = mask if k == 1 else mask / k
+            scale = mask if k == 1 and loss_scale == 1.0 else mask * (loss_scale / k)
         captures = recorder.backward(losses, scale)
-        with torch.no_grad():
+        # The DP arithmetic in fp32 (bf16/fp16 captures upcast, the loss scale divided out),
+        # never under autocast: docs/architecture.md, "Mixed precision".
+        with torch.no_grad(), autocast_off((losses.device.type,)):
             n = batch // k
+            for i, caps in enumerate(captures):  # in place: each bf16 original freed at once
+                captures[i] = upcast_captures(caps, loss_scale)
             layers = self._layer_grads(captures, batch, k)
             if mask is None:
                 real = None
@@ -415,7 +463,9 @@ class PrivateGradient:
                 inf = torch.full_like(total_sq, math.inf)
                 sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
                 total_sq = torch.where(bad, inf, total_sq)
-            weights_by_param = self._clip_weights(sq, total_sq, real, n, losses.dtype)
+            weights_by_param = self._clip_weights(
+                sq, total_sq, real, n, work_dtype(losses.dtype)
+            )
             self._add_weighted_sums(layers, weights_by_param, sq)
         self._loss_sum += loss_sum
         self._examples += n_real
@@ -620,7 +670,8 @@ class PrivateGradient:
         return (
             f"PrivateGradient(query={self.query!r}, "
             f"expected_batch_size={self.expected_batch_size}, "
-            f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r})"
+            f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r}, "
+            f"precision={self.precision!r})"
         )
 
 
@@ -645,15 +696,25 @@ class OpenChunk:
         return self._recorder is not None
 
     def accumulate(
-        self, losses: torch.Tensor, weights: torch.Tensor | None = None
+        self,
+        losses: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        *,
+        loss_scale: float | None = None,
     ) -> ChunkStats:
-        """Backward from the per-example ``losses`` [B]; add the clipped sums; close."""
+        """Backward from the per-example ``losses`` [B]; add the clipped sums; close.
+
+        ``loss_scale`` as in :meth:`PrivateGradient.accumulate` (fp16: the backward is seeded
+        with S, the norms are taken of the unscaled gradients).
+        """
         if self._recorder is None:
             raise RuntimeError("this chunk was already accumulated or closed")
+        pg = self._pg
+        loss_scale = check_loss_scale(pg.loss_scale if loss_scale is None else loss_scale)
         recorder, self._recorder = self._recorder, None
         try:
             self._pg._chunks += 1
-            return self._pg._accumulate_losses(recorder, losses, weights, False)
+            return self._pg._accumulate_losses(recorder, losses, weights, False, loss_scale)
         finally:
             self._stack.close()
 

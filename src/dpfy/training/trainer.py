@@ -57,6 +57,7 @@ from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tes
 )
 from dpfy.training.data import Batcher, PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
+from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
@@ -248,6 +249,9 @@ class PrivateTrainer:
       target_key: the targets of a dict batch (default ``"labels"``).
       forward: ``forward(model, inputs) -> outputs`` for inputs the convention of
         :class:`PrivateGradient` does not fit.
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward; clipping, sums
+        and noise stay fp32 on fp32 master weights. ``loss_scale``: fixed fp16 loss scale
+        (default 2**8). See :mod:`dpfy.training.precision`.
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -291,6 +295,8 @@ class PrivateTrainer:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         target_key: str = "labels",
         forward: Callable[[nn.Module, Any], Any] | None = None,
+        precision: Precision = "fp32",
+        loss_scale: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -321,6 +327,7 @@ class PrivateTrainer:
         self.collate_fn = collate_fn
         self.target_key = target_key
         self.forward = forward
+        self.precision, self.loss_scale = precision, loss_scale
         # run state (fitted attributes end in "_")
         self.noise_multiplier_: float | None = None
         self.history_ = History()
@@ -339,6 +346,9 @@ class PrivateTrainer:
             "max_physical_batch_size", self.max_physical_batch_size, 1, None, integer=True
         )
         check_int("checkpoint_every", self.checkpoint_every)
+        check_precision(self.precision)
+        if self.loss_scale is not None:
+            check_loss_scale(self.loss_scale)
         if self.target_epsilon is None and self.noise_multiplier is None:
             raise ValueError(_NEED_TARGET_OR_Z)
         if self.target_epsilon is not None:
@@ -422,6 +432,8 @@ class PrivateTrainer:
             expected_batch_size=self.sampler.expected_batch_size,
             microbatch_size=self.microbatch_size,
             forward=self.forward,
+            precision=self.precision,
+            loss_scale=self.loss_scale,
         )
         self.batcher_: Batcher
         if isinstance(self.inputs, torch.Tensor):
@@ -702,6 +714,7 @@ class PrivateTrainer:
             "sampling_randomness": _describe(getattr(self.sampler, "randomness", None)),
             "noise_randomness": self.randomness.describe(),
             "calibrated": self.noise_multiplier is None,
+            "precision": self.precision,
         }
 
     # -- checkpointing ----------------------------------------------------------------------
