@@ -264,3 +264,18 @@ def test_train_precision_bf16_is_recorded_and_repeated(tmp_path):
     assert "--precision bf16" in meta["train_command"]
     code = main(["train", "mnist", "--out", str(tmp_path / "bad"), "--precision", "fp8"])
     assert code == 2 and not (tmp_path / "bad").exists()
+
+
+def test_missing_optional_package_is_one_line(monkeypatch, capsys):
+    # A capability whose extra is not installed: one line naming the package, no traceback.
+    from dpfy import cli, runs
+
+    def missing(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(runs, "account_run", missing)
+    code = cli.main(["epsilon", "-n", "1000", "-b", "10", "-z", "1", "--delta", "1e-5",
+                     "--steps", "10"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "transformers" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -609,6 +609,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageProblem, ValueError, FileNotFoundError) as exc:
         print(f"dpfy: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        hint = "; install it (`make` installs every extra)" if exc.name else ""
+        print(f"dpfy: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
+        return 2
     except (typer.Exit, typer.Abort) as exc:
         return int(getattr(exc, "exit_code", 130))
     except Exception as exc:  # noqa: BLE001 - click's Exit/Abort from either click copy
