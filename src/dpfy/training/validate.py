@@ -275,13 +275,16 @@ def _reentrant_checkpointing(model: nn.Module) -> tuple[str, str] | None:
     None. The non-reentrant variant records the first forward pass and recomputes inside
     backward, where dpfy's hooks are inactive, so it is exact (tests/training/
     test_checkpointing.py)."""
+    import torch.utils.checkpoint
+
     for path, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is not True:
             continue
         func = getattr(module, "_gradient_checkpointing_func", None)
         keywords = getattr(func, "keywords", None)
         bare = func is torch.utils.checkpoint.checkpoint  # torch's default: reentrant
-        if bare or (isinstance(keywords, dict) and keywords.get("use_reentrant", True) is not False):
+        reentrant = isinstance(keywords, dict) and keywords.get("use_reentrant", True) is not False
+        if bare or reentrant:
             return path, type(module).__name__
     return None
 
