@@ -136,7 +136,12 @@ class OwnSampler(DPTrainer):
     ("change", "match"),
     [
         (dict(args=dict(train_sampling_strategy="group_by_length")), "group_by_length"),
-        (dict(args=dict(gradient_checkpointing=True)), "gradient_checkpointing"),
+        (dict(args=dict(gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"use_reentrant": True})), "reentrant"),
+        (dict(args=dict(gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"preserve_rng_state": True})),
+         "reentrant"),  # torch's default with other kwargs: reentrant
+        (dict(compute_loss_func=lambda *a, **k: 0.0), "compute_loss_func"),
         (dict(args=dict(label_smoothing_factor=0.1)), "label_smoothing"),
         (dict(cls=OwnSampler), "custom train sampler"),
         (dict(train_dataset=Stream()), "IterableDataset"),
@@ -148,6 +153,8 @@ def test_refusals_come_before_any_ledger_write(tmp_path, change, match):
     kw = dict(model=_gpt2(), args=_args(tmp_path, **change.get("args", {})),
               train_dataset=change.get("train_dataset", Ids()), target_epsilon=4.0,
               randomness=Randomness(0))
+    if "compute_loss_func" in change:
+        kw["compute_loss_func"] = change["compute_loss_func"]
     if "target_epsilon" in change:
         kw["target_epsilon"] = change["target_epsilon"]
     with pytest.raises((ValueError, TypeError), match=match):

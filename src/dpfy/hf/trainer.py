@@ -41,10 +41,14 @@ decides the batches, so only it can state their privacy event); several processe
 Trainer's dynamic GradScaler would unscale the released gradient and skip steps on a
 non-private overflow bit; ``precision="fp16"`` uses dpfy's fixed loss scale instead;
 ``bf16=True`` is honoured: bf16 autocast, fp32 clipping and noise,
-:mod:`dpfy.training.precision`); gradient checkpointing (the forward is re-run inside
-backward, which the layer hooks would record twice); ``torch_compile``;
-``auto_find_batch_size``; label smoothing (the per-example loss would differ from the
-Trainer's); ``model_init``. ``train()`` refuses
+:mod:`dpfy.training.precision`); *reentrant* gradient checkpointing (its segments run without
+autograd in the forward, so their per-example gradients cannot be recorded; the
+non-reentrant variant, ``gradient_checkpointing_kwargs={"use_reentrant": False}`` and
+transformers' default, is exact: the hooks record the first forward only, not the re-run
+inside backward; dpfy still holds each recorded layer's input until the backward, so it saves
+less memory than without DP); ``torch_compile``; ``auto_find_batch_size``; label smoothing
+(the per-example loss would differ from the Trainer's); ``model_init``; ``compute_loss_func``
+(use ``per_example_loss``). ``train()`` refuses
 ``resume_from_checkpoint`` (the ledger is not resumed yet) and a second call.
 
 Other ``Trainer`` subclasses (TRL's ``SFTTrainer``, for one): :class:`DPTrainingMixin` holds
@@ -52,7 +56,7 @@ all of the above and overrides only ``__init__``, ``get_train_dataloader``, ``tr
 ``train`` and ``save_model``, so ``class DPSFTTrainer(DPTrainingMixin, SFTTrainer)`` carries it
 over, provided that subclass computes its loss through ``training_step``/``compute_loss`` from
 model outputs and labels (packing, which joins several examples in one row, changes the unit
-of privacy and must stay off).
+of privacy and must stay off). :class:`dpfy.hf.sft.DPSFTTrainer` is that class for TRL.
 """
 
 from __future__ import annotations
@@ -506,13 +510,16 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
         (args.fp16, "fp16=True (the Trainer's dynamic GradScaler would divide the released "
          "gradient by its scale and skip steps on an overflow bit the noise does not cover; "
          "pass precision='fp16' to DPTrainer for dpfy's fixed loss scale)"),
-        (args.gradient_checkpointing, "gradient_checkpointing (the layer hooks would record "
-         "the re-run forward)"),
+        (_reentrant_checkpointing(args), "reentrant gradient checkpointing (its segments run "
+         "without autograd in the forward, so per-example gradients cannot be recorded; pass "
+         "gradient_checkpointing_kwargs={'use_reentrant': False})"),
         (args.torch_compile, "torch_compile"),
         (args.auto_find_batch_size, "auto_find_batch_size"),
         (bool(args.deepspeed) or bool(args.fsdp), "DeepSpeed/FSDP (several processes)"),
         (args.label_smoothing_factor != 0, "label_smoothing_factor != 0"),
         (kwargs.get("model_init") is not None, "model_init"),
+        (kwargs.get("compute_loss_func") is not None, "compute_loss_func (it reduces a batch "
+         "to one loss; pass per_example_loss=(outputs, labels) -> Tensor[B] instead)"),
     ]
     bad = [what for refused, what in checks if refused]
     if bad:
@@ -520,6 +527,29 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
             f"DPTrainer refuses {', '.join(bad)}: dpfy's sampler and per-example clipping "
             "must decide every batch and gradient for the privacy statement to hold"
         )
+
+
+def _reentrant_checkpointing(args: TrainingArguments) -> bool:
+    """Whether the Trainer will enable *reentrant* activation checkpointing.
+
+    ``transformers`` passes ``gradient_checkpointing_kwargs`` (less ``every_n_layers`` and
+    ``offload``) to ``torch.utils.checkpoint``; with none left it uses ``use_reentrant=False``,
+    with some but no ``use_reentrant`` torch's default (reentrant) applies.
+    """
+    on = getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing
+    if not on:
+        return False
+    kwargs = (
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or args.gradient_checkpointing_kwargs
+        or {}
+    )
+    if isinstance(kwargs, str):
+        import json
+
+        kwargs = json.loads(kwargs)
+    rest = {k: v for k, v in dict(kwargs).items() if k not in ("every_n_layers", "offload")}
+    return bool(rest) and rest.get("use_reentrant", True) is not False
 
 
 def _precision(args: TrainingArguments, precision: Any) -> Precision:

@@ -158,7 +158,9 @@ class _Engine:
             self.backwards = 0
         self.info = info
         self.weights = info.weights(device)
-        self.chunk = self.pg.open_chunk()
+        # the physical batch's row count (padding rows included): a layer called once on a
+        # batch-1 input broadcast over the batch (position ids [1, T]) is then recorded per row
+        self.chunk = self.pg.open_chunk(batch_size=len(self.weights))
 
     def close_chunk(self) -> None:
         if self.chunk is not None:

@@ -213,6 +213,20 @@ def check_module(
                 "set requires_grad=True on the parameters to train.",
             )
         )
+    checkpointed = _reentrant_checkpointing(model)
+    if checkpointed is not None:
+        issues.append(
+            ModuleIssue(
+                checkpointed[0],
+                checkpointed[1],
+                Severity.ERROR,
+                "reentrant activation checkpointing runs its segments without autograd in "
+                "the forward pass, so their per-example gradients cannot be recorded.",
+                "use the non-reentrant variant: model.gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}) (transformers), "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (PyTorch).",
+            )
+        )
     for path, module in model.named_modules(remove_duplicate=False):
         name = type(module).__name__
         for pname, p in module.named_parameters(recurse=False):
@@ -253,6 +267,26 @@ def check_module(
 # --------------------------------------------------------------------------------------------
 # Built-in per-layer checks (Ponomareva et al. 2023, Sec. 5.5.1 and Table 5)
 # --------------------------------------------------------------------------------------------
+
+
+def _reentrant_checkpointing(model: nn.Module) -> tuple[str, str] | None:
+    """``(path, type name)`` of the first module with ``transformers`` activation checkpointing
+    on in the reentrant variant (``use_reentrant`` True or left to torch's default, True), else
+    None. The non-reentrant variant records the first forward pass and recomputes inside
+    backward, where dpfy's hooks are inactive, so it is exact (tests/training/
+    test_checkpointing.py)."""
+    import torch.utils.checkpoint
+
+    for path, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is not True:
+            continue
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        keywords = getattr(func, "keywords", None)
+        bare = func is torch.utils.checkpoint.checkpoint  # torch's default: reentrant
+        reentrant = isinstance(keywords, dict) and keywords.get("use_reentrant", True) is not False
+        if bare or reentrant:
+            return path, type(module).__name__
+    return None
 
 
 def _batch_norm_check(module: nn.Module) -> tuple[Finding, ...]:
