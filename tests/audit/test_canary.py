@@ -28,8 +28,15 @@ def test_scores_have_the_mechanisms_distribution() -> None:
 
 def test_bound_stays_below_the_claim_and_finds_signal() -> None:
     z = _z_for(2.0)
-    audit = canary_audit(1.0, z, delta=DELTA, trials=200_000, confidence=0.999, seed=7,
-                         model=CanaryModel(32, 32, 32, 32))
+    audit = canary_audit(
+        1.0,
+        z,
+        delta=DELTA,
+        trials=200_000,
+        confidence=0.999,
+        seed=7,
+        model=CanaryModel(32, 32, 32, 32),
+    )
     assert 0.5 < audit.epsilon <= 2.0
     assert audit.epsilon < audit.ceiling
     assert set(audit.per_parameter) == {"linear.weight", "embedding.weight"}
@@ -41,8 +48,15 @@ def test_validity_ten_seeds_at_999(claim: float) -> None:
     """Done-when validity: 10 seeds x claims 1, 2, 4 at 99.9 % confidence, bound <= claim."""
     z = _z_for(claim)
     bounds = [
-        canary_audit(1.0, z, delta=DELTA, trials=500_000, confidence=0.999, seed=s,
-                     model=CanaryModel(64, 64, 64, 64)).epsilon
+        canary_audit(
+            1.0,
+            z,
+            delta=DELTA,
+            trials=500_000,
+            confidence=0.999,
+            seed=s,
+            model=CanaryModel(64, 64, 64, 64),
+        ).epsilon
         for s in range(10)
     ]
     assert max(bounds) <= claim

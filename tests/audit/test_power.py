@@ -48,8 +48,13 @@ def _loss(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 def _replay(expected_batch_size: float = 5.0) -> tuple[str, ...]:
     x, t = _batch()
     return replay_release(
-        _make, lambda: GaussianSumQuery(C, Z), x, t, _loss,
-        expected_batch_size=expected_batch_size, clip_norm=C,
+        _make,
+        lambda: GaussianSumQuery(C, Z),
+        x,
+        t,
+        _loss,
+        expected_batch_size=expected_batch_size,
+        clip_norm=C,
     ).findings
 
 
@@ -73,8 +78,15 @@ def test_one_parameter_group_without_noise(monkeypatch: pytest.MonkeyPatch) -> N
     def broken(self, clipped_sum, *, ledger, sample_id, randomness, out=None, scale=1.0):  # type: ignore[no-untyped-def]
         last = list(clipped_sum)[-1]
         clean = clipped_sum[last].clone()
-        res = orig(self, clipped_sum, ledger=ledger, sample_id=sample_id,
-                   randomness=randomness, out=out, scale=scale)
+        res = orig(
+            self,
+            clipped_sum,
+            ledger=ledger,
+            sample_id=sample_id,
+            randomness=randomness,
+            out=out,
+            scale=scale,
+        )
         res[last].copy_(clean * scale)
         return res
 

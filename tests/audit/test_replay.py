@@ -35,7 +35,9 @@ def _case(kind: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
     """A tiny model whose trainable layers are ``kind`` (and a Linear), with an input."""
     g = torch.Generator().manual_seed(1)
     if kind is nn.Linear:
-        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)), torch.randn(B, 4, generator=g)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3)), torch.randn(
+            B, 4, generator=g
+        )
     if kind is nn.Conv1d:
         return nn.Sequential(nn.Conv1d(2, 3, 3), _Flat()), torch.randn(B, 2, 6, generator=g)
     if kind is nn.Conv2d:
@@ -76,8 +78,13 @@ def test_every_norm_rule_replays_clean(kind: type[nn.Module]) -> None:
     make = _factory(kind)
     x = _case(kind)[1]
     r = replay_release(
-        make, lambda: GaussianSumQuery(C, Z), x, _targets(make(), x), _loss,
-        expected_batch_size=5.0, clip_norm=C,
+        make,
+        lambda: GaussianSumQuery(C, Z),
+        x,
+        _targets(make(), x),
+        _loss,
+        expected_batch_size=5.0,
+        clip_norm=C,
     )
     assert r.findings == ()
     assert 0.99 / Z < r.measured_ratio <= 1.0001 / Z  # the clipped row hits the sensitivity

@@ -51,8 +51,11 @@ def test_threshold_bound_on_gaussians_is_below_the_truth_and_informative() -> No
     truth = float(gaussian_epsilon(mu, 1e-5))
     for selection, grid in (("split", None), ("grid", np.arange(0.0, 5.0, 0.25))):
         b = threshold_epsilon_bound(
-            rng.normal(mu, 1.0, 100_000), rng.normal(0.0, 1.0, 100_000),
-            delta=1e-5, selection=selection, thresholds=grid,
+            rng.normal(mu, 1.0, 100_000),
+            rng.normal(0.0, 1.0, 100_000),
+            delta=1e-5,
+            selection=selection,
+            thresholds=grid,
         )
         assert 1.5 < b.epsilon < truth
         assert 0.5 < b.mu_lower <= mu + 0.05

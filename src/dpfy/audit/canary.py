@@ -36,7 +36,12 @@ import torch
 from torch import nn
 
 from dpfy._validate import check_int, check_positive, check_range, check_seed
-from dpfy.audit.stats import ThresholdBound, one_run_ceiling, one_run_epsilon, threshold_epsilon_bound
+from dpfy.audit.stats import (
+    ThresholdBound,
+    one_run_ceiling,
+    one_run_epsilon,
+    threshold_epsilon_bound,
+)
 from dpfy.ledger import Ledger, SampleSpec
 from dpfy.queries import GaussianSumQuery
 from dpfy.randomness import Randomness
@@ -150,7 +155,8 @@ def _release_scores(
         inputs, target = model.canary_batch(part, canary_norm)
         pg.accumulate(inputs, target, _dot_loss)
     pg.release(ledger=ledger, sample_id=sid, randomness=randomness)
-    return _flat_grad(model)[coords] * pg.denominator_ / clip_norm
+    scores: np.ndarray = _flat_grad(model)[coords] * (pg.denominator_ / clip_norm)
+    return scores
 
 
 def canary_scores(
@@ -272,9 +278,7 @@ def canary_audit(
         for n, (s_in, s_out) in sc.scores.items()
     }
     best = max(per.values(), key=lambda b: b.epsilon)
-    ceiling = min(
-        _perfect_ceiling(b.n_in, b.n_out, delta, conf_each) for b in per.values()
-    )
+    ceiling = min(_perfect_ceiling(b.n_in, b.n_out, delta, conf_each) for b in per.values())
     total = sum(s_in.size + s_out.size for s_in, s_out in sc.scores.values())
     return CanaryAudit(
         epsilon=best.epsilon,

@@ -130,7 +130,8 @@ def _ledgered_stds(
         return stds, ()
     declared = [r.noise_std for r in recs]
     missing = tuple(
-        s for s in sorted(set(stds.values()))
+        s
+        for s in sorted(set(stds.values()))
         if not any(math.isclose(s, d, rel_tol=1e-9) for d in declared)
     )
     return stds, missing
@@ -258,8 +259,12 @@ def sampler_check(
     """
     from scipy import stats
 
-    smp = make_sampler(kind_name, dataset_size=dataset_size, batch_size=batch_size,
-                       randomness=Randomness(seed=seed))
+    smp = make_sampler(
+        kind_name,
+        dataset_size=dataset_size,
+        batch_size=batch_size,
+        randomness=Randomness(seed=seed),
+    )
     spec = smp.sample_spec()
     findings: list[str] = []
     batches = [np.asarray(b) for ep in range(epochs) for b in smp.batches(ep)]
@@ -294,7 +299,7 @@ def sampler_check(
                 findings.append(f"{spec.sampler}: epoch {ep} does not use every example once")
                 break
     if spec.sampler == "fixed_size":
-        b = int(spec.batch_size or 0)
-        if any(x.size != b or np.unique(x).size != b for x in batches):
-            findings.append(f"fixed_size: a batch does not hold {b} distinct examples")
+        size = int(spec.batch_size or 0)
+        if any(x.size != size or np.unique(x).size != size for x in batches):
+            findings.append(f"fixed_size: a batch does not hold {size} distinct examples")
     return tuple(findings)

@@ -54,7 +54,9 @@ def _load(run_dir: Path) -> tuple[Ledger, dict[str, Any]]:
         raise ValueError(f"run_dir must be a run directory, got run_dir={str(run_dir)!r}")
     for p in (ledger_path, report_path):
         if not p.is_file():
-            raise ValueError(f"run_dir must hold {p.name} (a dpfy run), missing in {str(run_dir)!r}")
+            raise ValueError(
+                f"run_dir must hold {p.name} (a dpfy run), missing in {str(run_dir)!r}"
+            )
     ledger = Ledger.load(ledger_path)
     try:
         report = json.loads(report_path.read_text(encoding="utf-8"))
@@ -103,8 +105,14 @@ def _self_tests(cfg: dict[str, Any], seed: int) -> list[str]:
     t[0] *= 1000.0 * c
     found = list(
         replay_release(
-            make, lambda: GaussianSumQuery(c, z), x, t, lambda o, y: (o * y).sum(1),
-            expected_batch_size=cfg["expected_batch_size"] or 5.0, seed=seed, clip_norm=c,
+            make,
+            lambda: GaussianSumQuery(c, z),
+            x,
+            t,
+            lambda o, y: (o * y).sum(1),
+            expected_batch_size=cfg["expected_batch_size"] or 5.0,
+            seed=seed,
+            clip_norm=c,
         ).findings
     )
     if cfg["sampler"] not in (None, "full_batch"):
@@ -141,7 +149,12 @@ def audit_run(
     check_range("confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
     check_seed("seed", seed)
     n = DEFAULT_TRIALS[method] if trials is None else trials
-    check_int("trials", n, 2 if method == "canary" else 4, 100_000_000 if method == "canary" else 1_000_000)
+    check_int(
+        "trials",
+        n,
+        2 if method == "canary" else 4,
+        100_000_000 if method == "canary" else 1_000_000,
+    )
     out = Path(run_dir)
     ledger, report = _load(out)
     cfg = _configuration(ledger, report)
@@ -151,8 +164,14 @@ def audit_run(
     section: dict[str, Any] = {"method": method, "confidence": confidence, "seed": seed}
     if method == "canary":
         res = canary_audit(
-            c, z, delta=delta, trials=n, confidence=confidence, seed=seed,
-            model=CanaryModel(100, 100, 200, 250), progress=progress,
+            c,
+            z,
+            delta=delta,
+            trials=n,
+            confidence=confidence,
+            seed=seed,
+            model=CanaryModel(100, 100, 200, 250),
+            progress=progress,
         )
         section.update(
             description=(
@@ -162,22 +181,29 @@ def audit_run(
                 "GaussianSumQuery; threshold test on the released coordinate, threshold chosen "
                 "on a held-out half, Clopper-Pearson bounds, union bound over the 2 parameters"
             ),
-            epsilon_lower=res.epsilon, ceiling=res.ceiling, trials=res.trials,
-            releases=res.releases, mu_lower=res.mu_lower,
+            epsilon_lower=res.epsilon,
+            ceiling=res.ceiling,
+            trials=res.trials,
+            releases=res.releases,
+            mu_lower=res.mu_lower,
             per_parameter={k: b.epsilon for k, b in res.per_parameter.items()},
         )
     else:
         guesses = max(2, min(n, round(0.02 * n)))
-        one = one_run_audit(c, z, delta=delta, canaries=n, guesses=guesses,
-                            confidence=confidence, seed=seed)
+        one = one_run_audit(
+            c, z, delta=delta, canaries=n, guesses=guesses, confidence=confidence, seed=seed
+        )
         section.update(
             description=(
                 "one-run audit (Steinke, Nasr, Jagielski 2023): canaries each included with "
                 "probability 1/2 in one release, guesses for the highest and lowest scores, "
                 "abstention on the rest; needs no independence between canaries"
             ),
-            epsilon_lower=one.epsilon, ceiling=one.ceiling, trials=one.canaries,
-            guesses=one.guesses, correct=one.correct,
+            epsilon_lower=one.epsilon,
+            ceiling=one.ceiling,
+            trials=one.canaries,
+            guesses=one.guesses,
+            correct=one.correct,
         )
     section.update(
         audited_claim=audited,
@@ -210,7 +236,10 @@ def _write(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
     except TypeError as err:
         raise ValueError(f"report.json of {str(out)!r} is not a dpfy report: {err}") from None
     report = {**report, "audit": section}
-    for name, text in (("report.json", json.dumps(report, indent=2, default=str)), ("report.md", md)):
+    for name, text in (
+        ("report.json", json.dumps(report, indent=2, default=str)),
+        ("report.md", md),
+    ):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=out)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:

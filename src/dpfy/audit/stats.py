@@ -137,9 +137,13 @@ def _bounds(
     # "above": positives are in-trials with score > t; "below": positives are out-trials
     # with score <= t (the swapped pair), negatives in-trials with score <= t.
     pos = np.concatenate([above_in, below_out])
-    n_pos = np.concatenate([np.full(thresholds.size, s_in.size), np.full(thresholds.size, s_out.size)])
+    n_pos = np.concatenate(
+        [np.full(thresholds.size, s_in.size), np.full(thresholds.size, s_out.size)]
+    )
     neg = np.concatenate([above_out, below_in])
-    n_neg = np.concatenate([np.full(thresholds.size, s_out.size), np.full(thresholds.size, s_in.size)])
+    n_neg = np.concatenate(
+        [np.full(thresholds.size, s_out.size), np.full(thresholds.size, s_in.size)]
+    )
     tpr_lo, _ = clopper_pearson(pos, n_pos, conf_each)
     _, fpr_hi = clopper_pearson(neg, n_neg, conf_each)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -233,7 +237,9 @@ def threshold_epsilon_bound(
         i = o  # index of the chosen orientation among the two stacked entries
         n_in, n_out = ev_in.size, ev_out.size
     else:
-        raise ValueError(f"selection must be one of {{'split', 'grid'}}, got selection={selection!r}")
+        raise ValueError(
+            f"selection must be one of {{'split', 'grid'}}, got selection={selection!r}"
+        )
     orientation: Orientation = "above" if orient[i] == 0 else "below"
     if orientation == "below":
         n_in, n_out = n_out, n_in  # positives of the swapped test are the out-trials

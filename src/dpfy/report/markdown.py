@@ -66,7 +66,7 @@ def to_markdown(r: PrivacyReport) -> str:
         ("Accounting method", r.accounting_method),
         ("Privacy tier", r.privacy_tier),
     ]
-    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
+    lines += [f"| {k} | {_escape(str(v))} |" for k, v in rows]
     lines += ["", "## Assumptions", ""]
     lines += [f"- {_escape(a)}" for a in r.assumptions]
     lines += ["", "## DP hyperparameters (as recorded in the ledger)", "", "| name | value |"]
@@ -152,8 +152,9 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
     if audit.get("mu_lower") is not None:
         rows.append(("Gaussian-DP mu estimate", _fmt(audit.get("mu_lower"))))
     lines = ["", "## Audit", "", "| item | value |", "|---|---|"]
-    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
-    lines += ["", _escape(str(audit.get("description", ""))), "", _escape(str(audit.get("meaning", "")))]
+    lines += [f"| {k} | {_escape(str(v))} |" for k, v in rows]
+    for key in ("description", "meaning"):
+        lines += ["", _escape(str(audit.get(key, "")))]
     return lines
 
 
