@@ -230,6 +230,8 @@ def _write(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
     fields = {f.name for f in dataclasses.fields(PrivacyReport)}
     data = {k: v for k, v in report.items() if k in fields}
     data["audit"] = section
+    if data.get("epsilon") == "inf":  # JSON spelling of an infinite epsilon
+        data["epsilon"] = math.inf
     try:
         rep = PrivacyReport(**data)
         md = rep.to_markdown()
