@@ -369,6 +369,54 @@ def report(
     console.print(f"report: {run.report_path}")
 
 
+class AuditMethodName(StrEnum):
+    canary = "canary"
+    one_run = "one-run"
+
+
+@app.command()
+def audit(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (ledger.jsonl, report.json).")],
+    method: Annotated[
+        AuditMethodName, typer.Option("--method", help="White-box canaries or one-run.")
+    ] = AuditMethodName.canary,
+    trials: Annotated[
+        int | None,
+        typer.Option("--trials", help="Canary trials (canary) or canaries (one-run).",
+                     parser=_count("trials", 4)),
+    ] = None,
+    confidence: Annotated[
+        float, typer.Option("--confidence", help="Confidence of the lower bound, in (0, 1).",
+                            parser=_open_unit("confidence"))
+    ] = 0.95,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the audit's canaries and noise.", parser=_seed())
+    ] = 0,
+    as_json: AsJson = False,
+) -> None:
+    """Measure an empirical epsilon lower bound for a run's release; add it to its report."""
+    from dpfy import runs
+
+    section = runs.audit_and_report(
+        run_dir, method=method.value, trials=trials, confidence=confidence, seed=seed,
+        progress=not as_json,
+    )
+    if as_json:
+        print(json.dumps({k: _num(v) for k, v in section.items()}, default=str))
+        return
+    from rich.console import Console
+
+    console = Console()
+    console.print(
+        f"[bold]{section['verdict']}[/bold]: lower bound {section['epsilon_lower']:.4g} vs "
+        f"audited claim {section['audited_claim']:.4g} ({section['audited_release']}); "
+        f"{section['method']}, {100 * confidence:g} % confidence, {section['trials']} trials, "
+        f"ceiling {section['ceiling']:.4g}"
+    )
+    console.print(section["meaning"], highlight=False)
+    console.print(f"report: {run_dir / 'report.md'}")
+
+
 @app.command()
 def plan(
     dataset_size: DatasetSize,

@@ -68,6 +68,7 @@ __all__ = [
     "RunAccounting",
     "TrainedRun",
     "account_run",
+    "audit_and_report",
     "calibrate_run",
     "features_and_report",
     "plan_with_figures",
@@ -793,3 +794,42 @@ def _accountant(
             kwargs["seed"] = seed
         return cast("Accountant", MonteCarloAccountant(**kwargs))
     return method
+
+
+def audit_and_report(
+    run_dir: str | os.PathLike[str],
+    *,
+    method: str = "canary",
+    trials: int | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """``dpfy audit``: audit a run directory and add the Audit section to its report.
+
+    See :func:`dpfy.audit.run.audit_run` (the method, what is audited, what a result means);
+    ``progress`` shows a rich progress bar over the audit's releases.
+    """
+    from dpfy.audit.run import METHODS, audit_run
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {set(METHODS)}, got method={method!r}")
+    if not progress:
+        return audit_run(
+            run_dir, method=method, trials=trials, confidence=confidence, seed=seed  # type: ignore[arg-type]
+        )
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(
+        TextColumn("auditing"), BarColumn(), TextColumn("{task.completed}/{task.total} releases"),
+        TimeRemainingColumn(), transient=True,
+    ) as bar:
+        task = bar.add_task("audit", total=None)
+
+        def step(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return audit_run(
+            run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]
+            progress=step,
+        )

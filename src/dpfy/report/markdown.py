@@ -66,7 +66,7 @@ def to_markdown(r: PrivacyReport) -> str:
         ("Accounting method", r.accounting_method),
         ("Privacy tier", r.privacy_tier),
     ]
-    lines += [f"| {k} | {_escape(v)} |" for k, v in rows]
+    lines += [f"| {k} | {_escape(str(v))} |" for k, v in rows]
     lines += ["", "## Assumptions", ""]
     lines += [f"- {_escape(a)}" for a in r.assumptions]
     lines += ["", "## DP hyperparameters (as recorded in the ledger)", "", "| name | value |"]
@@ -88,6 +88,7 @@ def to_markdown(r: PrivacyReport) -> str:
             cell = _fmt(res)
         lines.append(f"| {name} | {_escape(cell)} |")
     lines += _attack_risk_lines(r.attack_risk, r.unit_of_privacy)
+    lines += _audit_lines(r.audit)
     if r.utility:
         lines += ["", "## Utility", "", "| metric | value |", "|---|---|"]
         lines += [f"| {k} | {_escape(_fmt(v))} |" for k, v in r.utility.items()]
@@ -127,6 +128,33 @@ def _attack_risk_lines(risk: dict[str, Any], unit: str) -> list[str]:
         lines.append(f"| {fpr} | {tpr:.4g} ({tpr / float(fpr):.3g} x FPR) |")
     notes = " ".join(risk.get("notes", []))
     lines += ["", _escape(f"Method: {risk.get('method')}. {notes}")]
+    return lines
+
+
+def _audit_lines(audit: dict[str, Any]) -> list[str]:
+    """The Audit section (``dpfy audit``): a measured lower bound beside the claim."""
+    if not audit:
+        return []
+    conf = audit.get("confidence", 0.0)
+    rows = [
+        ("Verdict", audit.get("verdict")),
+        ("Empirical lower bound on epsilon", _fmt(audit.get("epsilon_lower"))),
+        ("Audited claim", f"{_fmt(audit.get('audited_claim'))} ({audit.get('audited_release')})"),
+        ("Run's claimed epsilon", _fmt(audit.get("run_epsilon"))),
+        ("Method", audit.get("method")),
+        ("Confidence", f"{100 * float(conf):g} %"),
+        ("Trials (canaries)", _fmt(audit.get("trials"))),
+        ("Ceiling of the method", _fmt(audit.get("ceiling"))),
+        ("Self-tests (replay, sampler)", "; ".join(audit.get("self_tests") or []) or "passed"),
+    ]
+    if audit.get("guesses") is not None:
+        rows.append(("Guesses (correct)", f"{audit['guesses']} ({audit.get('correct')})"))
+    if audit.get("mu_lower") is not None:
+        rows.append(("Gaussian-DP mu estimate", _fmt(audit.get("mu_lower"))))
+    lines = ["", "## Audit", "", "| item | value |", "|---|---|"]
+    lines += [f"| {k} | {_escape(str(v))} |" for k, v in rows]
+    for key in ("description", "meaning"):
+        lines += ["", _escape(str(audit.get(key, "")))]
     return lines
 
 

@@ -148,6 +148,10 @@ class PrivacyReport:
     #: (``dpfy.accounting.risk.AttackRisk.to_dict``): what epsilon means for an attacker.
     attack_risk: dict[str, Any] = dataclasses.field(default_factory=dict)
     release: str = ""
+    #: An empirical lower bound beside the claim, written by ``dpfy audit`` (``dpfy.audit.run``):
+    #: method, confidence, trials, the bound, the audited claim, the method's ceiling. Empty
+    #: when the run was not audited.
+    audit: dict[str, Any] = dataclasses.field(default_factory=dict)
     sampling_randomness: str = NOT_RECORDED
     noise_randomness: str = NOT_RECORDED
 

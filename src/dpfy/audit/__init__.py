@@ -1,0 +1,54 @@
+"""Privacy audits: empirical lower bounds beside the claimed epsilon, and record-and-replay checks.
+
+An accountant's epsilon is an *upper* bound that holds if the code does what the ledger says.
+An audit measures a *lower* bound from attacks on the real release path; a lower bound above
+the claim proves a bug (at the stated confidence), one below it proves nothing more than that
+this attack did not find one. Modules:
+
+* :mod:`~dpfy.audit.stats` - Clopper-Pearson bounds, the threshold-test epsilon bound (both
+  orientations, threshold chosen on a held-out half or from a fixed grid with a union bound),
+  the Gaussian-DP mu of a test, and the one-run bound of Steinke, Nasr, Jagielski 2023.
+* :mod:`~dpfy.audit.canary` - white-box gradient canaries on :class:`PrivateGradient` and the
+  queries (Nasr et al. 2023), and the one-run audit of one release.
+* :mod:`~dpfy.audit.replay` - gray-box record-and-replay checks (Cebere et al. 2026): two
+  neighbouring batches, identical randomness, and what entered the noise compared with what the
+  ledger declares.
+* :mod:`~dpfy.audit.run` - ``dpfy audit RUN_DIR``: the audit of a run's configuration and its
+  section of the report.
+"""
+
+from dpfy.audit.canary import (
+    CanaryAudit,
+    CanaryModel,
+    CanaryScores,
+    OneRunAudit,
+    canary_audit,
+    canary_scores,
+    one_run_audit,
+)
+from dpfy.audit.stats import (
+    ThresholdBound,
+    clopper_pearson,
+    gdp_mu_lower,
+    one_run_ceiling,
+    one_run_epsilon,
+    one_run_p_value,
+    threshold_epsilon_bound,
+)
+
+__all__ = [
+    "CanaryAudit",
+    "CanaryModel",
+    "CanaryScores",
+    "OneRunAudit",
+    "ThresholdBound",
+    "canary_audit",
+    "canary_scores",
+    "clopper_pearson",
+    "gdp_mu_lower",
+    "one_run_audit",
+    "one_run_ceiling",
+    "one_run_epsilon",
+    "one_run_p_value",
+    "threshold_epsilon_bound",
+]

@@ -1,0 +1,90 @@
+"""``dpfy audit RUN_DIR``: the Audit section of a run's report, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpfy import runs
+from dpfy.cli import main
+from dpfy.ledger import Ledger, SampleSpec
+from dpfy.report.statement import PrivacyReport
+
+torch.set_num_threads(1)
+
+
+def _run_dir(tmp_path: Path, z: float = 1.0) -> Path:
+    """A small run: 20 Poisson steps of a GaussianSumQuery(C=0.5, z), its ledger and report."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ledger = Ledger(run / "ledger.jsonl")
+    ledger.record_metadata(clip_norm=0.5, noise_multiplier=z, expected_batch_size=10.0)
+    for step in range(20):
+        sid = ledger.record_sample(
+            SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01), step=step
+        )
+        ledger.record_sum_query(sid, sensitivity=0.5, noise_std=0.5 * z)
+    ledger.record_metadata(delta=1e-5)
+    ledger.close()
+    runs.report_ledger(run / "ledger.jsonl", out=run, figures=False)
+    return run
+
+
+def test_the_report_has_no_audit_until_one_runs() -> None:
+    fields = {f.name for f in PrivacyReport.__dataclass_fields__.values()}
+    assert "audit" in fields
+
+
+def test_audit_writes_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run_dir(tmp_path)
+    assert "## Audit" not in (run / "report.md").read_text()
+    code = main(["audit", str(run), "--trials", "40000", "--confidence", "0.9", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    section = json.loads(out)
+    assert section["method"] == "canary" and section["confidence"] == 0.9
+    assert section["audited_claim"] == pytest.approx(4.377, abs=0.01)  # one release, z = 1
+    assert 0.5 < section["epsilon_lower"] < section["audited_claim"] < section["ceiling"]
+    assert section["self_tests"] == [] and section["verdict"] == "no violation found"
+    md = (run / "report.md").read_text()
+    assert "## Audit" in md and "Ceiling of the method" in md and "no violation found" in md
+    report = json.loads((run / "report.json").read_text())
+    assert report["audit"]["epsilon_lower"] == section["epsilon_lower"]
+    assert report["epsilon"] > 0  # the rest of the report is kept
+
+
+def test_one_run_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run_dir(tmp_path)
+    code = main(["audit", str(run), "--method", "one-run", "--trials", "5000", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    section = json.loads(out)
+    assert section["method"] == "one-run" and section["guesses"] == 100
+    assert 0.0 < section["epsilon_lower"] <= section["ceiling"] < 3.6
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["audit", "/nonexistent/run"], "run_dir"),
+        (["audit", "RUN", "--confidence", "1"], "confidence"),
+        (["audit", "RUN", "--trials", "1"], "trials"),
+        (["audit", "RUN", "--method", "black-box"], "method"),
+    ],
+)
+def test_bad_input_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], needle: str
+) -> None:
+    run = _run_dir(tmp_path)
+    args = [str(run) if a == "RUN" else a for a in args]
+    assert main(args) == 2
+    _, err = capsys.readouterr()
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_directory_without_a_report_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="ledger.jsonl"):
+        runs.audit_and_report(tmp_path)
