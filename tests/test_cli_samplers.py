@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -80,3 +81,36 @@ def test_bad_combinations_are_one_line_errors(
     code = main(["epsilon", *BASE, "--noise-multiplier", "1", "--epochs", "1", *args])
     _, err = capsys.readouterr()
     assert code == 2 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sampler", ["fixed-size", "full-batch"])
+def test_plan_for_the_sampler_that_runs(capsys: pytest.CaptureFixture[str], sampler: str) -> None:
+    from dpfy.planning import plan
+
+    out = run_json(
+        capsys,
+        ["plan", "--dataset-size", "20000", "--target-epsilon", "4", "--delta", "1e-5",
+         "--max-steps", "300", "--sampler", sampler],
+    )
+    name = sampler.replace("-", "_")
+    assert out["sampler"] == name
+    rec = out["recommendation"]
+    assert rec["sampler"] == name and rec["epsilon"] <= 4.0
+    if sampler == "full-batch":
+        assert rec["batch_size"] == 20000 and out["adjacency"] == "add_or_remove"
+    else:
+        assert out["adjacency"] == "replace_one"
+    p = plan(20000, 4.0, 1e-5, max_steps=300, sampler=sampler)
+    for o in (p.recommendation, *p.runner_ups):
+        event = o.privacy_event()
+        assert accounting.epsilon(event, 1e-5).epsilon <= 4.0
+        # the sampler's own event: a lower z would exceed the target
+        lower = dataclasses.replace(o, noise_multiplier=o.noise_multiplier * 0.98)
+        assert accounting.epsilon(lower.privacy_event(), 1e-5).epsilon > 4.0
+
+
+def test_plan_rejects_an_unknown_sampler() -> None:
+    from dpfy.planning import plan
+
+    with pytest.raises(ValueError, match="kind must be one of"):
+        plan(20000, 4.0, 1e-5, max_steps=300, sampler="bogus")

@@ -577,6 +577,7 @@ def plan_with_figures(
     max_steps: int | None = None,
     max_examples_processed: int | None = None,
     plot_dir: str | os.PathLike[str] | None = None,
+    sampler: str = "poisson",
 ) -> tuple[Plan, list[Path]]:
     """:func:`dpfy.planning.plan`, and with ``plot_dir`` its options figure and the privacy
     wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
@@ -590,6 +591,7 @@ def plan_with_figures(
         delta,
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
+        sampler=sampler,
     )
     if plot_dir is None:
         return result, []
