@@ -81,9 +81,8 @@ class _Evaluator:
       for the first fine call, then that call's final grid interval for the calls after it
       (a fixed grid makes epsilon a smooth function of the parameter near the target).
     * rdp: coarse = a sparse order grid; fine = the default orders within a factor 2 of the
-      best coarse order, with the order optimised continuously in the first fine call and that
-      real order added to the grid for the calls after it (a subset of orders can only give a
-      larger, still valid, epsilon).
+      best coarse order, then the order optimised continuously in that bracket (a subset of
+      orders can only give a larger, still valid, epsilon).
     * anything else: the registered accountant, both modes alike.
     """
 
@@ -96,7 +95,6 @@ class _Evaluator:
         self.has_coarse = isinstance(method, str) and method in ("pld", "rdp")
         self._interval: float | None = None
         self._order: float | None = None
-        self._fine_order: float | None = None
 
     def __call__(self, x: float, coarse: bool) -> float:
         event = self.make_event(x)
@@ -132,14 +130,7 @@ class _Evaluator:
                 eps, order = _rdp.epsilon_from_rdp(curve, orders, self.delta)
                 self._order = float(order)
                 return float(eps)
-            if self._fine_order is None:
-                eps, self._fine_order = _rdp.epsilon_of_event(event, self.delta, orders)
-                return eps
-            # Later calls: the grid plus the first call's optimal real order (it barely moves
-            # near the target); verify() then optimises continuously, which can only lower it.
-            orders = np.append(orders, self._fine_order)
-            curve = _rdp.rdp_of_event(event, orders)
-            return float(_rdp.epsilon_from_rdp(curve, orders, self.delta)[0])
+            return _rdp.epsilon_of_event(event, self.delta, orders)[0]
         raise AssertionError(f"no coarse mode for method {self.method!r}")  # pragma: no cover
 
     def verify(self, x: float) -> float:
