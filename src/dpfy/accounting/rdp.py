@@ -514,9 +514,10 @@ def _refine_order(
     round narrows it ~6x; one RDP evaluation of all points per round). The conversion is
     quasi-convex in the order for the subsampled Gaussian ((a-1) RDP(a) is convex; Mironov,
     Talwar, Zhang 2019), so the bracket holds the minimum when the grid does. Every evaluated
-    order gives a valid bound, so the smallest value seen is returned, never more than the grid minimum. The first round
-    also tries the smallest order, where the total-variation bound (``floor``) is tightest.
-    Nothing is searched when the grid minimum is not finite or already at ``floor``.
+    order gives a valid bound, so the smallest value seen is returned, never more than the grid
+    minimum. The first round also tries the smallest order, where the total-variation bound
+    (``floor``) is tightest. Nothing is searched when the grid minimum is not finite or
+    already at ``floor``.
     """
     i = int(np.argmin(values))
     best, best_a = float(values[i]), float(orders[i])
