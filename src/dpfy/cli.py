@@ -441,9 +441,10 @@ def plan(
         typer.Option("--plot", help="Write the options and privacy-wall figures to this folder.",
                      parser=_out_dir("plot")),
     ] = None,
+    sampler: Sampler = SamplerName.poisson,
     as_json: AsJson = False,
 ) -> None:
-    """Recommend (batch size, noise multiplier, steps) that meet the budget (Poisson, PLD/RDP)."""
+    """Recommend (batch size, noise multiplier, steps) that meet the budget for the sampler."""
     from dpfy import runs
 
     result, figures = runs.plan_with_figures(
@@ -453,6 +454,7 @@ def plan(
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
         plot_dir=plot,
+        sampler=sampler.value,
     )
     if as_json:
         payload = result.to_dict()

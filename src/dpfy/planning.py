@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,6 +69,7 @@ class PlanOption:
       method: the accountant that certified ``epsilon``.
       epsilon_tan: TAN's approximation (a heuristic, shown for comparison).
       label: short name of the option; reason: why it is listed.
+      sampler: the sampler kind that will run (``z`` and ``epsilon`` are for its event).
     """
 
     batch_size: int
@@ -79,6 +81,7 @@ class PlanOption:
     epsilon_tan: float
     label: str
     reason: str
+    sampler: str = "poisson"
 
     @property
     def sampling_rate(self) -> float:
@@ -105,12 +108,16 @@ class PlanOption:
         return self.examples_processed / self.dataset_size
 
     def privacy_event(self) -> ev.Event:
-        """``steps`` Poisson-sampled Gaussian steps: the event a ledger of this run produces."""
-        return _event(self.sampling_rate, self.noise_multiplier, self.steps)
+        """The event a ledger of this run produces (``steps`` steps of the option's sampler)."""
+        if self.sampler == "poisson":
+            return _event(self.sampling_rate, self.noise_multiplier, self.steps)
+        make = _sampler_event(self.sampler, self.dataset_size, self.batch_size, self.steps)
+        return make(self.noise_multiplier)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "label": self.label,
+            "sampler": self.sampler,
             "batch_size": self.batch_size,
             "sampling_rate": self.sampling_rate,
             "noise_multiplier": self.noise_multiplier,
@@ -147,8 +154,8 @@ class Plan:
             "delta": self.delta,
             "max_steps": self.max_steps,
             "max_examples_processed": self.max_examples_processed,
-            "sampler": "poisson",
-            "adjacency": ev.Adjacency.ADD_OR_REMOVE.value,
+            "sampler": self.recommendation.sampler,
+            "adjacency": self.recommendation.privacy_event().adjacency_relation.value,
             "unit": "example",
             "recommendation": self.recommendation.to_dict(),
             "runner_ups": [o.to_dict() for o in self.runner_ups],
@@ -257,6 +264,50 @@ def _pld_min_batch(n: int, steps: int, target: float, delta: float, b_start: int
 # --------------------------------------------------------------------------------------------
 
 
+def _sampler_event(
+    sampler: str, n: int, batch: int, steps: int
+) -> Callable[[float], ev.Event]:
+    """``z -> event`` of ``steps`` steps of ``sampler`` (its kind row; batch N if it has no
+    sampler class, e.g. full batch)."""
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import SampleSpec, kind, make_sampler
+
+    row = kind(sampler)
+    if row.sampler is None:
+        spec = SampleSpec(sampler=row.name, dataset_size=n, batch_size=n)
+        return lambda z: row.event(spec, z, steps)
+    smp = make_sampler(row.name, n, batch, randomness=Randomness(0))
+    return lambda z: smp.privacy_event(z, steps=steps)
+
+
+def _for_sampler(
+    options: list[PlanOption], sampler: str, target: float, delta: float
+) -> list[PlanOption]:
+    """The options re-calibrated for ``sampler``: same steps (and batch, or N for a kind that
+    samples nothing), ``z`` calibrated with the kind's accountant and verified."""
+    from dpfy.sampling import kind
+
+    row = kind(sampler)
+    out: list[PlanOption] = []
+    for o in options:
+        b = o.dataset_size if row.sampler is None else o.batch_size
+        if any((b, o.steps) == (x.batch_size, x.steps) for x in out):
+            continue
+        make = _sampler_event(row.name, o.dataset_size, b, o.steps)
+        z = calibrate_noise_multiplier(make, target, delta)
+        res = accounting.epsilon(make(z), delta)
+        if res.epsilon > target * (1.0 + 1e-12):  # cannot happen: z is certified
+            raise RuntimeError(f"planning bug: epsilon {res.epsilon} exceeds {target}")
+        out.append(
+            dataclasses.replace(
+                o, batch_size=b, noise_multiplier=float(z), epsilon=float(res.epsilon),
+                method=res.method, sampler=row.name,
+                epsilon_tan=float(tan.epsilon_tan(b / o.dataset_size, z, o.steps, delta)),
+            )
+        )
+    return out
+
+
 def _step_grid(min_steps: int, max_steps: int) -> np.ndarray:
     return np.unique(np.round(np.geomspace(min_steps, max_steps, 40)).astype(np.int64))
 
@@ -270,6 +321,7 @@ def plan(
     *,
     min_steps: int | None = None,
     runner_ups: int = 4,
+    sampler: str = "poisson",
 ) -> Plan:
     """Recommend (batch size, noise multiplier, steps) for DP-SGD that meet the privacy budget.
 
@@ -286,6 +338,10 @@ def plan(
         ``z >= 2`` at ``min_steps``, the plan spends all of it at ``min_steps`` (``z < 2``,
         said in the explanation).
       runner_ups: how many alternative options to list (at most).
+      sampler: the sampler kind that will run (:func:`dpfy.sampling.kinds`). The search for
+        batch and steps is the Poisson one above; for another kind every option's ``z`` is then
+        calibrated and verified with that kind's own event and accountant (a kind that samples
+        nothing, full batch, uses batch N).
 
     Returns:
       A :class:`Plan`; ``plan.recommendation`` and every runner-up satisfy
@@ -307,6 +363,9 @@ def plan(
     if max_examples_processed is not None:
         check_int("max_examples_processed", max_examples_processed)
     check_int("runner_ups", runner_ups, 0)
+    from dpfy.sampling import kind
+
+    sampler = kind(sampler).name  # raises a ValueError listing the kinds
     n = int(dataset_size)
     target = float(target_epsilon)
     s_cap = int(max_steps) if max_steps is not None else DEFAULT_MAX_STEPS
@@ -406,6 +465,8 @@ def plan(
                 reason=reason,
             )
         )
+    if sampler != "poisson":
+        options = _for_sampler(options, sampler, target, float(delta))
     rec = options[0]
     if not in_regime:
         rec = dataclasses.replace(
@@ -414,6 +475,12 @@ def plan(
     explanation = _explain(
         rec, n, target, delta, s_cap, s_floor, max_steps, compute, in_regime
     )
+    if sampler != "poisson":
+        explanation += (
+            f"Sampler: {sampler}. Batch and steps come from the Poisson search above; each "
+            f"option's z is calibrated for the {sampler} sampler with the {rec.method} "
+            "accountant and verified (eps_TAN stays the Poisson approximation).",
+        )
     return Plan(
         dataset_size=n,
         target_epsilon=target,

@@ -578,6 +578,7 @@ def plan_with_figures(
     max_steps: int | None = None,
     max_examples_processed: int | None = None,
     plot_dir: str | os.PathLike[str] | None = None,
+    sampler: str = "poisson",
 ) -> tuple[Plan, list[Path]]:
     """:func:`dpfy.planning.plan`, and with ``plot_dir`` its options figure and the privacy
     wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
@@ -591,6 +592,7 @@ def plan_with_figures(
         delta,
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
+        sampler=sampler,
     )
     if plot_dir is None:
         return result, []
@@ -723,6 +725,53 @@ def calibrate_run(
     return RunAccounting(smp.kind, dataset_size, batch_size, total, epochs, z, result)
 
 
+@dataclasses.dataclass(frozen=True)
+class _FullBatchPlan:
+    """A planned full-batch run: every example in each of its releases (one per epoch).
+
+    Stands in for a sampler where the kind's row has none; its event is the row's own
+    (:mod:`dpfy.sampling.full_batch`).
+    """
+
+    kind: str
+    dataset_size: int
+    steps_per_epoch: int = 1
+
+    @classmethod
+    def of(
+        cls, kind: str, dataset_size: int, batch_size: int, max_batch_size: int | None
+    ) -> _FullBatchPlan:
+        from dpfy.sampling import kind as sampler_kind
+
+        name = sampler_kind(kind).name
+        check_int("dataset_size", dataset_size)
+        if batch_size != dataset_size:
+            raise ValueError(
+                f"batch_size must equal dataset_size={dataset_size} for sampler {kind!r} (every "
+                f"example in every release), got batch_size={batch_size!r}"
+            )
+        if max_batch_size is not None:
+            raise ValueError(
+                f"max_batch_size does not apply to sampler {kind!r} (nothing is sampled), got "
+                f"max_batch_size={max_batch_size!r}"
+            )
+        return cls(name, int(dataset_size))
+
+    def privacy_event(
+        self, noise_multiplier: float, *, epochs: float | None = None, steps: int | None = None
+    ) -> Any:
+        """The row's event for the releases of ``epochs`` (rounded up) or ``steps``."""
+        from dpfy.sampling import SampleSpec
+        from dpfy.sampling import kind as sampler_kind
+        from dpfy.sampling.base import epochs_and_steps
+
+        _, total = epochs_and_steps(epochs, steps, self.steps_per_epoch)
+        spec = SampleSpec(
+            sampler=self.kind, dataset_size=self.dataset_size, batch_size=self.dataset_size
+        )
+        return sampler_kind(self.kind).event(spec, noise_multiplier, total)
+
+
 def _planned_sampler(
     kind: str,
     dataset_size: int,
@@ -730,18 +779,26 @@ def _planned_sampler(
     max_batch_size: int | None,
     epochs: float | None,
     steps: int | None,
-) -> tuple[Sampler, float | None, int | None]:
-    """The sampler (its randomness is never drawn) and the checked (epochs, steps)."""
+) -> tuple[Sampler | _FullBatchPlan, float | None, int | None]:
+    """The sampler (its randomness is never drawn) and the checked (epochs, steps).
+
+    A kind without a sampler class (``full_batch``) is planned from its row alone.
+    """
     from dpfy.randomness import Randomness
+    from dpfy.sampling import kind as sampler_kind
     from dpfy.sampling import make_sampler
 
-    smp = make_sampler(
-        kind,
-        dataset_size=dataset_size,
-        batch_size=batch_size,
-        max_batch_size=max_batch_size,
-        randomness=Randomness(0),
-    )
+    smp: Sampler | _FullBatchPlan
+    if sampler_kind(kind).sampler is None:
+        smp = _FullBatchPlan.of(kind, dataset_size, batch_size, max_batch_size)
+    else:
+        smp = make_sampler(
+            kind,
+            dataset_size=dataset_size,
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            randomness=Randomness(0),
+        )
     if (epochs is None) == (steps is None):
         raise ValueError("give exactly one of --epochs or --steps")
     if steps is not None:
@@ -772,7 +829,7 @@ def _check_monte_carlo(samples: int | None, error_probability: float, seed: int 
         check_seed("seed", seed)
 
 
-def _total_steps(smp: Sampler, epochs: float | None, steps: int | None) -> int:
+def _total_steps(smp: Sampler | _FullBatchPlan, epochs: float | None, steps: int | None) -> int:
     """Steps of the run: ``steps``, or ``epochs`` whole or partial passes (rounded up)."""
     if steps is not None:
         return int(steps)

@@ -282,9 +282,8 @@ def test_accountant_result_fields() -> None:
                           method="rdp")
     assert res.method == "rdp" and res.adjacency == "add_or_remove" and res.provable
     assert any("optimal order" in n for n in res.notes)
-    assert res.epsilon == pytest.approx(
-        epsilon_poisson_gaussian(0.01, 1.1, 1000, 1e-5)[0], rel=1e-12
-    )
+    grid = epsilon_poisson_gaussian(0.01, 1.1, 1000, 1e-5)[0]
+    assert grid * (1 - 1e-3) <= res.epsilon <= grid  # the order is optimised continuously
 
 
 # ------------------------------------------------------------------------------------------

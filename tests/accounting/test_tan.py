@@ -84,7 +84,10 @@ def test_privacy_wall_curve_matches_accountant():
 
     q = math.sqrt(2) * 3.0 * e / math.sqrt(1000)
     event = ev.SelfComposed(ev.PoissonSampled(q, ev.Gaussian(3.0)), 1000)
-    assert curve[2] == pytest.approx(accounting.epsilon(event, DELTA, method="rdp").epsilon)
+    # the curve converts on the default order grid; the accountant optimises the order
+    # continuously, so it can only be (slightly) lower
+    exact = accounting.epsilon(event, DELTA, method="rdp").epsilon
+    assert exact <= curve[2] <= exact * (1 + 1e-3)
     assert curve[0] > 3 * curve[2]
 
 

@@ -81,7 +81,8 @@ class _Evaluator:
       for the first fine call, then that call's final grid interval for the calls after it
       (a fixed grid makes epsilon a smooth function of the parameter near the target).
     * rdp: coarse = a sparse order grid; fine = the default orders within a factor 2 of the
-      best coarse order (a subset of orders can only give a larger, still valid, epsilon).
+      best coarse order, then the order optimised continuously in that bracket (a subset of
+      orders can only give a larger, still valid, epsilon).
     * anything else: the registered accountant, both modes alike.
     """
 
@@ -124,11 +125,12 @@ class _Evaluator:
                     orders = near if near.size else full
             if _api.contains_non_private(event):
                 return math.inf
-            curve = _rdp.rdp_of_event(event, orders)
-            eps, order = _rdp.epsilon_from_rdp(curve, orders, self.delta)
             if coarse:
+                curve = _rdp.rdp_of_event(event, orders)
+                eps, order = _rdp.epsilon_from_rdp(curve, orders, self.delta)
                 self._order = float(order)
-            return float(eps)
+                return float(eps)
+            return _rdp.epsilon_of_event(event, self.delta, orders)[0]
         raise AssertionError(f"no coarse mode for method {self.method!r}")  # pragma: no cover
 
     def verify(self, x: float) -> float:

@@ -85,5 +85,6 @@ FIXED_SIZE = register_kind(
         assumptions="fixed-size batches drawn without replacement; replace-one adjacency",
         sampler=FixedSizeSampler,
         check=_batch_within_dataset,
+        cli=True,
     )
 )

@@ -24,5 +24,6 @@ FULL_BATCH = register_kind(
         event=full_batch_event,
         allowed_adjacency=(ev.Adjacency.ADD_OR_REMOVE.value,),
         assumptions="every example used in every release (no sampling)",
+        cli=True,
     )
 )
