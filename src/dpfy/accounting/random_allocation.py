@@ -76,6 +76,7 @@ __all__ = [
     "allocation_plds",
     "allocation_epsilon",
     "allocation_delta",
+    "epsilon_upper",
     "RandomAllocationAccountant",
 ]
 
@@ -98,6 +99,7 @@ class AllocationSum:
       cut: (remove, add) mass sent to +infinity: the event A and the trimmed tails (0 for a
         lower bound, which drops them).
       start: grid index of ``mass[0]`` (the point ``exp(u0 + start g)``).
+      terms: how many X the sum holds (k of T).
     """
 
     u0: float
@@ -106,13 +108,18 @@ class AllocationSum:
     zero: float
     cut: tuple[float, float]
     start: int = 0
+    terms: int = 1
 
 
 _TRIM = 1e-18  # mass of each tail of a partial sum that may be trimmed (sent to +infinity)
 
 
-def _trim(total: AllocationSum, upper: bool) -> AllocationSum:
-    """Drop the two tails of at most _TRIM mass each; the upper bound sends them to +inf."""
+def _trim(total: AllocationSum, upper: bool, steps: int) -> AllocationSum:
+    """Drop the two tails of at most _TRIM Q-mass each; the upper bound sends them to +inf.
+
+    A trimmed set B of partial sums (k of the T terms) has Q(B) = its mass in the add
+    direction and P(B) = E_Q[S/T; B] = (E_Q[partial; B] + Q(B) (T - k)) / T in the remove one.
+    """
     m = total.mass
     head = np.cumsum(m)
     tail = np.cumsum(m[::-1])[::-1]
@@ -121,11 +128,15 @@ def _trim(total: AllocationSum, upper: bool) -> AllocationSum:
     if lo >= hi:
         return total
     dropped = float(head[lo - 1] if lo > 0 else 0.0) + float(tail[hi] if hi < m.size else 0.0)
-    cut = (
-        (min(1.0, total.cut[0] + dropped), min(1.0, total.cut[1] + dropped))
-        if upper
-        else total.cut
-    )
+    if dropped == 0.0 or not upper:
+        cut = total.cut
+    else:
+        x = np.exp(total.u0 + total.ratio_log * (total.start + np.arange(m.size)))
+        out_of = np.ones(m.size, dtype=bool)
+        out_of[lo:hi] = False
+        mean_part = float(np.sum(m[out_of] * x[out_of]))
+        p_mass = (mean_part + dropped * (steps - total.terms)) / steps
+        cut = (min(1.0, total.cut[0] + p_mass), min(1.0, total.cut[1] + dropped))
     return dataclasses.replace(total, mass=m[lo:hi].copy(), cut=cut, start=total.start + lo)
 
 
@@ -145,11 +156,19 @@ def _cell_masses(z: float, u0: float, n: int, g: float) -> tuple[np.ndarray, np.
     s = 1.0 / z
     mu = -0.5 * s * s
     u = u0 + g * np.arange(n)
-    cdf = special.ndtr((u - mu) / s)
-    mcdf = special.ndtr((u - mu) / s - s)  # E[X; X <= x] (E[X] = 1)
-    mass = np.diff(np.concatenate(([0.0], cdf)))
-    mean = np.diff(np.concatenate(([0.0], mcdf)))
-    return np.maximum(mass, 0.0), np.maximum(mean, 0.0), float(u[-1])
+    mass = _interval_probs((u - mu) / s)
+    mean = _interval_probs((u - mu) / s - s)  # E[X; cell] (E[X] = 1, tilted normal)
+    return mass, mean, float(u[-1])
+
+
+def _interval_probs(v: np.ndarray) -> np.ndarray:
+    """Standard normal masses of (-inf, v_0), [v_0, v_1), ...; differences of the lower CDF
+    below 0 and of the upper tail above 0, so that no cell loses relative precision."""
+    lower = special.ndtr(np.concatenate(([-np.inf], v)))
+    upper = special.ndtr(-np.concatenate(([-np.inf], v)))
+    left = np.concatenate(([-np.inf], v))[:-1]
+    out = np.where(left < 0.0, lower[1:] - lower[:-1], upper[:-1] - upper[1:])
+    return np.maximum(out, 0.0)
 
 
 def _x_discrete(z: float, steps: int, g: float, mode: str) -> AllocationSum:
@@ -195,7 +214,7 @@ def _hi_share(d: np.ndarray | int, g: float, frac: np.ndarray | float, mode: str
     return np.zeros_like(np.asarray(frac, dtype=float))
 
 
-def _add(a: AllocationSum, b: AllocationSum, mode: str) -> AllocationSum:
+def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> AllocationSum:
     """Law of the sum of independent a and b on the same grid (re-discretised by ``mode``).
 
     ``x_{j-d} + x_j = x_j exp(c_d g)`` with ``c_d = log1p(exp(-d g)) / g``: the landing point
@@ -258,7 +277,8 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str) -> AllocationSum:
     last = int(nz[-1]) + 1 if nz.size else 1
     cut_r = 1.0 - (1.0 - a.cut[0]) * (1.0 - b.cut[0])
     cut_a = 1.0 - (1.0 - a.cut[1]) * (1.0 - b.cut[1])
-    return _trim(AllocationSum(u0, g, out[:last], zero, (cut_r, cut_a), start), mode == "spread")
+    total = AllocationSum(u0, g, out[:last], zero, (cut_r, cut_a), start, a.terms + b.terms)
+    return _trim(total, mode == "spread", steps)
 
 
 def allocation_sum(noise_multiplier: float, steps: int, ratio_log: float, mode: str) -> AllocationSum:
@@ -277,10 +297,10 @@ def allocation_sum(noise_multiplier: float, steps: int, ratio_log: float, mode: 
     t = steps
     while t > 0:
         if t & 1:
-            result = base if result is None else _add(result, base, mode)
+            result = base if result is None else _add(result, base, mode, steps)
         t >>= 1
         if t:
-            base = _add(base, base, mode)
+            base = _add(base, base, mode, steps)
     assert result is not None
     return result
 
@@ -436,6 +456,7 @@ def _bounds(
     tolerance: float,
     *,
     lower: bool = True,
+    levels: int = _MAX_LEVELS,
 ) -> AllocationBounds:
     """Upper and lower epsilon (query='epsilon', value=delta) or delta (query='delta')."""
 
@@ -446,8 +467,11 @@ def _bounds(
 
     best = math.inf
     prev = None
-    g, h = _FIRST_RATIO_LOG, _FIRST_INTERVAL
-    for _ in range(_MAX_LEVELS):
+    z_max = max(z for z, _ in parts)
+    # The grid resolves the spread of log X (std 1/z) and the loss of one epoch.
+    g = min(_FIRST_RATIO_LOG, 1.0 / (50.0 * z_max))
+    h = min(_FIRST_INTERVAL, 0.1 * g)
+    for _ in range(levels):
         up = read(_composed(parts, g, h, upper=True))
         best = min(best, up)
         if prev is not None and abs(prev - up) <= tolerance * max(abs(up), 1e-6):
@@ -482,13 +506,28 @@ def allocation_epsilon(
 
 
 def _epsilon_bounds(
-    parts: dict[tuple[float, int], int], delta: float, tolerance: float, *, lower: bool = True
+    parts: dict[tuple[float, int], int],
+    delta: float,
+    tolerance: float,
+    *,
+    lower: bool = True,
+    levels: int = _MAX_LEVELS,
 ) -> AllocationBounds:
     mu = _gaussian_only(parts)
     if mu is not None:
         eps = float(gauss.gaussian_epsilon(mu, delta))
         return AllocationBounds(eps, eps)
-    return _bounds(parts, "epsilon", delta, tolerance, lower=lower)
+    return _bounds(parts, "epsilon", delta, tolerance, lower=lower, levels=levels)
+
+
+def epsilon_upper(event: ev.Event, delta: float, *, coarse: bool = False) -> float:
+    """The provable epsilon of a supported event alone (no optimistic twin): for calibration.
+
+    ``coarse=True`` uses the first grid level only: looser, still a valid upper bound.
+    """
+    parts = _parts(event)
+    levels = 1 if coarse else _MAX_LEVELS
+    return _epsilon_bounds(parts, delta, DEFAULT_TOLERANCE, lower=False, levels=levels).upper
 
 
 def _delta_bounds(
