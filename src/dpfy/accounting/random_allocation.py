@@ -167,7 +167,7 @@ def _interval_probs(v: np.ndarray) -> np.ndarray:
     lower = special.ndtr(np.concatenate(([-np.inf], v)))
     upper = special.ndtr(-np.concatenate(([-np.inf], v)))
     left = np.concatenate(([-np.inf], v))[:-1]
-    out = np.where(left < 0.0, lower[1:] - lower[:-1], upper[:-1] - upper[1:])
+    out: np.ndarray = np.where(left < 0.0, lower[1:] - lower[:-1], upper[:-1] - upper[1:])
     return np.maximum(out, 0.0)
 
 
@@ -197,8 +197,7 @@ def _x_discrete(z: float, steps: int, g: float, mode: str) -> AllocationSum:
         out[:-1] += mass[1:]
         cut = (0.0, 0.0)
     elif mode == "up":
-        out[0] += mass[0]
-        out += np.concatenate((mass[1:], [0.0]))
+        out += mass  # cell k = [x_{k-1}, x_k) to x_k; cell 0 = [0, x_0) to x_0
         cut = (0.0, 0.0)
     else:  # pragma: no cover - internal
         raise ValueError(f"mode must be spread, down or up, got {mode!r}")
@@ -281,7 +280,9 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
     return _trim(total, mode == "spread", steps)
 
 
-def allocation_sum(noise_multiplier: float, steps: int, ratio_log: float, mode: str) -> AllocationSum:
+def allocation_sum(
+    noise_multiplier: float, steps: int, ratio_log: float, mode: str
+) -> AllocationSum:
     """Discrete law of S = X_1 + ... + X_steps under Q (see the module docstring).
 
     Args:
@@ -305,7 +306,9 @@ def allocation_sum(noise_multiplier: float, steps: int, ratio_log: float, mode: 
     return result
 
 
-def _loss_pld(total: AllocationSum, steps: int, h: float, direction: str, upper: bool) -> DiscretePLD:
+def _loss_pld(
+    total: AllocationSum, steps: int, h: float, direction: str, upper: bool
+) -> DiscretePLD:
     """Loss PLD on grid h: remove = log(S/T) under P' (mass w s/T), add = -log(S/T) under Q."""
     g = total.ratio_log
     ls = total.u0 + g * (total.start + np.arange(total.mass.size)) - math.log(steps)  # log(s/T)
@@ -345,7 +348,13 @@ class AllocationBounds:
 
 
 def allocation_plds(
-    noise_multiplier: float, steps: int, epochs: int, ratio_log: float, interval: float, *, upper: bool
+    noise_multiplier: float,
+    steps: int,
+    epochs: int,
+    ratio_log: float,
+    interval: float,
+    *,
+    upper: bool,
 ) -> dict[str, DiscretePLD]:
     """Composed loss PLDs of ``epochs`` epochs, both directions (upper or lower bound)."""
     out: dict[str, DiscretePLD] = {}

@@ -61,8 +61,16 @@ def main() -> None:
         )
         secs = time.perf_counter() - start
         done.append(
-            {"T": t, "z": z, "epochs": k, "delta": delta, "upper": upper, "lower": lower,
-             "seconds": round(secs, 2), "reference": "PLD_accounting 2.0"}
+            {
+                "T": t,
+                "z": z,
+                "epochs": k,
+                "delta": delta,
+                "upper": upper,
+                "lower": lower,
+                "seconds": round(secs, 2),
+                "reference": "PLD_accounting 2.0",
+            }
         )
         out.write_text(json.dumps(done, indent=1) + "\n")
         print(t, z, k, delta, upper, lower, f"{secs:.1f}s", file=sys.stderr, flush=True)
