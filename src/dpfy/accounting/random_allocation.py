@@ -167,8 +167,9 @@ def _interval_probs(v: np.ndarray) -> np.ndarray:
     lower = special.ndtr(np.concatenate(([-np.inf], v)))
     upper = special.ndtr(-np.concatenate(([-np.inf], v)))
     left = np.concatenate(([-np.inf], v))[:-1]
-    out: np.ndarray = np.where(left < 0.0, lower[1:] - lower[:-1], upper[:-1] - upper[1:])
-    return np.maximum(out, 0.0)
+    out = np.where(left < 0.0, lower[1:] - lower[:-1], upper[:-1] - upper[1:])
+    clipped: np.ndarray = np.maximum(out, 0.0)
+    return clipped
 
 
 def _x_discrete(z: float, steps: int, g: float, mode: str) -> AllocationSum:
@@ -239,18 +240,34 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
         d_star -= 1
     while math.log1p(math.exp(-d_star * g)) >= g:
         d_star += 1
-    for d in range(min(d_star, n0)):
-        c = math.log1p(math.exp(-d * g)) / g
-        f = math.floor(c)
-        p_hi = float(_hi_share(d, g, c - f, mode))
-        if d == 0:
-            v = ma * mb
-        else:
-            v = np.zeros(n0)
-            v[d:] = ma[:-d] * mb[d:] + mb[:-d] * ma[d:]
-        out[f : f + n0] += v * (1.0 - p_hi)
-        if p_hi > 0.0:
-            out[f + 1 : f + 1 + n0] += v * p_hi
+    # d = 0: x_j + x_j = x_j exp(c_0 g).
+    c0 = math.log(2.0) / g
+    f0 = math.floor(c0)
+    p0 = float(_hi_share(0, g, c0 - f0, mode))
+    v0 = ma * mb
+    out[f0 : f0 + n0] += v0 * (1.0 - p0)
+    out[f0 + 1 : f0 + 1 + n0] += v0 * p0
+    # 0 < d < d*: gaps with the same whole part f of c_d form one short convolution kernel.
+    top = min(d_star, n0)
+    if top > 1:
+        ds = np.arange(1, top)
+        c = np.log1p(np.exp(-ds * g)) / g
+        fs = np.floor(c).astype(np.int64)
+        p_hi = np.asarray(_hi_share(ds, g, c - fs, mode), dtype=float)
+        for f in np.unique(fs):
+            sel = fs == f
+            d_lo, d_hi = int(ds[sel][0]), int(ds[sel][-1])
+            k_hi = p_hi[sel]
+            for kernel, shift in ((1.0 - k_hi, 0), (k_hi, 1)):
+                if not np.any(kernel):
+                    continue
+                # conv(m, kernel)[j - d_lo] = sum_d m[j - d] w_d over the group
+                ca = np.convolve(ma, kernel)[: n0 - d_lo]
+                cb = np.convolve(mb, kernel)[: n0 - d_lo]
+                v = mb[d_lo:] * ca + ma[d_lo:] * cb
+                k0 = int(f) + shift + d_lo
+                out[k0 : k0 + v.size] += v
+            del d_hi
     if d_star < n0:
         # plain[j] = sum_{d >= d*} m[j - d]; geo[j] = sum_{d >= d*} m[j - d] exp(-d g).
         def tails(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
