@@ -177,14 +177,14 @@ def _allocation_reference(python: str, case: tuple[int, float, int, float]) -> d
 
     out = subprocess.run(
         [python, "-c", _REFERENCE_SNIPPET, json.dumps(case)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_random_allocation(
-    repeats: int, python: str | None
-) -> list[dict[str, Any]]:
+def bench_random_allocation(repeats: int, python: str | None) -> list[dict[str, Any]]:
     from dpfy.accounting.random_allocation import allocation_epsilon
 
     rows = []
@@ -214,9 +214,7 @@ def bench_random_allocation(
                 }
             )
             row["goal_met"] = (
-                row["ratio"] <= 0.05
-                and b.upper <= ref["upper"]
-                and ours_s <= row["goal_seconds"]
+                row["ratio"] <= 0.05 and b.upper <= ref["upper"] and ours_s <= row["goal_seconds"]
             )
         else:
             row["goal_met"] = ours_s <= row["goal_seconds"]
@@ -230,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="skip the slow 1e-5 reference")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--allocation-python", default=sys.executable,
+        "--allocation-python",
+        default=sys.executable,
         help="interpreter with PLD_accounting 2.0 for the random-allocation reference",
     )
     parser.add_argument("--skip-allocation-reference", action="store_true")

@@ -37,6 +37,7 @@ def _check(row: dict) -> None:
     assert b.upper >= row["lower"], (row, b)
     assert b.upper <= 1.01 * row["upper"], (row, b)
     assert b.lower <= b.upper, (row, b)
+    assert b.lower <= row["upper"], (row, b)  # a lower bound above a valid upper bound is wrong
 
 
 @pytest.mark.parametrize("row", FAST, ids=lambda r: f"T{r['T']}-z{r['z']}-k{r['epochs']}")

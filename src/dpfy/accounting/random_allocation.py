@@ -100,6 +100,8 @@ class AllocationSum:
         lower bound, which drops them).
       start: grid index of ``mass[0]`` (the point ``exp(u0 + start g)``).
       terms: how many X the sum holds (k of T).
+      value: ``merge`` mode only: the exact mean of S over each bucket (the atom's position;
+        ``mass[k]`` then belongs to bucket k, not to the grid point).
     """
 
     u0: float
@@ -109,6 +111,7 @@ class AllocationSum:
     cut: tuple[float, float]
     start: int = 0
     terms: int = 1
+    value: np.ndarray | None = None
 
 
 _TRIM = 1e-18  # mass of each tail of a partial sum that may be trimmed (sent to +infinity)
@@ -137,7 +140,10 @@ def _trim(total: AllocationSum, upper: bool, steps: int) -> AllocationSum:
         mean_part = float(np.sum(m[out_of] * x[out_of]))
         p_mass = (mean_part + dropped * (steps - total.terms)) / steps
         cut = (min(1.0, total.cut[0] + p_mass), min(1.0, total.cut[1] + dropped))
-    return dataclasses.replace(total, mass=m[lo:hi].copy(), cut=cut, start=total.start + lo)
+    value = None if total.value is None else total.value[lo:hi].copy()
+    return dataclasses.replace(
+        total, mass=m[lo:hi].copy(), cut=cut, start=total.start + lo, value=value
+    )
 
 
 def _x_law(z: float, g: float, steps: int, tail: float) -> tuple[float, int, float, float]:
@@ -193,6 +199,12 @@ def _x_discrete(z: float, steps: int, g: float, mode: str) -> AllocationSum:
         q_tail = float(special.ndtr(-(top - (-0.5 * s * s)) / s))
         m_tail = float(special.ndtr(-(top - (-0.5 * s * s)) / s + s))  # E[X; X > x_max]
         cut = (min(1.0, m_tail + (steps - 1) * q_tail), min(1.0, steps * q_tail))
+    elif mode == "merge":
+        # Cell k -> bucket k at its conditional mean (Blackwell: the cell index is a
+        # post-processing of the output, so this pair is dominated by the exact one).
+        out += mass
+        value = np.where(mass > 0.0, mean / np.where(mass > 0.0, mass, 1.0), x)
+        return AllocationSum(u0, g, out, 0.0, (0.0, 0.0), value=value)
     elif mode == "down":
         zero += mass[0]
         out[:-1] += mass[1:]
@@ -222,6 +234,8 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
     (``c_d < 1``, the sum lands between x_j and x_{j+1}) the mean-preserving upper share is
     exactly ``exp(-d g) / (exp(g) - 1)``, a geometric kernel, summed by a linear recursion.
     """
+    if mode == "merge":
+        return _add_merge(a, b)
     g, u0 = a.ratio_log, a.u0
     start = min(a.start, b.start)
     n0 = max(a.start + a.mass.size, b.start + b.mass.size) - start
@@ -297,6 +311,67 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
     return _trim(total, mode == "spread", steps)
 
 
+def _add_merge(a: AllocationSum, b: AllocationSum) -> AllocationSum:
+    """Sum for the optimistic twin: every pair of buckets goes to one output bucket, which
+    keeps the exact total mass and mean of what it received (merging atoms is a
+    post-processing, so the pair stays dominated by the exact one)."""
+    assert a.value is not None and b.value is not None
+    g, u0 = a.ratio_log, a.u0
+    start = min(a.start, b.start)
+    n0 = max(a.start + a.mass.size, b.start + b.mass.size) - start
+
+    def padded(arr: np.ndarray, s: int) -> np.ndarray:
+        out = np.zeros(n0)
+        out[s - start : s - start + arr.size] = arr
+        return out
+
+    ma, mb = padded(a.mass, a.start), padded(b.mass, b.start)
+    ra, rb = padded(a.mass * a.value, a.start), padded(b.mass * b.value, b.start)
+    grow = math.ceil(math.log(2.0) / g) + 2
+    out_m = np.zeros(n0 + grow + 1)
+    out_r = np.zeros(n0 + grow + 1)
+    # d = 0
+    f0 = round(math.log(2.0) / g)
+    out_m[f0 : f0 + n0] += ma * mb
+    out_r[f0 : f0 + n0] += ra * mb + ma * rb
+    ds = np.arange(1, n0)
+    shift = np.rint(np.log1p(np.exp(-ds * g)) / g).astype(np.int64) if n0 > 1 else ds
+    for f in np.unique(shift[shift > 0]) if n0 > 1 else []:
+        sel = np.flatnonzero(shift == f)
+        d_lo, d_hi = int(ds[sel[0]]), int(ds[sel[-1]])
+        kernel = np.ones(d_hi - d_lo + 1)
+
+        def conv(m: np.ndarray, lo: int = d_lo) -> np.ndarray:
+            return np.convolve(m, kernel)[: n0 - lo]
+
+        ca, cb, cra, crb = conv(ma), conv(mb), conv(ra), conv(rb)
+        k0 = int(f) + d_lo
+        out_m[k0 : k0 + n0 - d_lo] += mb[d_lo:] * ca + ma[d_lo:] * cb
+        out_r[k0 : k0 + n0 - d_lo] += (
+            rb[d_lo:] * ca + mb[d_lo:] * cra + ra[d_lo:] * cb + ma[d_lo:] * crb
+        )
+    # Gaps that round to the same bucket j: plain prefix sums.
+    zero_gaps = ds[shift == 0] if n0 > 1 else ds
+    if zero_gaps.size:
+        d0 = int(zero_gaps[0])
+
+        def prefix(m: np.ndarray) -> np.ndarray:
+            out = np.zeros(n0)
+            out[d0:] = np.cumsum(m)[: n0 - d0]
+            return out
+
+        pa, pb, pra, prb = prefix(ma), prefix(mb), prefix(ra), prefix(rb)
+        out_m[:n0] += mb * pa + ma * pb
+        out_r[:n0] += rb * pa + mb * pra + ra * pb + ma * prb
+    nz = np.flatnonzero(out_m > 0.0)
+    last = int(nz[-1]) + 1 if nz.size else 1
+    m = out_m[:last]
+    grid = np.exp(u0 + g * (start + np.arange(last)))
+    value = np.where(m > 0.0, out_r[:last] / np.where(m > 0.0, m, 1.0), grid)
+    total = AllocationSum(u0, g, m, 0.0, (0.0, 0.0), start, a.terms + b.terms, value=value)
+    return _trim(total, False, 1)
+
+
 def allocation_sum(
     noise_multiplier: float, steps: int, ratio_log: float, mode: str
 ) -> AllocationSum:
@@ -328,7 +403,10 @@ def _loss_pld(
 ) -> DiscretePLD:
     """Loss PLD on grid h: remove = log(S/T) under P' (mass w s/T), add = -log(S/T) under Q."""
     g = total.ratio_log
-    ls = total.u0 + g * (total.start + np.arange(total.mass.size)) - math.log(steps)  # log(s/T)
+    if total.value is not None:
+        ls = np.log(np.maximum(total.value, 1e-300)) - math.log(steps)  # log(s/T), merged atoms
+    else:
+        ls = total.u0 + g * (total.start + np.arange(total.mass.size)) - math.log(steps)
     keep = total.mass > 0.0
     w = total.mass[keep]
     ls = ls[keep]
@@ -379,10 +457,8 @@ def allocation_plds(
         s = allocation_sum(noise_multiplier, steps, ratio_log, "spread")
         sums = {"remove": s, "add": s}
     else:
-        sums = {
-            "remove": allocation_sum(noise_multiplier, steps, ratio_log, "down"),
-            "add": allocation_sum(noise_multiplier, steps, ratio_log, "up"),
-        }
+        s = allocation_sum(noise_multiplier, steps, ratio_log, "merge")
+        sums = {"remove": s, "add": s}
     for direction, total in sums.items():
         one = _loss_pld(total, steps, interval, direction, upper)
         out[direction] = compose([(one, epochs)]) if upper else _compose_lower(one, epochs)
