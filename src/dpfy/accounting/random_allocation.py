@@ -341,10 +341,7 @@ def _add_merge(a: AllocationSum, b: AllocationSum) -> AllocationSum:
         d_lo, d_hi = int(ds[sel[0]]), int(ds[sel[-1]])
         kernel = np.ones(d_hi - d_lo + 1)
 
-        def conv(m: np.ndarray, lo: int = d_lo) -> np.ndarray:
-            return np.convolve(m, kernel)[: n0 - lo]
-
-        ca, cb, cra, crb = conv(ma), conv(mb), conv(ra), conv(rb)
+        ca, cb, cra, crb = (np.convolve(m, kernel)[: n0 - d_lo] for m in (ma, mb, ra, rb))
         k0 = int(f) + d_lo
         out_m[k0 : k0 + n0 - d_lo] += mb[d_lo:] * ca + ma[d_lo:] * cb
         out_r[k0 : k0 + n0 - d_lo] += (
