@@ -118,25 +118,30 @@ _TRIM = 1e-18  # mass of each tail of a partial sum that may be trimmed (sent to
 
 
 def _trim(total: AllocationSum, upper: bool, steps: int) -> AllocationSum:
-    """Drop the two tails of at most _TRIM Q-mass each; the upper bound sends them to +inf.
+    """Drop the two tails of the partial sum whose weight Q-mass * (1 + s/T) is at most _TRIM
+    each; the upper bound sends them to +infinity.
 
     A trimmed set B of partial sums (k of the T terms) has Q(B) = its mass in the add
     direction and P(B) = E_Q[S/T; B] = (E_Q[partial; B] + Q(B) (T - k)) / T in the remove one.
     """
     m = total.mass
-    head = np.cumsum(m)
-    tail = np.cumsum(m[::-1])[::-1]
-    lo = int(np.searchsorted(head, _TRIM, side="right"))
-    hi = m.size - int(np.searchsorted(tail[::-1], _TRIM, side="right"))
-    if lo >= hi:
-        return total
-    dropped = float(head[lo - 1] if lo > 0 else 0.0) + float(tail[hi] if hi < m.size else 0.0)
-    if dropped == 0.0 or not upper:
-        cut = total.cut
+    if total.value is not None:
+        x = total.value
     else:
         x = np.exp(total.u0 + total.ratio_log * (total.start + np.arange(m.size)))
-        out_of = np.ones(m.size, dtype=bool)
-        out_of[lo:hi] = False
+    weight = m * (1.0 + x / steps)
+    head = np.cumsum(weight)
+    tail = np.cumsum(weight[::-1])
+    lo = int(np.searchsorted(head, _TRIM, side="right"))
+    hi = m.size - int(np.searchsorted(tail, _TRIM, side="right"))
+    if lo >= hi or (lo == 0 and hi == m.size):
+        return total
+    out_of = np.ones(m.size, dtype=bool)
+    out_of[lo:hi] = False
+    dropped = float(np.sum(m[out_of]))
+    if not upper:
+        cut = total.cut
+    else:
         mean_part = float(np.sum(m[out_of] * x[out_of]))
         p_mass = (mean_part + dropped * (steps - total.terms)) / steps
         cut = (min(1.0, total.cut[0] + p_mass), min(1.0, total.cut[1] + dropped))
@@ -235,7 +240,7 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
     exactly ``exp(-d g) / (exp(g) - 1)``, a geometric kernel, summed by a linear recursion.
     """
     if mode == "merge":
-        return _add_merge(a, b)
+        return _add_merge(a, b, steps)
     g, u0 = a.ratio_log, a.u0
     start = min(a.start, b.start)
     n0 = max(a.start + a.mass.size, b.start + b.mass.size) - start
@@ -311,7 +316,7 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
     return _trim(total, mode == "spread", steps)
 
 
-def _add_merge(a: AllocationSum, b: AllocationSum) -> AllocationSum:
+def _add_merge(a: AllocationSum, b: AllocationSum, steps: int) -> AllocationSum:
     """Sum for the optimistic twin: every pair of buckets goes to one output bucket, which
     keeps the exact total mass and mean of what it received (merging atoms is a
     post-processing, so the pair stays dominated by the exact one)."""
@@ -366,7 +371,7 @@ def _add_merge(a: AllocationSum, b: AllocationSum) -> AllocationSum:
     grid = np.exp(u0 + g * (start + np.arange(last)))
     value = np.where(m > 0.0, out_r[:last] / np.where(m > 0.0, m, 1.0), grid)
     total = AllocationSum(u0, g, m, 0.0, (0.0, 0.0), start, a.terms + b.terms, value=value)
-    return _trim(total, False, 1)
+    return _trim(total, False, steps)
 
 
 def allocation_sum(
@@ -568,7 +573,7 @@ def _bounds(
     prev = None
     z_max = max(z for z, _ in parts)
     # The grid resolves the spread of log X (std 1/z) and the loss of one epoch.
-    g = min(_FIRST_RATIO_LOG, 1.0 / (50.0 * z_max))
+    g = min(_FIRST_RATIO_LOG, 1.0 / (25.0 * z_max))
     h = min(_FIRST_INTERVAL, 0.1 * g)
     for _ in range(levels):
         up = read(_composed(parts, g, h, upper=True))
