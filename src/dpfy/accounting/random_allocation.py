@@ -57,6 +57,7 @@ interest, as in :mod:`dpfy.accounting.pld`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -455,16 +456,20 @@ def allocation_plds(
 ) -> dict[str, DiscretePLD]:
     """Composed loss PLDs of ``epochs`` epochs, both directions (upper or lower bound)."""
     out: dict[str, DiscretePLD] = {}
-    if upper:
-        s = allocation_sum(noise_multiplier, steps, ratio_log, "spread")
-        sums = {"remove": s, "add": s}
-    else:
-        s = allocation_sum(noise_multiplier, steps, ratio_log, "merge")
-        sums = {"remove": s, "add": s}
-    for direction, total in sums.items():
-        one = _loss_pld(total, steps, interval, direction, upper)
+    ones = _one_epoch(float(noise_multiplier), int(steps), float(ratio_log), float(interval), upper)
+    for direction, one in ones:
         out[direction] = compose([(one, epochs)]) if upper else _compose_lower(one, epochs)
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _one_epoch(
+    z: float, steps: int, g: float, h: float, upper: bool
+) -> tuple[tuple[str, DiscretePLD], ...]:
+    """One epoch's loss PLDs (cached: epoch-by-epoch histories and repeated queries reuse the
+    expensive sum; the arrays are never modified in place)."""
+    total = allocation_sum(z, steps, g, "spread" if upper else "merge")
+    return tuple((d, _loss_pld(total, steps, h, d, upper)) for d in ("remove", "add"))
 
 
 def _compose_lower(one: DiscretePLD, epochs: int) -> DiscretePLD:
