@@ -9,7 +9,10 @@ than dpfy's, so it is not installed into dpfy's environment):
 Writes ``random_allocation.json`` beside this script: for each grid point (T, z, epochs,
 delta) the PLD_accounting (Feldman & Shenfeld 2026) upper and lower epsilon bounds from
 ``gaussian_allocation_epsilon_range`` with its default accuracy, and the seconds it took.
-Each point is appended as soon as it is done, so an interrupted run keeps what it computed.
+Each point is appended as soon as it is done, so an interrupted run keeps what it computed
+(and a rerun resumes). The stored file holds the first 17 points of GRID (computed with numba
+on a shared 2-core machine; ``seconds`` is PLD_accounting's time there); the last three
+(T=1000 x 50 epochs, twice, and T=8, z=0.5 x 50 epochs) were not finished.
 """
 
 from __future__ import annotations
