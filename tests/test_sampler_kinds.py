@@ -141,7 +141,7 @@ def test_the_builtin_rows():
     epochal = {r.name for r in kinds() if r.epoch_structured}
     assert epochal == {"balls_and_bins", "shuffle", "deterministic"}
     accountants = {r.name: r.default_accountant for r in kinds()}
-    assert accountants["poisson"] == "pld" and accountants["balls_and_bins"] == "monte_carlo"
+    assert accountants["poisson"] == "pld" and accountants["balls_and_bins"] == "random_allocation"
 
 
 @pytest.mark.parametrize("name", _BUILTIN)

@@ -59,6 +59,7 @@ class MethodName(StrEnum):
     pld = "pld"
     gaussian = "gaussian"
     monte_carlo = "monte_carlo"
+    random_allocation = "random_allocation"
     shuffle = "shuffle"
     all = "all"
 

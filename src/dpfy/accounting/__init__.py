@@ -9,6 +9,7 @@ from dpfy.accounting import (
     balls_and_bins,  # noqa: F401  (registers the 'monte_carlo' accountant)
     gaussian,  # noqa: F401  (registers the 'gaussian' accountant)
     pld,  # noqa: F401  (registers the 'pld' accountant)
+    random_allocation,  # noqa: F401  (registers the 'random_allocation' accountant)
     rdp,  # noqa: F401  (registers the 'rdp' accountant)
     shuffle,  # noqa: F401  (registers the 'shuffle' accountant)
 )

@@ -80,6 +80,8 @@ class _Evaluator:
     * pld: coarse = the first (coarsest) loss grid, no refinement; fine = the full tolerance
       for the first fine call, then that call's final grid interval for the calls after it
       (a fixed grid makes epsilon a smooth function of the parameter near the target).
+    * random_allocation: coarse = the first grid level; fine = the upper bound alone (no
+      optimistic twin).
     * rdp: coarse = a sparse order grid; fine = the default orders within a factor 2 of the
       best coarse order, then the order optimised continuously in that bracket (a subset of
       orders can only give a larger, still valid, epsilon).
@@ -92,7 +94,7 @@ class _Evaluator:
         self.make_event = make_event
         self.delta = delta
         self.method = method
-        self.has_coarse = isinstance(method, str) and method in ("pld", "rdp")
+        self.has_coarse = isinstance(method, str) and method in ("pld", "rdp", "random_allocation")
         self._interval: float | None = None
         self._order: float | None = None
 
@@ -102,6 +104,12 @@ class _Evaluator:
             return _api.epsilon(event, self.delta, method=self.method).epsilon
         if not self.has_coarse:
             return _api.epsilon(event, self.delta, method=self.method).epsilon
+        if self.method == "random_allocation":
+            from dpfy.accounting import random_allocation as _ra
+
+            if _api.contains_non_private(event):
+                return math.inf
+            return _ra.epsilon_upper(event, self.delta, coarse=coarse)
         if self.method == "pld":
             if coarse:
                 h = _pld.first_interval(event)

@@ -111,11 +111,10 @@ BALLS_AND_BINS = register_kind(
         truncates=True,
         epoch_structured=True,
         assumptions="each example is placed in exactly one uniformly random batch per epoch "
-        "(Balls-and-Bins, Chua et al. 2025); epsilon from Monte Carlo accounting of the "
-        "dominating pair is an upper confidence bound that fails with the stated error "
-        "probability",
-        default_accountant="monte_carlo",
-        history_methods=("monte_carlo",),
+        "(Balls-and-Bins, Chua et al. 2025); epsilon is the provable random-allocation PLD "
+        "bound (Feldman & Shenfeld 2026) of the dominating pair",
+        default_accountant="random_allocation",
+        history_methods=("random_allocation",),
         sampler=BallsAndBinsSampler,
         cli=True,
         cli_train=True,

@@ -169,7 +169,7 @@ def train_image_classifier(
       max_physical_batch_size: rows per forward/backward pass.
       accounting: accountant for calibration, the guard and the final statement; default: the
         sampler kind's ``default_accountant`` (:mod:`dpfy.sampling.kinds`: ``"pld"`` for
-        Poisson, ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` otherwise).
+        Poisson, ``"random_allocation"`` for Balls-and-Bins, ``"auto"`` otherwise).
       out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
       progress: show a progress bar (loss, accuracy, epsilon spent).
       seed: None (default): sampling and noise come from the secure generator

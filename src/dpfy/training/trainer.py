@@ -225,7 +225,8 @@ class PrivateTrainer:
       max_physical_batch_size: rows per forward/backward pass (memory bound).
       accounting: accountant (name or configured instance) for calibration, the guard and the
         final statement; must apply to the sampler (``"pld"`` or ``"rdp"`` for Poisson,
-        ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` picks the tightest that applies).
+        ``"random_allocation"`` or ``"monte_carlo"`` for Balls-and-Bins, ``"auto"`` picks the
+        tightest that applies).
       monitor_accounting: accountant for the per-epoch "epsilon so far" read from the ledger
         (default: ``accounting``, so the curve ends at the final statement; ``"rdp"`` is
         cheaper but looser). Falls back to ``accounting`` when it does not apply.

@@ -375,4 +375,6 @@ def _no_amplification_epsilon(epochs: Sequence[Epoch], delta: float) -> float:
     return float(gaussian_epsilon(_no_amplification_mu(epochs), delta))
 
 
-register_accountant(MonteCarloAccountant(), auto=True)
+# Not an auto method: Balls-and-Bins events get the provable random-allocation PLD by default
+# (dpfy.accounting.random_allocation); Monte Carlo stays selectable as an estimate.
+register_accountant(MonteCarloAccountant(), auto=False)
