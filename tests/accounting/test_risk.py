@@ -129,3 +129,13 @@ def test_cli_epsilon_json_has_tpr_at_fpr() -> None:
     want = attack_risk(ev.SelfComposed(ev.PoissonSampled(256 / 60000, ev.Gaussian(1.0)), 468))
     assert payload["tpr_method"] == "pld"
     assert payload["tpr_at_fpr"] == pytest.approx(want.to_dict()["tpr_at_fpr"])
+
+
+def test_balls_and_bins_uses_the_random_allocation_pld() -> None:
+    risk = attack_risk(ev.BallsAndBins(1.0, 8, 1))
+    assert risk.method == "random_allocation"
+    assert all(a < t < 1.0 for a, t in zip(risk.fpr, risk.tpr, strict=True))
+    # One step per epoch is the Gaussian mechanism itself: the closed form, from above.
+    one = np.array(attack_risk(ev.BallsAndBins(2.0, 1, 3)).tpr)
+    exact = _gaussian_tpr(ALPHAS, math.sqrt(3) / 2.0)
+    assert np.all(one >= exact - 1e-12) and np.all(one - exact <= 2e-3), (one, exact)

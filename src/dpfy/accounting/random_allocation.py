@@ -67,7 +67,7 @@ from scipy import signal, special
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import gaussian as gauss
-from dpfy.accounting._api import PrivacyResult, register_accountant
+from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
 from dpfy.accounting.pld import DiscretePLD, compose
 
 __all__ = [
@@ -78,6 +78,7 @@ __all__ = [
     "allocation_epsilon",
     "allocation_delta",
     "epsilon_upper",
+    "upper_plds",
     "RandomAllocationAccountant",
 ]
 
@@ -549,6 +550,28 @@ def _composed(
             composed = compose(items, tail_mass=1e-300)
             out[direction] = dataclasses.replace(composed, infinity_mass=0.0)
     return out
+
+
+def upper_plds(event: ev.Event, level: int = 0) -> tuple[DiscretePLD, ...]:
+    """The provable composed PLDs of a Balls-and-Bins event (remove, add) at grid ``level``.
+
+    Level 0 is the accountant's first (coarsest) grid; each level halves both grids. Every
+    level dominates the exact pair, so anything monotone in the hockey-stick curve computed
+    from it (delta, an attacker's true-positive rate) is a valid upper bound.
+
+    Raises:
+      UnsupportedEventError: a sub-event this accountant cannot account.
+    """
+    reason = RandomAllocationAccountant().unsupported(event)
+    if reason is not None:
+        raise UnsupportedEventError(reason)
+    parts = _parts(event)
+    if not parts:
+        return ()
+    z_max = max(z for z, _ in parts)
+    g = min(_FIRST_RATIO_LOG, 1.0 / (25.0 * z_max)) / 2.0**level
+    h = min(_FIRST_INTERVAL, 0.1 * g * 2.0**level) / 2.0**level
+    return tuple(_composed(parts, g, h, upper=True).values())
 
 
 def _gaussian_only(parts: dict[tuple[float, int], int]) -> float | None:

@@ -190,8 +190,7 @@ def attack_risk(
     shifted = np.minimum(np.asarray(alphas) + p, 1.0)
     notes: list[str] = []
     try:
-        tpr, pld_notes = _pld_tpr(tamed, shifted, tolerance)
-        method_used = "pld"
+        tpr, pld_notes, method_used = _pld_tpr(tamed, shifted, tolerance)
         notes.extend(pld_notes)
         if clamped:
             notes.append(_CLAMP_NOTE)
@@ -216,29 +215,49 @@ def attack_curve(event: ev.Event | EventSource, method: str = "auto") -> AttackR
 
 def _pld_tpr(
     event: ev.Event, alphas: npt.NDArray[np.float64], tolerance: float
-) -> tuple[npt.NDArray[np.float64], list[str]]:
-    """Max over directions of the discrete pair's TPR, on halving grids until converged."""
-    h = _pld.first_interval(event)  # raises UnsupportedEventError first
+) -> tuple[npt.NDArray[np.float64], list[str], str]:
+    """Max over directions of the discrete pair's TPR, on finer grids until converged.
+
+    The Poisson/Gaussian PLD engine first; Balls-and-Bins events through the random-allocation
+    PLD (Feldman & Shenfeld), whose upper PLDs dominate the exact pair in the same way.
+    """
+    from dpfy.accounting import random_allocation
+
+    try:
+        h0 = _pld.first_interval(event)  # raises UnsupportedEventError first
+
+        def plds(level: int) -> tuple[_pld.DiscretePLD, ...]:
+            return _pld.composed_plds(event, h0 / 2.0**level)
+
+        name, levels = "pld", 14
+    except UnsupportedEventError:
+
+        def plds(level: int) -> tuple[_pld.DiscretePLD, ...]:
+            return random_allocation.upper_plds(event, level)
+
+        plds(0)  # raises UnsupportedEventError when neither engine applies
+        name, levels = "random_allocation", 3
     best = np.ones_like(alphas)
     prev: npt.NDArray[np.float64] | None = None
-    for _ in range(14):
+    used = 0
+    for level in range(levels):
         try:
-            plds = _pld.composed_plds(event, h)
+            pair = plds(level)
         except ValueError:  # the grid outgrew its limit: keep the finest finished level
             break
-        if not plds:
-            return np.asarray(alphas, dtype=float), ["no release"]
-        tpr = np.max([tpr_from_pld(d, alphas) for d in plds], axis=0)
+        if not pair:
+            return np.asarray(alphas, dtype=float), ["no release"], name
+        tpr = np.max([tpr_from_pld(d, alphas) for d in pair], axis=0)
         best = np.minimum(best, tpr)
+        used = level
         if prev is not None and np.all(np.abs(prev - tpr) <= 3.0 * tolerance * tpr):
             break
         prev = tpr
-        h *= 0.5
     note = (
-        "Neyman-Pearson test on the pessimistic composed PLD (maximum over the add and "
-        f"remove directions); loss grid interval {2.0 * h if prev is None else h:.3g}"
+        f"Neyman-Pearson test on the pessimistic composed {name} PLD (maximum over the add "
+        f"and remove directions), grid level {used}"
     )
-    return best, [note]
+    return best, [note], name
 
 
 def _epsilon_delta_tpr(
