@@ -317,7 +317,8 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
     ok = {m: r for m, r in mem.items() if "error" not in r}
     pp, pg = ok.get("plain", {}).get("peak_mb"), ok.get("opacus_ghost", {}).get("peak_mb")
     sp, sg = ok.get("plain", {}).get("step_mb"), ok.get("opacus_ghost", {}).get("step_mb")
-    for m, r in res.items():
+    for m in sorted(res, key=METHODS.index):
+        r = res[m]
         if "error" in r:
             print(f"  {m:13s} {r['error']}")
             continue
