@@ -146,7 +146,7 @@ def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
             r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
             task_type="SEQ_CLS", modules_to_save=["pooler"],
         )
-        net = peft.get_peft_model(net, cfg)  # type: ignore[arg-type]
+        net = peft.get_peft_model(net, cfg)
     return net
 
 
