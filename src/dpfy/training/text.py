@@ -178,7 +178,8 @@ class _TextTrainer(PrivateTrainer):
 
 class _RunningEpsilon:
     """A rich progress bar whose epsilon is the ledger's so far, refreshed about 50 times a run
-    (read through :func:`dpfy.training.budget.spent`, never computed here)."""
+    with PLD or RDP, else after every epoch (read through :func:`dpfy.training.budget.spent`
+    or the trainer's epoch record, never computed here)."""
 
     def __init__(self, ledger: Callable[[], Ledger], delta: float, method: str, total: int):
         from rich.progress import (
@@ -192,6 +193,8 @@ class _RunningEpsilon:
 
         self._ledger, self._delta, self._method = ledger, delta, method
         self._every = max(1, total // 50)
+        # between epochs only with the fast accountants (Monte Carlo is refreshed per epoch)
+        self._per_step = method in ("pld", "rdp")
         self._progress = Progress(
             TextColumn("[bold]DP fine-tuning[/bold] epoch {task.fields[epoch]}"),
             BarColumn(), MofNCompleteColumn(),
@@ -209,7 +212,9 @@ class _RunningEpsilon:
             fields["loss"] = f"{info.loss:.3f}"
         if info.test_accuracy is not None:
             fields["test"] = f"{info.test_accuracy:.4f}"
-        if info.kind == "epoch" or info.step % self._every == 0:
+        if info.kind == "epoch" and info.epsilon is not None:  # the trainer's, from the ledger
+            fields["eps"] = f"{info.epsilon:.3f}"
+        elif self._per_step and info.step % self._every == 0:
             eps = spent(self._ledger(), self._delta, self._method)
             fields["eps"] = f"{eps:.3f}"
         self._progress.update(self._task, completed=info.step, **fields)
