@@ -479,11 +479,16 @@ SEEDED_HELP = (
 class DatasetName(StrEnum):
     mnist = "mnist"
     fashion_mnist = "fashion-mnist"
+    rotten_tomatoes = "rotten-tomatoes"
 
 
 if not TYPE_CHECKING:
     #: Samplers of ``dpfy train`` (rows of dpfy.sampling.kinds with ``cli_train``).
     TrainSampler = _sampler_enum("TrainSampler", train=True)
+
+
+#: ``--max-length`` of ``dpfy train``: tokens per text example, as BERT's positions allow.
+_max_length = _parsed("max_length", int, lambda n, v: _rules.check_int(n, v, 2, 512))
 
 
 class TrainPrecision(StrEnum):
@@ -505,23 +510,23 @@ def train(
     ] = TrainSampler.poisson,
     epochs: Annotated[
         int | None,
-        typer.Option("--epochs", help="Passes over the data (default 10).",
-                     parser=_count("epochs")),
+        typer.Option("--epochs", help="Passes over the data (default: images 10; text 2, "
+                     "LoRA 3).", parser=_count("epochs")),
     ] = None,
     batch_size: Annotated[
         int | None,
-        typer.Option("--batch-size", help="Expected batch size (default 1024).",
-                     parser=_count("batch_size")),
+        typer.Option("--batch-size", help="Expected batch size (default: images 1024; "
+                     "text 256).", parser=_count("batch_size")),
     ] = None,
     learning_rate: Annotated[
         float | None,
-        typer.Option("--learning-rate", help="SGD step size (default 2.0).",
-                     parser=_positive("learning_rate", _rules.MAX_SCALE)),
+        typer.Option("--learning-rate", help="Step size (default: images SGD 2.0; text Adam "
+                     "1e-4, LoRA 5e-4).", parser=_positive("learning_rate", _rules.MAX_SCALE)),
     ] = None,
     clip_norm: Annotated[
         float | None,
-        typer.Option("--clip-norm", help="Per-example clip norm (default 0.1).",
-                     parser=_positive("clip_norm", _rules.MAX_SCALE)),
+        typer.Option("--clip-norm", help="Per-example clip norm (default: images 0.1; "
+                     "text 1.0).", parser=_positive("clip_norm", _rules.MAX_SCALE)),
     ] = None,
     seed: Annotated[
         int | None, typer.Option("--seed", help=SEEDED_HELP, parser=_seed())
@@ -531,8 +536,28 @@ def train(
     ] = None,
     train_limit: Annotated[
         int | None,
-        typer.Option("--train-limit", help="Use only this many training images.",
+        typer.Option("--train-limit", help="Use only this many training examples.",
                      parser=_count("train_limit")),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Text datasets only: the pretrained model {minilm} "
+                     "(default minilm)."),
+    ] = None,
+    lora: Annotated[
+        bool,
+        typer.Option("--lora", help="Text datasets only: LoRA (r=8 on query/value; pooler "
+                     "and head trained) instead of full fine-tuning."),
+    ] = False,
+    max_length: Annotated[
+        int | None,
+        typer.Option("--max-length", help="Text datasets only: tokens per example, in "
+                     "[2, 512] (default 64).", parser=_max_length),
+    ] = None,
+    test_limit: Annotated[
+        int | None,
+        typer.Option("--test-limit", help="Text datasets only: evaluate on this many test "
+                     "examples.", parser=_count("test_limit")),
     ] = None,
     threads: Annotated[
         int | None,
@@ -545,7 +570,8 @@ def train(
                      "noise stay fp32."),
     ] = TrainPrecision.fp32,
 ) -> None:
-    """Train a CNN with DP-SGD, then write the model, ledger and privacy report to --out."""
+    """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
+    the model, ledger and privacy report to --out."""
     from dpfy import runs
 
     run = runs.train_and_report(
@@ -563,6 +589,10 @@ def train(
         threads=threads,
         progress=True,
         precision=precision.value,
+        model=model,
+        lora=lora,
+        max_length=max_length,
+        test_limit=test_limit,
     )
     from rich.console import Console
 

@@ -26,7 +26,7 @@ import math
 import os
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -155,12 +155,17 @@ def train_and_report(
     threads: int | None = None,
     progress: bool = False,
     precision: str = "fp32",
+    model: str | None = None,
+    lora: bool = False,
+    max_length: int | None = None,
+    test_limit: int | None = None,
 ) -> TrainedRun:
-    """Train with :func:`dpfy.training.recipes.train_image_classifier`, then account the ledger
-    and write ``report.md``, ``report.json`` and figures beside the model.
+    """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
+    :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
+    ``report.md``, ``report.json`` and figures beside the model.
 
     Args:
-      dataset: ``"mnist"`` or ``"fashion-mnist"``.
+      dataset: ``"mnist"``, ``"fashion-mnist"`` or ``"rotten-tomatoes"`` (text).
       out: a new run directory (default ``runs/<dataset>-<date>-<time>``).
       target_epsilon, delta: the budget the noise is calibrated to; delta in (0, 1).
       sampler: the batch sampler that runs (``"poisson"`` or ``"balls_and_bins"``).
@@ -171,15 +176,37 @@ def train_and_report(
       train_limit, threads, progress: as in the recipe.
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32).
+      model, lora, max_length, test_limit: text datasets only: the pretrained model
+        (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
+        (default 64) and the first ``test_limit`` test examples only.
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
     from dpfy.datasets import DATASETS
+    from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS
 
-    if dataset not in DATASETS:
-        allowed = ", ".join(DATASETS)
+    if dataset not in (*DATASETS, *TEXT_DATASETS):
+        allowed = ", ".join((*DATASETS, *TEXT_DATASETS))
         raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
+    text = dataset in TEXT_DATASETS
+    if model is not None and model not in TEXT_MODELS:
+        raise ValueError(
+            f"model must be one of {{{', '.join(TEXT_MODELS)}}} (a text dataset's pretrained "
+            f"model), got model={model!r}"
+        )
+    for name, given in (("model", model is not None), ("lora", lora),
+                        ("max_length", max_length is not None),
+                        ("test_limit", test_limit is not None)):
+        if given and not text:
+            raise ValueError(
+                f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
+                f"got dataset={dataset!r}"
+            )
+    if max_length is not None:
+        check_int("max_length", max_length, 2, 512)
+    if test_limit is not None:
+        check_int("test_limit", test_limit)
     _check_budget(target_epsilon, delta)
     for name, count in (("epochs", epochs), ("batch_size", batch_size),
                         ("train_limit", train_limit)):
@@ -197,8 +224,6 @@ def train_and_report(
     check_precision(precision)
     out_dir = _new_run_dir(out, dataset)
 
-    from dpfy.training.recipes import train_image_classifier
-
     options: dict[str, Any] = {
         "epochs": epochs,
         "batch_size": batch_size,
@@ -208,8 +233,17 @@ def train_and_report(
         "threads": threads,
         "precision": precision,
     }
+    text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
+                    "test_limit": test_limit} if text else {}
+    options.update(text_options)
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
-    summary = train_image_classifier(
+    from dpfy.training import recipes
+    from dpfy.training import text as text_recipe
+
+    train_fn: Callable[..., Any] = (
+        text_recipe.train_text_classifier if text else recipes.train_image_classifier
+    )
+    summary = train_fn(
         dataset,
         target_epsilon=target_epsilon,
         delta=delta,
@@ -228,7 +262,9 @@ def train_and_report(
         "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
-         "train_limit": train_limit, "precision": None if precision == "fp32" else precision},
+         "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
+         **{k: v for k, v in text_options.items() if k != "lora"},
+         "lora": "" if lora else None},
     )
     summary.ledger.record_metadata(
         delta=delta,
@@ -547,7 +583,9 @@ def _train_command(
     argv = ["dpfy", command, dataset, "--target-epsilon", f"{target_epsilon:g}", "--delta",
             f"{delta:g}", "--out", str(out_dir)]
     for key, value in options.items():
-        if value is not None:
+        if value == "":  # a flag
+            argv.append(f"--{key.replace('_', '-')}")
+        elif value is not None:
             text = str(value).replace("_", "-") if key == "sampler" else str(value)
             argv += [f"--{key.replace('_', '-')}", text]
     return shlex.join(argv)

@@ -35,7 +35,13 @@ from dpfy.sampling import make_sampler
 from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
-__all__ = ["MODELS", "TrainResultSummary", "make_model", "train_image_classifier"]
+__all__ = [
+    "MODELS",
+    "TrainResultSummary",
+    "make_model",
+    "run_randomness",
+    "train_image_classifier",
+]
 
 
 def _tanh_cnn() -> nn.Module:
@@ -192,18 +198,7 @@ def train_image_classifier(
         torch.set_num_threads(int(threads))
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test")
-    if seed is None:
-        sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
-        randomness = {"sampling_randomness": sample_rng.describe(),
-                      "noise_randomness": noise_rng.describe()}
-    else:
-        base = Randomness(int(seed))
-        sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
-        noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
-        torch.manual_seed(int(seed))
-        # both streams derive from the one seed a user would pass again
-        randomness = dict.fromkeys(("sampling_randomness", "noise_randomness"),
-                                   base.describe())
+    sample_rng, noise_rng, randomness = run_randomness(seed)
     net = make_model(model)
     batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
     if accounting is None:
@@ -295,6 +290,25 @@ def train_image_classifier(
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
     return summary
+
+
+def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:
+    """(sampling stream, noise stream, their ledger description) of a recipe run.
+
+    ``seed=None``: two secure generators (docs/randomness.md), a DP release. An int: both
+    streams derive from the one seed a user would pass again, and ``torch.manual_seed(seed)``
+    fixes the initialisation: a reproducible experiment, not a DP release.
+    """
+    if seed is None:
+        sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
+        return sample_rng, noise_rng, {"sampling_randomness": sample_rng.describe(),
+                                       "noise_randomness": noise_rng.describe()}
+    base = Randomness(int(seed))
+    sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
+    noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
+    torch.manual_seed(int(seed))
+    return sample_rng, noise_rng, dict.fromkeys(("sampling_randomness", "noise_randomness"),
+                                                base.describe())
 
 
 def _print_epoch(info: ProgressInfo) -> None:  # pragma: no cover - console helper

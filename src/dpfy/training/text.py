@@ -1,0 +1,373 @@
+"""Ready-made DP fine-tuning of a pretrained text encoder (what ``dpfy train rotten-tomatoes``
+calls).
+
+:func:`train_text_classifier` fine-tunes all-MiniLM-L6-v2 (:mod:`dpfy.hf.pretrained`) as a
+binary fresh/rotten classifier on the rotten-tomatoes snippets (:func:`dpfy.datasets.
+rotten_tomatoes`, split by movie), with DP-Adam: the :class:`~dpfy.training.PrivateTrainer`
+releases the clipped, noised gradient sum (the noise multiplier calibrated to the target
+(epsilon, delta) from the sampler's event), and Adam (Kingma & Ba 2015) post-processes it, as in
+Li et al. 2022 ("Large language models can be strong differentially private learners").
+
+Unit of privacy: one training snippet (add-or-remove for Poisson sampling). A movie contributes
+2 to 35 snippets, so the guarantee per *movie* is weaker (group privacy); the report states the
+snippet unit.
+
+Fine-tuning modes (``lora``):
+
+* full (default): every parameter of the encoder, the fresh pooler and the fresh 2-way head is
+  trainable (22.7M parameters); defaults lr 1e-4, 2 epochs;
+* LoRA (Hu et al. 2022, via ``peft``): rank r=8 (alpha 16, no LoRA dropout) on the attention
+  ``query`` and ``value`` projections of all 6 layers, plus the fresh pooler and head trained
+  in full (``modules_to_save``); the pretrained weights stay frozen (about 0.22M trainable
+  parameters); defaults lr 5e-4, 3 epochs.
+
+Both: expected batch size 256 (Poisson rate 256 / N), clip norm 1.0, Adam betas (0.9, 0.999),
+no weight EMA. Snippets are tokenised once with MiniLM's uncased WordPiece tokenizer, padded and
+truncated to ``max_length`` tokens: at the default 64, 7 of the 12,808 snippets (0.05 %) are
+cut; at 48, 3.9 %; at 32, 30.3 % (:func:`truncated_fraction`, recorded in the ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dpfy import datasets
+from dpfy._validate import check_int
+from dpfy.ledger import Ledger
+from dpfy.sampling import kind as sampler_kind
+from dpfy.sampling import make_sampler
+from dpfy.training.budget import spent
+from dpfy.training.losses import sequence_classification_loss
+from dpfy.training.precision import check_precision
+from dpfy.training.recipes import TrainResultSummary, run_randomness
+from dpfy.training.trainer import PrivateTrainer, ProgressInfo
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "LORA_TARGETS",
+    "TEXT_DATASETS",
+    "TEXT_DEFAULTS",
+    "TEXT_MODELS",
+    "TokenDataset",
+    "evaluate_text",
+    "make_text_model",
+    "tokenize",
+    "train_text_classifier",
+    "truncated_fraction",
+]
+
+#: Text datasets of :func:`train_text_classifier`.
+TEXT_DATASETS = ("rotten-tomatoes",)
+#: Pretrained text models by name.
+TEXT_MODELS = ("minilm",)
+#: The attention projections that get LoRA factors (BERT module names).
+LORA_TARGETS = ("query", "value")
+#: Defaults per mode: learning rate (Adam) and epochs; batch size and clip norm are shared.
+TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    "full": {"learning_rate": 1e-4, "epochs": 2, "batch_size": 256, "clip_norm": 1.0},
+    "lora": {"learning_rate": 5e-4, "epochs": 3, "batch_size": 256, "clip_norm": 1.0},
+}
+
+
+class TokenDataset(Dataset[dict[str, torch.Tensor]]):
+    """Tokenised snippets as a map-style dataset of token dicts (one item = one unit).
+
+    Items: ``input_ids``, ``token_type_ids``, ``attention_mask`` (int64, length
+    ``max_length``) and ``labels`` (int64 scalar).
+    """
+
+    def __init__(self, tokens: dict[str, torch.Tensor], labels: torch.Tensor) -> None:
+        self.tokens = tokens
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = {k: v[i] for k, v in self.tokens.items()}
+        item["labels"] = self.labels[i]
+        return item
+
+
+def tokenize(
+    texts: Sequence[str],
+    labels: np.ndarray,
+    max_length: int,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> TokenDataset:
+    """Tokenise ``texts`` padded and truncated to ``max_length`` tokens (incl. [CLS], [SEP])."""
+    check_int("max_length", max_length, 2, 512)
+    if tokenizer is None:
+        from dpfy.hf.pretrained import load_minilm_tokenizer
+
+        tokenizer = load_minilm_tokenizer()
+    enc = tokenizer(list(texts), padding="max_length", truncation=True,
+                    max_length=max_length, return_tensors="pt")
+    tokens = {k: enc[k].long() for k in ("input_ids", "token_type_ids", "attention_mask")}
+    return TokenDataset(tokens, torch.as_tensor(np.asarray(labels), dtype=torch.long))
+
+
+def truncated_fraction(
+    texts: Sequence[str], max_length: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> float:
+    """Fraction of ``texts`` longer than ``max_length`` tokens (incl. [CLS] and [SEP])."""
+    check_int("max_length", max_length, 2, 512)
+    if tokenizer is None:
+        from dpfy.hf.pretrained import load_minilm_tokenizer
+
+        tokenizer = load_minilm_tokenizer()
+    lengths = [len(ids) for ids in tokenizer(list(texts))["input_ids"]]
+    return float(np.mean(np.asarray(lengths) > max_length)) if lengths else 0.0
+
+
+def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
+    """The pretrained classifier (2 labels), fully trainable or with LoRA (module docstring)."""
+    if model not in TEXT_MODELS:
+        raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
+    from dpfy.hf.pretrained import load_minilm_classifier
+
+    net: nn.Module = load_minilm_classifier(num_labels=2)
+    if lora:
+        import peft
+
+        cfg = peft.LoraConfig(
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+            task_type="SEQ_CLS", modules_to_save=["pooler"],
+        )
+        net = peft.get_peft_model(net, cfg)
+    return net
+
+
+@torch.no_grad()
+def evaluate_text(model: nn.Module, data: TokenDataset, batch_size: int = 128) -> float:
+    """Accuracy of ``model`` on ``data`` (eval mode; the mode is restored)."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(0, len(data), batch_size):
+        batch = {k: v[i : i + batch_size] for k, v in data.tokens.items()}
+        logits = model(**batch).logits
+        correct += int((logits.argmax(1) == data.labels[i : i + batch_size]).sum())
+    model.train(was_training)
+    return correct / max(len(data), 1)
+
+
+class _TextTrainer(PrivateTrainer):
+    """The trainer with test accuracy on a :class:`TokenDataset` (per epoch, in its history)."""
+
+    def __init__(self, *args: Any, test_tokens: TokenDataset, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.test_tokens = test_tokens
+
+    def evaluate(self, model: nn.Module | None = None, batch_size: int = 128) -> float:
+        return evaluate_text(model if model is not None else self.released_model,
+                             self.test_tokens, batch_size)
+
+
+class _RunningEpsilon:
+    """A rich progress bar whose epsilon is the ledger's so far, refreshed about 50 times a run
+    with PLD or RDP, else after every epoch (read through :func:`dpfy.training.budget.spent`
+    or the trainer's epoch record, never computed here)."""
+
+    def __init__(self, ledger: Callable[[], Ledger], delta: float, method: str, total: int):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._ledger, self._delta, self._method = ledger, delta, method
+        self._every = max(1, total // 50)
+        # between epochs only with the fast accountants (Monte Carlo is refreshed per epoch)
+        self._per_step = method in ("pld", "rdp")
+        self._progress = Progress(
+            TextColumn("[bold]DP fine-tuning[/bold] epoch {task.fields[epoch]}"),
+            BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("test {task.fields[test]}"),
+            TextColumn("eps {task.fields[eps]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        )
+        self._task = self._progress.add_task(
+            "train", total=total, epoch=0, loss="-", test="-", eps="0"
+        )
+        self._progress.start()
+
+    def __call__(self, info: ProgressInfo) -> None:
+        fields: dict[str, Any] = {"epoch": info.epoch}
+        if not np.isnan(info.loss):
+            fields["loss"] = f"{info.loss:.3f}"
+        if info.test_accuracy is not None:
+            fields["test"] = f"{info.test_accuracy:.4f}"
+        if info.kind == "epoch" and info.epsilon is not None:  # the trainer's, from the ledger
+            fields["eps"] = f"{info.epsilon:.3f}"
+        elif self._per_step and info.step % self._every == 0:
+            eps = spent(self._ledger(), self._delta, self._method)
+            fields["eps"] = f"{eps:.3f}"
+        self._progress.update(self._task, completed=info.step, **fields)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def train_text_classifier(
+    dataset: str = "rotten-tomatoes",
+    *,
+    model: str = "minilm",
+    lora: bool = False,
+    target_epsilon: float = 8.0,
+    delta: float = 1e-5,
+    sampler: str = "poisson",
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    learning_rate: float | None = None,
+    clip_norm: float | None = None,
+    max_length: int = 64,
+    max_physical_batch_size: int = 64,
+    accounting: str | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    seed: int | None = None,
+    threads: int | None = None,
+    train_limit: int | None = None,
+    test_limit: int | None = None,
+    callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
+    precision: str = "fp32",
+) -> TrainResultSummary:
+    """DP fine-tuning of MiniLM on the rotten-tomatoes snippets; write model and ledger.
+
+    Args:
+      dataset: ``"rotten-tomatoes"``.
+      model: ``"minilm"``; lora: LoRA instead of full fine-tuning (module docstring).
+      target_epsilon, delta: the budget the noise is calibrated to (and the guard armed).
+      sampler: a :func:`dpfy.sampling.make_sampler` kind (default Poisson).
+      epochs, batch_size, learning_rate, clip_norm: None takes :data:`TEXT_DEFAULTS`.
+      max_length: tokens per snippet (truncation and padding), in [2, 512].
+      max_physical_batch_size: rows per forward/backward pass (memory bound).
+      accounting: accountant of calibration, guard and statement (default: the sampler's).
+      out_dir: directory for ``model.pt`` (full: the state dict; LoRA: the trainable
+        tensors only), ``ledger.jsonl`` and ``summary.json``.
+      progress: a progress bar with the ledger's epsilon so far.
+      seed: None: secure sampling and noise (a DP release); an int: a seeded experiment (NOT
+        a DP release; the ledger records the mode).
+      threads: ``torch.set_num_threads`` for the run.
+      train_limit, test_limit: the first snippets of each split only (quick runs).
+      callbacks, precision: as in :func:`dpfy.training.recipes.train_image_classifier`.
+    """
+    if dataset not in TEXT_DATASETS:
+        raise ValueError(
+            f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got dataset={dataset!r}"
+        )
+    if model not in TEXT_MODELS:
+        raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
+    check_int("max_length", max_length, 2, 512)
+    defaults = TEXT_DEFAULTS["lora" if lora else "full"]
+    epochs = int(epochs if epochs is not None else defaults["epochs"])
+    batch_size = int(batch_size if batch_size is not None else defaults["batch_size"])
+    learning_rate = float(learning_rate if learning_rate is not None
+                          else defaults["learning_rate"])
+    clip_norm = float(clip_norm if clip_norm is not None else defaults["clip_norm"])
+    checked_precision = check_precision(precision)
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    sample_rng, noise_rng, randomness = run_randomness(seed)
+    train_split = datasets.rotten_tomatoes("train", limit=train_limit)
+    test_split = datasets.rotten_tomatoes("test", limit=test_limit)
+    from dpfy.hf.pretrained import load_minilm_tokenizer
+
+    tokenizer = load_minilm_tokenizer()
+    train_data = tokenize(train_split.texts, train_split.labels, max_length, tokenizer)
+    test_data = tokenize(test_split.texts, test_split.labels, max_length, tokenizer)
+    truncated = truncated_fraction(train_split.texts, max_length, tokenizer)
+    net = make_text_model(model, lora=lora)
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    batches = make_sampler(sampler, len(train_data), batch_size, randomness=sample_rng)
+    if accounting is None:
+        accounting = sampler_kind(batches.kind).default_accountant
+    optimizer = torch.optim.Adam(trainable, lr=learning_rate)
+    ledger_path = model_path = None
+    if out_dir is not None:
+        ledger_path = Path(out_dir) / "ledger.jsonl"
+        if ledger_path.exists():
+            raise FileExistsError(
+                f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
+            )
+        model_path = Path(out_dir) / "model.pt"
+    trainer = _TextTrainer(
+        net, optimizer, sequence_classification_loss, train_data, None, batches,
+        clip_norm=clip_norm, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
+        max_physical_batch_size=max_physical_batch_size, accounting=accounting,
+        ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
+        randomness=noise_rng, test_tokens=test_data, precision=checked_precision,
+        callbacks=callbacks,
+    )
+    trainer.calibrate()  # an unreachable target is refused before anything is written
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    ledger = trainer.ledger = Ledger(ledger_path)
+    model_name = f"{model}-lora" if lora else model
+    ledger.record_metadata(
+        dataset=dataset,
+        model=model_name,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        max_length=max_length,
+        truncated_fraction=truncated,
+        trainable_parameters=int(sum(p.numel() for p in trainable)),
+        unit_of_privacy="example (one review snippet; a movie has 2 to 35)",
+        released_output="final model" + (" (LoRA factors, pooler and head)" if lora else ""),
+        data_accesses="final training run only (hyperparameter tuning not accounted)",
+    )
+    bar = None
+    if progress:
+        bar = _RunningEpsilon(lambda: trainer.ledger, delta, accounting,
+                              epochs * int(batches.steps_per_epoch))
+        trainer.callbacks = (*trainer.callbacks, bar)
+    start = time.perf_counter()
+    try:
+        result = trainer.fit()
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    accuracy = trainer.evaluate()
+    ledger.record_metadata(
+        test_accuracy=accuracy,
+        wall_time_seconds=seconds,
+        epsilon=result.privacy.epsilon,
+        accounting=result.privacy.method,
+        stopped=result.stopped,
+        **randomness,
+    )
+    summary = TrainResultSummary(
+        dataset=dataset, sampler=batches.kind, model_name=model_name,
+        test_accuracy=float(accuracy), epsilon=float(result.privacy.epsilon),
+        delta=float(delta), accounting=result.privacy.method,
+        noise_multiplier=result.noise_multiplier, clip_norm=clip_norm, batch_size=batch_size,
+        epochs=epochs, steps=result.steps, learning_rate=learning_rate, seconds=seconds,
+        stopped=result.stopped, history=result.history,
+        model_path=None if model_path is None else str(model_path),
+        ledger_path=None if ledger_path is None else str(ledger_path),
+        model=result.model, ledger=ledger,
+    )
+    if model_path is not None:
+        state = result.model.state_dict() if not lora else {
+            n: p.detach() for n, p in result.model.named_parameters() if p.requires_grad
+        }
+        torch.save(state, model_path)
+        with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
+            json.dump(summary.to_dict(), f, indent=2, default=str)
+    return summary
