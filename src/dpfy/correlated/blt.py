@@ -1,0 +1,111 @@
+"""Buffered linear Toeplitz (BLT) noise (McMahan et al. 2024, "Efficient and near-optimal noise
+generation for streaming differential privacy"; Dvijotham et al. 2024).
+
+The inverse strategy ``C^{-1}`` is lower-triangular Toeplitz with first column
+``r_0 = 1, r_k = sum_i omega_i theta_i^{k-1}`` (``d`` buffers, ``0 <= theta_i < 1``). The
+per-step noise ``w = C^{-1} z`` streams with ``d`` buffers of the parameters' shape:
+``w_t = z_t + sum_i omega_i s_i`` then ``s_i <- theta_i s_i + z_t`` (``O(d x params)``
+memory). ``C`` itself is the Toeplitz matrix of the rational series ``D(x) / N(x)``,
+``D = prod_i (1 - theta_i x)``, ``N = D + x sum_i omega_i prod_{j != i} (1 - theta_j x)``,
+computed by a linear filter for the sensitivity (:mod:`.schemas`). The parameters are given
+(a documented fixed parametrisation); they are not optimised here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.polynomial import polynomial as P
+from scipy.signal import lfilter
+
+from dpfy._validate import check_finite_nonneg, check_int
+from dpfy.correlated.workload import toeplitz_lower
+
+__all__ = ["BLT", "BLTNoise"]
+
+
+class BLT:
+    """A BLT strategy given by its inverse's buffer weights and decays.
+
+    Args:
+        omega: buffer weights ``omega_i`` (finite).
+        theta: buffer decays ``theta_i`` in ``[0, 1)`` (same length as ``omega``).
+    """
+
+    def __init__(self, omega: np.ndarray, theta: np.ndarray) -> None:
+        w = np.atleast_1d(np.asarray(omega, dtype=float))
+        t = np.atleast_1d(np.asarray(theta, dtype=float))
+        if w.ndim != 1 or w.shape != t.shape or not np.all(np.isfinite(w)):
+            raise ValueError(
+                f"omega must be a finite 1-D array shaped like theta, got omega={w!r}, theta={t!r}"
+            )
+        if not np.all((t >= 0) & (t < 1)):
+            raise ValueError(f"theta must be in [0, 1), got theta={t!r}")
+        self.omega, self.theta = w, t
+
+    @property
+    def buffers(self) -> int:
+        return int(self.omega.size)
+
+    def inverse_coeffs(self, steps: int) -> np.ndarray:
+        """First column of ``C^{-1}``: ``1, sum_i omega_i theta_i^{k-1}``."""
+        check_int("steps", steps)
+        k = np.arange(1, steps)
+        r = np.empty(steps)
+        r[0] = 1.0
+        r[1:] = (self.omega[None, :] * self.theta[None, :] ** (k[:, None] - 1)).sum(axis=1)
+        return r
+
+    def coeffs(self, steps: int) -> np.ndarray:
+        """First column of ``C`` (the series of ``D / N``)."""
+        check_int("steps", steps)
+        den = np.array([1.0])
+        for th in self.theta:
+            den = P.polymul(den, [1.0, -th])
+        num = np.array(den, dtype=float)
+        for i, om in enumerate(self.omega):
+            rest = np.array([1.0])
+            for j, th in enumerate(self.theta):
+                if j != i:
+                    rest = P.polymul(rest, [1.0, -th])
+            num = P.polyadd(num, om * P.polymulx(rest))
+        impulse = np.zeros(steps)
+        impulse[0] = 1.0
+        return np.asarray(lfilter(den, num, impulse))
+
+    def strategy_matrix(self, steps: int) -> np.ndarray:
+        return toeplitz_lower(self.coeffs(steps), steps)
+
+    def noise_covariance(self, steps: int) -> np.ndarray:
+        """Covariance of the per-step noise ``C^{-1} z`` per unit ``sigma^2``."""
+        inv = toeplitz_lower(self.inverse_coeffs(steps), steps)
+        return np.asarray(inv @ inv.T)
+
+
+class BLTNoise:
+    """Streaming per-step noise ``C^{-1} z`` of a :class:`BLT`, one buffer per ``theta_i``.
+
+    Args:
+        strategy: the BLT strategy.
+        shape: shape of one step's noise.
+        noise_std: standard deviation of ``z`` (clip norm x noise multiplier).
+        rng: the NumPy generator ``z`` is drawn from.
+    """
+
+    def __init__(
+        self, strategy: BLT, shape: tuple[int, ...], noise_std: float, rng: np.random.Generator
+    ) -> None:
+        check_finite_nonneg("noise_std", noise_std)
+        self.strategy = strategy
+        self.noise_std = float(noise_std)
+        self.rng = rng
+        self.shape = tuple(shape)
+        self.buffers = np.zeros((strategy.buffers, *self.shape))
+
+    def next(self) -> np.ndarray:
+        """The noise to add to the current step's clipped sum; advances one step."""
+        z = self.noise_std * self.rng.standard_normal(self.shape)
+        om = self.strategy.omega.reshape((-1,) + (1,) * len(self.shape))
+        th = self.strategy.theta.reshape((-1,) + (1,) * len(self.shape))
+        w = z + (om * self.buffers).sum(axis=0)
+        self.buffers = th * self.buffers + z
+        return np.asarray(w)
