@@ -157,3 +157,33 @@ def test_optimised_bandmf_beats_dpsgd_and_its_start() -> None:
 def test_bad_arguments_name_the_parameter(call: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("kind", ["tree", "bandmf", "blt"])
+def test_stream_state_resumes_bit_for_bit(kind: str) -> None:
+    def make(seed: int) -> TreeNoise | BandMFNoise | BLTNoise:
+        rng = np.random.default_rng(seed)
+        if kind == "tree":
+            return TreeNoise((3, 2), 0.5, rng)
+        if kind == "bandmf":
+            return BandMFNoise(BandMF(np.array([1.0, 0.5, 0.2])), (3, 2), 0.5, rng)
+        return BLTNoise(BLT(np.array([-0.3]), np.array([0.6])), (3, 2), 0.5, rng)
+
+    full = make(11)
+    first = [full.next() for _ in range(5)]
+    state = full.state_dict()
+    rest = [full.next() for _ in range(6)]
+    resumed = make(999)  # a different seed: everything must come from the state
+    resumed.load_state_dict(state)
+    for a, b in zip(rest, [resumed.next() for _ in range(6)], strict=True):
+        assert np.array_equal(a, b)
+    assert not np.array_equal(first[0], rest[0])
+
+
+def test_bandmf_memory_guard_names_the_figure() -> None:
+    from dpfy.correlated.bandmf import check_state_memory, state_bytes
+
+    assert state_bytes(5, 1000) == 4 * 1000 * 4
+    check_state_memory(5, 1000, 16_000)
+    with pytest.raises(ValueError, match=r"band must be in \[1, 4\].*got band=5 \(16000 bytes"):
+        check_state_memory(5, 1000, 15_999)

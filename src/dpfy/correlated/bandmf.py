@@ -18,7 +18,7 @@ coefficients ``binom(2k, k) / 4^k`` of Fichtenberger et al. 2023 truncated to th
 from __future__ import annotations
 
 from collections import deque
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from scipy.optimize import minimize
@@ -27,7 +27,7 @@ from scipy.special import gammaln
 from dpfy._validate import check_finite_nonneg, check_int
 from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs, toeplitz_lower
 
-__all__ = ["BandMF", "BandMFNoise", "optimize_bandmf"]
+__all__ = ["BandMF", "BandMFNoise", "check_state_memory", "optimize_bandmf", "state_bytes"]
 
 Objective = Literal["total", "max"]
 
@@ -107,6 +107,43 @@ class BandMFNoise:
         if self.coeffs.size > 1:
             self.history.append(w)
         return w
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last ``band - 1`` noises and the generator state. Secret (see :class:`TreeNoise`)."""
+        return {"history": [h.copy() for h in self.history], "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
+        self.history.clear()
+        self.history.extend(np.array(h) for h in state["history"])
+        self.rng.bit_generator.state = state["rng"]
+
+
+def state_bytes(band: int, parameters: int, bytes_per_value: int = 4) -> int:
+    """Bytes of BandMF noise state: ``(band - 1) x parameters x bytes_per_value``."""
+    check_int("band", band)
+    check_int("parameters", parameters)
+    check_int("bytes_per_value", bytes_per_value)
+    return (band - 1) * parameters * bytes_per_value
+
+
+def check_state_memory(
+    band: int, parameters: int, limit_bytes: int, bytes_per_value: int = 4
+) -> None:
+    """Refuse a band whose noise state would exceed ``limit_bytes``, with the figure.
+
+    Raises:
+        ValueError: naming ``band``, the state size and the limit, and the largest band that fits.
+    """
+    check_int("limit_bytes", limit_bytes, low=0)
+    need = state_bytes(band, parameters, bytes_per_value)
+    if need > limit_bytes:
+        fits = limit_bytes // (parameters * bytes_per_value) + 1
+        raise ValueError(
+            f"band must be in [1, {fits}] for {parameters} parameters within {limit_bytes} "
+            f"bytes of noise state, got band={band} ({need} bytes: (band - 1) x parameters x "
+            f"{bytes_per_value})"
+        )
 
 
 def _sqrt_coeffs(n: int) -> np.ndarray:

@@ -13,6 +13,8 @@ computed by a linear filter for the sensitivity (:mod:`.schemas`). The parameter
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numpy.polynomial import polynomial as P
 from scipy.signal import lfilter
@@ -109,3 +111,12 @@ class BLTNoise:
         w = z + (om * self.buffers).sum(axis=0)
         self.buffers = th * self.buffers + z
         return np.asarray(w)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``d`` buffers and the generator state. Secret (see :class:`TreeNoise`)."""
+        return {"buffers": self.buffers.copy(), "rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
+        self.buffers = np.array(state["buffers"])
+        self.rng.bit_generator.state = state["rng"]

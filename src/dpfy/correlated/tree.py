@@ -14,6 +14,8 @@ returns the per-step noise (difference of consecutive prefix noises) to add to t
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dpfy._validate import check_finite_nonneg, check_int
@@ -99,3 +101,18 @@ class TreeNoise:
         self.levels[low] = fresh
         self.step_index = n
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream's state (buffers, step, generator state). Secret: whoever holds it can
+        subtract future noise, so it belongs only in a private checkpoint."""
+        return {
+            "step_index": self.step_index,
+            "levels": {k: v.copy() for k, v in self.levels.items()},
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
+        self.step_index = int(state["step_index"])
+        self.levels = {int(k): np.array(v) for k, v in state["levels"].items()}
+        self.rng.bit_generator.state = state["rng"]
