@@ -187,3 +187,21 @@ def test_bandmf_memory_guard_names_the_figure() -> None:
     check_state_memory(5, 1000, 16_000)
     with pytest.raises(ValueError, match=r"band must be in \[1, 4\].*got band=5 \(16000 bytes"):
         check_state_memory(5, 1000, 15_999)
+
+
+def test_optimised_blt_is_near_the_full_toeplitz_optimum_with_four_buffers() -> None:
+    from dpfy.correlated import optimize_blt
+    from dpfy.correlated.blt import blt_loss
+
+    steps = 64
+    full = optimize_bandmf(steps, steps)  # a full-band Toeplitz strategy: the BLT's benchmark
+    inv = toeplitz_inverse_coeffs(full.coeffs, steps)
+    best = float(np.sum(np.cumsum(inv) ** 2 * np.arange(steps, 0, -1))) * float(
+        full.coeffs @ full.coeffs
+    )
+    blt = optimize_blt(steps, 4)
+    assert blt.buffers == 4 and np.all(blt.omega < 0)
+    assert blt_loss(blt, steps) <= 1.01 * best
+    c = blt.strategy_matrix(steps)
+    assert np.all(c >= 0)  # so multi-participation sensitivity is exact (C^T C >= 0)
+    assert sensitivity(c, Cyclic(16)) >= sensitivity(c, SingleEpoch())

@@ -17,7 +17,7 @@ NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_arch
 from __future__ import annotations
 
 from dpfy.correlated.bandmf import BandMF, optimize_bandmf
-from dpfy.correlated.blt import BLT
+from dpfy.correlated.blt import BLT, optimize_blt
 from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch, sensitivity
 from dpfy.correlated.tree import TreeAggregation, tree_sensitivity
 from dpfy.correlated.workload import prefix_sum_matrix
@@ -30,6 +30,7 @@ __all__ = [
     "SingleEpoch",
     "TreeAggregation",
     "optimize_bandmf",
+    "optimize_blt",
     "prefix_sum_matrix",
     "sensitivity",
     "tree_sensitivity",

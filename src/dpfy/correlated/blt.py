@@ -7,8 +7,13 @@ per-step noise ``w = C^{-1} z`` streams with ``d`` buffers of the parameters' sh
 ``w_t = z_t + sum_i omega_i s_i`` then ``s_i <- theta_i s_i + z_t`` (``O(d x params)``
 memory). ``C`` itself is the Toeplitz matrix of the rational series ``D(x) / N(x)``,
 ``D = prod_i (1 - theta_i x)``, ``N = D + x sum_i omega_i prod_{j != i} (1 - theta_j x)``,
-computed by a linear filter for the sensitivity (:mod:`.schemas`). The parameters are given
-(a documented fixed parametrisation); they are not optimised here.
+computed by a linear filter for the sensitivity (:mod:`.schemas`). :func:`optimize_blt`
+fits the parameters for ``T`` steps and a single epoch (total squared error of the prefix sums
+times sensitivity^2, L-BFGS-B) with ``theta_i = sigmoid(b_i)`` and
+``omega_i = -(1 - theta_i) s p_i`` (``p = softmax(a)``, ``s = sigmoid(q) < 1``): negative
+weights, the sign pattern of the inverse of the optimal Toeplitz square root ``(1 - x)^{1/2}``
+(Fichtenberger et al. 2023), and ``sum_i |omega_i| / (1 - theta_i) = s < 1``, so ``C^{-1}(x)``
+has no zero in the closed unit disc and ``C``'s coefficients stay bounded.
 """
 
 from __future__ import annotations
@@ -17,12 +22,13 @@ from typing import Any
 
 import numpy as np
 from numpy.polynomial import polynomial as P
+from scipy.optimize import minimize
 from scipy.signal import lfilter
 
 from dpfy._validate import check_finite_nonneg, check_int
-from dpfy.correlated.workload import toeplitz_lower
+from dpfy.correlated.workload import prefix_error_total, toeplitz_lower
 
-__all__ = ["BLT", "BLTNoise"]
+__all__ = ["BLT", "BLTNoise", "blt_loss", "optimize_blt"]
 
 
 class BLT:
@@ -120,3 +126,38 @@ class BLTNoise:
         """Restore :meth:`state_dict` output: the stream continues bit for bit."""
         self.buffers = np.array(state["buffers"])
         self.rng.bit_generator.state = state["rng"]
+
+
+def blt_loss(strategy: BLT, steps: int) -> float:
+    """Single-epoch total squared prefix error ``||A C^{-1}||_F^2 x ||c[:T]||^2``."""
+    c = strategy.coeffs(steps)
+    return prefix_error_total(strategy.inverse_coeffs(steps)) * float(np.dot(c, c))
+
+
+def optimize_blt(steps: int, buffers: int = 4, maxiter: int = 300) -> BLT:
+    """Fit a ``buffers``-buffer BLT for ``steps`` steps and a single epoch (see module doc).
+
+    Args:
+        steps: number of steps ``T``.
+        buffers: number of buffers ``d`` (``1..16``).
+        maxiter: L-BFGS-B iterations.
+    """
+    check_int("steps", steps)
+    check_int("buffers", buffers, high=16)
+    check_int("maxiter", maxiter)
+
+    def make(x: np.ndarray) -> BLT:
+        a, b, q = x[:buffers], np.clip(x[buffers : 2 * buffers], -30.0, 30.0), x[-1]
+        theta = np.minimum(1.0 / (1.0 + np.exp(-b)), 1.0 - 1e-12)
+        p = np.exp(a - a.max())
+        s = 1.0 / (1.0 + np.exp(-np.clip(q, -30.0, 30.0)))
+        return BLT(-(1.0 - theta) * s * p / p.sum(), theta)
+
+    def f(x: np.ndarray) -> float:
+        loss = blt_loss(make(x), steps)
+        return loss if np.isfinite(loss) else 1e300
+
+    decays = 1.0 - np.logspace(-0.5, -np.log10(max(steps, 10)), buffers)
+    x0 = np.concatenate((np.zeros(buffers), np.log(decays / (1 - decays)), [0.0]))
+    res = minimize(f, x0, method="L-BFGS-B", options={"maxiter": maxiter})
+    return make(res.x if res.fun <= f(x0) else x0)
