@@ -67,3 +67,22 @@ def test_round_trip_replace_one_and_add_or_remove() -> None:
         ev.MatrixMechanism(1.0, 0.0, 5, "tree", "x")
     with pytest.raises(ValueError, match="strategy must be a non-empty string"):
         ev.MatrixMechanism(1.0, 1.0, 5, "", "x")
+
+
+def test_calibration_of_a_matrix_mechanism_is_the_safe_side_of_the_target() -> None:
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+
+    sens, target, delta = 2.5, 3.0, 1e-5
+    z = calibrate_noise_multiplier(
+        lambda z: ev.MatrixMechanism(z, sens, 100, "bandmf", "cyclic(period=20)", band=8),
+        target,
+        delta,
+        method="gaussian",
+    )
+    got = accounting.epsilon(ev.MatrixMechanism(z, sens, 100, "bandmf", "x"), delta).epsilon
+    assert got <= target and got == pytest.approx(target, rel=1e-3)
+    # sensitivity scales the noise linearly: the whole run is one Gaussian with mu = sens / z
+    z1 = calibrate_noise_multiplier(
+        lambda z: ev.MatrixMechanism(z, 1.0, 100, "tree", "x"), target, delta, method="gaussian"
+    )
+    assert z == pytest.approx(sens * z1, rel=2e-4)
