@@ -72,6 +72,7 @@ def _violations(owner: str, forbidden: tuple[str, ...]) -> list[str]:
         ("dpfy.accounting", ("torch", "dpfy.ledger", "dpfy.training", "dpfy.sampling")),
         ("dpfy.ledger", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.report")),
         ("dpfy.sampling", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.ledger")),
+        ("dpfy.correlated", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.ledger")),
         # the audit attacks the release path from above: nothing it audits may depend on it
         ("dpfy.training", ("dpfy.audit",)),
         ("dpfy.queries", ("dpfy.audit",)),

@@ -37,6 +37,7 @@ __all__ = [
     "BallsAndBins",
     "Shuffled",
     "Deterministic",
+    "MatrixMechanism",
     "TruncatedPoisson",
     "TruncatedBallsAndBins",
     "SelfComposed",
@@ -343,6 +344,47 @@ class Deterministic(Event):
 
     def __post_init__(self) -> None:
         _validate_epochs(self)
+
+
+@_register
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatrixMechanism(Event):
+    """A correlated-noise (DP-FTRL / matrix-factorization) release over a whole run.
+
+    The run releases ``C x + z`` (``z ~ N(0, sigma^2 I)``, ``sigma`` = ``noise_multiplier`` x
+    clip norm) for the strategy ``C`` named by ``strategy`` over ``steps`` steps; one example's
+    contributions under the participation ``schema`` move ``C x`` by at most ``sensitivity``
+    x clip norm (:func:`dpfy.correlated.sensitivity`). The whole run is one Gaussian mechanism
+    with ``mu = sensitivity / noise_multiplier`` (Denisov et al. 2022; Choquette-Choo et al.
+    2023). Adjacency is ``zero_out`` as for :class:`Shuffled`: the schema fixes each example's
+    steps, which removing an example outright would shift. ``band`` is the strategy's band
+    width or buffer count (0 when not applicable); ``strategy`` and ``schema`` are descriptive
+    names (e.g. ``"bandmf"``, ``"cyclic(period=100)"``) recorded for the report.
+    """
+
+    noise_multiplier: float
+    sensitivity: float
+    steps: int
+    strategy: str
+    schema: str
+    band: int = 0
+    adjacency: str = Adjacency.ZERO_OUT.value
+    kind: ClassVar[str] = "matrix_mechanism"
+
+    def __post_init__(self) -> None:
+        check_range("noise_multiplier", self.noise_multiplier, 0.0, None, low_open=True)
+        check_range("sensitivity", self.sensitivity, 0.0, None, low_open=True)
+        check_int("steps", self.steps)
+        check_int("band", self.band, low=0)
+        for name in ("strategy", "schema"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {name}={value!r}")
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "sensitivity", float(self.sensitivity))
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "band", int(self.band))
+        object.__setattr__(self, "adjacency", _as_adjacency(self.adjacency))
 
 
 @_register

@@ -153,9 +153,7 @@ def gaussian_epsilon(mu: Any, delta: Any) -> Any:
         if not bad.any():
             break
         hi = np.where(bad, hi * 2.0 + 1e-12, hi)
-    out = roots.safe_root(
-        excess, np.zeros(m.shape), hi, side="high", args=(mf, d), vectorized=True
-    )
+    out = roots.safe_root(excess, np.zeros(m.shape), hi, side="high", args=(mf, d), vectorized=True)
     out = np.where(finite, out, np.inf)
     return _scalar_or_array(out)
 
@@ -209,6 +207,13 @@ def _reason(event: ev.Event, allow_zcdp: bool) -> str | None:
         return epoch_adjacency_reason(event)
     if isinstance(event, ev.Gaussian | ev.NonPrivate):
         return None
+    if isinstance(event, ev.MatrixMechanism):
+        if event.adjacency_relation is ev.Adjacency.ADD_OR_REMOVE:
+            return (
+                "MatrixMechanism with add_or_remove adjacency: the participation schema fixes "
+                "each example's steps, which removing an example would shift (use zero_out)"
+            )
+        return None
     if isinstance(event, ev.ZCDP):
         return None if allow_zcdp else "ZCDP: a zCDP event is not a Gaussian mechanism"
     if isinstance(event, ev.SelfComposed):
@@ -258,6 +263,8 @@ def _sum_sq(event: ev.Event) -> tuple[float, float]:
         return 1.0 / event.noise_multiplier**2, 0.0
     if isinstance(event, ev.Deterministic | ev.Shuffled):
         return event.epochs / event.noise_multiplier**2, 0.0
+    if isinstance(event, ev.MatrixMechanism):
+        return (event.sensitivity / event.noise_multiplier) ** 2, 0.0
     if isinstance(event, ev.ZCDP):
         return 0.0, event.rho
     if isinstance(event, ev.NonPrivate):
@@ -281,6 +288,7 @@ def mu_of_event(event: ev.Event) -> float:
     Gaussian(z): 1/z. Deterministic(z, steps_per_epoch, epochs): each example is in one batch
     per epoch, so sqrt(epochs)/z. Shuffled: the same no-amplification *upper bound* (no
     tight amplification bound for shuffling is known). SelfComposed/Composed: sqrt(sum mu_i^2).
+    MatrixMechanism: sensitivity/z, the whole correlated-noise run as one Gaussian.
     Under replace_one adjacency the sensitivity doubles, so mu doubles. NonPrivate gives inf.
 
     Raises:

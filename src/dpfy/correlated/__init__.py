@@ -1,0 +1,37 @@
+"""Correlated-noise (DP-FTRL / matrix-factorization) mechanisms: the strategy math.
+
+A matrix mechanism releases the prefix sums ``A x`` of clipped gradients ``x`` (``A`` the
+lower-triangular all-ones workload, :mod:`.workload`) through a factorisation ``A = B C``:
+it releases ``C x + z`` with ``z ~ N(0, sigma^2 I)`` and decodes ``B (C x + z) = A x + B z``.
+In training the same release is obtained by adding the per-step noise ``C^{-1} z`` to each
+step's clipped sum (Denisov et al. 2022; Choquette-Choo et al. 2023).
+
+Strategies (one module each): tree aggregation (:mod:`.tree`, Kairouz et al. 2021), banded
+Toeplitz matrix factorization (:mod:`.bandmf`, Choquette-Choo et al. 2023) and buffered
+linear Toeplitz (:mod:`.blt`, McMahan et al. 2024). Participation schemas and the exact
+sensitivity of a strategy under them live in :mod:`.schemas`.
+
+NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_architecture.py``).
+"""
+
+from __future__ import annotations
+
+from dpfy.correlated.bandmf import BandMF, optimize_bandmf
+from dpfy.correlated.blt import BLT, optimize_blt
+from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch, sensitivity
+from dpfy.correlated.tree import TreeAggregation, tree_sensitivity
+from dpfy.correlated.workload import prefix_sum_matrix
+
+__all__ = [
+    "BLT",
+    "BandMF",
+    "Cyclic",
+    "MinSeparation",
+    "SingleEpoch",
+    "TreeAggregation",
+    "optimize_bandmf",
+    "optimize_blt",
+    "prefix_sum_matrix",
+    "sensitivity",
+    "tree_sensitivity",
+]
