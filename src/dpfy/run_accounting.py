@@ -1,0 +1,326 @@
+"""The privacy of a run before it runs: ``dpfy epsilon``, ``dpfy calibrate`` and ``dpfy plan``.
+
+Library pipelines that account a planned run for the sampler that will really run (never a
+ledger: nothing has run yet), calibrate its noise to a target, and recommend a plan with
+figures. :mod:`dpfy.runs` re-exports them; the CLI calls them through it. Bad input raises a
+``ValueError`` with a one-line message naming the parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from dpfy._validate import (
+    MAX_COUNT,
+    MAX_EPSILON,
+    check_int,
+    check_output_path,
+    check_positive,
+    check_range,
+    check_seed,
+)
+
+if TYPE_CHECKING:
+    from dpfy.accounting import Accountant, PrivacyResult
+    from dpfy.accounting.risk import AttackRisk
+    from dpfy.planning import Plan
+    from dpfy.sampling import Sampler
+
+__all__ = ["RunAccounting", "account_run", "calibrate_run", "plan_with_figures"]
+
+
+def _check_budget(target_epsilon: float, delta: float) -> None:
+    """A target epsilon in (0, MAX_EPSILON] (finite) and a delta in (0, 1)."""
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+
+# ---------------------------------------------------------------------------------------------
+# plan and account a run before it runs
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_with_figures(
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    *,
+    max_steps: int | None = None,
+    max_examples_processed: int | None = None,
+    plot_dir: str | os.PathLike[str] | None = None,
+    sampler: str = "poisson",
+) -> tuple[Plan, list[Path]]:
+    """:func:`dpfy.planning.plan`, and with ``plot_dir`` its options figure and the privacy
+    wall at the target (Sander et al. 2023) written there; (plan, figure paths)."""
+    from dpfy.planning import plan
+
+    if plot_dir is not None:
+        check_output_path("plot", plot_dir)
+    result = plan(
+        dataset_size,
+        target_epsilon,
+        delta,
+        max_steps=max_steps,
+        max_examples_processed=max_examples_processed,
+        sampler=sampler,
+    )
+    if plot_dir is None:
+        return result, []
+    from dpfy.report import plots_tan
+
+    folder = Path(plot_dir)
+    return result, [
+        plots_tan.plan_options(result, folder / "plan_options.png"),
+        plots_tan.privacy_wall(
+            folder / "privacy_wall.png", target_epsilons=(target_epsilon,), delta=delta
+        ),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunAccounting:
+    """The privacy of a planned run, for the sampler that will really run.
+
+    Attributes:
+      sampler: the sampler kind (see :data:`dpfy.sampling.SAMPLER_KINDS`).
+      dataset_size, batch_size: N and the (expected) batch size B.
+      steps: total DP-SGD steps; epochs: passes over the data as given (None: steps given).
+      noise_multiplier: noise std / clip norm.
+      result: epsilon at delta by the chosen method (``all``: the tightest valid one).
+      comparison: with ``method="all"``, every method's result or why it does not apply.
+      attack_risk: a membership-inference attacker's TPR bound at FPRs 1e-3, 1e-2, 0.1.
+    """
+
+    sampler: str
+    dataset_size: int
+    batch_size: int
+    steps: int
+    epochs: float | None
+    noise_multiplier: float
+    result: PrivacyResult
+    comparison: dict[str, PrivacyResult | str] | None = None
+    attack_risk: AttackRisk | None = None
+
+    @property
+    def sampling_rate(self) -> float:
+        """B / N (the Poisson sampling rate)."""
+        return self.batch_size / self.dataset_size
+
+
+def account_run(
+    dataset_size: int,
+    batch_size: int,
+    noise_multiplier: float,
+    delta: float,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: str = "poisson",
+    method: str = "auto",
+    max_batch_size: int | None = None,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    seed: int | None = None,
+) -> RunAccounting:
+    """Epsilon spent by a run of ``epochs`` or ``steps`` (exactly one) with this sampler.
+
+    ``method`` is an accountant name, or ``"all"`` for every method (the tightest in
+    ``result``). ``samples``, ``error_probability`` and ``seed`` configure Monte Carlo
+    accounting (Balls-and-Bins, Chua et al. 2025): given with ``method="auto"`` they select it.
+    """
+    from dpfy import accounting
+
+    check_positive("noise_multiplier", noise_multiplier)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    _check_monte_carlo(samples, error_probability, seed)
+    smp, epochs, steps = _planned_sampler(
+        sampler, dataset_size, batch_size, max_batch_size, epochs, steps
+    )
+    event = smp.privacy_event(noise_multiplier, epochs=epochs, steps=steps)
+    comparison: dict[str, PrivacyResult | str] | None = None
+    if method == "all":
+        comparison = dict(accounting.compare(event, delta))
+        result = accounting.epsilon(event, delta)
+    else:
+        acc = _accountant(method, samples, error_probability, seed)
+        result = accounting.epsilon(event, delta, method=acc)
+    total = _total_steps(smp, epochs, steps)
+    risk = _attack_risk(event, result)
+    return RunAccounting(
+        smp.kind,
+        dataset_size,
+        batch_size,
+        total,
+        epochs,
+        noise_multiplier,
+        result,
+        comparison,
+        risk,
+    )
+
+
+def calibrate_run(
+    target_epsilon: float,
+    dataset_size: int,
+    batch_size: int,
+    delta: float,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    sampler: str = "poisson",
+    method: str = "auto",
+    max_batch_size: int | None = None,
+    samples: int | None = None,
+    error_probability: float = 1e-3,
+    seed: int | None = None,
+) -> RunAccounting:
+    """The smallest noise multiplier whose epsilon stays at or below ``target_epsilon``
+    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`."""
+    from dpfy import accounting
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+
+    _check_budget(target_epsilon, delta)
+    _check_monte_carlo(samples, error_probability, seed)
+    smp, epochs, steps = _planned_sampler(
+        sampler, dataset_size, batch_size, max_batch_size, epochs, steps
+    )
+    acc = _accountant(method, samples, error_probability, seed)
+
+    def make_event(z: float) -> Any:
+        return smp.privacy_event(z, epochs=epochs, steps=steps)
+
+    z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
+    result = accounting.epsilon(make_event(z), delta, method=acc)
+    total = _total_steps(smp, epochs, steps)
+    return RunAccounting(smp.kind, dataset_size, batch_size, total, epochs, z, result)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FullBatchPlan:
+    """A planned full-batch run: every example in each of its releases (one per epoch).
+
+    Stands in for a sampler where the kind's row has none; its event is the row's own
+    (:mod:`dpfy.sampling.full_batch`).
+    """
+
+    kind: str
+    dataset_size: int
+    steps_per_epoch: int = 1
+
+    @classmethod
+    def of(
+        cls, kind: str, dataset_size: int, batch_size: int, max_batch_size: int | None
+    ) -> _FullBatchPlan:
+        from dpfy.sampling import kind as sampler_kind
+
+        name = sampler_kind(kind).name
+        check_int("dataset_size", dataset_size)
+        if batch_size != dataset_size:
+            raise ValueError(
+                f"batch_size must equal dataset_size={dataset_size} for sampler {kind!r} (every "
+                f"example in every release), got batch_size={batch_size!r}"
+            )
+        if max_batch_size is not None:
+            raise ValueError(
+                f"max_batch_size does not apply to sampler {kind!r} (nothing is sampled), got "
+                f"max_batch_size={max_batch_size!r}"
+            )
+        return cls(name, int(dataset_size))
+
+    def privacy_event(
+        self, noise_multiplier: float, *, epochs: float | None = None, steps: int | None = None
+    ) -> Any:
+        """The row's event for the releases of ``epochs`` (rounded up) or ``steps``."""
+        from dpfy.sampling import SampleSpec
+        from dpfy.sampling import kind as sampler_kind
+        from dpfy.sampling.base import epochs_and_steps
+
+        _, total = epochs_and_steps(epochs, steps, self.steps_per_epoch)
+        spec = SampleSpec(
+            sampler=self.kind, dataset_size=self.dataset_size, batch_size=self.dataset_size
+        )
+        return sampler_kind(self.kind).event(spec, noise_multiplier, total)
+
+
+def _planned_sampler(
+    kind: str,
+    dataset_size: int,
+    batch_size: int,
+    max_batch_size: int | None,
+    epochs: float | None,
+    steps: int | None,
+) -> tuple[Sampler | _FullBatchPlan, float | None, int | None]:
+    """The sampler (its randomness is never drawn) and the checked (epochs, steps).
+
+    A kind without a sampler class (``full_batch``) is planned from its row alone.
+    """
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import kind as sampler_kind
+    from dpfy.sampling import make_sampler
+
+    smp: Sampler | _FullBatchPlan
+    if sampler_kind(kind).sampler is None:
+        smp = _FullBatchPlan.of(kind, dataset_size, batch_size, max_batch_size)
+    else:
+        smp = make_sampler(
+            kind,
+            dataset_size=dataset_size,
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            randomness=Randomness(0),
+        )
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of --epochs or --steps")
+    if steps is not None:
+        check_int("steps", steps)
+    else:
+        # finite, and few enough that the run's step count stays a count (<= MAX_COUNT)
+        check_positive("epochs", epochs, MAX_COUNT / smp.steps_per_epoch)
+    return smp, epochs, steps
+
+
+def _attack_risk(event: Any, result: PrivacyResult) -> AttackRisk:
+    """The attacker's TPR bounds for ``event``; none from a non-provable (estimated) result."""
+    from dpfy.accounting.risk import AttackRisk, attack_risk
+
+    if not result.provable:
+        return AttackRisk.unavailable(
+            f"epsilon is a {result.method} estimate, not a proof: no provable bound on the "
+            "attacker"
+        )
+    return attack_risk(event, method=result.method)
+
+
+def _check_monte_carlo(samples: int | None, error_probability: float, seed: int | None) -> None:
+    if samples is not None:
+        check_int("samples", samples)
+    check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
+    if seed is not None:
+        check_seed("seed", seed)
+
+
+def _total_steps(smp: Sampler | _FullBatchPlan, epochs: float | None, steps: int | None) -> int:
+    """Steps of the run: ``steps``, or ``epochs`` whole or partial passes (rounded up)."""
+    if steps is not None:
+        return int(steps)
+    assert epochs is not None
+    return math.ceil(epochs * smp.steps_per_epoch - 1e-9)
+
+
+def _accountant(
+    method: str, samples: int | None, error_probability: float, seed: int | None
+) -> str | Accountant:
+    """A method name, or a configured Monte Carlo accountant when MC options were given."""
+    if method == "monte_carlo" or (method == "auto" and (samples is not None or seed is not None)):
+        from dpfy.accounting.balls_and_bins import MonteCarloAccountant
+
+        kwargs: dict[str, Any] = {"error_probability": error_probability}
+        if samples is not None:
+            kwargs["samples"] = samples
+        if seed is not None:
+            kwargs["seed"] = seed
+        return cast("Accountant", MonteCarloAccountant(**kwargs))
+    return method
