@@ -64,6 +64,7 @@ __all__ = [
 FPRS = (1e-3, 1e-2, 0.1)
 
 _CURVE = tuple(np.geomspace(1e-4, 1.0, 41))
+_LABELS = {"pld": "Poisson-subsampled Gaussian", "random_allocation": "random-allocation"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,8 +255,8 @@ def _pld_tpr(
             break
         prev = tpr
     note = (
-        f"Neyman-Pearson test on the pessimistic composed {name} PLD (maximum over the add "
-        f"and remove directions), grid level {used}"
+        f"Neyman-Pearson test on the pessimistic composed {_LABELS[name]} PLD (maximum over "
+        f"the add and remove directions), grid level {used}"
     )
     return best, [note], name
 
