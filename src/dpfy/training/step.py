@@ -269,7 +269,6 @@ class PrivateGradient:
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # persistent buffers (no division pass, no new tensors).
         self._fast_release = getattr(query, "fused_release", False) is True
-        self._grads: dict[str, torch.Tensor] = {}
         self._acc_flat: torch.Tensor | None = None
         self._reset()
 
@@ -596,8 +595,8 @@ class PrivateGradient:
 
         Every trainable parameter receives noise, also if no chunk produced a gradient for it.
         The query records its ledger entry before the noisy values exist outside it.
-        ``p.grad`` is a buffer owned by this object and rewritten in place by the next
-        release (like ``zero_grad(set_to_none=False)``): clone it to keep a step's gradient.
+        ``p.grad`` is a new tensor at every release (the previous one is not touched);
+        ``zero_grad(set_to_none=True)`` frees it.
 
         Args:
           ledger: the run's :class:`dpfy.ledger.Ledger`.
@@ -615,17 +614,18 @@ class PrivateGradient:
         denom = self.denominator_
         if self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
-            # query adds noise scaled alike and writes into persistent gradient buffers (no
-            # fresh allocation, no division pass) which then become ``p.grad``.
-            if not self._grads:
-                # views of one flat buffer: the noise fills it in one fused pass
-                _, self._grads = _flat_buffers(params)
+            # query adds noise scaled alike and writes into new gradient buffers (no division
+            # pass) which then become ``p.grad``: views of one flat buffer, so the noise fills
+            # it in one fused pass. They are not kept here: once the caller drops the
+            # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer but the
+            # accumulator outlives the step.
+            _, grads = _flat_buffers(params)
             noisy = self.query.add_noise(
                 clipped,
                 ledger=ledger,
                 sample_id=sample_id,
                 randomness=randomness,
-                out=self._grads,
+                out=grads,
                 scale=1.0 / denom,
             )
             for name in self.param_names_:
