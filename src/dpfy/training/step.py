@@ -642,6 +642,10 @@ class PrivateGradient:
                     p.grad = g.div_(denom)  # the query's fresh output: scale in place
                 else:  # never alias the accumulator buffers
                     p.grad = (g / denom).to(p.dtype)
+        # The accumulator is not kept between steps either: the next step's first chunk
+        # allocates it after its backward pass, so the backward's peak holds no model-sized
+        # buffer of this object's.
+        self._buffers, self._acc_flat = {}, None
         stats = StepStats(
             self._loss_sum,
             self._examples,
