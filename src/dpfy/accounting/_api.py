@@ -287,6 +287,21 @@ def _truncated_result(
     )
 
 
+def _native_truncated(acc: Accountant, event: ev.Event) -> ev.Event | None:
+    """``event`` (noise tamed) when ``acc`` accounts its truncated samplers itself.
+
+    An accountant that sets ``accounts_truncation = True`` and supports the event with its
+    truncated nodes kept gets it as is; :func:`epsilon` and :func:`delta` keep whichever of
+    this and the coupling bound (untruncated mechanism plus the truncation term) is smaller.
+    """
+    if not getattr(acc, "accounts_truncation", False):
+        return None
+    tamed, _, tiny = _tame(event)
+    if tiny or acc.unsupported(tamed) is not None:
+        return None
+    return tamed
+
+
 def _method_name(method: str | Accountant) -> str:
     if isinstance(method, str):
         if method != "auto" and method not in _ACCOUNTANTS:
@@ -371,6 +386,11 @@ def epsilon(
                 functools.partial(_truncated_result, acc, mechanism, float(delta), probability),
                 others,
             )
+            native = _native_truncated(acc, event)
+            if native is not None:
+                alt = _run(acc, functools.partial(acc.epsilon, native, float(delta)), others + 1)
+                if alt is not None and (res is None or alt.epsilon < res.epsilon):
+                    res = alt
         if res is not None:
             results.append(dataclasses.replace(res, notes=(*res.notes, *notes)) if notes else res)
     # Ties go to the provable result, then to the one that also states a lower bound.
@@ -409,6 +429,10 @@ def delta(
                 delta=truncated_delta(base.delta, float(epsilon), probability),
                 notes=(*base.notes, _truncation_note(probability)),
             )
+            native = _native_truncated(acc, event)
+            if native is not None:
+                alt = acc.delta(native, float(epsilon))
+                base = alt if alt.delta < base.delta else base
         results.append(base)
     return min(results, key=lambda r: (r.delta, not r.provable))
 

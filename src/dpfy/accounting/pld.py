@@ -600,7 +600,9 @@ def _check_tolerance(tolerance: float) -> None:
     check_range("tolerance", tolerance, 0.0, 1.0, low_open=True, high_open=True)
 
 
-def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, ...]:
+def _notes(
+    refined: _Refined, tolerance: float | None, what: str, event: ev.Event
+) -> tuple[str, ...]:
     notes = [
         "pessimistic connect-the-dots PLD (a valid upper bound); maximum over the add and "
         "remove directions"
@@ -614,12 +616,26 @@ def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, 
             f"{tolerance:g}; "
             f"final interval {refined.interval:.3g} after {refined.levels} levels"
         )
+    if _has(event, ev.FixedSizeSampled):
+        notes.append(
+            "fixed-size batches without replacement (replace_one): each step is the symmetrised "
+            "Poisson pair at rate B/N and noise z/2 (Dong, Roth, Su 2022, Thm. 4.2)"
+        )
+    if _has(event, ev.TruncatedPoisson):
+        notes.append(
+            "truncated Poisson: each step is a mixture of the Poisson step and, when the other "
+            "examples fill a batch, a replace-one step at noise z/2 (docs/architecture.md, 5.2)"
+        )
     if not refined.converged:
         notes.append(
             f"the grid size limit ({MAX_GRID_SIZE} points) was reached before the tolerance "
             "was met: the value is valid but looser than requested"
         )
     return tuple(notes)
+
+
+def _has(event: ev.Event, kind: type) -> bool:
+    return isinstance(event, kind) or any(_has(c, kind) for c in ev._children(event))
 
 
 def _mechanisms(event: ev.Event) -> dict[Mech, int]:
@@ -690,7 +706,8 @@ def pld_epsilon(
     """Epsilon at ``delta`` for ``event`` from pessimistic PLDs (add_or_remove adjacency).
 
     Args:
-      event: Gaussian, PoissonSampled(Gaussian), or SelfComposed/Composed of these.
+      event: Gaussian, PoissonSampled(Gaussian), TruncatedPoisson, FixedSizeSampled(Gaussian)
+        (replace_one; not mixed with the others), or SelfComposed/Composed of these.
       delta: target delta in (0, 1).
       tolerance: target relative error of epsilon; the loss grid is halved until a third of
         the change between the last two grids is at most this (absolute 1e-6 * tolerance
@@ -729,7 +746,7 @@ def pld_epsilon(
         delta=float(delta),
         method="pld",
         adjacency=adjacency,
-        notes=_notes(refined, None if interval else tolerance, "epsilon"),
+        notes=_notes(refined, None if interval else tolerance, "epsilon", event),
     )
 
 
@@ -760,7 +777,7 @@ def pld_delta(
         delta=refined.value,
         method="pld",
         adjacency=adjacency,
-        notes=_notes(refined, None if interval else tolerance, "delta"),
+        notes=_notes(refined, None if interval else tolerance, "delta", event),
     )
 
 
@@ -774,6 +791,9 @@ class PLDAccountant:
 
     tolerance: float = DEFAULT_TOLERANCE
     name: str = "pld"
+    #: TruncatedPoisson is accounted as the mixture step of ``pld_events`` (the public
+    #: ``epsilon``/``delta`` also try the coupling bound and keep the smaller).
+    accounts_truncation: bool = True
 
     def unsupported(self, event: ev.Event) -> str | None:
         return _unsupported(event)

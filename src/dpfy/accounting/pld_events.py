@@ -28,14 +28,20 @@ Three kinds of step, all with the noise multiplier z relative to the clip norm C
   symmetric, so one composition suffices.
 * ``truncated`` (add_or_remove; Poisson rate q, batches longer than B_max cut to a uniformly
   random B_max-subset). Condition on the number K of *other* examples drawn (the same under both
-  neighbours). If K < B_max, the step is the Poisson step (q, z). If K >= B_max, the unit is in
-  the cut batch with probability q B_max / (K + 1) <= q~ = q B_max / (B_max + 1), and then the
-  batch differs from the neighbour's by a replacement (sensitivity 2C): by the advanced joint
-  convexity of Balle et al. 2018 (both directions) the Poisson pair (q~, z/2) dominates. Revealing
-  K only helps an attacker, so the *mixture* of the two PLDs (weights 1 - t and t,
-  t = P(Binomial(N, q) >= B_max), N others covering the larger neighbour) dominates one step in
-  each direction. This replaces the coupling bound (delta + (1 + e^eps) P(some batch over-full))
-  when it is tighter.
+  neighbours) being below B_max or not (revealing this only helps an attacker, so the
+  *mixture* of the two branches' pairs, the branch shown, dominates). If K < B_max the step is
+  the Poisson step (q, z). If K >= B_max, a random B_max-subset of a random K-subset of the others
+  is a uniform B_max-subset of the others whatever K is, so the unit's neighbour without it
+  releases R (a uniform B_max-subset), and with it the unit is kept with probability
+  q_bar = q E[B_max / (K + 1) | K >= B_max] next to a uniform (B_max - 1)-subset (R', one
+  replacement away from R, sensitivity 2C): the pair ((1 - q_bar) R + q_bar R', R), dominated
+  in both directions by the Poisson pair (q_bar, z/2) (advanced joint convexity, Balle et al.
+  2018). Weight t = P(K >= B_max). The same mixture, with the averaged rate, is the one of
+  dp_accounting's truncated subsampled Gaussian. The others number N - 1 or N (the neighbour
+  of a dataset of N has N - 1 or N + 1 examples): both cases are covered by one mixture that
+  gives weight t(N - 1) to (q_bar_max, z/2), 1 - t(N) to (q, z) and the difference to (q, z/2),
+  which dominates both of those pairs. This replaces the coupling bound
+  (delta + (1 + e^eps) P(some batch over-full)) when it is tighter.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ __all__ = [
     "flatten",
     "unsupported",
     "step_pmfs",
-    "truncation_weight",
+    "truncation_weights",
     "symmetrised",
     "mixture",
 ]
@@ -69,13 +75,15 @@ MIN_NOISE_MULTIPLIER = 0.05
 
 class Mech(NamedTuple):
     """One kind of step: ``kind`` in {poisson, wor, truncated}, rate q, noise multiplier z;
-    for ``truncated`` also the truncation weight t and the rate q2 of the replaced part."""
+    for ``truncated`` also the weight t and rate q2 of the cut-batch part (noise z/2) and the
+    weight t2 of the part that covers both dataset sizes (rate q, noise z/2)."""
 
     kind: str
     q: float
     z: float
     t: float = 0.0
     q2: float = 0.0
+    t2: float = 0.0
 
     @property
     def symmetric(self) -> bool:
@@ -88,17 +96,28 @@ class Mech(NamedTuple):
             return ((self.q, self.z),)
         if self.kind == "wor":
             return ((self.q, self.z / 2.0),)
-        return ((self.q, self.z), (self.q2, self.z / 2.0))
+        return ((self.q, self.z), (self.q2, self.z / 2.0), (self.q, self.z / 2.0))
 
 
-def truncation_weight(sampling_rate: float, dataset_size: int, max_batch_size: int) -> float:
-    """t = P(Binomial(N, q) >= B_max): the chance that the other examples alone fill a batch.
+def truncation_weights(
+    sampling_rate: float, dataset_size: int, max_batch_size: int
+) -> tuple[float, float, float]:
+    """(t_min, t_max, q_bar_max) of the truncated step over N - 1 and N other examples.
 
-    N others: the larger of two add/remove neighbours has N + 1 examples.
+    t = P(Binomial(n, q) >= B_max) for n others, and q_bar = q E[B_max / (K + 1) | K >= B_max]
+    = (B_max / (n + 1)) P(Binomial(n + 1, q) >= B_max + 1) / t (computed in log space).
     """
     from scipy import stats
 
-    return float(stats.binom.sf(int(max_batch_size) - 1, int(dataset_size), sampling_rate))
+    q, b = float(sampling_rate), int(max_batch_size)
+    ts, qbars = [], []
+    for n in (int(dataset_size) - 1, int(dataset_size)):
+        log_t = float(stats.binom.logsf(b - 1, n, q)) if n >= b else -math.inf
+        ts.append(math.exp(log_t))
+        if math.isfinite(log_t):
+            log_num = math.log(b / (n + 1.0)) + float(stats.binom.logsf(b, n + 1, q))
+            qbars.append(min(q * b / (b + 1.0), math.exp(log_num - log_t)))
+    return min(ts), max(ts), max(qbars, default=0.0)
 
 
 def _leaf(event: ev.Event) -> Mech | None:
@@ -109,11 +128,11 @@ def _leaf(event: ev.Event) -> Mech | None:
     if isinstance(event, ev.FixedSizeSampled) and isinstance(event.event, ev.Gaussian):
         return Mech("wor", event.sample_size / event.dataset_size, event.event.noise_multiplier)
     if isinstance(event, ev.TruncatedPoisson):
-        q, b = event.sampling_rate, event.max_batch_size
-        t = truncation_weight(q, event.dataset_size, b)
-        if t <= 0.0:
-            return Mech("poisson", q, event.noise_multiplier)
-        return Mech("truncated", q, event.noise_multiplier, t, q * b / (b + 1.0))
+        q, z = event.sampling_rate, event.noise_multiplier
+        t_min, t_max, q_bar = truncation_weights(q, event.dataset_size, event.max_batch_size)
+        if t_max <= 0.0:
+            return Mech("poisson", q, z)
+        return Mech("truncated", q, z, t_min, q_bar, t_max - t_min)
     return None
 
 
@@ -151,8 +170,9 @@ def _leaf_reason(event: ev.Event, replace_one: bool) -> str | None:
     if isinstance(event, ev.Gaussian | ev.PoissonSampled | ev.TruncatedPoisson):
         if replace_one:
             return (
-                f"pld cannot account sub-event {name} {event!r} in a replace_one event tree: "
-                "only FixedSizeSampled(Gaussian) steps are modelled under replace_one"
+                f"pld cannot account sub-event {name} {event!r} beside FixedSizeSampled steps "
+                "(a replace_one event tree): only FixedSizeSampled(Gaussian) steps are modelled "
+                "under replace_one"
             )
         if isinstance(event, ev.PoissonSampled) and not isinstance(event.event, ev.Gaussian):
             return (
@@ -222,8 +242,12 @@ def step_pmfs(mech: Mech, h: float, tail: float, poisson: PoissonPmf) -> dict[st
         sym = symmetrised(both["remove"], both["add"])
         return {"remove": sym, "add": sym}
     main = poisson(mech.q, mech.z, h, tail_mass=tail)
-    cut = poisson(mech.q2, mech.z / 2.0, h, tail_mass=tail)
-    return {d: mixture(((1.0 - mech.t, main[d]), (mech.t, cut[d]))) for d in ("remove", "add")}
+    cut = poisson(mech.q2, mech.z / 2.0, h, tail_mass=tail) if mech.t > 0.0 else main
+    cover = poisson(mech.q, mech.z / 2.0, h, tail_mass=tail) if mech.t2 > 0.0 else main
+    w = (1.0 - mech.t - mech.t2, mech.t, mech.t2)
+    return {
+        d: mixture(((w[0], main[d]), (w[1], cut[d]), (w[2], cover[d]))) for d in ("remove", "add")
+    }
 
 
 def _grid_deltas(pld: DiscretePLD, lo: int, hi: int) -> np.ndarray:
