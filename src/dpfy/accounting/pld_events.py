@@ -179,8 +179,9 @@ def _leaf_reason(event: ev.Event, replace_one: bool) -> str | None:
                 f"pld supports PoissonSampled(Gaussian) only, got inner "
                 f"{type(event.event).__name__} event {event.event!r}"
             )
-        inner = event.event if isinstance(event, ev.PoissonSampled) else event
-        return _small_z(inner.noise_multiplier)  # type: ignore[union-attr]
+        if isinstance(event, ev.PoissonSampled):
+            return _small_z(event.event.noise_multiplier)  # type: ignore[attr-defined]
+        return _small_z(event.noise_multiplier)
     if isinstance(event, ev.FixedSizeSampled):
         if event.adjacency_relation is not ev.Adjacency.REPLACE_ONE:
             return (
@@ -270,17 +271,22 @@ def _grid_deltas(pld: DiscretePLD, lo: int, hi: int) -> np.ndarray:
 def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
     """The symmetric discrete PLD whose curve at epsilon >= 0 is ``remove``'s (see module doc).
 
+    Both inputs' masses at +infinity (grid truncation) are kept at +infinity, so the result's
+    curve is ``remove``'s plus ``add``'s truncated mass.
+
     Raises:
-      ValueError: ``add``'s curve exceeds ``remove``'s at a grid point epsilon >= 0 (then the
-        remove curve is not the maximum of the two; never seen for the Gaussian).
+      ValueError: ``add``'s curve (without its truncated mass) exceeds ``remove``'s at a grid
+        point epsilon >= 0 (the remove curve is then not the maximum; never seen for the
+        Gaussian on the test grids).
     """
     import dataclasses
 
     h = remove.interval
+    inf = min(1.0, remove.infinity_mass + add.infinity_mass)
     top = remove.offset + remove.pmf.size - 1
     if top < 1:  # no positive loss on the grid: everything at 0 and +infinity
-        pmf = np.array([max(0.0, 1.0 - remove.infinity_mass)])
-        return dataclasses.replace(remove, offset=0, pmf=pmf)
+        pmf = np.array([max(0.0, 1.0 - inf)])
+        return dataclasses.replace(remove, offset=0, pmf=pmf, infinity_mass=inf)
     _check_dominates(remove, add, top)
     k = np.arange(1, top + 1)
     first = 1 - remove.offset  # position of loss index 1 in remove.pmf
@@ -288,24 +294,23 @@ def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
         raise ValueError(f"the remove PLD must start at a loss <= 0, got offset {remove.offset}")
     pos = remove.pmf[first:]
     neg = pos * np.exp(-k * h)
-    zero = 1.0 - remove.infinity_mass - float(pos.sum()) - float(neg.sum())
+    zero = 1.0 - inf - float(pos.sum()) - float(neg.sum())
     if zero < -1e-9:
         raise ValueError(f"symmetrised PLD has negative mass {zero:.3g} at loss 0")
     pmf = np.concatenate((neg[::-1], [max(zero, 0.0)], pos))
-    return dataclasses.replace(remove, offset=-top, pmf=pmf)
+    return dataclasses.replace(remove, offset=-top, pmf=pmf, infinity_mass=inf)
 
 
 def _check_dominates(remove: DiscretePLD, add: DiscretePLD, top: int) -> None:
-    """delta_add <= delta_remove at every grid point epsilon = j h, 0 <= j <= top, and above."""
+    """add's finite-part delta <= remove's delta at every grid point 0 <= j h <= top h, and
+    at the top <= the two truncated masses (the symmetrised curve above the grid)."""
     h = remove.interval
-    add_top = add.offset + add.pmf.size - 1  # above this index delta_add = add.infinity_mass
-    hi = min(top, max(add_top, 0))
-    d_rem = _grid_deltas(remove, 0, hi)
-    d_add = _grid_deltas(add, 0, hi)
+    d_rem = _grid_deltas(remove, 0, top)
+    d_add = _grid_deltas(add, 0, top) - add.infinity_mass
     slack = 1e-12 * d_rem + 1e-300
     bad = np.flatnonzero(d_add > d_rem + slack)
-    beyond = add.infinity_mass if add_top <= top else float(_grid_deltas(add, top, top)[0])
-    if bad.size or beyond > remove.infinity_mass * (1.0 + 1e-12) + 1e-300:
+    beyond = float(d_add[-1]) > (remove.infinity_mass + add.infinity_mass) * (1 + 1e-12) + 1e-300
+    if bad.size or beyond:
         j = int(bad[0]) if bad.size else top
         raise ValueError(
             f"the add direction's delta exceeds the remove direction's at epsilon={j * h:.4g}; "
