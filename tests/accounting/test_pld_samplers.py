@@ -51,7 +51,7 @@ def test_truncated_never_looser_than_dp_accounting(row: dict) -> None:
     assert res.method == "pld"
     assert row["lower"] <= res.epsilon
     # dp_accounting's default grid (1e-4) against dpfy's default tolerance: never looser by
-    # more than that tolerance (at or below it on all rows but one, +1.3e-4 relative)
+    # more than that tolerance (below it on 5 of 8 rows, at most +1.8e-4 relative)
     assert res.epsilon <= row["dp_accounting"] * (1 + pld.DEFAULT_TOLERANCE)
 
 
