@@ -179,3 +179,40 @@ def test_truncated_pld_is_monotone(q: float, z: float, steps: int, delta: float)
     assert _trunc_eps(q * 1.2, z, steps, delta, b) >= base * (1 - _SLACK) - 1e-9
     assert _trunc_eps(q, z, steps + 10, delta, b) >= base * (1 - _SLACK) - 1e-9
     assert _trunc_eps(q, z, steps, delta * 10, b) <= base * (1 + _SLACK) + 1e-9
+
+
+def test_truncated_delta_and_epsilon_agree_and_beat_the_coupling_bound() -> None:
+    from dpfy.accounting.truncation import event_truncation_probability
+
+    event = ev.TruncatedPoisson(0.01, 1.0, 300, 10_000, 125)
+    p = event_truncation_probability(event)
+    assert p > 1e-5  # the coupling bound alone cannot reach delta = 1e-5
+    res = accounting.epsilon(event, 1e-5, method="pld")
+    assert math.isfinite(res.epsilon)
+    d = accounting.delta(event, res.epsilon, method="pld")
+    assert d.delta <= 1e-5 * (1 + 1e-2)
+    assert d.delta < p  # below the coupling term alone
+    # the rdp accountant has only the coupling bound: no finite epsilon here
+    assert accounting.epsilon(event, 1e-5, method="rdp").epsilon == math.inf
+
+
+def test_attack_risk_of_a_fixed_size_run_uses_the_symmetric_pld() -> None:
+    from dpfy.accounting.risk import attack_risk
+
+    event = _fixed(100, 10_000, 1.0, 300)
+    risk = attack_risk(event, method="pld")
+    gauss = attack_risk(ev.SelfComposed(ev.Gaussian(0.5), 300), method="gaussian")
+    for ours, no_sampling in zip(risk.tpr, gauss.tpr, strict=True):
+        assert ours <= no_sampling + 1e-9  # subsampling never hurts the bound
+
+
+def test_attack_risk_of_a_truncated_run_beats_the_coupling_term() -> None:
+    from dpfy.accounting.risk import attack_risk
+    from dpfy.accounting.truncation import event_truncation_probability
+
+    event = ev.TruncatedPoisson(0.01, 1.0, 300, 10_000, 125)
+    p = event_truncation_probability(event)
+    risk = attack_risk(event, fpr=(1e-3,), method="pld")
+    untruncated = attack_risk(ev.untruncated(event), fpr=(1e-3,), method="pld")
+    assert untruncated.tpr[0] <= risk.tpr[0] < untruncated.tpr[0] + p
+    assert any("mixture PLD" in n for n in risk.notes)
