@@ -302,6 +302,20 @@ def _native_truncated(acc: Accountant, event: ev.Event) -> ev.Event | None:
     return tamed
 
 
+def _native_result(
+    acc: Accountant, event: ev.Event, call: Callable[[Accountant, ev.Event], PrivacyResult]
+) -> PrivacyResult | None:
+    """``call(acc, event)`` with the truncated samplers kept, or None when ``acc`` does not
+    account them itself or fails numerically (the coupling bound then stands alone)."""
+    native = _native_truncated(acc, event)
+    if native is None:
+        return None
+    try:
+        return call(acc, native)
+    except (ValueError, ArithmeticError, RecursionError):
+        return None
+
+
 def _method_name(method: str | Accountant) -> str:
     if isinstance(method, str):
         if method != "auto" and method not in _ACCOUNTANTS:
@@ -386,11 +400,9 @@ def epsilon(
                 functools.partial(_truncated_result, acc, mechanism, float(delta), probability),
                 others,
             )
-            native = _native_truncated(acc, event)
-            if native is not None:
-                alt = _run(acc, functools.partial(acc.epsilon, native, float(delta)), others + 1)
-                if alt is not None and (res is None or alt.epsilon < res.epsilon):
-                    res = alt
+            alt = _native_result(acc, event, lambda a, e: a.epsilon(e, float(delta)))
+            if alt is not None and (res is None or alt.epsilon < res.epsilon):
+                res = alt
         if res is not None:
             results.append(dataclasses.replace(res, notes=(*res.notes, *notes)) if notes else res)
     # Ties go to the provable result, then to the one that also states a lower bound.
@@ -429,10 +441,9 @@ def delta(
                 delta=truncated_delta(base.delta, float(epsilon), probability),
                 notes=(*base.notes, _truncation_note(probability)),
             )
-            native = _native_truncated(acc, event)
-            if native is not None:
-                alt = acc.delta(native, float(epsilon))
-                base = alt if alt.delta < base.delta else base
+            alt = _native_result(acc, event, lambda a, e: a.delta(e, float(epsilon)))
+            if alt is not None and alt.delta < base.delta:
+                base = alt
         results.append(base)
     return min(results, key=lambda r: (r.delta, not r.provable))
 

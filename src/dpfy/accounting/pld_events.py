@@ -275,9 +275,10 @@ def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
     curve is ``remove``'s plus ``add``'s truncated mass.
 
     Raises:
-      ValueError: ``add``'s curve (without its truncated mass) exceeds ``remove``'s at a grid
-        point epsilon >= 0 (the remove curve is then not the maximum; never seen for the
-        Gaussian on the test grids).
+      FloatingPointError: ``add``'s curve (without its truncated mass) exceeds ``remove``'s
+        at a grid point epsilon >= 0 (the remove curve is then not the maximum; never seen for
+        the Gaussian on the test grids), or the mass left for loss 0 is negative. The public
+        ``epsilon``/``delta`` then fall back to the other methods (``auto``) or say so.
     """
     import dataclasses
 
@@ -296,7 +297,7 @@ def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
     neg = pos * np.exp(-k * h)
     zero = 1.0 - inf - float(pos.sum()) - float(neg.sum())
     if zero < -1e-9:
-        raise ValueError(f"symmetrised PLD has negative mass {zero:.3g} at loss 0")
+        raise FloatingPointError(f"symmetrised PLD has negative mass {zero:.3g} at loss 0")
     pmf = np.concatenate((neg[::-1], [max(zero, 0.0)], pos))
     return dataclasses.replace(remove, offset=-top, pmf=pmf, infinity_mass=inf)
 
@@ -312,7 +313,7 @@ def _check_dominates(remove: DiscretePLD, add: DiscretePLD, top: int) -> None:
     beyond = float(d_add[-1]) > (remove.infinity_mass + add.infinity_mass) * (1 + 1e-12) + 1e-300
     if bad.size or beyond:
         j = int(bad[0]) if bad.size else top
-        raise ValueError(
+        raise FloatingPointError(
             f"the add direction's delta exceeds the remove direction's at epsilon={j * h:.4g}; "
             "the symmetrised fixed-size PLD needs the remove curve to be the larger one"
         )
