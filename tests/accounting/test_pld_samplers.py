@@ -150,7 +150,7 @@ def _trunc_eps(q: float, z: float, steps: int, delta: float, b_max: int) -> floa
     return accounting.epsilon(event, delta, method="pld").epsilon
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     b=st.integers(1, 200),
     z=st.floats(0.6, 4.0),
@@ -165,7 +165,7 @@ def test_fixed_size_pld_is_monotone(b: int, z: float, steps: int, delta: float) 
     assert _fixed_eps(b, z, steps, delta * 10) <= base * (1 + _SLACK) + 1e-9
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     q=st.floats(0.01, 0.2),
     z=st.floats(0.7, 3.0),
