@@ -57,6 +57,8 @@ __all__ = [
     "check_user_ids",
     "group_by_user",
     "synthetic_user_ids",
+    "unit_description",
+    "user_level_options",
 ]
 
 UserReduction = Literal["sum", "mean"]
@@ -244,6 +246,40 @@ def group_by_user(
         cap_given=cap is not None, users_capped=int(len(capped)),
         subset_randomness=rng.describe() if rng is not None else "none (no user above the cap)",
     )
+
+
+def user_level_options(
+    unit: str,
+    user_ids: Any,
+    *,
+    max_examples_per_user: int | None,
+    reduction: str,
+    randomness: Randomness | None,
+) -> tuple[int, dict[str, Any]]:
+    """(number of units, the extra :class:`UserLevelTrainer` arguments) of a recipe run.
+
+    Checks everything first (unit, ids, cap, reduction), so a recipe refuses bad input before
+    it builds a sampler or writes a file.
+    """
+    check_unit(unit)
+    check_cap(max_examples_per_user)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {{sum, mean}}, got reduction={reduction!r}")
+    if user_ids is None:
+        check_user_ids(None, 0)
+    ids = check_user_ids(user_ids, len(user_ids))
+    return int(len(np.unique(ids))), {
+        "user_ids": ids, "max_examples_per_user": max_examples_per_user,
+        "reduction": reduction, "unit": unit, "layout_randomness": randomness,
+    }
+
+
+def unit_description(unit: str, cap: int | None, example: str) -> str:
+    """The ``unit_of_privacy`` metadata of a recipe run (``example``: what one row is)."""
+    if unit == "example":
+        return f"example ({example})"
+    bound = f", at most {cap} used" if cap is not None else ""
+    return f"{unit} (all of one {unit}'s {example}s{bound})"
 
 
 class UserBatcher:
