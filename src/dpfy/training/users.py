@@ -172,7 +172,7 @@ class UserLayout:
             "users_capped": int(self.users_capped),
             "reduction": reduction,
             "subset": (
-                "uniformly random subset of max_examples_per_user examples per larger user, "
+                f"a uniformly random subset of {self.cap} examples of each larger {self.unit}, "
                 f"drawn once before training from {self.subset_randomness}"
                 if self.users_capped
                 else "every example used"
