@@ -42,7 +42,9 @@ Microbatching (Ponomareva et al. 2023, Alg. 3):
   rows); the *sum* of the group's per-example gradients is clipped to C, the clipped sums are
   summed, noised and divided by ``expected_batch_size / k`` (the expected number of units
   when ``expected_batch_size`` counts k rows per unit). Adding or removing a whole unit adds
-  or removes one clipped sum: sensitivity C, a plain ``GaussianSumQuery(C, z)``.
+  or removes one clipped sum: sensitivity C, a plain ``GaussianSumQuery(C, z)``. Valid only
+  when a group is exactly one unit (all of its rows, nobody else's) and the sampler draws
+  units: a group mixing several units' rows moves by up to 2C when one of them changes.
 
 Limits: layers must see batch-first inputs (dimension 0 = the example), module outputs must
 not be modified in place (``ReLU(inplace=True)``, ``out += x``: refused with a clear error),
