@@ -280,3 +280,24 @@ def test_checkpoint_keeps_the_layout(tmp_path):
     fresh.resume(path)
     assert fresh.layout.digest == tr.layout.digest
     assert fresh.batcher_.layout is fresh.layout
+
+
+def test_dataset_inputs_give_the_same_gradient_as_tensors():
+    from torch.utils.data import TensorDataset
+
+    x, y, ids = _data(5)
+    model = _model()
+    sums = []
+    for data, targets in ((x, y), (TensorDataset(x, y), None)):
+        sampler = make_sampler("poisson", 9, 3, randomness=Randomness(1), unit="user")
+        tr = UserLevelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS, data,
+                              targets, sampler, clip_norm=C, epochs=1, delta=1e-3,
+                              noise_multiplier=1.0, user_ids=ids, max_examples_per_user=5,
+                              reduction="mean", layout_randomness=Randomness(3),
+                              max_physical_batch_size=10)
+        tr._setup()
+        accumulate_logical_batch(tr.private_gradient_, tr.batcher_, np.array([0, 3, 4, 8]),
+                                 tr.loss_fn)
+        sums.append(tr.private_gradient_.clipped_sum())
+    for k in sums[0]:
+        torch.testing.assert_close(sums[0][k], sums[1][k], atol=1e-6, rtol=1e-6)
