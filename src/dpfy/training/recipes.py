@@ -32,6 +32,7 @@ from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training import users
 from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
@@ -155,10 +156,16 @@ def train_image_classifier(
     train_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
+    unit: str = "example",
+    num_users: int | None = None,
+    max_examples_per_user: int | None = None,
+    user_reduction: str = "sum",
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
-    Unit of privacy: one training image; adjacency add-or-remove (Poisson, Balls-and-Bins).
+    Unit of privacy: one training image (default), or with ``unit="user"`` one synthetic user
+    (image i belongs to user ``i % num_users``; :mod:`dpfy.training.users`); adjacency
+    add-or-remove (Poisson, Balls-and-Bins).
 
     Args:
       dataset: ``"mnist"`` or ``"fashion-mnist"`` (see :mod:`dpfy.datasets`).
@@ -189,6 +196,11 @@ def train_image_classifier(
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32; :mod:`dpfy.training.precision`).
+      unit: ``"example"`` or a user-level unit name (``"user"``); then ``batch_size`` is the
+        expected number of users per batch and ``clip_norm`` bounds each user's gradient.
+      num_users: synthetic users (needed with a user-level ``unit``).
+      max_examples_per_user, user_reduction: the cap and ``"sum"``/``"mean"``
+        (:class:`dpfy.training.users.UserLevelTrainer`).
 
     Returns:
       :class:`TrainResultSummary`.
@@ -196,11 +208,26 @@ def train_image_classifier(
     checked_precision = check_precision(precision)
     if threads is not None:
         torch.set_num_threads(int(threads))
+    if unit != "example" and num_users is None:
+        raise ValueError(
+            f"num_users is missing: unit={unit!r} needs the number of synthetic users"
+        )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test")
     sample_rng, noise_rng, randomness = run_randomness(seed)
+    units = len(x_train)
+    trainer_cls: type[PrivateTrainer] = PrivateTrainer
+    user_args: dict[str, Any] = {}
+    if unit != "example":
+        assert num_users is not None
+        units, user_args = users.user_level_options(
+            unit, users.synthetic_user_ids(len(x_train), num_users),
+            max_examples_per_user=max_examples_per_user, reduction=user_reduction,
+            randomness=sample_rng,
+        )
+        trainer_cls = users.UserLevelTrainer
     net = make_model(model)
-    batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
+    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
@@ -212,7 +239,7 @@ def train_image_classifier(
                 f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
             )
         model_path = Path(out_dir) / "model.pt"
-    trainer = PrivateTrainer(
+    trainer = trainer_cls(
         net,
         optimizer,
         nn.CrossEntropyLoss(reduction="none"),
@@ -233,6 +260,7 @@ def train_image_classifier(
         progress=progress,
         callbacks=callbacks,
         precision=checked_precision,
+        **user_args,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.
@@ -246,7 +274,7 @@ def train_image_classifier(
         learning_rate=learning_rate,
         momentum=momentum,
         batch_size=batch_size,
-        unit_of_privacy="example (one training image)",
+        unit_of_privacy=users.unit_description(unit, max_examples_per_user, "training image"),
         released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )

@@ -10,7 +10,11 @@ Li et al. 2022 ("Large language models can be strong differentially private lear
 
 Unit of privacy: one training snippet (add-or-remove for Poisson sampling). A movie contributes
 2 to 35 snippets, so the guarantee per *movie* is weaker (group privacy); the report states the
-snippet unit.
+snippet unit. With ``unit="movie"`` the unit is one movie instead (user-level DP,
+:mod:`dpfy.training.users`): the sampler draws movies (N = 429 in the train split), each
+movie's snippet gradients are summed (or averaged) and clipped as one vector, optionally
+capped at ``max_examples_per_user`` snippets per movie; ``batch_size`` is then the expected
+number of movies per batch.
 
 Fine-tuning modes (``lora``):
 
@@ -51,6 +55,7 @@ from dpfy._validate import check_int
 from dpfy.ledger import Ledger
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training import users
 from dpfy.training.budget import spent
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
@@ -65,6 +70,7 @@ __all__ = [
     "TEXT_DATASETS",
     "TEXT_DEFAULTS",
     "TEXT_MODELS",
+    "TEXT_UNITS",
     "TokenDataset",
     "evaluate_text",
     "make_text_model",
@@ -75,6 +81,8 @@ __all__ = [
 
 #: Text datasets of :func:`train_text_classifier`.
 TEXT_DATASETS = ("rotten-tomatoes",)
+#: Units of privacy of :func:`train_text_classifier`: one snippet, or one movie.
+TEXT_UNITS = ("example", "movie")
 #: Pretrained text models by name.
 TEXT_MODELS = ("minilm",)
 #: The attention projections that get LoRA factors (BERT module names).
@@ -185,6 +193,10 @@ class _TextTrainer(PrivateTrainer):
                              self.test_tokens, batch_size)
 
 
+class _UserTextTrainer(users.UserLevelTrainer, _TextTrainer):
+    """The text trainer with a movie (or any group) as the unit of privacy."""
+
+
 class _RunningEpsilon:
     """A rich progress bar whose epsilon is the ledger's so far, refreshed about 50 times a run
     with PLD or RDP, else after every epoch (read through :func:`dpfy.training.budget.spent`
@@ -255,6 +267,9 @@ def train_text_classifier(
     test_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
+    unit: str = "example",
+    max_examples_per_user: int | None = None,
+    user_reduction: str = "sum",
 ) -> TrainResultSummary:
     """DP fine-tuning of MiniLM on the rotten-tomatoes snippets; write model and ledger.
 
@@ -275,6 +290,9 @@ def train_text_classifier(
       threads: ``torch.set_num_threads`` for the run.
       train_limit, test_limit: the first snippets of each split only (quick runs).
       callbacks, precision: as in :func:`dpfy.training.recipes.train_image_classifier`.
+      unit: ``"example"`` (one snippet) or ``"movie"`` (all of one movie's snippets).
+      max_examples_per_user, user_reduction: with ``unit="movie"``: the cap on snippets per
+        movie and ``"sum"``/``"mean"`` (:class:`dpfy.training.users.UserLevelTrainer`).
     """
     if dataset not in TEXT_DATASETS:
         raise ValueError(
@@ -282,6 +300,8 @@ def train_text_classifier(
         )
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
+    if unit not in TEXT_UNITS:
+        raise ValueError(f"unit must be one of {{{', '.join(TEXT_UNITS)}}}, got unit={unit!r}")
     check_int("max_length", max_length, 2, 512)
     defaults = TEXT_DEFAULTS["lora" if lora else "full"]
     epochs = int(epochs if epochs is not None else defaults["epochs"])
@@ -303,7 +323,16 @@ def train_text_classifier(
     truncated = truncated_fraction(train_split.texts, max_length, tokenizer)
     net = make_text_model(model, lora=lora)
     trainable = [p for p in net.parameters() if p.requires_grad]
-    batches = make_sampler(sampler, len(train_data), batch_size, randomness=sample_rng)
+    units = len(train_data)
+    trainer_cls: type[_TextTrainer] = _TextTrainer
+    user_args: dict[str, Any] = {}
+    if unit != "example":
+        units, user_args = users.user_level_options(
+            unit, train_split.movies, max_examples_per_user=max_examples_per_user,
+            reduction=user_reduction, randomness=sample_rng,
+        )
+        trainer_cls = _UserTextTrainer
+    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.Adam(trainable, lr=learning_rate)
@@ -315,13 +344,13 @@ def train_text_classifier(
                 f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
             )
         model_path = Path(out_dir) / "model.pt"
-    trainer = _TextTrainer(
+    trainer = trainer_cls(
         net, optimizer, sequence_classification_loss, train_data, None, batches,
         clip_norm=clip_norm, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
         max_physical_batch_size=max_physical_batch_size, accounting=accounting,
         ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
         randomness=noise_rng, test_tokens=test_data, precision=checked_precision,
-        callbacks=callbacks,
+        callbacks=callbacks, **user_args,
     )
     trainer.calibrate()  # an unreachable target is refused before anything is written
     if out_dir is not None:
@@ -336,7 +365,9 @@ def train_text_classifier(
         max_length=max_length,
         truncated_fraction=truncated,
         trainable_parameters=int(sum(p.numel() for p in trainable)),
-        unit_of_privacy="example (one review snippet; a movie has 2 to 35)",
+        unit_of_privacy=users.unit_description(
+            unit, max_examples_per_user, "review snippet"
+        ) + ("; a movie has 2 to 35 snippets" if unit == "example" else ""),
         released_output="final model" + (" (LoRA factors and head)" if lora else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )
