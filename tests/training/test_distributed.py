@@ -9,7 +9,6 @@ a temporary directory.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -246,6 +245,7 @@ def test_two_processes_equal_one_process(tmp_path):
         assert samples == "0"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [1, 0])
 def test_killed_rank_stops_the_run_without_undercounting(tmp_path, victim):
     start = time.time()

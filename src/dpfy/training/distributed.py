@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "START_TIMEOUT",
     "GradientReducer",
     "Distributed",
     "DistributedError",
@@ -82,6 +83,9 @@ __all__ = [
 #: Default collective timeout in seconds: long enough for rank 0's end-of-epoch evaluation
 #: while the others wait for the next batch, short enough that a dead rank is noticed at once.
 DEFAULT_TIMEOUT = 60.0
+
+#: Seconds every rank may take to start (import torch and dpfy) and join the group.
+START_TIMEOUT = 300.0
 
 
 class GradientReducer(Protocol):
@@ -121,12 +125,15 @@ class Distributed:
       world_size: number of processes, >= 1.
       timeout: collective timeout in seconds.
       device: where collective buffers of indices live (``cpu`` for gloo, a GPU for nccl).
+      group: the process group of the collectives (``None``: the default group); built with
+        the collective ``timeout`` while the default group keeps the longer start-up one.
     """
 
     rank: int
     world_size: int
     timeout: float
     device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size)
@@ -141,17 +148,25 @@ class Distributed:
     # -- collectives -----------------------------------------------------------------------
     def sum_(self, tensors: list[torch.Tensor]) -> None:
         """All-reduce (SUM) the clipped sums in place: every rank then holds the global sum."""
-        self._run("all-reduce of the clipped sums", lambda: [dist.all_reduce(t) for t in tensors])
+        self._run(
+            "all-reduce of the clipped sums",
+            lambda: [dist.all_reduce(t, group=self.group) for t in tensors],
+        )
 
     def share_(self, tensors: list[torch.Tensor]) -> None:
         """Broadcast rank 0's noisy sum into ``tensors`` on every other rank (in place)."""
-        self._run("broadcast of the noisy gradient", lambda: [dist.broadcast(t, 0) for t in tensors])
+        self._run(
+            "broadcast of the noisy gradient",
+            lambda: [dist.broadcast(t, 0, group=self.group) for t in tensors],
+        )
 
     def broadcast_indices(self, indices: np.ndarray | None) -> np.ndarray | None:
         """Rank 0's logical batch (``None``: the epoch ended) on every rank."""
         head = torch.full((1,), -1 if indices is None else len(indices), dtype=torch.int64)
         head = head.to(self.device)
-        self._run("broadcast of the sampled batch", lambda: dist.broadcast(head, 0))
+        self._run(
+            "broadcast of the sampled batch", lambda: dist.broadcast(head, 0, group=self.group)
+        )
         n = int(head.item())
         if n < 0:
             return None
@@ -161,21 +176,18 @@ class Distributed:
         else:
             buf = torch.empty(n, dtype=torch.int64, device=self.device)
         if n:
-            self._run("broadcast of the sampled batch", lambda: dist.broadcast(buf, 0))
+            self._run(
+                "broadcast of the sampled batch", lambda: dist.broadcast(buf, 0, group=self.group)
+            )
         return buf.cpu().numpy()
-
-    def broadcast_int(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank."""
-        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
-        self._run("broadcast of a decision of rank 0", lambda: dist.broadcast(t, 0))
-        return int(t.item())
 
     @torch.no_grad()
     def sync_module_(self, module: nn.Module) -> None:
         """Copy rank 0's parameters and buffers into every rank's ``module`` (in place)."""
         tensors = [p.data for p in module.parameters()] + list(module.buffers())
         self._run(
-            "broadcast of the initial weights", lambda: [dist.broadcast(t, 0) for t in tensors]
+            "broadcast of the initial weights",
+            lambda: [dist.broadcast(t, 0, group=self.group) for t in tensors],
         )
 
     def check_in_sync(self, module: nn.Module) -> None:
@@ -187,7 +199,9 @@ class Distributed:
             flat = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
             mine = torch.stack([flat.sum(), (flat * flat).sum()]).to(self.device)
             ref = mine.clone()
-        self._run("broadcast of a weight checksum", lambda: dist.broadcast(ref, 0))
+        self._run(
+            "broadcast of a weight checksum", lambda: dist.broadcast(ref, 0, group=self.group)
+        )
         if not torch.equal(mine, ref):
             raise DistributedError(
                 f"rank {self.rank}: the model's weights differ from rank 0's "
@@ -196,7 +210,7 @@ class Distributed:
 
     def barrier(self) -> None:
         """Wait for every rank (under the timeout)."""
-        self._run("barrier", lambda: dist.barrier())
+        self._run("barrier", lambda: dist.barrier(group=self.group))
 
     def _run(self, what: str, fn: Any) -> Any:
         try:
@@ -220,8 +234,12 @@ def init_process_group(
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     device: torch.device | str | None = None,
+    start_timeout: float = START_TIMEOUT,
 ) -> Distributed:
     """Join (or start, as rank 0) a process group over TCP; returns this process's context.
+
+    Joining waits up to ``start_timeout`` seconds for every rank (starting Python and torch
+    takes seconds); from then on every collective of the run waits at most ``timeout``.
 
     Args:
       rank, world_size: this process and the number of processes.
@@ -237,6 +255,7 @@ def init_process_group(
     check_range("rank", rank, 0, world_size - 1, integer=True)
     check_range("master_port", master_port, 1, 65535, integer=True)
     check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
+    check_range("start_timeout", start_timeout, 0.0, 86400.0, low_open=True)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     backend = _backend(backend, dev)
     dist.init_process_group(
@@ -244,9 +263,15 @@ def init_process_group(
         init_method=f"tcp://{master_addr}:{int(master_port)}",
         rank=int(rank),
         world_size=int(world_size),
-        timeout=datetime.timedelta(seconds=float(timeout)),
+        timeout=datetime.timedelta(seconds=max(float(timeout), float(start_timeout))),
     )
-    return Distributed(int(rank), int(world_size), float(timeout), dev)
+    # the run's collectives: every rank is here now, so the short timeout applies from here
+    group = dist.new_group(
+        list(range(int(world_size))),
+        timeout=datetime.timedelta(seconds=float(timeout)),
+        backend=backend,
+    )
+    return Distributed(int(rank), int(world_size), float(timeout), dev, group)
 
 
 def from_env(
@@ -258,7 +283,9 @@ def from_env(
     """The context of a process started by ``torchrun`` (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``); under nccl the device defaults to ``LOCAL_RANK``'s GPU.
     """
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
     if missing:
         raise ValueError(
             f"from_env needs the environment torchrun sets; missing {missing} (or use "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -28,15 +29,13 @@ import torch.multiprocessing as mp
 from dpfy._validate import check_int, check_range
 from dpfy.training.distributed import (
     DEFAULT_TIMEOUT,
+    START_TIMEOUT,
     Distributed,
     DistributedError,
     init_process_group,
 )
 
 __all__ = ["WorkerExit", "free_port", "run_local", "spawn_workers"]
-
-#: Seconds a rank may take to start (import torch and dpfy) and join the group.
-_START_GRACE = 120.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,9 +66,7 @@ def _child(
     errors: Any,
 ) -> None:
     try:
-        d = init_process_group(
-            rank, world_size, master_port=port, backend=backend, timeout=timeout
-        )
+        d = init_process_group(rank, world_size, master_port=port, backend=backend, timeout=timeout)
         try:
             fn(d, *args)
         finally:
@@ -123,8 +120,9 @@ def _drain(errors: Any) -> dict[int, str]:
 
 
 def _stop(procs: list[Any], wait: float) -> None:
+    deadline = time.monotonic() + wait
     for p in procs:
-        p.join(wait)
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -153,7 +151,7 @@ def run_local(
     procs, errors = _start(fn, range(1, world_size), world_size, port, timeout, backend, args)
     try:
         d: Distributed = init_process_group(
-            0, world_size, master_port=port, backend=backend, timeout=max(timeout, 1.0)
+            0, world_size, master_port=port, backend=backend, timeout=timeout
         )
         try:
             result = fn(d, *args)
@@ -167,10 +165,13 @@ def run_local(
             lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(found.items()))
             raise DistributedError(f"the distributed run failed: {lines}") from e
         raise
-    _stop(procs, timeout + _START_GRACE)
+    _stop(procs, timeout + START_TIMEOUT)
     found = _drain(errors)
-    failed = {p_rank: p.exitcode for p_rank, p in zip(range(1, world_size), procs, strict=True)
-              if p.exitcode != 0}
+    failed = {
+        p_rank: p.exitcode
+        for p_rank, p in zip(range(1, world_size), procs, strict=True)
+        if p.exitcode != 0
+    }
     if found or failed:
         lines = "; ".join(
             f"rank {r}: {found.get(r, f'exit code {code}')}"
@@ -196,9 +197,9 @@ def spawn_workers(
     """
     _check(world_size, timeout)
     procs, errors = _start(fn, range(world_size), world_size, free_port(), timeout, backend, args)
-    limit = timeout + _START_GRACE if wait is None else float(wait)
+    deadline = time.monotonic() + (timeout + START_TIMEOUT if wait is None else float(wait))
     for p in procs:
-        p.join(limit)
+        p.join(max(0.0, deadline - time.monotonic()))
     alive = [p.is_alive() for p in procs]
     _stop(procs, 0.0)
     found = _drain(errors)

@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -58,8 +58,8 @@ from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tes
 from dpfy.training.data import Batcher, PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.distributed import (
     Distributed,
-    SharedSampler,
     ShardBatcher,
+    SharedSampler,
     check_mirror_ledger,
     per_process_batch,
     unwrap,
@@ -316,7 +316,7 @@ class PrivateTrainer:
     ) -> None:
         self.distributed = distributed
         if distributed is not None:
-            model, sampler = unwrap(model), SharedSampler(sampler, distributed)
+            model, sampler = unwrap(model), cast("Sampler", SharedSampler(sampler, distributed))
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
