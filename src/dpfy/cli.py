@@ -569,6 +569,12 @@ def train(
         typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
                      "noise stay fp32."),
     ] = TrainPrecision.fp32,
+    workers: Annotated[
+        int,
+        typer.Option("--workers", help="Images only: data-parallel processes on this machine "
+                     "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
+                     parser=_count("workers")),
+    ] = 1,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out."""
@@ -593,6 +599,7 @@ def train(
         lora=lora,
         max_length=max_length,
         test_limit=test_limit,
+        workers=workers,
     )
     from rich.console import Console
 
@@ -702,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "Abort":
             print("dpfy: aborted", file=sys.stderr)
             return 130
+        if type(exc).__name__ == "DistributedError":  # a --workers run lost a process
+            print(f"dpfy: error: {_one_line(str(exc))}", file=sys.stderr)
+            return 1
         raise
     return int(result) if isinstance(result, int) else 0
 

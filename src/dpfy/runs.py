@@ -162,6 +162,7 @@ def train_and_report(
     lora: bool = False,
     max_length: int | None = None,
     test_limit: int | None = None,
+    workers: int = 1,
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -182,6 +183,8 @@ def train_and_report(
       model, lora, max_length, test_limit: text datasets only: the pretrained model
         (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
         (default 64) and the first ``test_limit`` test examples only.
+      workers: image datasets only: data-parallel processes on this machine (this one is
+        rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -210,6 +213,12 @@ def train_and_report(
         check_int("max_length", max_length, 2, 512)
     if test_limit is not None:
         check_int("test_limit", test_limit)
+    check_int("workers", workers, 1, 1024)
+    if workers > 1 and text:
+        raise ValueError(
+            f"workers applies only to the image datasets, got dataset={dataset!r} with "
+            f"workers={workers!r}"
+        )
     _check_budget(target_epsilon, delta)
     for name, count in (("epochs", epochs), ("batch_size", batch_size),
                         ("train_limit", train_limit)):
@@ -235,6 +244,7 @@ def train_and_report(
         "train_limit": train_limit,
         "threads": threads,
         "precision": precision,
+        "workers": workers if workers > 1 else None,
     }
     text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
                     "test_limit": test_limit} if text else {}
@@ -266,6 +276,7 @@ def train_and_report(
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
          "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
+         "workers": workers if workers > 1 else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None},
     )

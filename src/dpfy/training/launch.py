@@ -136,10 +136,13 @@ def run_local(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     backend: str | None = None,
+    rank0_args: tuple[Any, ...] | None = None,
 ) -> Any:
     """Run ``fn(distributed, *args)`` on ``world_size`` local ranks; this process is rank 0.
 
-    ``fn`` and ``args`` must be picklable (a module-level function). Returns rank 0's result.
+    ``fn`` and ``args`` must be picklable (a module-level function); ``rank0_args``, if given,
+    replace ``args`` on rank 0 (which runs here, so they need not be picklable: callbacks, an
+    output directory only rank 0 writes). Returns rank 0's result.
 
     Raises:
       ValueError: bad arguments (nothing is started).
@@ -154,7 +157,7 @@ def run_local(
             0, world_size, master_port=port, backend=backend, timeout=timeout
         )
         try:
-            result = fn(d, *args)
+            result = fn(d, *(args if rank0_args is None else rank0_args))
         finally:
             _shutdown()
     except BaseException as e:
