@@ -297,3 +297,22 @@ def test_shard_batcher_splits_every_chunk_and_pads_the_count():
         rows = torch.cat([c.inputs[: c.count] for c in chunks])
         assert torch.equal(rows, x[np.r_[10 + 4 * r : 14 + 4 * r, 18 + 4 * r : 20][: len(rows)]])
     assert got == [[4, 2], [4, 0]]
+
+
+@pytest.mark.parametrize(
+    ("workers", "message"),
+    [
+        ("3", "max_physical_batch_size must be a multiple of the world size 3"),
+        ("0", "workers must be an integer in [1, "),
+    ],
+)
+def test_cli_refuses_workers_that_cannot_split_the_batch(tmp_path, capsys, workers, message):
+    from dpfy.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "mnist", "--workers", workers, "--out", str(out), "--train-limit", "64"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()  # refused before anything is written or started
