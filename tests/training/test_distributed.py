@@ -82,9 +82,10 @@ def _equal_worker(d: Distributed, out: Path) -> None:
     # (a) the seeded trainer; rank 1 starts from other weights (rank 0's are broadcast)
     model = _model(seed=r)
     ledger = _ledger(d, out, "ledger.jsonl")
-    _trainer(model, ledger, d).fit()
+    history = _trainer(model, ledger, d).fit().history.steps
     d.check_in_sync(model)
     torch.save(_flat(model), out / f"plain_{r}.pt")
+    torch.save([(h.batch_size, h.loss, h.accuracy) for h in history], out / f"history_{r}.pt")
     if d.releases:
         ledger.close()
     # (b) the same run with a DistributedDataParallel model
@@ -202,8 +203,13 @@ def test_two_processes_equal_one_process(tmp_path):
     torch.set_num_threads(1)
     # the 1-process run of the same seeded experiment
     model, ledger = _model(seed=0), Ledger()
-    _trainer(model, ledger).fit()
+    history = _trainer(model, ledger).fit().history.steps
     want = _flat(model)
+    # the monitoring figures count the whole logical batch on every rank
+    stats_1 = np.array([(h.batch_size, h.loss, h.accuracy) for h in history])
+    for r in (0, 1):
+        np.testing.assert_allclose(np.array(torch.load(tmp_path / f"history_{r}.pt")), stats_1,
+                                   atol=1e-6)
     for name in ("plain", "ddp"):
         for r in (0, 1):
             got = torch.load(tmp_path / f"{name}_{r}.pt")

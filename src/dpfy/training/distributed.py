@@ -107,6 +107,8 @@ class GradientReducer(Protocol):
 
     def share_(self, tensors: list[torch.Tensor]) -> None: ...
 
+    def sum_numbers(self, values: list[float]) -> list[float]: ...
+
 
 class DistributedError(RuntimeError):
     """A collective of a distributed run failed: another rank died, hung or stopped."""
@@ -159,6 +161,12 @@ class Distributed:
             "broadcast of the noisy gradient",
             lambda: [dist.broadcast(t, 0, group=self.group) for t in tensors],
         )
+
+    def sum_numbers(self, values: list[float]) -> list[float]:
+        """The sums over all ranks of a few monitoring numbers (losses, counts; float64)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self._run("all-reduce of the step statistics", lambda: dist.all_reduce(t, group=self.group))
+        return [float(v) for v in t.tolist()]
 
     def broadcast_indices(self, indices: np.ndarray | None) -> np.ndarray | None:
         """Rank 0's logical batch (``None``: the epoch ended) on every rank."""

@@ -641,6 +641,10 @@ class PrivateGradient:
         if red is not None:  # the global clipped sum, in place, before anything is recorded
             flat = self._acc_flat if self._active else None
             red.sum_([flat] if flat is not None else list(clipped.values()))
+            loss, examples, nonfinite = red.sum_numbers(
+                [self._loss_sum, self._examples, self._nonfinite]
+            )
+            self._loss_sum, self._examples, self._nonfinite = loss, int(examples), int(nonfinite)
         if self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
             # query adds noise scaled alike and writes into persistent gradient buffers (no

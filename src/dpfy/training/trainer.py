@@ -538,6 +538,8 @@ class PrivateTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._update_ema()
+        if self.distributed is not None:  # the step's totals, as one process would count them
+            correct = int(self.distributed.sum_numbers([correct])[0])
         n = step.num_examples
         record = StepRecord(
             step=self.global_step_,
