@@ -149,9 +149,10 @@ def _progress(out: Path, rank: int) -> list:
     return [count]
 
 
-def _crash_worker(d: Distributed, out: Path, victim: int) -> None:
+def _crash_worker(d: Distributed, out: Path, victim: int, hang: bool = False) -> None:
     """``victim`` dies in the middle of step 3 (rank 1: in its forward pass; rank 0: right
-    after its ledger write, before the broadcast). The survivor must stop with a clear error."""
+    after its ledger write, before the broadcast), or (``hang``) rank 1 stops answering there
+    for three timeouts. The survivor must stop with a clear error."""
     torch.set_num_threads(1)
     r = d.rank
     ledger = _ledger(d, out, "ledger.jsonl")
@@ -162,6 +163,8 @@ def _crash_worker(d: Distributed, out: Path, victim: int) -> None:
         calls[0] += 1
         if r == victim == 1 and calls[0] == 5:  # 2 chunks per step: step 3, first chunk
             (out / "killed.txt").write_text(str(time.time()))
+            if hang:
+                time.sleep(3 * TIMEOUT)
             os._exit(3)
         return loss(outputs, targets)
 
@@ -252,10 +255,10 @@ def test_two_processes_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [1, 0])
-def test_killed_rank_stops_the_run_without_undercounting(tmp_path, victim):
+@pytest.mark.parametrize(("victim", "hang"), [(1, False), (0, False), (1, True)])
+def test_killed_rank_stops_the_run_without_undercounting(tmp_path, victim, hang):
     start = time.time()
-    exits = spawn_workers(_crash_worker, 2, (tmp_path, victim), timeout=TIMEOUT)
+    exits = spawn_workers(_crash_worker, 2, (tmp_path, victim, hang), timeout=TIMEOUT)
     survivor = 1 - victim
     assert exits[victim].exitcode == 3
     assert exits[survivor].exitcode == 1
@@ -264,6 +267,8 @@ def test_killed_rank_stops_the_run_without_undercounting(tmp_path, victim):
     stopped, _ = (tmp_path / f"error_{survivor}.txt").read_text().split("\n", 1)
     killed = float((tmp_path / "killed.txt").read_text())
     assert float(stopped) - killed < TIMEOUT + 3.0  # seconds, not the 30-minute default
+    if hang:  # nothing closed a connection: the collective timeout itself stopped rank 0
+        assert float(stopped) - killed > TIMEOUT - 1.0
     assert time.time() - start < 120
     # the ledger survives, and every step any rank applied is in it
     ledger = Ledger.load(tmp_path / "ledger.jsonl")
