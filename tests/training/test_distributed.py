@@ -327,3 +327,19 @@ def test_cli_refuses_workers_that_cannot_split_the_batch(tmp_path, capsys, worke
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()  # refused before anything is written or started
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"workers": 0}, "workers must be an integer in"),
+        ({"workers": 3}, "multiple of the world size 3"),
+        ({"dataset": "rotten-tomatoes", "workers": 2}, "workers applies only to the image"),
+    ],
+)
+def test_train_and_report_refuses_bad_workers_before_writing(tmp_path, kwargs, needle):
+    from dpfy import runs
+
+    with pytest.raises(ValueError, match=needle):
+        runs.train_and_report(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs})
+    assert not (tmp_path / "run").exists()
