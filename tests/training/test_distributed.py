@@ -107,6 +107,16 @@ def _equal_worker(d: Distributed, out: Path) -> None:
                randomness=Randomness(0))
     torch.save(torch.cat([p.grad.reshape(-1) for p in model.parameters()]),
                out / f"nonoise_{r}.pt")
+    # (c') rank 1 accumulates nothing at all: its zeros join the same all-reduce
+    model = _model(seed=0)
+    pg = PrivateGradient(model, NoPrivacyQuery(CLIP), expected_batch_size=16.0, reducer=d)
+    if d.releases:
+        pg.accumulate(x[indices], y[indices], nn.CrossEntropyLoss(reduction="none"))
+    led = Ledger()
+    pg.release(ledger=led, sample_id=led.record_sample(PoissonSampler(N, 0.25).sample_spec()),
+               randomness=Randomness(0))
+    torch.save(torch.cat([p.grad.reshape(-1) for p in model.parameters()]),
+               out / f"idle_{r}.pt")
     # (d) noise on, secure: noise = released - clipped sum, std zC per coordinate
     model = _model(seed=0)
     pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=1.0, reducer=d)
@@ -235,8 +245,9 @@ def test_two_processes_equal_one_process(tmp_path):
                 randomness=Randomness(0))
     want = torch.cat([p.grad.reshape(-1) for p in ref.model.parameters()])
     for r in (0, 1):
-        torch.testing.assert_close(torch.load(tmp_path / f"nonoise_{r}.pt"), want, atol=1e-6,
-                                   rtol=0)
+        for name in ("nonoise", "idle"):
+            torch.testing.assert_close(torch.load(tmp_path / f"{name}_{r}.pt"), want, atol=1e-6,
+                                       rtol=0)
     # noise on: one draw on rank 0 with exactly the recorded std, the same on both ranks
     n0, n1 = torch.load(tmp_path / "noise_0.pt"), torch.load(tmp_path / "noise_1.pt")
     torch.testing.assert_close(n0, n1, atol=1e-6, rtol=0)

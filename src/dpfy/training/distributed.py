@@ -85,7 +85,7 @@ __all__ = [
 DEFAULT_TIMEOUT = 60.0
 
 #: Seconds every rank may take to start (import torch and dpfy) and join the group.
-START_TIMEOUT = 300.0
+START_TIMEOUT = 120.0
 
 
 class GradientReducer(Protocol):
@@ -199,9 +199,10 @@ class Distributed:
         )
 
     def check_in_sync(self, module: nn.Module) -> None:
-        """Raise :class:`DistributedError` unless every rank holds rank 0's weights (bitwise).
+        """Raise :class:`DistributedError` unless every rank's weights have rank 0's checksum.
 
-        One all-reduce of a checksum; for tests and debugging (the step keeps replicas equal).
+        The checksum (sum and sum of squares, float64) must match exactly; one broadcast, for
+        tests and debugging (the step keeps replicas equal).
         """
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])

@@ -630,16 +630,22 @@ class PrivateGradient:
           :class:`StepStats` of the step.
         """
         params = self._params
+        red = self.reducer
+        if red is not None and not red.releases:
+            check_mirror_ledger(ledger, red.rank)  # before any collective
+        if red is not None and not self._active:  # zeros laid out as on the other processes
+            if not self._buffers:
+                self._acc_flat, self._buffers = _flat_buffers(params)
+            for b in self._buffers.values():
+                b.zero_()
+            self._active = True
         if self._active:
             clipped = dict(self._buffers)
         else:  # nothing accumulated this step: the release is noise only
             clipped = {n: torch.zeros_like(p) for n, p in params.items()}
         denom = self.denominator_
-        red = self.reducer
-        if red is not None and not red.releases:
-            check_mirror_ledger(ledger, red.rank)  # before any collective
         if red is not None:  # the global clipped sum, in place, before anything is recorded
-            flat = self._acc_flat if self._active else None
+            flat = self._acc_flat
             red.sum_([flat] if flat is not None else list(clipped.values()))
             loss, examples, nonfinite = red.sum_numbers(
                 [self._loss_sum, self._examples, self._nonfinite]
