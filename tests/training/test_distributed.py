@@ -354,3 +354,32 @@ def test_train_and_report_refuses_bad_workers_before_writing(tmp_path, kwargs, n
     with pytest.raises(ValueError, match=needle):
         runs.train_and_report(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs})
     assert not (tmp_path / "run").exists()
+
+
+def test_refusals_before_any_collective(tmp_path, monkeypatch):
+    from dpfy.queries import AdaptiveClipQuery
+    from dpfy.training.distributed import from_env, init_process_group
+
+    rank1 = Distributed(1, 2, 5.0)  # no process group: every refusal comes first
+    with pytest.raises(ValueError, match="stateless"):
+        PrivateGradient(_model(), AdaptiveClipQuery(1.0, 1.0, 16.0), expected_batch_size=16,
+                        reducer=rank1)
+    # a ledger file on a rank other than 0
+    ledger = Ledger(tmp_path / "rank1.jsonl")
+    with pytest.raises(ValueError, match="in-memory dpfy.ledger.Ledger\\(\\) on rank 1"):
+        _trainer(_model(), ledger, rank1).fit()
+    assert ledger.samples == ()
+    with pytest.raises(ValueError, match="rank must be an integer in \\[0, 1\\]"):
+        Distributed(2, 2, 5.0)
+    with pytest.raises(ValueError, match="timeout must be in"):
+        Distributed(0, 2, 0.0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        init_process_group(0, 1, master_port=1234, backend="mpi")
+    with pytest.raises(ValueError, match="needs a GPU"):
+        init_process_group(0, 1, master_port=1234, backend="nccl")
+    with pytest.raises(ValueError, match="master_port must be an integer in"):
+        init_process_group(0, 1, master_port=0)
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        from_env()
