@@ -76,7 +76,8 @@ def main() -> None:
         "one_process_one_thread": single,
         "one_process": one,
         "workers": many,
-        "speedup": many["examples_per_s"] / one["examples_per_s"],
+        "ratio_vs_one_thread": many["examples_per_s"] / single["examples_per_s"],
+        "ratio_vs_threads": many["examples_per_s"] / one["examples_per_s"],
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -88,7 +89,9 @@ def main() -> None:
           f"({one['seconds']:.2f} s)")
     print(f"{args.workers} processes x {per['threads']} threads: "
           f"{many['examples_per_s']:8.1f} examples/s ({many['seconds']:.2f} s)")
-    print(f"ratio {result['speedup']:.2f}")
+    print(f"{args.workers} processes / 1 process x 1 thread: "
+          f"{result['ratio_vs_one_thread']:.2f}; / 1 process x {args.threads} threads: "
+          f"{result['ratio_vs_threads']:.2f}")
 
 
 if __name__ == "__main__":
