@@ -290,8 +290,6 @@ class PrivateGradient:
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # persistent buffers (no division pass, no new tensors).
         self._fast_release = getattr(query, "fused_release", False) is True
-        self._grads: dict[str, torch.Tensor] = {}
-        self._grads_flat: torch.Tensor | None = None
         self._acc_flat: torch.Tensor | None = None
         self._reset()
 
@@ -618,8 +616,8 @@ class PrivateGradient:
 
         Every trainable parameter receives noise, also if no chunk produced a gradient for it.
         The query records its ledger entry before the noisy values exist outside it.
-        ``p.grad`` is a buffer owned by this object and rewritten in place by the next
-        release (like ``zero_grad(set_to_none=False)``): clone it to keep a step's gradient.
+        ``p.grad`` is a new tensor at every release (the previous one is not touched);
+        ``zero_grad(set_to_none=True)`` frees it.
 
         Args:
           ledger: the run's :class:`dpfy.ledger.Ledger`.
@@ -653,26 +651,26 @@ class PrivateGradient:
             self._loss_sum, self._examples, self._nonfinite = loss, int(examples), int(nonfinite)
         if self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
-            # query adds noise scaled alike and writes into persistent gradient buffers (no
-            # fresh allocation, no division pass) which then become ``p.grad``.
-            if not self._grads:
-                # views of one flat buffer: the noise fills it in one fused pass
-                self._grads_flat, self._grads = _flat_buffers(params)
+            # query adds noise scaled alike and writes into new gradient buffers (no division
+            # pass) which then become ``p.grad``: views of one flat buffer, so the noise fills
+            # it in one fused pass. They are not kept here: once the caller drops the
+            # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer but the
+            # accumulator outlives the step.
+            flat_grads, grads = _flat_buffers(params)
             if red is None or red.releases:
                 noisy = self.query.add_noise(
                     clipped,
                     ledger=ledger,
                     sample_id=sample_id,
                     randomness=randomness,
-                    out=self._grads,
+                    out=grads,
                     scale=1.0 / denom,
                 )
             else:  # the releasing process records and draws; this one mirrors the record
                 mirror_release(self.query, ledger, sample_id)
-                noisy = self._grads
+                noisy = grads
             if red is not None:  # after the ledger write: no process applies an unrecorded step
-                g = self._grads_flat
-                red.share_([g] if g is not None else list(self._grads.values()))
+                red.share_([flat_grads] if flat_grads is not None else list(grads.values()))
             for name in self.param_names_:
                 p, g = params[name], noisy[name]
                 if p.grad is not g:

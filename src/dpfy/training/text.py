@@ -14,12 +14,17 @@ snippet unit.
 
 Fine-tuning modes (``lora``):
 
-* full (default): every parameter of the encoder, the fresh pooler and the fresh 2-way head is
-  trainable (22.7M parameters); defaults lr 1e-4, 2 epochs;
+The model is the pretrained encoder with a zero-initialised 2-way linear head on the masked
+mean of its last hidden states (:class:`dpfy.hf.heads.MeanPooledClassifier`): the pooling the
+sentence encoder was trained with, and no fresh pooler (a fresh 384 x 384 ``[CLS]`` pooler, as
+in ``BertForSequenceClassification``, made DP-Adam at epsilon 8 collapse to one class).
+
+* full (default): every parameter of the encoder and the head is trainable (22.7M
+  parameters); defaults lr 1e-4, 2 epochs;
 * LoRA (Hu et al. 2022, via ``peft``): rank r=8 (alpha 16, no LoRA dropout) on the attention
-  ``query`` and ``value`` projections of all 6 layers, plus the fresh pooler and head trained
-  in full (``modules_to_save``); the pretrained weights stay frozen (about 0.22M trainable
-  parameters); defaults lr 5e-4, 3 epochs.
+  ``query`` and ``value`` projections of all 6 layers, plus the head trained in full; the
+  pretrained weights stay frozen (about 75k trainable parameters); defaults lr 5e-4, 3
+  epochs.
 
 Both: expected batch size 256 (Poisson rate 256 / N), clip norm 1.0, Adam betas (0.9, 0.999),
 no weight EMA. Snippets are tokenised once with MiniLM's uncased WordPiece tokenizer, padded and
@@ -133,21 +138,25 @@ def truncated_fraction(
 
 
 def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
-    """The pretrained classifier (2 labels), fully trainable or with LoRA (module docstring)."""
+    """The pretrained encoder with a zero-initialised 2-way head on its mean-pooled tokens
+    (:class:`dpfy.hf.heads.MeanPooledClassifier`), fully trainable or with LoRA on the encoder
+    (module docstring)."""
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
-    from dpfy.hf.pretrained import load_minilm_classifier
+    from dpfy.hf.heads import MeanPooledClassifier
+    from dpfy.hf.pretrained import load_minilm_encoder
 
-    net: nn.Module = load_minilm_classifier(num_labels=2)
+    base = load_minilm_encoder(add_pooling_layer=False)
+    width = int(base.config.hidden_size)
+    encoder: nn.Module = base
     if lora:
         import peft
 
         cfg = peft.LoraConfig(
-            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
-            task_type="SEQ_CLS", modules_to_save=["pooler"],
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
         )
-        net = peft.get_peft_model(net, cfg)
-    return net
+        encoder = peft.get_peft_model(encoder, cfg)
+    return MeanPooledClassifier(encoder, width, num_labels=2)
 
 
 @torch.no_grad()
@@ -328,7 +337,7 @@ def train_text_classifier(
         truncated_fraction=truncated,
         trainable_parameters=int(sum(p.numel() for p in trainable)),
         unit_of_privacy="example (one review snippet; a movie has 2 to 35)",
-        released_output="final model" + (" (LoRA factors, pooler and head)" if lora else ""),
+        released_output="final model" + (" (LoRA factors and head)" if lora else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )
     bar = None
