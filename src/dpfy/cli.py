@@ -594,6 +594,12 @@ def train(
         typer.Option("--user-reduction", help="User-level: clip the sum or the mean of a "
                      "user's gradients."),
     ] = UserReduction.sum,
+    workers: Annotated[
+        int,
+        typer.Option("--workers", help="Images only: data-parallel processes on this machine "
+                     "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
+                     parser=_count("workers")),
+    ] = 1,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
@@ -623,6 +629,7 @@ def train(
         users=users,
         cap=cap,
         user_reduction=user_reduction.value,
+        workers=workers,
     )
     from rich.console import Console
 
@@ -732,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "Abort":
             print("dpfy: aborted", file=sys.stderr)
             return 130
+        if type(exc).__name__ == "DistributedError":  # a --workers run lost a process
+            print(f"dpfy: error: {_one_line(str(exc))}", file=sys.stderr)
+            return 1
         raise
     return int(result) if isinstance(result, int) else 0
 

@@ -166,6 +166,7 @@ def train_and_report(
     users: int | None = None,
     cap: int | None = None,
     user_reduction: str = "sum",
+    workers: int = 1,
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -192,6 +193,8 @@ def train_and_report(
         = expected users per batch) and clip each user's summed (``user_reduction="mean"``:
         averaged) gradient; ``cap`` bounds the examples used per user (a random subset,
         recorded). See :mod:`dpfy.training.users`.
+      workers: image datasets only: data-parallel processes on this machine (this one is
+        rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -221,6 +224,12 @@ def train_and_report(
         check_int("max_length", max_length, 2, 512)
     if test_limit is not None:
         check_int("test_limit", test_limit)
+    check_int("workers", workers, 1, 1024)
+    if workers > 1 and text:
+        raise ValueError(
+            f"workers applies only to the image datasets, got dataset={dataset!r} with "
+            f"workers={workers!r}"
+        )
     _check_budget(target_epsilon, delta)
     for name, count in (("epochs", epochs), ("batch_size", batch_size),
                         ("train_limit", train_limit)):
@@ -246,6 +255,7 @@ def train_and_report(
         "train_limit": train_limit,
         "threads": threads,
         "precision": precision,
+        "workers": workers if workers > 1 else None,
     }
     text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
                     "test_limit": test_limit} if text else {}
@@ -284,6 +294,7 @@ def train_and_report(
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
          "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
+         "workers": workers if workers > 1 else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
          **({"unit": unit, "users": users, "cap": cap,

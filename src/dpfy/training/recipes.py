@@ -22,17 +22,20 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from dpfy import datasets
+from dpfy._validate import check_int
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
 from dpfy.training import users
+from dpfy.training.distributed import Distributed, per_process_batch
+from dpfy.training.launch import run_local
 from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
@@ -160,6 +163,8 @@ def train_image_classifier(
     num_users: int | None = None,
     max_examples_per_user: int | None = None,
     user_reduction: str = "sum",
+    workers: int = 1,
+    distributed: Distributed | None = None,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -201,11 +206,42 @@ def train_image_classifier(
       num_users: synthetic users (needed with a user-level ``unit``).
       max_examples_per_user, user_reduction: the cap and ``"sum"``/``"mean"``
         (:class:`dpfy.training.users.UserLevelTrainer`).
+      workers: data-parallel processes on this machine (:mod:`dpfy.training.distributed`):
+        this process is rank 0 (it samples, draws the noise, writes ``out_dir``) and
+        ``workers - 1`` helpers are spawned; ``max_physical_batch_size`` must be a multiple.
+      distributed: this process's place in a run started elsewhere (``torchrun``); only
+        rank 0 should be given ``out_dir``.
 
     Returns:
-      :class:`TrainResultSummary`.
+      :class:`TrainResultSummary` (rank 0's).
     """
     checked_precision = check_precision(precision)
+    check_int("workers", workers, 1, 1024)
+    if unit != "example" and (workers > 1 or distributed is not None):
+        raise ValueError(
+            f"unit={unit!r} (user-level DP) runs in one process: use workers=1, got "
+            f"workers={workers}" + ("" if distributed is None else " and a distributed run")
+        )
+    if workers > 1:
+        if distributed is not None:
+            raise ValueError("give workers (local processes) or distributed, not both")
+        per_process_batch(max_physical_batch_size, workers)  # refused before anything starts
+        if out_dir is not None and (Path(out_dir) / "ledger.jsonl").exists():
+            raise FileExistsError(f"{Path(out_dir) / 'ledger.jsonl'} exists: use a new out_dir")
+        options = dict(
+            dataset=dataset, target_epsilon=target_epsilon, delta=delta,
+            noise_multiplier=noise_multiplier, sampler=sampler, epochs=epochs,
+            batch_size=batch_size, learning_rate=learning_rate, momentum=momentum,
+            clip_norm=clip_norm, model=model, ema_decay=ema_decay,
+            max_physical_batch_size=max_physical_batch_size, accounting=accounting, seed=seed,
+            threads=threads or max(1, (os.cpu_count() or 1) // workers),
+            train_limit=train_limit, precision=precision,
+        )
+        return cast(TrainResultSummary, run_local(
+            _worker, workers, (options,),
+            rank0_args=({**options, "out_dir": out_dir, "progress": progress,
+                         "callbacks": callbacks},),
+        ))
     if threads is not None:
         torch.set_num_threads(int(threads))
     if unit != "example" and num_users is None:
@@ -261,6 +297,7 @@ def train_image_classifier(
         callbacks=callbacks,
         precision=checked_precision,
         **user_args,
+        distributed=distributed,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.
@@ -318,6 +355,11 @@ def train_image_classifier(
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
     return summary
+
+
+def _worker(distributed: Distributed, options: dict[str, Any]) -> TrainResultSummary:
+    """One rank of ``train_image_classifier(workers=...)``."""
+    return train_image_classifier(**options, distributed=distributed)
 
 
 def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:

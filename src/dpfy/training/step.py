@@ -88,6 +88,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpfy._validate import check_int, check_range
+from dpfy.training.distributed import (
+    GradientReducer,
+    check_mirror_ledger,
+    data_parallel_model,
+    mirror_release,
+)
 from dpfy.training.norms.capture import (
     Fallback,
     LayerCapture,
@@ -115,7 +121,13 @@ if TYPE_CHECKING:
     from dpfy.queries import Query
     from dpfy.randomness import Randomness
 
-__all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode", "OpenChunk"]
+__all__ = [
+    "PrivateGradient",
+    "ChunkStats",
+    "StepStats",
+    "MicrobatchMode",
+    "OpenChunk",
+]
 
 MicrobatchMode = Literal["examples", "average", "sum"]
 _MODES = ("examples", "average", "sum")
@@ -191,6 +203,12 @@ class PrivateGradient:
         (:mod:`dpfy.training.precision`). Trainable parameters must be fp32 master weights.
       loss_scale: fixed loss scale S in [1, 2**24] of the backward (default 2**8 for fp16,
         else 1); divided out in fp32 before any norm.
+      reducer: a :class:`GradientReducer` (a :class:`dpfy.training.distributed.Distributed`)
+        when several processes share each logical step: every process accumulates its own
+        rows, :meth:`release` sums the clipped sums across processes, the releasing process
+        alone writes the ledger and draws the noise, and all receive its noisy sum. The
+        query must be a stateless :class:`dpfy.queries.QueryBase`; ``model`` may be a
+        ``DistributedDataParallel`` (its ``.module`` is used; DDP's own all-reduce never runs).
 
     Parameters used by several modules (tied input/output embeddings) get the exact
     per-example norm of the *sum* of their contributions (own norms plus cross terms,
@@ -215,8 +233,11 @@ class PrivateGradient:
         fallback: Fallback = "vmap",
         precision: Precision = "fp32",
         loss_scale: float | None = None,
+        reducer: GradientReducer | None = None,
     ) -> None:
         self.precision: Precision = check_precision(precision)
+        model = data_parallel_model(model, query, reducer)
+        self.reducer = reducer
         if loss_scale is None:
             loss_scale = DEFAULT_FP16_LOSS_SCALE if precision == "fp16" else 1.0
         self.loss_scale = check_loss_scale(loss_scale)
@@ -618,11 +639,27 @@ class PrivateGradient:
           :class:`StepStats` of the step.
         """
         params = self._params
+        red = self.reducer
+        if red is not None and not red.releases:
+            check_mirror_ledger(ledger, red.rank)  # before any collective
+        if red is not None and not self._active:  # zeros laid out as on the other processes
+            if not self._buffers:
+                self._acc_flat, self._buffers = _flat_buffers(params)
+            for b in self._buffers.values():
+                b.zero_()
+            self._active = True
         if self._active:
             clipped = dict(self._buffers)
         else:  # nothing accumulated this step: the release is noise only
             clipped = {n: torch.zeros_like(p) for n, p in params.items()}
         denom = self.denominator_
+        if red is not None:  # the global clipped sum, in place, before anything is recorded
+            flat = self._acc_flat
+            red.sum_([flat] if flat is not None else list(clipped.values()))
+            loss, examples, nonfinite = red.sum_numbers(
+                [self._loss_sum, self._examples, self._nonfinite]
+            )
+            self._loss_sum, self._examples, self._nonfinite = loss, int(examples), int(nonfinite)
         if self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
             # query adds noise scaled alike and writes into new gradient buffers (no division
@@ -630,15 +667,21 @@ class PrivateGradient:
             # it in one fused pass. They are not kept here: once the caller drops the
             # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer but the
             # accumulator outlives the step.
-            _, grads = _flat_buffers(params)
-            noisy = self.query.add_noise(
-                clipped,
-                ledger=ledger,
-                sample_id=sample_id,
-                randomness=randomness,
-                out=grads,
-                scale=1.0 / denom,
-            )
+            flat_grads, grads = _flat_buffers(params)
+            if red is None or red.releases:
+                noisy = self.query.add_noise(
+                    clipped,
+                    ledger=ledger,
+                    sample_id=sample_id,
+                    randomness=randomness,
+                    out=grads,
+                    scale=1.0 / denom,
+                )
+            else:  # the releasing process records and draws; this one mirrors the record
+                mirror_release(self.query, ledger, sample_id)
+                noisy = grads
+            if red is not None:  # after the ledger write: no process applies an unrecorded step
+                red.share_([flat_grads] if flat_grads is not None else list(grads.values()))
             for name in self.param_names_:
                 p, g = params[name], noisy[name]
                 if p.grad is not g:

@@ -37,7 +37,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,14 @@ from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tes
     statement,
 )
 from dpfy.training.data import Batcher, PhysicalBatcher, accumulate_logical_batch
+from dpfy.training.distributed import (
+    Distributed,
+    ShardBatcher,
+    SharedSampler,
+    check_mirror_ledger,
+    per_process_batch,
+    unwrap,
+)
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.step import PrivateGradient
@@ -253,6 +261,12 @@ class PrivateTrainer:
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward; clipping, sums
         and noise stay fp32 on fp32 master weights. ``loss_scale``: fixed fp16 loss scale
         (default 2**8). See :mod:`dpfy.training.precision`.
+      distributed: this process of a data-parallel run
+        (:mod:`dpfy.training.distributed`): rank 0 samples and broadcasts each batch, every
+        rank clips its share of each physical chunk (``max_physical_batch_size`` is the
+        global chunk, a multiple of the world size), rank 0 records and noises the summed
+        release, every rank applies it. Only rank 0's ``ledger`` may be a file; the others
+        keep an in-memory mirror. A ``DistributedDataParallel`` model is unwrapped.
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -298,7 +312,11 @@ class PrivateTrainer:
         forward: Callable[[nn.Module, Any], Any] | None = None,
         precision: Precision = "fp32",
         loss_scale: float | None = None,
+        distributed: Distributed | None = None,
     ) -> None:
+        self.distributed = distributed
+        if distributed is not None:
+            model, sampler = unwrap(model), cast("Sampler", SharedSampler(sampler, distributed))
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -366,6 +384,10 @@ class PrivateTrainer:
                 f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
             )
         check_sampler(self.sampler, self.sampler_size(), "sampler")
+        if self.distributed is not None:
+            per_process_batch(self.max_physical_batch_size, self.distributed.world_size)
+            if not self.distributed.releases:
+                check_mirror_ledger(self.ledger, self.distributed.rank)
 
     def sampler_size(self) -> int:
         """Examples in the training data (checked against the sampler's ``dataset_size``)."""
@@ -423,6 +445,9 @@ class PrivateTrainer:
         self._check_args()
         if self.validate:
             validate_module(self.model)
+        dist = self.distributed
+        if dist is not None:  # rank 0's initial weights everywhere
+            dist.sync_module_(self.model)
         z = self.calibrate()
         from dpfy.queries import GaussianSumQuery
 
@@ -435,25 +460,36 @@ class PrivateTrainer:
             forward=self.forward,
             precision=self.precision,
             loss_scale=self.loss_scale,
+            reducer=dist,
         )
+        rows, max_batch = self.max_physical_batch_size, self.sampler.max_batch_size
+        if dist is not None:  # this rank's share of every chunk; the wrapper pads the count
+            rows, max_batch = per_process_batch(rows, dist.world_size), None
         self.batcher_: Batcher
         if isinstance(self.inputs, torch.Tensor):
             assert isinstance(self.targets, torch.Tensor)  # _check_args
             self.batcher_ = PhysicalBatcher(
                 self.inputs,
                 self.targets,
-                max_physical_batch_size=self.max_physical_batch_size,
-                max_batch_size=self.sampler.max_batch_size,
+                max_physical_batch_size=rows,
+                max_batch_size=max_batch,
                 device=self.device,
             )
         else:
             self.batcher_ = DatasetBatcher(
                 self.inputs,
-                max_physical_batch_size=self.max_physical_batch_size,
-                max_batch_size=self.sampler.max_batch_size,
+                max_physical_batch_size=rows,
+                max_batch_size=max_batch,
                 collate_fn=self.collate_fn,
                 device=self.device,
                 target_key=self.target_key,
+            )
+        if dist is not None:
+            self.batcher_ = ShardBatcher(
+                self.batcher_,
+                dist,
+                max_physical_batch_size=self.max_physical_batch_size,
+                max_batch_size=self.sampler.max_batch_size,
             )
         self.spec_ = self.sampler.sample_spec()
         self.guard_ = (
@@ -502,6 +538,8 @@ class PrivateTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._update_ema()
+        if self.distributed is not None:  # the step's totals, as one process would count them
+            correct = int(self.distributed.sum_numbers([correct])[0])
         n = step.num_examples
         record = StepRecord(
             step=self.global_step_,
@@ -716,7 +754,7 @@ class PrivateTrainer:
             "noise_randomness": self.randomness.describe(),
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
-        }
+        } | ({} if self.distributed is None else {"workers": self.distributed.world_size})
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

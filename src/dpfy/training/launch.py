@@ -1,0 +1,212 @@
+"""Start a data-parallel run on this machine: N processes joined by a gloo/nccl process group.
+
+:func:`run_local` is what ``dpfy train --workers N`` uses: the calling process becomes rank 0
+(it keeps its ledger, report and return value) and ``N - 1`` helper processes are spawned
+(``torch.multiprocessing``, start method ``spawn``) on a free localhost port. Every rank runs
+``fn(distributed, *args)`` with its :class:`dpfy.training.distributed.Distributed`.
+:func:`spawn_workers` starts every rank as a child instead and reports how each one ended (for
+tests that kill a rank). Under ``torchrun`` use :func:`dpfy.training.distributed.from_env`.
+
+Failures are reported, never hidden: a helper that raises sends its error to the parent, which
+raises :class:`~dpfy.training.distributed.DistributedError` naming the rank and the error. When
+rank 0 fails the helpers are stopped at once (they would otherwise wait out the collective
+timeout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dpfy._validate import check_int, check_range
+from dpfy.training.distributed import (
+    DEFAULT_TIMEOUT,
+    START_TIMEOUT,
+    Distributed,
+    DistributedError,
+    init_process_group,
+)
+
+__all__ = ["WorkerExit", "free_port", "run_local", "spawn_workers"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerExit:
+    """How one spawned rank ended: its exit code (``None`` if it had to be stopped) and the
+    error it raised (``"TypeName: message"``), or ``None``."""
+
+    rank: int
+    exitcode: int | None
+    error: str | None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for rank 0 to listen on)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    backend: str | None,
+    args: tuple[Any, ...],
+    errors: Any,
+) -> None:
+    try:
+        d = init_process_group(rank, world_size, master_port=port, backend=backend, timeout=timeout)
+        try:
+            fn(d, *args)
+        finally:
+            _shutdown()
+    except BaseException as e:  # reported to the parent, then a non-zero exit
+        errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _check(world_size: int, timeout: float) -> None:
+    check_int("world_size", world_size, 1, 1024)
+    check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
+
+
+def _start(
+    fn: Callable[..., Any],
+    ranks: range,
+    world_size: int,
+    port: int,
+    timeout: float,
+    backend: str | None,
+    args: tuple[Any, ...],
+) -> tuple[list[Any], Any]:
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    procs = []
+    for rank in ranks:
+        p = ctx.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, timeout, backend, args, errors),
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+    return procs, errors
+
+
+def _drain(errors: Any) -> dict[int, str]:
+    found: dict[int, str] = {}
+    while True:
+        try:
+            rank, message, _ = errors.get(timeout=0.2)
+        except (queue.Empty, EOFError, OSError):
+            return found
+        found[int(rank)] = message
+
+
+def _stop(procs: list[Any], wait: float) -> None:
+    deadline = time.monotonic() + wait
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(5.0)
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    rank0_args: tuple[Any, ...] | None = None,
+) -> Any:
+    """Run ``fn(distributed, *args)`` on ``world_size`` local ranks; this process is rank 0.
+
+    ``fn`` and ``args`` must be picklable (a module-level function); ``rank0_args``, if given,
+    replace ``args`` on rank 0 (which runs here, so they need not be picklable: callbacks, an
+    output directory only rank 0 writes). Returns rank 0's result.
+
+    Raises:
+      ValueError: bad arguments (nothing is started).
+      DistributedError: a helper rank raised or died (its error is named), or a collective
+        failed.
+    """
+    _check(world_size, timeout)
+    port = free_port()
+    procs, errors = _start(fn, range(1, world_size), world_size, port, timeout, backend, args)
+    try:
+        d: Distributed = init_process_group(
+            0, world_size, master_port=port, backend=backend, timeout=timeout
+        )
+        try:
+            result = fn(d, *(args if rank0_args is None else rank0_args))
+        finally:
+            _shutdown()
+    except BaseException as e:
+        found = _drain(errors)
+        _stop(procs, 1.0)  # rank 0 failed: the helpers are of no use any more
+        found.update(_drain(errors))
+        if found:
+            lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(found.items()))
+            raise DistributedError(f"the distributed run failed: {lines}") from e
+        raise
+    _stop(procs, timeout + START_TIMEOUT)
+    found = _drain(errors)
+    failed = {
+        p_rank: p.exitcode
+        for p_rank, p in zip(range(1, world_size), procs, strict=True)
+        if p.exitcode != 0
+    }
+    if found or failed:
+        lines = "; ".join(
+            f"rank {r}: {found.get(r, f'exit code {code}')}"
+            for r, code in sorted({**failed, **dict.fromkeys(found, 1)}.items())
+        )
+        raise DistributedError(f"the distributed run failed: {lines}")
+    return result
+
+
+def spawn_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    backend: str | None = None,
+    wait: float | None = None,
+) -> list[WorkerExit]:
+    """Run ``fn(distributed, *args)`` on ``world_size`` spawned ranks; how each one ended.
+
+    ``wait``: seconds to wait for all ranks (default ``timeout`` + start-up grace); a rank
+    still running then is stopped and reported with exit code ``None``.
+    """
+    _check(world_size, timeout)
+    procs, errors = _start(fn, range(world_size), world_size, free_port(), timeout, backend, args)
+    deadline = time.monotonic() + (timeout + START_TIMEOUT if wait is None else float(wait))
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    alive = [p.is_alive() for p in procs]
+    _stop(procs, 0.0)
+    found = _drain(errors)
+    return [
+        WorkerExit(rank, None if alive[rank] else p.exitcode, found.get(rank))
+        for rank, p in enumerate(procs)
+    ]
