@@ -88,7 +88,7 @@ def local_update(
         for i in range(0, len(x), int(batch_size)):
             idx = order[i : i + int(batch_size)]
             opt.zero_grad(set_to_none=True)
-            loss_fn(model(x[idx]), y[idx]).backward()
+            loss_fn(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
             opt.step()
     end = model_tensors(model)
     return {n: end[n] - start[n] for n in start}

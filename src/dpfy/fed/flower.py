@@ -270,8 +270,8 @@ class DPStrategy(Strategy):
                 continue
             updates[client] = delta
             metrics = msg.content.metric_records
-            bits = [float(m[UNCLIPPED_KEY]) for m in metrics.values() if UNCLIPPED_KEY in m]
-            unclipped[client] = bool(bits and bits[0] > 0.5)
+            bits = [m.get(UNCLIPPED_KEY) for m in metrics.values()]
+            unclipped[client] = any(isinstance(b, int | float) and b > 0.5 for b in bits)
         adaptive_client = self.server.clipping == "client" and isinstance(
             self.server.query, AdaptiveClipQuery
         )
@@ -364,7 +364,8 @@ def make_client_app(
         torch.set_num_threads(1)
         model = model_fn()
         key = next(iter(msg.content.array_records))
-        start = {k: v.clone() for k, v in msg.content[key].to_torch_state_dict().items()}
+        arrays = msg.content.array_records[key].to_torch_state_dict()
+        start = {k: v.clone() for k, v in arrays.items()}
         load_tensors(model, start)
         x, y = data_fn(int(context.node_config["partition-id"]))
         delta = local_update(

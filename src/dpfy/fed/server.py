@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -255,7 +255,9 @@ class DPFedAvg:
             else template[n].new_zeros((0, *template[n].shape))
             for n in names
         }
-        flat = torch.cat([t.reshape(len(clients), -1) for t in stacked.values()], dim=1)
+        flat = torch.cat(
+            [stacked[n].reshape(len(clients), template[n].numel()) for n in names], dim=1
+        )
         norms = torch.linalg.vector_norm(flat.double(), dim=1)
         clip = float(self.query.clip_norm)
         weights = clip_weights_from_norms(norms, clip)  # server-side clip (also re-clips)
@@ -284,7 +286,7 @@ class DPFedAvg:
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Rounds done, the cohort sampler, the noise stream (seeded) and the adaptive clip
-        norm; the ledger is checkpointed by the caller (:func:`dpfy.training.checkpoint.ledger_state`)."""
+        norm; the caller checkpoints the ledger (``dpfy.training.checkpoint.ledger_state``)."""
         if self._open is not None:
             raise RuntimeError(f"round {self._open.number} is open; checkpoint between rounds")
         state: dict[str, Any] = {
