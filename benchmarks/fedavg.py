@@ -75,7 +75,9 @@ def split_non_iid(y: torch.Tensor, num_clients: int, seed: int = 0) -> list[np.n
     shards = np.array_split(order, SHARDS_PER_CLIENT * num_clients)
     perm = np.random.default_rng(seed).permutation(len(shards))
     k = SHARDS_PER_CLIENT
-    return [np.concatenate([shards[j] for j in perm[k * c : k * (c + 1)]]) for c in range(num_clients)]
+    return [
+        np.concatenate([shards[j] for j in perm[k * c : k * (c + 1)]]) for c in range(num_clients)
+    ]
 
 
 def make_model() -> torch.nn.Module:
