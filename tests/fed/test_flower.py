@@ -22,7 +22,7 @@ from flwr.serverapp.strategy import (  # noqa: E402
 )
 from flwr.simulation import run_simulation  # noqa: E402
 
-from dpfy import accounting  # noqa: E402
+from dpfy import accounting, runs  # noqa: E402
 from dpfy import events as ev  # noqa: E402
 from dpfy.fed import CohortSampler, DPFedAvg, LocalTraining, client_update_query  # noqa: E402
 from dpfy.fed.flower import DPStrategy, make_client_app  # noqa: E402
@@ -52,14 +52,16 @@ def _plain_fedavg() -> FedAvg:
 
 def _server_phase(tmp_path, grid: Grid, total_rounds: int, clipping: str) -> dict:
     """A server built only from what is on disk (ledger file, checkpoint) runs until
-    ``total_rounds`` rounds are done, then is dropped as a crash would drop it."""
+    ``total_rounds`` rounds are done, then is dropped as a crash would drop it.
+
+    Server-side clipping uses a fixed clip norm; client-side clipping the adaptive one."""
     ledger = Ledger(tmp_path / "ledger.jsonl")
-    server = DPFedAvg(
-        CohortSampler(NUM_CLIENTS, sampling_rate=RATE),
-        client_update_query(CLIP, Z),
-        ledger,
-        clipping=clipping,
+    cohort = CohortSampler(NUM_CLIENTS, sampling_rate=RATE)
+    query = client_update_query(
+        CLIP, Z, adaptive=clipping == "client", expected_clients=cohort.expected_size,
+        count_noise_std=10.0, learning_rate=0.5,
     )
+    server = DPFedAvg(cohort, query, ledger, clipping=clipping)
     strategy = DPStrategy(_plain_fedavg(), server, checkpoint=tmp_path / "ckpt.pt")
     fresh = ArrayRecord({k: v.detach() for k, v in _model().state_dict().items()})
     start = strategy.initial_arrays(fresh)
@@ -128,6 +130,29 @@ def test_flower_simulation_ledger_and_restart(tmp_path) -> None:
         )
     assert ledger.metadata["clipping_site"] == "server"
     assert all(np.isfinite(v.numpy()).all() for v in second["arrays"].values())
+    # the report at the end: unit client, the trust model stated
+    report = runs.report_ledger(tmp_path / "ledger.jsonl", delta=1e-3, out=tmp_path / "report")
+    text = (tmp_path / "report" / "report.md").read_text()
+    assert report.report.unit_of_privacy == "client" and "one client" in text
+    assert "server-side clipping" in text and "in the clear" in text
+
+
+@pytest.mark.slow
+def test_flower_client_side_adaptive_clipping(tmp_path) -> None:
+    (only,) = _simulate(tmp_path, (3,), clipping="client")
+    assert only["rounds_done"] == 3
+    ledger = Ledger.load(tmp_path / "ledger.jsonl")
+    assert ledger.metadata["clipping_site"] == "client"
+    # two Gaussian parts per round (clipped sum, unclipped count), effective z as requested
+    assert ledger.noise_multipliers() == pytest.approx(dict.fromkeys(range(3), Z))
+    sums = [r for r in ledger.entries if isinstance(r, SumQueryRecord)]
+    assert [r.name for r in sums] == ["client_update/sum", "client_update/unclipped_count"] * 3
+    clip_norms = [r.sensitivity for r in sums[::2]]
+    assert clip_norms[0] == CLIP and len(set(clip_norms)) == 3  # the clip norm adapted
+    event = ev.SelfComposed(ev.PoissonSampled(RATE, ev.Gaussian(Z)), 3)
+    assert accounting.epsilon(ledger, 1e-3, "rdp").epsilon == pytest.approx(
+        accounting.epsilon(event, 1e-3, "rdp").epsilon, rel=1e-9
+    )
 
 
 @pytest.mark.parametrize(
