@@ -255,7 +255,7 @@ class DPStrategy(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip, sum, record, noise (dpfy); the wrapped strategy post-processes the result."""
         assert self._start is not None and self._nodes is not None
-        rnd = self.server._open
+        rnd = self.server.open_round
         if rnd is None:
             raise RuntimeError("aggregate_train without configure_train")
         index = {node: i for i, node in enumerate(self._nodes)}

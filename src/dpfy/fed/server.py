@@ -179,6 +179,11 @@ class DPFedAvg:
         self._open: Round | None = None
 
     @property
+    def open_round(self) -> Round | None:
+        """The round begun and not yet finished (None between rounds)."""
+        return self._open
+
+    @property
     def noise_multiplier(self) -> float:
         """The effective noise multiplier z of one round's release."""
         return float(self.query.noise_multiplier)
