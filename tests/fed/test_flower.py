@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 
 import numpy as np
@@ -79,6 +80,7 @@ def _server_phase(tmp_path, grid: Grid, total_rounds: int, clipping: str) -> dic
 
 def _simulate(tmp_path, phases: tuple[int, ...], *, clipping: str = "server") -> list[dict]:
     """One Flower simulation (Ray backend) whose ServerApp runs one fresh server per phase."""
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPU here: quiet Ray
     outs: list[dict] = []
     server_app = ServerApp()
 
