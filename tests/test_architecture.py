@@ -78,6 +78,12 @@ def _violations(owner: str, forbidden: tuple[str, ...]) -> list[str]:
         ("dpfy.queries", ("dpfy.audit",)),
         ("dpfy.report", ("dpfy.audit",)),
         ("dpfy.cli", ("dpfy.audit",)),
+        # federated learning sits on the release layer: nothing below it knows about it
+        ("dpfy.fed", ("dpfy.audit", "dpfy.cli", "dpfy.runs", "dpfy.report")),
+        ("dpfy.queries", ("dpfy.fed",)),
+        ("dpfy.training", ("dpfy.fed",)),
+        ("dpfy.ledger", ("dpfy.fed",)),
+        ("dpfy.sampling", ("dpfy.fed",)),
     ],
 )
 def test_lower_layers_do_not_import_upper_ones(owner: str, forbidden: tuple[str, ...]) -> None:
@@ -102,6 +108,23 @@ def test_training_reaches_accounting_only_through_calibration_and_the_budget_gua
                 bad.append(f"{module} imports {target}")
     assert not bad, "\n".join(bad)
     assert any(_in(t, "dpfy.accounting") for t in IMPORTS[BUDGET_GUARD])
+
+
+def test_federated_code_reaches_accounting_only_through_calibration_and_flower_in_one_module(
+) -> None:
+    """``dpfy.fed`` calibrates before a run and never computes epsilon; Flower (an optional
+    extra) is imported by ``dpfy.fed.flower`` alone, so ``dpfy.fed`` works without it."""
+    bad = []
+    for module, imported in IMPORTS.items():
+        if not _in(module, "dpfy.fed"):
+            continue
+        for target in imported:
+            if _in(target, "dpfy.accounting") and not any(_in(target, c) for c in CALIBRATION):
+                bad.append(f"{module} imports {target}")
+            if _in(target, "flwr") and module != "dpfy.fed.flower":
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(bad)
+    assert any(_in(t, "flwr") for t in IMPORTS["dpfy.fed.flower"])
 
 
 def test_the_cli_holds_no_pipeline() -> None:

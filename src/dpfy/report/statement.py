@@ -274,9 +274,15 @@ def build_report(
         or (f"dpfy report {ledger_path} --delta {delta:g}" if ledger_path else None),
         "steps_recorded": ledger.iteration,
     }
+    # A run that is not central training (e.g. federated, dpfy.fed) records its own setting
+    # and trust model in the ledger's metadata.
+    dp_setting = meta.get("dp_setting")
+    if not isinstance(dp_setting, str) or not dp_setting:
+        dp_setting = (
+            "central DP: a trusted curator trains on the raw data; only the model is released"
+        )
     return PrivacyReport(
-        dp_setting="central DP: a trusted curator trains on the raw data; only the model is "
-        "released",
+        dp_setting=dp_setting,
         data_accesses=data_accesses,
         released_output=released_output,
         unit_of_privacy=ledger.unit or "example",
