@@ -99,7 +99,13 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from dpfy import datasets
     from dpfy.hf.pretrained import load_minilm_tokenizer
-    from dpfy.training.text import TEXT_DEFAULTS, evaluate_text, make_text_model, tokenize
+    from dpfy.training.text import (
+        TEXT_DEFAULTS,
+        evaluate_text,
+        make_text_model,
+        text_optimizer,
+        tokenize,
+    )
 
     mode, _ = _parse(config)
     lora = mode == "lora"
@@ -112,8 +118,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     te = datasets.rotten_tomatoes("test", limit=args.test_limit)
     train, test = (tokenize(s.texts, s.labels, args.max_length, tok) for s in (tr, te))
     net = make_text_model("minilm", lora=lora)
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=defaults["learning_rate"])
+    opt = text_optimizer(net, defaults["learning_rate"], defaults["head_learning_rate"])
     batch, physical = int(defaults["batch_size"]), 64
     gen = torch.Generator().manual_seed(args.seed)
     per_epoch: list[dict[str, Any]] = []

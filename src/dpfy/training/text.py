@@ -39,6 +39,7 @@ cut; at 48, 3.9 %; at 32, 30.3 % (:func:`truncated_fraction`, recorded in the le
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -51,7 +52,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dpfy import datasets
-from dpfy._validate import check_int
+from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
@@ -74,6 +75,7 @@ __all__ = [
     "TokenDataset",
     "evaluate_text",
     "make_text_model",
+    "text_optimizer",
     "tokenize",
     "train_text_classifier",
     "truncated_fraction",
@@ -89,8 +91,10 @@ TEXT_MODELS = ("minilm",)
 LORA_TARGETS = ("query", "value")
 #: Defaults per mode: learning rate (Adam) and epochs; batch size and clip norm are shared.
 TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
-    "full": {"learning_rate": 1e-4, "epochs": 2, "batch_size": 256, "clip_norm": 1.0},
-    "lora": {"learning_rate": 5e-4, "epochs": 3, "batch_size": 256, "clip_norm": 1.0},
+    "full": {"learning_rate": 1e-4, "head_learning_rate": 1e-2, "epochs": 2,
+             "batch_size": 256, "clip_norm": 1.0},
+    "lora": {"learning_rate": 5e-4, "head_learning_rate": 1e-2, "epochs": 3,
+             "batch_size": 256, "clip_norm": 1.0},
 }
 
 
@@ -165,6 +169,28 @@ def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
         )
         encoder = peft.get_peft_model(encoder, cfg)
     return MeanPooledClassifier(encoder, width, num_labels=2)
+
+
+def text_optimizer(
+    net: nn.Module, learning_rate: float, head_learning_rate: float
+) -> torch.optim.Adam:
+    """Adam over the trainable parameters: ``head_learning_rate`` for the zero-initialised head
+    (``head.*``), ``learning_rate`` for the encoder (or its LoRA factors).
+
+    The head starts at zero and must grow to logits of order one within a few dozen steps, the
+    pretrained encoder must only be nudged: with one rate of 5e-4 for both, the head of a DP
+    run stayed near zero and the model predicted one class (frozen-embedding probe, epsilon 8,
+    42 steps: 51.6 % at 5e-4, 73.4 % at 1e-2 on the head).
+    """
+    head: list[nn.Parameter] = []
+    body: list[nn.Parameter] = []
+    for name, p in net.named_parameters():
+        if p.requires_grad:
+            (head if name.startswith("head.") else body).append(p)
+    groups = [{"params": head, "lr": head_learning_rate}]
+    if body:
+        groups.append({"params": body, "lr": learning_rate})
+    return torch.optim.Adam(groups, lr=learning_rate)
 
 
 @torch.no_grad()
@@ -256,6 +282,7 @@ def train_text_classifier(
     batch_size: int | None = None,
     learning_rate: float | None = None,
     clip_norm: float | None = None,
+    head_learning_rate: float | None = None,
     max_length: int = 64,
     max_physical_batch_size: int = 64,
     accounting: str | None = None,
@@ -279,6 +306,8 @@ def train_text_classifier(
       target_epsilon, delta: the budget the noise is calibrated to (and the guard armed).
       sampler: a :func:`dpfy.sampling.make_sampler` kind (default Poisson).
       epochs, batch_size, learning_rate, clip_norm: None takes :data:`TEXT_DEFAULTS`.
+      head_learning_rate: Adam's rate for the head (None: :data:`TEXT_DEFAULTS`, 1e-2);
+        ``learning_rate`` is the encoder's (:func:`text_optimizer`).
       max_length: tokens per snippet (truncation and padding), in [2, 512].
       max_physical_batch_size: rows per forward/backward pass (memory bound).
       accounting: accountant of calibration, guard and statement (default: the sampler's).
@@ -309,6 +338,10 @@ def train_text_classifier(
     learning_rate = float(learning_rate if learning_rate is not None
                           else defaults["learning_rate"])
     clip_norm = float(clip_norm if clip_norm is not None else defaults["clip_norm"])
+    head_learning_rate = float(head_learning_rate if head_learning_rate is not None
+                               else defaults["head_learning_rate"])
+    check_range("head_learning_rate", head_learning_rate, 0.0, math.inf,
+                low_open=True, high_open=True)
     checked_precision = check_precision(precision)
     if threads is not None:
         torch.set_num_threads(int(threads))
@@ -335,7 +368,7 @@ def train_text_classifier(
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
-    optimizer = torch.optim.Adam(trainable, lr=learning_rate)
+    optimizer = text_optimizer(net, learning_rate, head_learning_rate)
     ledger_path = model_path = None
     if out_dir is not None:
         ledger_path = Path(out_dir) / "ledger.jsonl"
@@ -361,6 +394,7 @@ def train_text_classifier(
         dataset=dataset,
         model=model_name,
         learning_rate=learning_rate,
+        head_learning_rate=head_learning_rate,
         batch_size=batch_size,
         max_length=max_length,
         truncated_fraction=truncated,
