@@ -422,6 +422,11 @@ class Ledger:
         with self._lock:
             self._replay(record, write=True, sync=True)
 
+    def sample(self, sample_id: int) -> SampleRecord:
+        """The sample record of ``sample_id`` (``ValueError`` for an unknown id)."""
+        self._check_sample(sample_id)
+        return self._samples[sample_id]
+
     def matrix_run(self, name: str) -> tuple[MatrixRunRecord, int] | None:
         """The matrix run record named ``name`` and its number of steps so far, or None."""
         found = self._matrix.get(name)
