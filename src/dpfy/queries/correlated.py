@@ -42,7 +42,7 @@ from dpfy.queries.base import LedgerEntry, QueryBase, _output_buffers, check_rel
 from dpfy.randomness import Randomness
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event"]
+__all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlated_query"]
 
 
 class NoiseStream:
@@ -297,3 +297,18 @@ def correlated_event(
             f"{done} done), got steps={steps}"
         )
     return ev.Composed(())
+
+
+def correlated_query(
+    plan: CorrelatedPlan, clip_norm: float, noise_multiplier: float, spec: SampleSpec,
+    total_steps: int,
+) -> CorrelatedNoiseQuery:
+    """The trainer's query for a correlated run, refusing (``ValueError``, before any step) a
+    sampler that does not implement ``plan.schema`` or a run longer than ``plan.steps``."""
+    check_schema_spec(plan.schema, spec)
+    if total_steps > plan.steps:
+        raise ValueError(
+            f"steps must be at most the plan's steps={plan.steps}, got {total_steps} planned "
+            "steps (epochs x steps_per_epoch)"
+        )
+    return CorrelatedNoiseQuery(plan, clip_norm, noise_multiplier, name="gradient")

@@ -62,6 +62,8 @@ from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
 if TYPE_CHECKING:
+    from dpfy import events as ev
+    from dpfy.correlated import CorrelatedPlan
     from dpfy.queries import Query
     from dpfy.sampling import Sampler
 
@@ -253,6 +255,10 @@ class PrivateTrainer:
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward; clipping, sums
         and noise stay fp32 on fp32 master weights. ``loss_scale``: fixed fp16 loss scale
         (default 2**8). See :mod:`dpfy.training.precision`.
+      correlated: a :class:`dpfy.correlated.CorrelatedPlan`: DP-FTRL / matrix-factorization
+        noise instead of independent noise (:class:`dpfy.queries.correlated.CorrelatedNoiseQuery`;
+        the sampler must implement its schema, the whole run is one ``MatrixMechanism``;
+        account it with ``"gaussian"`` or ``"auto"``).
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -298,8 +304,10 @@ class PrivateTrainer:
         forward: Callable[[nn.Module, Any], Any] | None = None,
         precision: Precision = "fp32",
         loss_scale: float | None = None,
+        correlated: CorrelatedPlan | None = None,
     ) -> None:
         self.model = model
+        self.correlated = correlated
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.inputs = inputs
@@ -409,7 +417,7 @@ class PrivateTrainer:
             epochs = int(self.epochs)
             self.noise_multiplier_ = float(
                 calibrate_noise_multiplier(
-                    lambda z: self.sampler.privacy_event(z, epochs=epochs),
+                    lambda z: self._privacy_event(z, epochs=epochs),
                     float(self.target_epsilon),
                     float(self.delta),
                     self.accounting,
@@ -425,8 +433,13 @@ class PrivateTrainer:
             validate_module(self.model)
         z = self.calibrate()
         from dpfy.queries import GaussianSumQuery
+        from dpfy.queries.correlated import correlated_query
 
-        self.query_: Query = GaussianSumQuery(self.clip_norm, z, name="gradient")
+        self.query_: Query = (
+            GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
+            else correlated_query(self.correlated, self.clip_norm, z, self.sampler.sample_spec(),
+                                  self.total_steps)
+        )
         self.private_gradient_ = PrivateGradient(
             self.model,
             self.query_,
@@ -469,6 +482,15 @@ class PrivateTrainer:
     def total_steps(self) -> int:
         """Planned logical steps: ``epochs x sampler.steps_per_epoch``."""
         return int(self.epochs) * int(self.sampler.steps_per_epoch)
+
+    def _privacy_event(self, z: float, **count: int | None) -> ev.Event:
+        """The sampler's event of ``epochs=`` / ``steps=``, or what a correlated run costs."""
+        if self.correlated is None:
+            return self.sampler.privacy_event(z, **count)
+        from dpfy.queries.correlated import correlated_event
+
+        spec = self.sampler.sample_spec()
+        return correlated_event(self.correlated, self.ledger, z, spec, steps=count.get("steps"))
 
     # -- one step ---------------------------------------------------------------------------
     def _step(self, indices: np.ndarray, epoch: int) -> StepRecord:
@@ -595,7 +617,7 @@ class PrivateTrainer:
                 guard = self.guard_
                 if guard is not None:
                     allowed = guard.allowed_steps(
-                        self.ledger, lambda k: self.sampler.privacy_event(z, steps=k), todo
+                        self.ledger, lambda k: self._privacy_event(z, steps=k), todo
                     )
                 losses = []
                 for indices in _take(self.sampler.batches(epoch), allowed):
@@ -608,7 +630,7 @@ class PrivateTrainer:
                     message = guard._message(
                         self.ledger,
                         guard.epsilon_after(
-                            self.ledger, self.sampler.privacy_event(z, steps=1)
+                            self.ledger, self._privacy_event(z, steps=1)
                         ),
                     )
                     self._end_epoch(epoch, losses, start, bar, partial=True)
@@ -716,6 +738,7 @@ class PrivateTrainer:
             "noise_randomness": self.randomness.describe(),
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
+            "mechanism": "dpsgd" if self.correlated is None else self.correlated.strategy,
         }
 
     # -- checkpointing ----------------------------------------------------------------------
