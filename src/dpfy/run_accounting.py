@@ -30,7 +30,15 @@ if TYPE_CHECKING:
     from dpfy.planning import Plan
     from dpfy.sampling import Sampler
 
-__all__ = ["RunAccounting", "account_run", "calibrate_run", "plan_with_figures"]
+__all__ = [
+    "MECHANISMS",
+    "MechanismRow",
+    "RunAccounting",
+    "account_run",
+    "calibrate_run",
+    "compare_mechanisms",
+    "plan_with_figures",
+]
 
 
 def _check_budget(target_epsilon: float, delta: float) -> None:
@@ -324,3 +332,83 @@ def _accountant(
             kwargs["seed"] = seed
         return cast("Accountant", MonteCarloAccountant(**kwargs))
     return method
+
+
+# ---------------------------------------------------------------------------------------------
+# mechanisms side by side (DP-SGD vs correlated noise, docs/architecture.md 5.16)
+# ---------------------------------------------------------------------------------------------
+
+#: Mechanisms of ``dpfy train --mechanism`` (``dpsgd``: independent noise per step).
+MECHANISMS = ("dpsgd", "bandmf", "blt", "tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismRow:
+    """One mechanism calibrated to the common target.
+
+    Attributes:
+      mechanism, sampler, method: what runs and who accounts it.
+      noise_multiplier: z at the target (safe side); epsilon: the accountant's at delta.
+      prefix_rmse: root-mean-square noise of the released prefix sums of clipped gradients,
+        per clip norm: ``z ||A C^{-1}||_F / sqrt(T)`` (``C = I`` for DP-SGD), what the model's
+        trajectory sees (Denisov et al. 2022).
+    """
+
+    mechanism: str
+    sampler: str
+    method: str
+    noise_multiplier: float
+    epsilon: float
+    prefix_rmse: float
+
+
+def compare_mechanisms(
+    target_epsilon: float,
+    dataset_size: int,
+    batch_size: int,
+    delta: float,
+    *,
+    epochs: int = 1,
+    band: int = 16,
+    buffers: int = 4,
+) -> list[MechanismRow]:
+    """Calibrate every mechanism for the same run (``epochs`` passes of ``floor(N / B)``
+    batches): DP-SGD with Poisson sampling (``rdp``), DP-SGD with shuffled batches (the
+    no-amplification bound, ``shuffle``), and BandMF, BLT and tree aggregation with the
+    cyclic order of one secret permutation (``MatrixMechanism``, exact GDP)."""
+    from dpfy import accounting
+    from dpfy import events as ev
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+    from dpfy.correlated import Cyclic, make_plan
+    from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
+
+    _check_budget(target_epsilon, delta)
+    check_int("dataset_size", dataset_size)
+    check_int("batch_size", batch_size, high=dataset_size)
+    check_int("epochs", epochs)
+    per_epoch = dataset_size // batch_size
+    steps = per_epoch * epochs
+    check_int("steps", steps, high=20_000)  # the strategies are optimised for T steps
+    workload = math.sqrt(steps * (steps + 1) / 2 / steps)  # ||A||_F / sqrt(T)
+    rows = []
+
+    def add(name: str, sampler: str, method: str, make: Any, err: float) -> None:
+        z = calibrate_noise_multiplier(make, target_epsilon, delta, method=method)
+        eps = accounting.epsilon(make(z), delta, method=method).epsilon
+        rows.append(MechanismRow(name, sampler, method, float(z), float(eps), float(z * err)))
+
+    poisson = ev.PoissonSampled(batch_size / dataset_size, ev.Gaussian(1.0))
+    add("dpsgd", "poisson", "rdp",
+        lambda z: ev.SelfComposed(dataclasses.replace(poisson, event=ev.Gaussian(z)), steps),
+        workload)
+    add("dpsgd", "shuffle", "shuffle", lambda z: ev.Shuffled(z, per_epoch, epochs), workload)
+    for name in MECHANISMS[1:]:
+        plan = make_plan(name, steps, Cyclic(per_epoch), band=min(band, per_epoch),
+                         buffers=buffers)
+        if name == "tree":  # prefix t is the sum of popcount(t + 1) node noises
+            total = float(sum(bin(t).count("1") for t in range(1, steps + 1)))
+        else:
+            total = prefix_error_total(toeplitz_inverse_coeffs(plan.coeffs(), steps))
+        err = math.sqrt(total / steps)
+        add(name, "cyclic", "gaussian", plan.event, err)
+    return rows
