@@ -7,6 +7,7 @@ a traceback). Every epsilon printed names its accounting method and adjacency.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -169,6 +170,38 @@ Seed = Annotated[
     int | None, typer.Option("--seed", help="Seed for Monte Carlo accounting.", parser=_seed())
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+CompareMechanisms = Annotated[
+    bool,
+    typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
+                 "the correlated-noise mechanisms (BandMF, BLT, tree; cyclic order) side by "
+                 "side at the same epsilon."),
+]
+
+
+class MechanismName(StrEnum):
+    dpsgd = "dpsgd"
+    bandmf = "bandmf"
+    blt = "blt"
+    tree = "tree"
+
+
+def _mechanism_rows(
+    target_epsilon: float, dataset_size: int, batch_size: int, delta: float, epochs: int
+) -> list[dict[str, Any]]:
+    from dpfy import runs
+
+    rows = runs.compare_mechanisms(target_epsilon, dataset_size, batch_size, delta,
+                                   epochs=epochs)
+    return [dataclasses.asdict(r) for r in rows]
+
+
+def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
+    print(title)
+    print(f"{'mechanism':<10}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
+          f"{'prefix rmse / C':>17}")
+    for r in rows:
+        print(f"{r['mechanism']:<10}{r['sampler']:<10}{r['method']:<10}"
+              f"{r['noise_multiplier']:>9.4f}{r['epsilon']:>9.4f}{r['prefix_rmse']:>17.4g}")
 
 
 def _num(value: Any) -> Any:
@@ -302,6 +335,7 @@ def calibrate(
     samples: Samples = None,
     error_probability: ErrorProb = 1e-3,
     seed: Seed = None,
+    compare_mechanisms: CompareMechanisms = False,
     as_json: AsJson = False,
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
@@ -326,7 +360,17 @@ def calibrate(
     payload = _run_fields(sampler, run)
     payload.update(target_epsilon=target_epsilon, noise_multiplier=run.noise_multiplier)
     payload.update(_result_fields(run.result))
+    rows = None
+    if compare_mechanisms:
+        per_epoch = max(dataset_size // batch_size, 1)
+        passes = math.ceil(run.steps / per_epoch)
+        rows = _mechanism_rows(target_epsilon, dataset_size, batch_size, delta, passes)
+        if as_json:
+            payload["mechanisms"] = rows
     _emit(payload, as_json, "dpfy calibrate")
+    if rows is not None and not as_json:
+        _print_mechanisms(rows, f"mechanisms at epsilon {target_epsilon:g} ({passes} epochs "
+                          f"of {per_epoch} steps):")
 
 
 @app.command()
@@ -443,6 +487,7 @@ def plan(
                      parser=_out_dir("plot")),
     ] = None,
     sampler: Sampler = SamplerName.poisson,
+    compare_mechanisms: CompareMechanisms = False,
     as_json: AsJson = False,
 ) -> None:
     """Recommend (batch size, noise multiplier, steps) that meet the budget for the sampler."""
@@ -457,15 +502,25 @@ def plan(
         plot_dir=plot,
         sampler=sampler.value,
     )
+    rows, best = None, result.recommendation
+    if compare_mechanisms:  # at the recommended batch size and (whole) epochs
+        per_epoch = max(dataset_size // best.batch_size, 1)
+        passes = max(1, math.ceil(best.steps / per_epoch))
+        rows = _mechanism_rows(target_epsilon, dataset_size, best.batch_size, delta, passes)
     if as_json:
         payload = result.to_dict()
         if figures:
             payload["figures"] = [str(p) for p in figures]
+        if rows is not None:
+            payload["mechanisms"] = rows
         print(json.dumps(payload, default=str))
         return
     print(result.summary())
     for path in figures:
         print(f"figure: {path}")
+    if rows is not None:
+        _print_mechanisms(rows, f"mechanisms at the recommended batch size {best.batch_size} "
+                          f"({passes} epochs of {per_epoch} steps):")
 
 
 #: ``--seed`` of ``dpfy train`` / ``dpfy features``: without it a run is secure (a DP release).
@@ -506,8 +561,10 @@ def train(
     ] = 3.0,
     delta: Delta = 1e-5,
     sampler: Annotated[
-        TrainSampler, typer.Option("--sampler", help="Batch sampler (decides the accounting).")
-    ] = TrainSampler.poisson,
+        TrainSampler | None,
+        typer.Option("--sampler", help="Batch sampler (decides the accounting; default "
+                     "poisson, cyclic with a correlated --mechanism)."),
+    ] = None,
     epochs: Annotated[
         int | None,
         typer.Option("--epochs", help="Passes over the data (default: images 10; text 2, "
@@ -569,6 +626,11 @@ def train(
         typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
                      "noise stay fp32."),
     ] = TrainPrecision.fp32,
+    mechanism: Annotated[
+        MechanismName,
+        typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
+                     "DP-FTRL noise bandmf, blt, tree (default sampler then: cyclic)."),
+    ] = MechanismName.dpsgd,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out."""
@@ -579,7 +641,8 @@ def train(
         out=out,
         target_epsilon=target_epsilon,
         delta=delta,
-        sampler=sampler.value.replace("-", "_"),
+        sampler=(sampler.value.replace("-", "_") if sampler is not None
+                 else "poisson" if mechanism is MechanismName.dpsgd else "cyclic"),
         epochs=epochs,
         batch_size=batch_size,
         learning_rate=learning_rate,
@@ -593,6 +656,7 @@ def train(
         lora=lora,
         max_length=max_length,
         test_limit=test_limit,
+        mechanism=mechanism.value,
     )
     from rich.console import Console
 

@@ -61,8 +61,10 @@ __all__ = [
     "ReportedRun",
     "RunAccounting",
     "TrainedRun",
+    "MECHANISMS",
     "account_run",
     "audit_and_report",
+    "compare_mechanisms",
     "calibrate_run",
     "features_and_report",
     "plan_with_figures",
@@ -84,10 +86,12 @@ FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 # Accounting a planned run lives in its own module; re-exported here for the CLI and users.
 from dpfy.run_accounting import (  # noqa: E402
+    MECHANISMS,
     RunAccounting,
     _check_budget,
     account_run,
     calibrate_run,
+    compare_mechanisms,
     plan_with_figures,
 )
 
@@ -162,6 +166,7 @@ def train_and_report(
     lora: bool = False,
     max_length: int | None = None,
     test_limit: int | None = None,
+    mechanism: str = "dpsgd",
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -182,6 +187,8 @@ def train_and_report(
       model, lora, max_length, test_limit: text datasets only: the pretrained model
         (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
         (default 64) and the first ``test_limit`` test examples only.
+      mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
+        ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -206,6 +213,14 @@ def train_and_report(
                 f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
                 f"got dataset={dataset!r}"
             )
+    if mechanism not in MECHANISMS:
+        raise ValueError(
+            f"mechanism must be one of {{{', '.join(MECHANISMS)}}}, got mechanism={mechanism!r}"
+        )
+    if text and mechanism != "dpsgd":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to the image datasets, got dataset={dataset!r}"
+        )
     if max_length is not None:
         check_int("max_length", max_length, 2, 512)
     if test_limit is not None:
@@ -239,6 +254,8 @@ def train_and_report(
     text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
                     "test_limit": test_limit} if text else {}
     options.update(text_options)
+    if mechanism != "dpsgd":
+        options["mechanism"] = mechanism
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
     from dpfy.training import recipes
     from dpfy.training import text as text_recipe
@@ -267,7 +284,8 @@ def train_and_report(
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
          "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
          **{k: v for k, v in text_options.items() if k != "lora"},
-         "lora": "" if lora else None},
+         "lora": "" if lora else None,
+         "mechanism": None if mechanism == "dpsgd" else mechanism},
     )
     summary.ledger.record_metadata(
         delta=delta,

@@ -71,5 +71,6 @@ CYCLIC = register_kind(
         history_methods=("shuffle",),
         sampler=CyclicSampler,
         cli=True,
+        cli_train=True,
     )
 )

@@ -28,7 +28,10 @@ import torch
 from torch import nn
 
 from dpfy import datasets
-from dpfy.ledger import Ledger
+from dpfy.correlated import Cyclic, SingleEpoch
+from dpfy.correlated.plan import STRATEGIES, CorrelatedPlan, make_plan
+from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger.matrix import CYCLIC_KINDS, ONCE_PER_EPOCH
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
@@ -155,6 +158,9 @@ def train_image_classifier(
     train_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
+    mechanism: str = "dpsgd",
+    band: int = 16,
+    buffers: int = 4,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -189,11 +195,20 @@ def train_image_classifier(
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32; :mod:`dpfy.training.precision`).
+      mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
+        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
+        (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
+        one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
 
     Returns:
       :class:`TrainResultSummary`.
     """
     checked_precision = check_precision(precision)
+    if mechanism not in ("dpsgd", *STRATEGIES):
+        raise ValueError(
+            f"mechanism must be one of {{dpsgd, {', '.join(STRATEGIES)}}}, "
+            f"got mechanism={mechanism!r}"
+        )
     if threads is not None:
         torch.set_num_threads(int(threads))
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
@@ -201,6 +216,10 @@ def train_image_classifier(
     sample_rng, noise_rng, randomness = run_randomness(seed)
     net = make_model(model)
     batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
+    plan = None
+    if mechanism != "dpsgd":
+        plan = correlated_plan(mechanism, batches.sample_spec(), epochs, band, buffers)
+        accounting = accounting or "gaussian"
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
@@ -233,6 +252,7 @@ def train_image_classifier(
         progress=progress,
         callbacks=callbacks,
         precision=checked_precision,
+        correlated=plan,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.
@@ -246,6 +266,7 @@ def train_image_classifier(
         learning_rate=learning_rate,
         momentum=momentum,
         batch_size=batch_size,
+        mechanism=mechanism,
         unit_of_privacy="example (one training image)",
         released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
@@ -290,6 +311,28 @@ def train_image_classifier(
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
     return summary
+
+
+def correlated_plan(
+    mechanism: str, spec: SampleSpec, epochs: int, band: int = 16, buffers: int = 4
+) -> CorrelatedPlan:
+    """The plan of a correlated-noise image run: the cyclic schema for a sampler that repeats
+    one order (``cyclic``, ``deterministic``), a single epoch for ``shuffle`` or
+    ``balls_and_bins`` with ``epochs=1``; anything else is refused (``ValueError``)."""
+    per_epoch = spec.required_int("steps_per_epoch") if spec.steps_per_epoch else 0
+    schema: Cyclic | SingleEpoch
+    if spec.sampler in CYCLIC_KINDS:
+        schema = Cyclic(per_epoch)
+    elif spec.sampler in ONCE_PER_EPOCH and epochs == 1:
+        schema = SingleEpoch()
+    else:
+        raise ValueError(
+            f"sampler must be one of {{{', '.join(CYCLIC_KINDS)}}} for mechanism={mechanism!r} "
+            f"(or shuffle / balls_and_bins with epochs=1): its correlated noise needs every "
+            f"example in one fixed step per epoch, got sampler={spec.sampler!r}"
+        )
+    return make_plan(mechanism, per_epoch * epochs, schema, band=min(band, per_epoch),
+                     buffers=buffers)
 
 
 def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:
