@@ -853,11 +853,10 @@ def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
     runs = [r for r in ledger.entries if isinstance(r, MatrixRunRecord)]
     if runs:  # a correlated-noise run: its z and the strategy (docs/architecture.md, 5.16)
         out["noise_multiplier"] = runs[0].noise_multiplier
-        out["mechanism"] = {
-            r.name: {"strategy": r.plan.strategy, "schema": r.plan.schema.to_dict(),
-                     "steps": r.plan.steps, "sensitivity": r.sensitivity}
-            for r in runs
-        }
+        out["mechanism"] = "; ".join(
+            f"{r.plan.strategy} (correlated noise), schema {r.plan.event(1.0).schema}, "
+            f"{r.plan.steps} steps, sensitivity {r.sensitivity:.4g} x clip norm" for r in runs
+        )
     meta = ledger.metadata
     keys = (
         "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",

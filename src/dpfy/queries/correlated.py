@@ -286,7 +286,9 @@ def correlated_event(
 ) -> ev.Event:
     """What the next ``steps`` steps of the run cost beyond ``ledger``: the whole run's
     ``MatrixMechanism`` before its run record exists, nothing once it does (the record
-    charges all ``T`` steps at once), refused past ``T``."""
+    charges all ``T`` steps at once), refused past ``T`` or for a sampler (``spec``) that
+    does not implement the plan's schema."""
+    check_schema_spec(plan.schema, spec)
     found = ledger.matrix_run(name)
     if found is None:
         return plan.event(noise_multiplier, spec.adjacency_value)
