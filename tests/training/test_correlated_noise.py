@@ -35,7 +35,9 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, 0] > 0).long()
 
 
-def _trainer(plan: CorrelatedPlan | None, sampler_kind: str = "cyclic", **kw: object) -> PrivateTrainer:
+def _trainer(
+    plan: CorrelatedPlan | None, sampler_kind: str = "cyclic", **kw: object
+) -> PrivateTrainer:
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
     x, y = _data()

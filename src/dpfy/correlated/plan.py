@@ -182,7 +182,7 @@ class CorrelatedPlan:
         return c
 
     def noise_map(self) -> np.ndarray:
-        """``C^{-1}`` (``T x T``): the per-step noise is ``C^{-1} z`` with ``z ~ N(0, sigma^2 I)``."""
+        """``C^{-1}`` (``T x T``): the per-step noise is ``C^{-1} z``, ``z ~ N(0, sigma^2 I)``."""
         if self.strategy == "bandmf":
             inv = toeplitz_inverse_coeffs(np.asarray(self.params["coeffs"]), self.steps)
             return toeplitz_lower(inv, self.steps)

@@ -36,8 +36,14 @@ from dpfy._validate import check_range
 from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord
 from dpfy.ledger.matrix import check_schema_spec
-from dpfy.queries._tree import Norms, Tensors, clip_weights_from_norms, flat_norm, flatten
-from dpfy.queries._tree import unflatten_like
+from dpfy.queries._tree import (
+    Norms,
+    Tensors,
+    clip_weights_from_norms,
+    flat_norm,
+    flatten,
+    unflatten_like,
+)
 from dpfy.queries.base import LedgerEntry, QueryBase, _output_buffers, check_release_args
 from dpfy.randomness import Randomness
 from dpfy.sampling.spec import SampleSpec
@@ -55,18 +61,18 @@ class NoiseStream:
 
     def __init__(self, plan: CorrelatedPlan, size: int, like: torch.Tensor) -> None:
         self.plan, self.size, self.step = plan, int(size), 0
-        kw = {"dtype": like.dtype, "device": like.device}
-        self.w = torch.empty(size, **kw)  # type: ignore[arg-type]
+        dtype, device = like.dtype, like.device
+        self.w: torch.Tensor = torch.empty(size, dtype=dtype, device=device)
         self.head = 0
+        rows = max(plan.steps.bit_length(), 1)  # tree: one node per level
         if plan.strategy == "bandmf":
             self.coeffs = torch.tensor(plan.params["coeffs"], dtype=torch.float64)
-            self.buf = torch.zeros(max(plan.band - 1, 0), size, **kw)  # type: ignore[arg-type]
+            rows = max(plan.band - 1, 0)
         elif plan.strategy == "blt":
-            self.omega = torch.tensor(plan.params["omega"], **kw)  # type: ignore[arg-type]
-            self.theta = torch.tensor(plan.params["theta"], **kw)  # type: ignore[arg-type]
-            self.buf = torch.zeros(plan.band, size, **kw)  # type: ignore[arg-type]
-        else:
-            self.buf = torch.zeros(max(plan.steps.bit_length(), 1), size, **kw)  # type: ignore[arg-type]
+            self.omega = torch.tensor(plan.params["omega"], dtype=dtype, device=device)
+            self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
+            rows = plan.band
+        self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
 
     def next(self, z: torch.Tensor) -> torch.Tensor:
         """``w_t`` from the fresh ``z_t``; advances one step."""
@@ -180,10 +186,10 @@ class CorrelatedNoiseQuery(QueryBase):
         """Check the batch against the schema, record (write-ahead), add ``scale x w_t``."""
         check_release_args(ledger, randomness, scale)
         flat = flatten(clipped_sum)
-        for n, t in flat.items():
-            if not t.is_floating_point():
+        for n, v in flat.items():
+            if not v.is_floating_point():
                 raise ValueError(f"clipped_sum[{n!r}] must be a floating-point tensor")
-        layout = [(n, tuple(t.shape)) for n, t in flat.items()]
+        layout = [(n, tuple(v.shape)) for n, v in flat.items()]
         if self._layout is not None and layout != self._layout:
             raise ValueError("clipped_sum must have the same tensors at every step")
         dst = _output_buffers(flat, out)
@@ -241,7 +247,7 @@ class CorrelatedNoiseQuery(QueryBase):
 
     def _start(self, flat: Mapping[str, torch.Tensor], layout: list[Any]) -> None:
         first = next(iter(flat.values()))
-        size = sum(t.numel() for t in flat.values())
+        size = sum(v.numel() for v in flat.values())
         self._layout = layout
         self._z = torch.empty(size, dtype=first.dtype, device=first.device)
         self._stream = NoiseStream(self.plan, size, self._z)
