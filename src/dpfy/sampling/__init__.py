@@ -67,8 +67,8 @@ from dpfy.sampling.balls_and_bins import BallsAndBinsSampler, balls_and_bins_siz
 from dpfy.sampling.shuffle import ShuffleSampler
 from dpfy.sampling.deterministic import DeterministicSampler
 from dpfy.sampling.fixed_size import FixedSizeSampler
-from dpfy.sampling.cyclic import CyclicSampler
 from dpfy.sampling import full_batch as _full_batch  # noqa: F401  (registers "full_batch")
+from dpfy.sampling.cyclic import CyclicSampler
 # isort: on
 from dpfy.sampling.factory import SAMPLER_KINDS, make_sampler
 
