@@ -116,7 +116,8 @@ def _noise_run(plan: CorrelatedPlan, size: int, sigma: float, seed: int) -> np.n
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(strategy: str) -> None:
+def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(strategy: str, monkeypatch) -> None:
+    monkeypatch.setattr("dpfy.queries.correlated._CHUNK", 1500)  # BLT: several chunks
     steps, period, size, sigma = 12, 4, 4000, 0.7
     plan = _plan(strategy, steps, period)
     w = _noise_run(plan, size, sigma, seed=11)

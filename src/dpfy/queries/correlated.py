@@ -50,6 +50,9 @@ from dpfy.sampling.spec import SampleSpec
 
 __all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlated_query"]
 
+#: Values per chunk of the BLT update: its d + 2 slices stay in cache between the two passes.
+_CHUNK = 1 << 17
+
 
 class NoiseStream:
     """The per-step noise ``(C^{-1} z)_t`` of a plan over a flat vector of ``size`` values.
@@ -94,8 +97,12 @@ class NoiseStream:
                 buf[self.head].copy_(w)
                 self.head = (self.head + 1) % m
         elif strategy == "blt":
-            torch.addmv(z, buf.T, self.omega, out=w)
-            buf.mul_(self.theta[:, None]).add_(z)
+            # w = z + omega . s, then s <- theta s + z (one fused pass), in cache-sized chunks
+            theta = self.theta[:, None]
+            for a in range(0, self.size, _CHUNK):
+                zc, sc = z[a : a + _CHUNK], buf[:, a : a + _CHUNK]
+                torch.addmv(zc, sc.T, self.omega, out=w[a : a + _CHUNK])
+                torch.addcmul(zc.expand_as(sc), sc, theta, out=sc)
         else:
             n = self.step + 1
             low = (n & -n).bit_length() - 1  # the level of the node completed at this step
