@@ -185,16 +185,6 @@ class MechanismName(StrEnum):
     tree = "tree"
 
 
-def _mechanism_rows(
-    target_epsilon: float, dataset_size: int, batch_size: int, delta: float, epochs: int
-) -> list[dict[str, Any]]:
-    from dpfy import runs
-
-    rows = runs.compare_mechanisms(target_epsilon, dataset_size, batch_size, delta,
-                                   epochs=epochs)
-    return [dataclasses.asdict(r) for r in rows]
-
-
 def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
     print(f"{'mechanism':<10}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
@@ -356,21 +346,18 @@ def calibrate(
         samples=samples,
         error_probability=error_probability,
         seed=seed,
+        compare_mechanisms=compare_mechanisms,
     )
     payload = _run_fields(sampler, run)
     payload.update(target_epsilon=target_epsilon, noise_multiplier=run.noise_multiplier)
     payload.update(_result_fields(run.result))
-    rows = None
-    if compare_mechanisms:
-        per_epoch = max(dataset_size // batch_size, 1)
-        passes = math.ceil(run.steps / per_epoch)
-        rows = _mechanism_rows(target_epsilon, dataset_size, batch_size, delta, passes)
-        if as_json:
-            payload["mechanisms"] = rows
+    rows = None if run.mechanisms is None else [dataclasses.asdict(r) for r in run.mechanisms]
+    if rows is not None and as_json:
+        payload["mechanisms"] = rows
     _emit(payload, as_json, "dpfy calibrate")
     if rows is not None and not as_json:
-        _print_mechanisms(rows, f"mechanisms at epsilon {target_epsilon:g} ({passes} epochs "
-                          f"of {per_epoch} steps):")
+        _print_mechanisms(rows, f"mechanisms at epsilon {target_epsilon:g} (whole epochs of "
+                          f"{dataset_size // batch_size} steps):")
 
 
 @app.command()
@@ -493,20 +480,17 @@ def plan(
     """Recommend (batch size, noise multiplier, steps) that meet the budget for the sampler."""
     from dpfy import runs
 
-    result, figures = runs.plan_with_figures(
+    result, figures, compared = runs.plan_and_compare(
         dataset_size,
         target_epsilon,
         delta,
+        compare_mechanisms=compare_mechanisms,
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
         plot_dir=plot,
         sampler=sampler.value,
     )
-    rows, best = None, result.recommendation
-    if compare_mechanisms:  # at the recommended batch size and (whole) epochs
-        per_epoch = max(dataset_size // best.batch_size, 1)
-        passes = max(1, math.ceil(best.steps / per_epoch))
-        rows = _mechanism_rows(target_epsilon, dataset_size, best.batch_size, delta, passes)
+    rows = None if compared is None else [dataclasses.asdict(r) for r in compared]
     if as_json:
         payload = result.to_dict()
         if figures:
@@ -519,8 +503,8 @@ def plan(
     for path in figures:
         print(f"figure: {path}")
     if rows is not None:
-        _print_mechanisms(rows, f"mechanisms at the recommended batch size {best.batch_size} "
-                          f"({passes} epochs of {per_epoch} steps):")
+        _print_mechanisms(rows, "mechanisms at the recommended batch size "
+                          f"{result.recommendation.batch_size} (whole epochs):")
 
 
 #: ``--seed`` of ``dpfy train`` / ``dpfy features``: without it a run is secure (a DP release).

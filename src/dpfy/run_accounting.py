@@ -37,6 +37,7 @@ __all__ = [
     "account_run",
     "calibrate_run",
     "compare_mechanisms",
+    "plan_and_compare",
     "plan_with_figures",
 ]
 
@@ -100,6 +101,8 @@ class RunAccounting:
       result: epsilon at delta by the chosen method (``all``: the tightest valid one).
       comparison: with ``method="all"``, every method's result or why it does not apply.
       attack_risk: a membership-inference attacker's TPR bound at FPRs 1e-3, 1e-2, 0.1.
+      mechanisms: with ``compare_mechanisms``, every mechanism calibrated to the same target
+        (:func:`compare_mechanisms`, whole epochs of ``floor(N / B)`` steps).
     """
 
     sampler: str
@@ -111,6 +114,7 @@ class RunAccounting:
     result: PrivacyResult
     comparison: dict[str, PrivacyResult | str] | None = None
     attack_risk: AttackRisk | None = None
+    mechanisms: tuple[MechanismRow, ...] | None = None
 
     @property
     def sampling_rate(self) -> float:
@@ -184,9 +188,12 @@ def calibrate_run(
     samples: int | None = None,
     error_probability: float = 1e-3,
     seed: int | None = None,
+    compare_mechanisms: bool = False,
 ) -> RunAccounting:
     """The smallest noise multiplier whose epsilon stays at or below ``target_epsilon``
-    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`."""
+    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`.
+    ``compare_mechanisms``: also calibrate DP-SGD and the correlated-noise mechanisms for the
+    same run (``mechanisms``; see :func:`compare_mechanisms`)."""
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
@@ -203,7 +210,33 @@ def calibrate_run(
     z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
     result = accounting.epsilon(make_event(z), delta, method=acc)
     total = _total_steps(smp, epochs, steps)
-    return RunAccounting(smp.kind, dataset_size, batch_size, total, epochs, z, result)
+    rows = None
+    if compare_mechanisms:
+        passes = math.ceil(total / max(dataset_size // batch_size, 1))
+        rows = tuple(_compare(target_epsilon, dataset_size, batch_size, delta, epochs=passes))
+    return RunAccounting(
+        smp.kind, dataset_size, batch_size, total, epochs, z, result, mechanisms=rows
+    )
+
+
+def plan_and_compare(
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    *,
+    compare_mechanisms: bool = False,
+    **options: Any,
+) -> tuple[Plan, list[Path], list[MechanismRow] | None]:
+    """:func:`plan_with_figures` (``options`` as there) and, with ``compare_mechanisms``,
+    every mechanism calibrated at the recommended batch size for whole epochs covering the
+    recommended steps."""
+    result, figures = plan_with_figures(dataset_size, target_epsilon, delta, **options)
+    if not compare_mechanisms:
+        return result, figures, None
+    best = result.recommendation
+    passes = max(1, math.ceil(best.steps / max(dataset_size // best.batch_size, 1)))
+    rows = _compare(target_epsilon, dataset_size, best.batch_size, delta, epochs=passes)
+    return result, figures, rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,6 +393,11 @@ class MechanismRow:
     noise_multiplier: float
     epsilon: float
     prefix_rmse: float
+
+
+def _compare(*args: Any, **kwargs: Any) -> list[MechanismRow]:
+    """:func:`compare_mechanisms`, for the callers whose flag of that name shadows it."""
+    return compare_mechanisms(*args, **kwargs)
 
 
 def compare_mechanisms(

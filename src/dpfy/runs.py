@@ -65,6 +65,7 @@ __all__ = [
     "account_run",
     "audit_and_report",
     "compare_mechanisms",
+    "plan_and_compare",
     "calibrate_run",
     "features_and_report",
     "plan_with_figures",
@@ -92,6 +93,7 @@ from dpfy.run_accounting import (  # noqa: E402
     account_run,
     calibrate_run,
     compare_mechanisms,
+    plan_and_compare,
     plan_with_figures,
 )
 
