@@ -101,26 +101,39 @@ def test_dpsgd_under_the_cyclic_sampler_is_the_no_amplification_bound() -> None:
 
 
 # -- 2. the noise over T steps is exactly C^{-1} Z ------------------------------------------
-def _noise_run(plan: CorrelatedPlan, size: int, sigma: float, seed: int) -> np.ndarray:
-    """The noise the query adds to a zero sum at each of the plan's steps (T x size)."""
+def _noise_run(
+    plan: CorrelatedPlan, size: int, sigma: float, seed: int, flat: bool = False
+) -> np.ndarray:
+    """The noise the query adds to a zero sum at each of the plan's steps (T x size); with
+    ``flat`` the sum and the output are views of one buffer each (the trainer's fused path)."""
     query = CorrelatedNoiseQuery(plan, clip_norm=1.0, noise_multiplier=sigma)
     period = plan.schema.period if isinstance(plan.schema, Cyclic) else plan.steps
     spec = CyclicSampler(period * 2, 2).sample_spec()
     ledger, rng, noises = Ledger(), Randomness(seed), []
     for t in range(plan.steps):
         sid = ledger.record_sample(spec, epoch=t // period, step=t)
-        zero = {"w": torch.zeros(size - 5), "b": torch.zeros(5)}
-        out = query.add_noise(zero, ledger=ledger, sample_id=sid, randomness=rng)
+        if flat:
+            src, dst = torch.zeros(size), torch.empty(size)
+            zero = {"w": src[: size - 5], "b": src[size - 5 :]}
+            out = query.add_noise(zero, ledger=ledger, sample_id=sid, randomness=rng,
+                                  out={"w": dst[: size - 5], "b": dst[size - 5 :]}, scale=0.5)
+            out = {k: v / 0.5 for k, v in out.items()}
+        else:
+            zero = {"w": torch.zeros(size - 5), "b": torch.zeros(5)}
+            out = query.add_noise(zero, ledger=ledger, sample_id=sid, randomness=rng)
         noises.append(torch.cat([out["w"], out["b"]]).double().numpy())
     return np.stack(noises)
 
 
+@pytest.mark.parametrize("flat", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(strategy: str, monkeypatch) -> None:
+def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(
+    strategy: str, flat: bool, monkeypatch
+) -> None:
     monkeypatch.setattr("dpfy.queries.correlated._CHUNK", 1500)  # BLT: several chunks
     steps, period, size, sigma = 12, 4, 4000, 0.7
     plan = _plan(strategy, steps, period)
-    w = _noise_run(plan, size, sigma, seed=11)
+    w = _noise_run(plan, size, sigma, seed=11, flat=flat)
     replay, fresh = Randomness(11), []  # the same stream: one fresh N(0, sigma^2) per step
     for _ in range(steps):
         buf = torch.empty(size)

@@ -45,7 +45,10 @@ from dpfy.queries._tree import (
     unflatten_like,
 )
 from dpfy.queries.base import LedgerEntry, QueryBase, _output_buffers, check_release_args
-from dpfy.randomness import Randomness
+from dpfy.randomness import (
+    Randomness,
+    _flat_span,  # the same flat-buffer test as the fused noise path
+)
 from dpfy.sampling.spec import SampleSpec
 
 __all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlated_query"]
@@ -77,8 +80,11 @@ class NoiseStream:
             rows = plan.band
         self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
 
-    def next(self, z: torch.Tensor) -> torch.Tensor:
-        """``w_t`` from the fresh ``z_t``; advances one step."""
+    def next(
+        self, z: torch.Tensor, add: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    ) -> torch.Tensor:
+        """``w_t`` from the fresh ``z_t``; advances one step. ``add = (src, dst, s)``: also
+        ``dst = src + s w_t`` (flat vectors of ``size``), in the same pass where possible."""
         if self.step >= self.plan.steps:
             raise ValueError(
                 f"the correlated-noise plan covers steps={self.plan.steps}; step {self.step} "
@@ -100,9 +106,13 @@ class NoiseStream:
             # w = z + omega . s, then s <- theta s + z (one fused pass), in cache-sized chunks
             theta = self.theta[:, None]
             for a in range(0, self.size, _CHUNK):
-                zc, sc = z[a : a + _CHUNK], buf[:, a : a + _CHUNK]
-                torch.addmv(zc, sc.T, self.omega, out=w[a : a + _CHUNK])
+                zc, sc, wc = z[a : a + _CHUNK], buf[:, a : a + _CHUNK], w[a : a + _CHUNK]
+                torch.addmv(zc, sc.T, self.omega, out=wc)
                 torch.addcmul(zc.expand_as(sc), sc, theta, out=sc)
+                if add is not None:
+                    src, dst, scale = add
+                    torch.add(src[a : a + _CHUNK], wc, alpha=scale, out=dst[a : a + _CHUNK])
+            add = None  # done
         else:
             n = self.step + 1
             low = (n & -n).bit_length() - 1  # the level of the node completed at this step
@@ -111,6 +121,8 @@ class NoiseStream:
                 w.sub_(buf[:low].sum(0))
                 buf[:low].zero_()
             buf[low].copy_(z)
+        if add is not None:
+            torch.add(add[0], w, alpha=add[2], out=add[1])
         self.step += 1
         return w
 
@@ -215,12 +227,18 @@ class CorrelatedNoiseQuery(QueryBase):
             self._start(flat, layout)
         assert self._stream is not None and self._z is not None
         randomness.normal_([self._z], [self.noise_std])
-        w = self._stream.next(self._z)
-        start = 0
-        for n, src in flat.items():
-            k = src.numel()
-            torch.add(src, w[start : start + k].view(src.shape), alpha=scale, out=dst[n])
-            start += k
+        device = self._z.device
+        src_span = _flat_span(list(flat.values()), device)
+        dst_span = _flat_span([dst[n] for n in flat], device)
+        if src_span is not None and dst_span is not None:  # a flat gradient buffer: one pass
+            self._stream.next(self._z, add=(src_span, dst_span, scale))
+        else:
+            w = self._stream.next(self._z)
+            start = 0
+            for n, src in flat.items():
+                k = src.numel()
+                torch.add(src, w[start : start + k].view(src.shape), alpha=scale, out=dst[n])
+                start += k
         self.steps_done = t + 1
         return unflatten_like(dst, clipped_sum)
 
