@@ -52,8 +52,9 @@ def test_lora_run_reports_the_ledger_epsilon(tmp_path):
     assert "--lora" in meta["train_command"] and "--max-length 32" in meta["train_command"]
     assert (run_dir / "figures" / "epsilon_over_training.png").is_file()
     state = torch.load(run_dir / "model.pt")
-    # LoRA releases its factors, the pooler and the head; the frozen encoder is not saved
-    assert state and all(("lora_" in k) or ("modules_to_save" in k) for k in state)
+    # LoRA releases its factors and the head; the frozen encoder is not saved
+    assert state and all(("lora_" in k) or k.startswith("head.") for k in state)
+    assert {"head.weight", "head.bias"} <= set(state)
     assert any("lora_A" in k for k in state)
     assert f"{meta['epsilon']:.4f}"[:5] in printed
 

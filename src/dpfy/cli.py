@@ -530,6 +530,11 @@ if not TYPE_CHECKING:
 _max_length = _parsed("max_length", int, lambda n, v: _rules.check_int(n, v, 2, 512))
 
 
+class UserReduction(StrEnum):
+    sum = "sum"
+    mean = "mean"
+
+
 class TrainPrecision(StrEnum):
     fp32 = "fp32"
     bf16 = "bf16"
@@ -610,6 +615,26 @@ def train(
         typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
                      "noise stay fp32."),
     ] = TrainPrecision.fp32,
+    unit: Annotated[
+        str,
+        typer.Option("--unit", help="Unit of privacy: example (default); user (images, with "
+                     "--users) or movie (rotten-tomatoes): user-level DP-SGD."),
+    ] = "example",
+    users: Annotated[
+        int | None,
+        typer.Option("--users", help="Images with --unit user: number of synthetic users "
+                     "(image i belongs to user i mod N).", parser=_count("users")),
+    ] = None,
+    cap: Annotated[
+        int | None,
+        typer.Option("--cap", help="User-level: at most this many examples per user (a "
+                     "random subset, recorded in the ledger).", parser=_count("cap")),
+    ] = None,
+    user_reduction: Annotated[
+        UserReduction,
+        typer.Option("--user-reduction", help="User-level: clip the sum or the mean of a "
+                     "user's gradients."),
+    ] = UserReduction.sum,
     mechanism: Annotated[
         MechanismName,
         typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
@@ -617,7 +642,8 @@ def train(
     ] = MechanismName.dpsgd,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
-    the model, ledger and privacy report to --out."""
+    the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
+    is the unit of privacy."""
     from dpfy import runs
 
     run = runs.train_and_report(
@@ -640,6 +666,10 @@ def train(
         lora=lora,
         max_length=max_length,
         test_limit=test_limit,
+        unit=unit,
+        users=users,
+        cap=cap,
+        user_reduction=user_reduction.value,
         mechanism=mechanism.value,
     )
     from rich.console import Console

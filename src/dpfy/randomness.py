@@ -70,6 +70,10 @@ def _max_radius(bits: int) -> float:
     return math.sqrt(2.0 * (bits + 1) * math.log(2.0))
 
 
+#: Values transformed per block by the host noise path (even; 8 MB of float32 output,
+#: 12 MB of scratch): large enough that the per-block overhead is negligible.
+NOISE_BLOCK = 1 << 21
+
 class Randomness:
     """A source of uniform, integer and Gaussian randomness (seeded or secure).
 
@@ -309,29 +313,38 @@ class Randomness:
         return out
 
     def _normal32_into(self, out: Any, std: float, add: Any) -> None:
-        """``out = add + std * N(0, 1)`` for a contiguous float32 tensor (``add`` may be None).
+        """``out = add + std * N(0, 1)`` for a contiguous float32 tensor (``add`` may be None,
+        or ``out`` itself).
 
         Secure mode: ``add + std z1 / sqrt(2) + std z2 / sqrt(2)``, two passes of the
-        transform (the second adds to the first's output).
+        transform (the second adds to the first's output). The span is transformed in blocks
+        of :data:`NOISE_BLOCK` values, so the scratch memory (noise words, radii, angles) is a
+        few MB whatever the model's size, not several bytes per parameter.
         """
         import torch
 
-        m = (out.numel() + 1) // 2
-        if self._work is None or self._work[0].numel() < m:
-            self._work = (
-                torch.empty(m, dtype=torch.int32),
-                torch.empty(m, dtype=torch.float32),  # radius
-                torch.empty(m, dtype=torch.float32),  # angle
-            )
         flat = out.view(-1)
+        n = flat.numel()
+        block = max(2, min(NOISE_BLOCK, n + (n & 1)))
+        half = block // 2
+        if self._work is None or self._work[0].numel() < half:
+            self._work = (
+                torch.empty(half, dtype=torch.int32),
+                torch.empty(half, dtype=torch.float32),  # radius
+                torch.empty(half, dtype=torch.float32),  # angle
+            )
         base = None if add is None else add.view(-1)
         scale = std / math.sqrt(self._draws)  # std itself when seeded (one draw)
         deep = None if self._stream is None else self._deep_radii
         for _ in range(self._draws):
-            # m 64-bit words = 2m 32-bit halves: the first m for radii, the last m for angles
-            bits32 = torch.from_numpy(self._noise_words(m))
-            work = (x[:m] for x in self._work)
-            _box_muller32(bits32, flat, *work, std=scale, add=base, deep_tail=deep)
+            for start in range(0, n, block):
+                dst = flat[start : start + block]
+                m = (dst.numel() + 1) // 2
+                # m 64-bit words = 2m 32-bit halves: the first m for radii, the last m for angles
+                bits32 = torch.from_numpy(self._noise_words(m))
+                work = (x[:m] for x in self._work)
+                addend = None if base is None else base[start : start + block]
+                _box_muller32(bits32, dst, *work, std=scale, add=addend, deep_tail=deep)
             base = flat
 
     # -- the device path (docs/randomness.md, "Noise on the parameters' device") -----------

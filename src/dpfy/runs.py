@@ -168,6 +168,10 @@ def train_and_report(
     lora: bool = False,
     max_length: int | None = None,
     test_limit: int | None = None,
+    unit: str = "example",
+    users: int | None = None,
+    cap: int | None = None,
+    user_reduction: str = "sum",
     mechanism: str = "dpsgd",
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
@@ -189,6 +193,12 @@ def train_and_report(
       model, lora, max_length, test_limit: text datasets only: the pretrained model
         (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
         (default 64) and the first ``test_limit`` test examples only.
+      unit: the unit of privacy: ``"example"`` (default); ``"user"`` for the image datasets
+        (``users`` synthetic users, image i belongs to user ``i % users``); ``"movie"`` for
+        rotten-tomatoes (each snippet's movie). User-level runs sample users (``batch_size``
+        = expected users per batch) and clip each user's summed (``user_reduction="mean"``:
+        averaged) gradient; ``cap`` bounds the examples used per user (a random subset,
+        recorded). See :mod:`dpfy.training.users`.
       mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
         ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
 
@@ -215,6 +225,7 @@ def train_and_report(
                 f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
                 f"got dataset={dataset!r}"
             )
+    _check_unit_options(dataset, text, unit, users, cap, user_reduction)
     if mechanism not in MECHANISMS:
         raise ValueError(
             f"mechanism must be one of {{{', '.join(MECHANISMS)}}}, got mechanism={mechanism!r}"
@@ -222,6 +233,10 @@ def train_and_report(
     if text and mechanism != "dpsgd":
         raise ValueError(
             f"mechanism={mechanism!r} applies only to the image datasets, got dataset={dataset!r}"
+        )
+    if unit != "example" and mechanism != "dpsgd":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to example-level runs, got unit={unit!r}"
         )
     if max_length is not None:
         check_int("max_length", max_length, 2, 512)
@@ -256,6 +271,13 @@ def train_and_report(
     text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
                     "test_limit": test_limit} if text else {}
     options.update(text_options)
+    unit_options: dict[str, Any] = {}
+    if unit != "example":
+        unit_options = {"unit": unit, "max_examples_per_user": cap,
+                        "user_reduction": user_reduction}
+        if not text:
+            unit_options["num_users"] = users
+    options.update(unit_options)
     if mechanism != "dpsgd":
         options["mechanism"] = mechanism
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
@@ -287,7 +309,10 @@ def train_and_report(
          "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
-         "mechanism": None if mechanism == "dpsgd" else mechanism},
+         "mechanism": None if mechanism == "dpsgd" else mechanism,
+         **({"unit": unit, "users": users, "cap": cap,
+             "user_reduction": None if user_reduction == "sum" else user_reduction}
+            if unit != "example" else {})},
     )
     summary.ledger.record_metadata(
         delta=delta,
@@ -312,6 +337,49 @@ def train_and_report(
     return TrainedRun(
         out_dir, ledger_path, report, summary.test_accuracy, summary.seconds, summary
     )
+
+
+#: Units of privacy of ``dpfy train`` per kind of dataset (beyond ``"example"``).
+TRAIN_UNITS = {"images": ("example", "user"), "text": ("example", "movie")}
+
+
+def _check_unit_options(
+    dataset: str, text: bool, unit: str, users: int | None, cap: int | None, reduction: str
+) -> None:
+    """The user-level options of :func:`train_and_report`, checked before anything runs."""
+    allowed = TRAIN_UNITS["text" if text else "images"]
+    if unit not in allowed:
+        raise ValueError(
+            f"unit must be one of {{{', '.join(allowed)}}} for dataset={dataset!r}, "
+            f"got unit={unit!r}"
+        )
+    if unit == "example":
+        for name, given in (("users", users is not None), ("cap", cap is not None),
+                            ("user_reduction", reduction != "sum")):
+            if given:
+                raise ValueError(f"{name} applies only to a user-level unit "
+                                 f"({', '.join(u for u in allowed if u != 'example')}), "
+                                 "got unit='example'")
+        return
+    if reduction not in ("sum", "mean"):
+        raise ValueError(
+            f"user_reduction must be one of {{sum, mean}}, got user_reduction={reduction!r}"
+        )
+    if cap is not None:
+        check_int("cap", cap)
+    if text:
+        if users is not None:
+            raise ValueError(
+                f"users applies only to the image datasets (synthetic users); {dataset} "
+                f"groups snippets by their {unit}"
+            )
+        return
+    if users is None:
+        raise ValueError(
+            "users is missing: unit='user' on an image dataset needs the number of synthetic "
+            "user ids (--users N; image i belongs to user i mod N)"
+        )
+    check_int("users", users)
 
 
 def features_and_report(

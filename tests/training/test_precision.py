@@ -151,9 +151,11 @@ def test_loss_scale_does_not_change_the_clipped_sum(precision):
     if precision == "fp32":  # a power of two scales exactly
         assert torch.equal(n0, n2) and all(torch.equal(s0[k], s2[k]) for k in s0)
     else:  # fp16: 2**4 and 2**10 only move gradients away from underflow
+        # a few fp16 roundoffs (2^-11 = 4.9e-4 each): the CPU's fp16 kernels differ between
+        # machines (1.1e-4 on the norms and 5.6e-4 on the sum were seen on one, < 1e-4 on another)
         real = WEIGHTS > 0
-        assert float(((n1 - n2).abs() / n2)[real].max()) < 1e-4
-        assert _rel(s1, s2) < 1e-4
+        assert float(((n1 - n2).abs() / n2)[real].max()) < 2e-3
+        assert _rel(s1, s2) < 2e-3
     assert float(n2.max()) < 100.0  # unscaled: S = 1024 would show as norms x 1024
 
 

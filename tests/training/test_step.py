@@ -298,10 +298,11 @@ def _release_once(pg, x, y, rng, ledger):
     return pg.release(ledger=ledger, sample_id=sid, randomness=rng)
 
 
-def test_gradients_live_in_reused_buffers_and_match_a_fresh_release():
-    # p.grad is a buffer of the PrivateGradient, rewritten by every release; its values must
-    # be those of a query that writes into fresh tensors: the same draws, up to the rounding
-    # of folding 1 / B into the clip weights and the noise std.
+def test_each_release_gives_new_gradients_that_match_a_fresh_release():
+    # p.grad is a new tensor at every release (nothing of the step is kept between steps, so
+    # zero_grad(set_to_none=True) frees it); a previous step's gradient is never rewritten.
+    # Its values must be those of a query that writes into fresh tensors: the same draws, up
+    # to the rounding of folding 1 / B into the clip weights and the noise std.
     torch.manual_seed(5)
     model, x, y = _data("mlp")
 
@@ -335,6 +336,7 @@ def test_gradients_live_in_reused_buffers_and_match_a_fresh_release():
     _release_once(fast, x, y, rng_a, ledger)
     _release_once(slow, x, y, rng_b, ledger)
     for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
-        assert p.grad is first[n]  # the same buffer, rewritten
+        assert p.grad is not first[n]  # a new tensor ...
+        assert torch.equal(first[n], saved[n])  # ... and the previous one left as it was
         assert not torch.equal(p.grad, saved[n])  # fresh noise
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6 * 0.55 / B, msg=n)

@@ -26,10 +26,14 @@ from dpfy.accounting._api import (
     register_accountant,
     untruncated,
 )
+from dpfy.accounting.group import GroupPrivacy, group_epsilon, group_privacy
 
 __all__ = [
     "Accountant",
     "EventSource",
+    "GroupPrivacy",
+    "group_epsilon",
+    "group_privacy",
     "PrivacyResult",
     "UnsupportedEventError",
     "accountants",

@@ -287,6 +287,35 @@ def _truncated_result(
     )
 
 
+def _native_truncated(acc: Accountant, event: ev.Event) -> ev.Event | None:
+    """``event`` (noise tamed) when ``acc`` accounts its truncated samplers itself.
+
+    An accountant that sets ``accounts_truncation = True`` and supports the event with its
+    truncated nodes kept gets it as is; :func:`epsilon` and :func:`delta` keep whichever of
+    this and the coupling bound (untruncated mechanism plus the truncation term) is smaller.
+    """
+    if not getattr(acc, "accounts_truncation", False):
+        return None
+    tamed, _, tiny = _tame(event)
+    if tiny or acc.unsupported(tamed) is not None:
+        return None
+    return tamed
+
+
+def _native_result(
+    acc: Accountant, event: ev.Event, call: Callable[[Accountant, ev.Event], PrivacyResult]
+) -> PrivacyResult | None:
+    """``call(acc, event)`` with the truncated samplers kept, or None when ``acc`` does not
+    account them itself or fails numerically (the coupling bound then stands alone)."""
+    native = _native_truncated(acc, event)
+    if native is None:
+        return None
+    try:
+        return call(acc, native)
+    except (ValueError, ArithmeticError, RecursionError):
+        return None
+
+
 def _method_name(method: str | Accountant) -> str:
     if isinstance(method, str):
         if method != "auto" and method not in _ACCOUNTANTS:
@@ -371,6 +400,9 @@ def epsilon(
                 functools.partial(_truncated_result, acc, mechanism, float(delta), probability),
                 others,
             )
+            alt = _native_result(acc, event, lambda a, e: a.epsilon(e, float(delta)))
+            if alt is not None and (res is None or alt.epsilon < res.epsilon):
+                res = alt
         if res is not None:
             results.append(dataclasses.replace(res, notes=(*res.notes, *notes)) if notes else res)
     # Ties go to the provable result, then to the one that also states a lower bound.
@@ -409,6 +441,9 @@ def delta(
                 delta=truncated_delta(base.delta, float(epsilon), probability),
                 notes=(*base.notes, _truncation_note(probability)),
             )
+            alt = _native_result(acc, event, lambda a, e: a.delta(e, float(epsilon)))
+            if alt is not None and alt.delta < base.delta:
+                base = alt
         results.append(base)
     return min(results, key=lambda r: (r.delta, not r.provable))
 

@@ -64,9 +64,13 @@ from dpfy.accounting._api import (
     contains_non_private,
     register_accountant,
 )
+from dpfy.accounting.pld_events import MIN_NOISE_MULTIPLIER, Mech, flatten, step_pmfs
+from dpfy.accounting.pld_events import loss_std as _mech_loss_std
+from dpfy.accounting.pld_events import unsupported as _unsupported
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "MIN_NOISE_MULTIPLIER",
     "MAX_GRID_SIZE",
     "DiscretePLD",
     "poisson_gaussian_pmf",
@@ -407,68 +411,6 @@ def compose(
 # --------------------------------------------------------------------------------------------
 
 
-def _flatten(event: ev.Event, count: int, out: dict[tuple[float, float], int]) -> None:
-    """Collect {(q, z): count} for a supported event tree (see ``_unsupported``)."""
-    if count == 0:
-        return
-    if isinstance(event, ev.Gaussian):
-        key = (1.0, event.noise_multiplier)
-    elif isinstance(event, ev.PoissonSampled) and isinstance(event.event, ev.Gaussian):
-        key = (event.sampling_rate, event.event.noise_multiplier)
-    elif isinstance(event, ev.SelfComposed):
-        _flatten(event.event, count * event.count, out)
-        return
-    elif isinstance(event, ev.Composed):
-        for e in event.events:
-            _flatten(e, count, out)
-        return
-    elif isinstance(event, ev.NonPrivate):
-        return
-    else:  # pragma: no cover - guarded by _unsupported
-        raise ValueError(f"pld cannot account {event!r}")
-    out[key] = out.get(key, 0) + count
-
-
-#: Below this noise multiplier the discretised loss exp(1/(2 z^2)) leaves float range and the
-#: grid degenerates; such events are left to RDP (which works in log space).
-MIN_NOISE_MULTIPLIER = 0.05
-
-
-def _unsupported(event: ev.Event) -> str | None:
-    if isinstance(event, ev.Gaussian) and event.noise_multiplier < MIN_NOISE_MULTIPLIER:
-        return (
-            f"pld needs noise multipliers >= {MIN_NOISE_MULTIPLIER} (its loss grid overflows "
-            f"below), got noise_multiplier={event.noise_multiplier!r}"
-        )
-    if isinstance(event, ev.Gaussian | ev.NonPrivate):
-        return None
-    if isinstance(event, ev.PoissonSampled):
-        if isinstance(event.event, ev.Gaussian):
-            return _unsupported(event.event)
-        return (
-            f"pld supports PoissonSampled(Gaussian) only, got inner "
-            f"{type(event.event).__name__} event {event.event!r}"
-        )
-    if isinstance(event, ev.SelfComposed):
-        return _unsupported(event.event)
-    if isinstance(event, ev.Composed):
-        for e in event.events:
-            reason = _unsupported(e)
-            if reason is not None:
-                return reason
-        return None
-    why = {
-        ev.Shuffled: "shuffled batches have no Poisson amplification; no PLD is known",
-        ev.Deterministic: "deterministic batches have no Poisson amplification",
-        ev.BallsAndBins: "Balls-and-Bins needs its own accountant (balls_and_bins)",
-        ev.FixedSizeSampled: "fixed-size sampling uses replace-one adjacency, not modelled here",
-        ev.TruncatedPoisson: "truncated Poisson needs the truncation delta "
-        "(Chua et al. 2024b, Prop. 3.2)",
-        ev.RepeatAndSelect: "repeat-and-select is accounted in RDP (Papernot & Steinke)",
-    }.get(type(event), "no PLD is implemented for this event type")
-    return f"pld cannot account sub-event {type(event).__name__} {event!r}: {why}"
-
-
 def coarsen(pld: DiscretePLD, factor: int) -> DiscretePLD:
     """Re-discretise ``pld`` pessimistically onto the grid ``factor * interval``.
 
@@ -496,7 +438,7 @@ _STAGE_RESOLUTION = 0.5  # stage-2 grid = this * sqrt(steps per block) * stage-1
 
 
 def _level_value(
-    mechanisms: dict[tuple[float, float], int],
+    mechanisms: dict[Mech, int],
     h: float,
     tail: float,
     max_size: int,
@@ -505,19 +447,20 @@ def _level_value(
     """``evaluate`` of the composed PLD on grid ``h``, maximised over the two directions.
 
     Without subsampling (q = 1) the two directions are mirror images (x -> 1 - x swaps
-    N(0, z^2) and N(1, z^2)), so their hockey-stick curves coincide and one suffices.
+    N(0, z^2) and N(1, z^2)), so their hockey-stick curves coincide and one suffices; the
+    fixed-size (replace-one) step is symmetric by construction (``pld_events``).
     """
     return max(evaluate(p) for p in _composed_directions(mechanisms, h, tail, max_size))
 
 
 def _composed_directions(
-    mechanisms: dict[tuple[float, float], int], h: float, tail: float, max_size: int
+    mechanisms: dict[Mech, int], h: float, tail: float, max_size: int
 ) -> tuple[DiscretePLD, ...]:
     total = sum(mechanisms.values())
     steps = {
-        (q, z): poisson_gaussian_pmf(q, z, h, tail_mass=tail / 4.0 / total) for q, z in mechanisms
+        m: step_pmfs(m, h, tail / 4.0 / total, poisson_gaussian_pmf) for m in mechanisms
     }
-    directions = ("remove",) if all(q == 1.0 for q, _ in mechanisms) else _DIRECTIONS
+    directions = ("remove",) if all(m.symmetric for m in mechanisms) else _DIRECTIONS
     return tuple(_composed_pld(mechanisms, h, d, tail, max_size, steps) for d in directions)
 
 
@@ -548,12 +491,12 @@ def composed_plds(
 
 
 def _composed_pld(
-    mechanisms: dict[tuple[float, float], int],
+    mechanisms: dict[Mech, int],
     h: float,
     direction: str,
     tail: float,
     max_size: int = MAX_GRID_SIZE,
-    steps: dict[tuple[float, float], dict[str, DiscretePLD]] | None = None,
+    steps: dict[Mech, dict[str, DiscretePLD]] | None = None,
 ) -> DiscretePLD:
     """Compose all mechanisms in one direction on grid ``h`` (two stages for long runs).
 
@@ -567,11 +510,11 @@ def _composed_pld(
     blocks: list[tuple[DiscretePLD, int]] = []
     factors: list[int] = []  # coarsening each split mechanism allows
     keep_fine = False  # a mechanism with many unsplit steps keeps the fine grid
-    for (q, z), c in mechanisms.items():
+    for m, c in mechanisms.items():
         if steps is None:
-            step = poisson_gaussian_pmf(q, z, h, tail_mass=budget / total)[direction]
+            step = step_pmfs(m, h, budget / total, poisson_gaussian_pmf)[direction]
         else:
-            step = steps[(q, z)][direction]
+            step = steps[m][direction]
         std = math.sqrt(max(_moments(step)[1], h * h))
         fill = (step.pmf.size * h / (_WINDOW_SIGMAS * std)) ** 2
         t1 = int(min(c, max(math.sqrt(c), fill)))
@@ -593,11 +536,11 @@ def _composed_pld(
     return compose(parts, tail_mass=budget, max_size=max_size)
 
 
-def _first_interval(mechanisms: dict[tuple[float, float], int]) -> float:
+def _first_interval(mechanisms: dict[Mech, int]) -> float:
     # A spacing of about one step-loss standard deviation: coarse, but the composed grid of
     # the first level stays small; refinement halves it.
     # Rounded down to a power of two, so that nearby parameters share one grid sequence.
-    h = min(_step_loss_std(q, z) for q, z in mechanisms) * 0.5
+    h = min(_mech_loss_std(m, _step_loss_std) for m in mechanisms) * 0.5
     return 2.0 ** math.floor(math.log2(h))
 
 
@@ -610,7 +553,7 @@ class _Refined:
 
 
 def _refine(
-    mechanisms: dict[tuple[float, float], int],
+    mechanisms: dict[Mech, int],
     evaluate: Callable[[DiscretePLD], float],
     tolerance: float,
     tail: float,
@@ -657,7 +600,9 @@ def _check_tolerance(tolerance: float) -> None:
     check_range("tolerance", tolerance, 0.0, 1.0, low_open=True, high_open=True)
 
 
-def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, ...]:
+def _notes(
+    refined: _Refined, tolerance: float | None, what: str, event: ev.Event
+) -> tuple[str, ...]:
     notes = [
         "pessimistic connect-the-dots PLD (a valid upper bound); maximum over the add and "
         "remove directions"
@@ -671,6 +616,16 @@ def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, 
             f"{tolerance:g}; "
             f"final interval {refined.interval:.3g} after {refined.levels} levels"
         )
+    if _has(event, ev.FixedSizeSampled):
+        notes.append(
+            "fixed-size batches without replacement (replace_one): each step is the symmetrised "
+            "Poisson pair at rate B/N and noise z/2 (Dong, Roth, Su 2022, Thm. 4.2)"
+        )
+    if _has(event, ev.TruncatedPoisson):
+        notes.append(
+            "truncated Poisson: each step is a mixture of the Poisson step and, when the other "
+            "examples fill a batch, a replace-one step at noise z/2 (docs/architecture.md, 5.2)"
+        )
     if not refined.converged:
         notes.append(
             f"the grid size limit ({MAX_GRID_SIZE} points) was reached before the tolerance "
@@ -679,12 +634,16 @@ def _notes(refined: _Refined, tolerance: float | None, what: str) -> tuple[str, 
     return tuple(notes)
 
 
-def _mechanisms(event: ev.Event) -> dict[tuple[float, float], int]:
+def _has(event: ev.Event, kind: type) -> bool:
+    return isinstance(event, kind) or any(_has(c, kind) for c in ev._children(event))
+
+
+def _mechanisms(event: ev.Event) -> dict[Mech, int]:
     reason = _unsupported(event)
     if reason is not None:
         raise UnsupportedEventError(reason)
-    mech: dict[tuple[float, float], int] = {}
-    _flatten(event, 1, mech)
+    mech: dict[Mech, int] = {}
+    flatten(event, 1, mech)
     return mech
 
 
@@ -747,7 +706,8 @@ def pld_epsilon(
     """Epsilon at ``delta`` for ``event`` from pessimistic PLDs (add_or_remove adjacency).
 
     Args:
-      event: Gaussian, PoissonSampled(Gaussian), or SelfComposed/Composed of these.
+      event: Gaussian, PoissonSampled(Gaussian), TruncatedPoisson, FixedSizeSampled(Gaussian)
+        (replace_one; not mixed with the others), or SelfComposed/Composed of these.
       delta: target delta in (0, 1).
       tolerance: target relative error of epsilon; the loss grid is halved until a third of
         the change between the last two grids is at most this (absolute 1e-6 * tolerance
@@ -786,7 +746,7 @@ def pld_epsilon(
         delta=float(delta),
         method="pld",
         adjacency=adjacency,
-        notes=_notes(refined, None if interval else tolerance, "epsilon"),
+        notes=_notes(refined, None if interval else tolerance, "epsilon", event),
     )
 
 
@@ -817,7 +777,7 @@ def pld_delta(
         delta=refined.value,
         method="pld",
         adjacency=adjacency,
-        notes=_notes(refined, None if interval else tolerance, "delta"),
+        notes=_notes(refined, None if interval else tolerance, "delta", event),
     )
 
 
@@ -831,6 +791,9 @@ class PLDAccountant:
 
     tolerance: float = DEFAULT_TOLERANCE
     name: str = "pld"
+    #: TruncatedPoisson is accounted as the mixture step of ``pld_events`` (the public
+    #: ``epsilon``/``delta`` also try the coupling bound and keep the smaller).
+    accounts_truncation: bool = True
 
     def unsupported(self, event: ev.Event) -> str | None:
         return _unsupported(event)

@@ -49,7 +49,8 @@ def to_markdown(r: PrivacyReport) -> str:
     if r.delta_times_n is not None:
         n = r.sampler.get("dataset_size")
         verdict = "below 1/N, as it should be" if r.delta_times_n < 1 else "NOT below 1/N"
-        lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}): delta is {verdict}")
+        what = f" {r.unit_of_privacy}s" if r.unit_of_privacy != "example" else ""
+        lines.append(f"- delta x N = {r.delta_times_n:.3g} (N = {n}{what}): delta is {verdict}")
     if r.mu is not None:
         lines.append(f"- exact Gaussian DP: mu = {r.mu:.4g}")
     checklist = "## Checklist (Ponomareva et al. 2023, Sec. 5.3.3)"
@@ -87,6 +88,7 @@ def to_markdown(r: PrivacyReport) -> str:
         else:
             cell = _fmt(res)
         lines.append(f"| {name} | {_escape(cell)} |")
+    lines += _user_level_lines(r.user_level, r.delta)
     lines += _attack_risk_lines(r.attack_risk, r.unit_of_privacy)
     lines += _audit_lines(r.audit)
     if r.utility:
@@ -105,6 +107,36 @@ def to_markdown(r: PrivacyReport) -> str:
     if r.reproduce.get("train_command"):
         lines.append(f"- re-train: `{r.reproduce['train_command']}`")
     return "\n".join(lines) + "\n"
+
+
+def _user_level_lines(u: dict[str, Any], delta: float) -> list[str]:
+    """The unit, the grouping and the labelled example-level reading of a user-level run."""
+    if not u:
+        return []
+    unit = u["unit"]
+    cap = u["max_examples_per_user"]
+    lines = ["", f"## Unit of privacy: one {unit}", ""]
+    lines.append(
+        f"- Every {unit}-level figure above protects all of one {unit}'s examples at once: "
+        f"N = {u['num_users']} {unit}s, {u['num_examples_used']} of {u['num_examples']} "
+        f"examples used, at most {cap if cap is not None else u['largest_user']} per {unit} "
+        f"({'cap' if cap is not None else 'no cap; the largest ' + unit})."
+    )
+    lines.append(
+        f"- Each {unit}'s gradients are reduced by their {u['reduction']} and that one vector "
+        f"is clipped; {u['users_capped']} {unit}s had more examples than the cap ("
+        f"{u['subset']}; layout SHA-256 {u['layout_sha256'][:16]})."
+    )
+    lines.append(f"- {u['delta_vs_1_over_n']}.")
+    ex = u.get("example_level") or {}
+    if ex:
+        eps = ex["epsilon"]
+        eps_s = "infinity" if isinstance(eps, str) or math.isinf(eps) else f"{eps:.5g}"
+        lines.append(
+            f"- Example level (group privacy, labelled as such): epsilon = {eps_s} at delta = "
+            f"{_fmt(ex['delta'])}; {ex['derivation']}."
+        )
+    return lines
 
 
 def _attack_risk_lines(risk: dict[str, Any], unit: str) -> list[str]:

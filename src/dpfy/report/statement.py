@@ -154,6 +154,10 @@ class PrivacyReport:
     audit: dict[str, Any] = dataclasses.field(default_factory=dict)
     sampling_randomness: str = NOT_RECORDED
     noise_randomness: str = NOT_RECORDED
+    #: A user-level run (unit = user, movie, ...): the grouping the ledger recorded (number of
+    #: users, cap on examples per user, reduction, subsets) and the example-level reading of
+    #: the guarantee (group privacy of size 2, labelled). Empty for an example-level run.
+    user_level: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, JSON-ready (infinite epsilon as ``"inf"``)."""
@@ -217,7 +221,11 @@ def build_report(
     n = spec.get("dataset_size")
     sampler_kind = spec.get("sampler", "none")
 
-    assumptions = [_SAMPLER_ASSUMPTIONS.get(sampler_kind, sampler_kind)]
+    sampling = _SAMPLER_ASSUMPTIONS.get(sampler_kind, sampler_kind)
+    unit = ledger.unit or "example"
+    if unit != "example":  # the sampler drew units (users, movies), not examples
+        sampling = sampling.replace("examples", f"{unit}s").replace("example", unit)
+    assumptions = [sampling]
     assumptions.extend(result.notes)
     others = _other_methods(event, delta, result.method)
     if sampler_kind == "shuffle":
@@ -298,7 +306,94 @@ def build_report(
         release=release,
         sampling_randomness=sampling_randomness,
         noise_randomness=noise_randomness,
+        user_level=_user_level(meta.get("user_level"), ledger, result, delta, n),
     )
+
+
+#: Fields of the ``user_level`` metadata a report reads, with their JSON types.
+_USER_LEVEL_FIELDS: dict[str, tuple[type, ...]] = {
+    "unit": (str,),
+    "num_users": (int,),
+    "num_examples": (int,),
+    "num_examples_used": (int,),
+    "max_examples_per_user": (int, type(None)),
+    "largest_user": (int,),
+    "users_capped": (int,),
+    "reduction": (str,),
+    "subset": (str,),
+    "layout_sha256": (str,),
+}
+
+
+def _user_level(
+    facts: Any,
+    ledger: Ledger,
+    result: accounting.PrivacyResult,
+    delta: float,
+    n: int | None,
+) -> dict[str, Any]:
+    """The user-level section of a report, from the ledger's ``user_level`` metadata.
+
+    The example-level figure is k = 2 group privacy of the unit-level accountant
+    (``dpfy.accounting.group``): removing one example changes one user's data (remove the
+    user, add it back without the example), whatever the cap.
+    """
+    if facts is None:
+        return {}
+    if not isinstance(facts, dict):
+        raise ValueError(f"ledger metadata user_level must be a JSON object, got {facts!r}")
+    out: dict[str, Any] = {}
+    for key, types in _USER_LEVEL_FIELDS.items():
+        value = facts.get(key)
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ValueError(
+                f"ledger metadata user_level.{key} must be of type "
+                f"{'/'.join(t.__name__ for t in types)}, got {value!r}"
+            )
+        out[key] = value
+    unit = ledger.unit or "example"
+    if out["unit"] != unit or (n is not None and out["num_users"] != n):
+        raise ValueError(
+            f"ledger metadata user_level ({out['num_users']} {out['unit']}s) disagrees with the "
+            f"recorded samples ({n} {unit}s)"
+        )
+    out["delta_vs_1_over_n"] = (
+        f"delta = {delta:g} against 1/N = {1 / out['num_users']:.3g} with N = "
+        f"{out['num_users']} {unit}s (delta x N = {delta * out['num_users']:.3g}): "
+        + ("below 1/N, as it should be" if delta * out["num_users"] < 1 else "NOT below 1/N")
+    )
+    if result.adjacency == "replace_one" and math.isfinite(result.epsilon):
+        out["example_level"] = {
+            "epsilon": result.epsilon,
+            "delta": delta,
+            "derivation": (
+                f"the {unit}-level statement itself: under replace-one adjacency, adding, "
+                f"removing or changing one example replaces one {unit}'s data, one step"
+            ),
+        }
+    elif math.isfinite(result.epsilon) and result.provable:
+        group = accounting.group_epsilon(ledger, delta, 2, result.method)
+        why = (
+            f"group privacy of size 2 (NOT the {unit}-level statement): adding or removing "
+            f"one example changes one {unit}'s data, i.e. removes that {unit} and adds it back "
+            f"changed, two {unit}-level steps, whatever the cap; "
+        )
+        if group.route == "rdp":
+            why += (
+                f"from the {unit}-level RDP curve by the weak triangle inequality (Mironov "
+                "2017, Prop. 11), tighter here than (2 eps, delta (1 + e^eps))"
+            )
+        else:
+            why += (
+                f"from the {unit}-level ({group.epsilon_unit:.5g}, {group.delta_unit:.3g}) of "
+                f"{group.method} by (2 eps, delta (1 + e^eps)) (Dwork & Roth 2014, Thm. 2.2)"
+            )
+        out["example_level"] = {"epsilon": group.epsilon, "delta": group.delta,
+                                "route": group.route, "derivation": why}
+    else:
+        out["example_level"] = {"epsilon": math.inf, "delta": delta,
+                                "derivation": f"no provable {unit}-level epsilon to start from"}
+    return out
 
 
 def _other_methods(event: ev.Event, delta: float, chosen: str) -> dict[str, Any]:

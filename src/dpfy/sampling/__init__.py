@@ -44,6 +44,7 @@ from dpfy.sampling.base import (
     BaseSampler,
     FixedBatchEpochSampler,
     Sampler,
+    check_unit,
     epochs_and_steps,
     pad_batch,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "pad_batch",
     "balls_and_bins_sizes",
     "epochs_and_steps",
+    "check_unit",
     "SampleSpec",
     "spec_event",
     "SamplerKind",

@@ -39,6 +39,7 @@ __all__ = [
     "FixedBatchEpochSampler",
     "pad_batch",
     "epochs_and_steps",
+    "check_unit",
 ]
 
 
@@ -82,6 +83,22 @@ def pad_batch(indices: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
     return out, weights
 
 
+def check_unit(unit: Any) -> str:
+    """A unit of privacy: a non-empty lower-case word of letters, digits and ``_``/``-``."""
+    if (
+        not isinstance(unit, str)
+        or not unit
+        or len(unit) > 40
+        or not all(c.isalnum() or c in "_-" for c in unit)
+        or unit != unit.lower()
+    ):
+        raise ValueError(
+            "unit must be a lower-case word of at most 40 letters, digits, '_' or '-' (e.g. "
+            f"'example', 'user', 'movie'), got unit={unit!r}"
+        )
+    return unit
+
+
 def epochs_and_steps(
     epochs: float | None, steps: int | None, steps_per_epoch: int
 ) -> tuple[int, int]:
@@ -116,6 +133,9 @@ class BaseSampler:
     kind: ClassVar[str] = ""
     #: epoch samplers draw one layout per epoch (and save it); step samplers draw per step.
     _epoch_layout: ClassVar[bool] = False
+    #: What one index stands for, recorded in every ``SampleSpec`` (``"example"``; a
+    #: user-level run samples user indices: ``"user"``, ``"movie"``; see ``with_unit``).
+    unit: str = "example"
 
     def __init__(
         self,
@@ -248,10 +268,22 @@ class BaseSampler:
 
     # -- ledger -----------------------------------------------------------------------------
     def _spec(self, **fields: Any) -> SampleSpec:
-        return SampleSpec(self.kind, dataset_size=self.dataset_size, **fields)
+        return SampleSpec(self.kind, dataset_size=self.dataset_size, unit=self.unit, **fields)
+
+    def with_unit(self, unit: str) -> BaseSampler:
+        """Declare what an index stands for (the unit of privacy); returns ``self``.
+
+        A sampler over the users of a dataset (``dataset_size`` = number of users) is the
+        same sampler; only the unit its ledger entries state changes.
+        """
+        check_unit(unit)
+        self.unit = str(unit)
+        return self
 
     def __repr__(self) -> str:
         extra = "" if self.max_batch_size is None else f", max_batch_size={self.max_batch_size}"
+        if self.unit != "example":
+            extra += f", unit={self.unit!r}"
         return (
             f"{type(self).__name__}(dataset_size={self.dataset_size}, "
             f"steps_per_epoch={self.steps_per_epoch}, "

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
-from dpfy.sampling.base import Sampler
+from dpfy.sampling.base import BaseSampler, Sampler, check_unit
 from dpfy.sampling.kinds import SamplerClass, column, kinds
 
 __all__ = ["SAMPLER_KINDS", "make_sampler"]
@@ -27,6 +27,7 @@ def make_sampler(
     *,
     max_batch_size: int | None = None,
     randomness: Randomness | None = None,
+    unit: str = "example",
 ) -> Sampler:
     """Build a sampler from the practitioner's (expected) batch size.
 
@@ -39,6 +40,9 @@ def make_sampler(
       max_batch_size: truncation threshold (kinds whose row ``truncates`` only).
       randomness: source of randomness (default: the secure generator,
         ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a reproducible experiment).
+      unit: what one index stands for, recorded in every ``SampleSpec`` (default
+        ``"example"``; a sampler over users: ``"user"``, ``"movie"``, with ``dataset_size``
+        the number of users).
 
     Raises:
       ValueError: unknown kind, bad sizes, or a maximum batch size for a fixed-size sampler.
@@ -48,6 +52,7 @@ def make_sampler(
     if name not in rows:
         allowed = ", ".join(rows)
         raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")
+    check_unit(unit)
     check_int("dataset_size", dataset_size)
     check_range("batch_size", batch_size, 1, dataset_size, integer=True)
     row = rows[name]
@@ -58,6 +63,12 @@ def make_sampler(
             f"max_batch_size={max_batch_size!r} for kind={kind!r} (its batches are fixed-size)"
         )
     assert row.sampler is not None
-    return row.sampler.from_batch_size(
+    sampler = row.sampler.from_batch_size(
         dataset_size, batch_size, max_batch_size=max_batch_size, randomness=randomness
     )
+    if unit != "example":
+        if not isinstance(sampler, BaseSampler):
+            raise ValueError(f"unit={unit!r} needs a sampler derived from BaseSampler, got "
+                             f"{type(sampler).__name__}")
+        sampler.with_unit(unit)
+    return sampler

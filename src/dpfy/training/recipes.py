@@ -35,6 +35,7 @@ from dpfy.ledger.matrix import CYCLIC_KINDS, ONCE_PER_EPOCH
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training import users
 from dpfy.training.precision import check_precision
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
@@ -158,13 +159,19 @@ def train_image_classifier(
     train_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
+    unit: str = "example",
+    num_users: int | None = None,
+    max_examples_per_user: int | None = None,
+    user_reduction: str = "sum",
     mechanism: str = "dpsgd",
     band: int = 16,
     buffers: int = 4,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
-    Unit of privacy: one training image; adjacency add-or-remove (Poisson, Balls-and-Bins).
+    Unit of privacy: one training image (default), or with ``unit="user"`` one synthetic user
+    (image i belongs to user ``i % num_users``; :mod:`dpfy.training.users`); adjacency
+    add-or-remove (Poisson, Balls-and-Bins).
 
     Args:
       dataset: ``"mnist"`` or ``"fashion-mnist"`` (see :mod:`dpfy.datasets`).
@@ -195,6 +202,11 @@ def train_image_classifier(
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32; :mod:`dpfy.training.precision`).
+      unit: ``"example"`` or a user-level unit name (``"user"``); then ``batch_size`` is the
+        expected number of users per batch and ``clip_norm`` bounds each user's gradient.
+      num_users: synthetic users (needed with a user-level ``unit``).
+      max_examples_per_user, user_reduction: the cap and ``"sum"``/``"mean"``
+        (:class:`dpfy.training.users.UserLevelTrainer`).
       mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
         ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
         (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
@@ -209,13 +221,32 @@ def train_image_classifier(
             f"mechanism must be one of {{dpsgd, {', '.join(STRATEGIES)}}}, "
             f"got mechanism={mechanism!r}"
         )
+    if mechanism != "dpsgd" and unit != "example":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to unit='example', got unit={unit!r}"
+        )
     if threads is not None:
         torch.set_num_threads(int(threads))
+    if unit != "example" and num_users is None:
+        raise ValueError(
+            f"num_users is missing: unit={unit!r} needs the number of synthetic users"
+        )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test")
     sample_rng, noise_rng, randomness = run_randomness(seed)
+    units = len(x_train)
+    trainer_cls: type[PrivateTrainer] = PrivateTrainer
+    user_args: dict[str, Any] = {}
+    if unit != "example":
+        assert num_users is not None
+        units, user_args = users.user_level_options(
+            unit, users.synthetic_user_ids(len(x_train), num_users),
+            max_examples_per_user=max_examples_per_user, reduction=user_reduction,
+            randomness=sample_rng,
+        )
+        trainer_cls = users.UserLevelTrainer
     net = make_model(model)
-    batches = make_sampler(sampler, len(x_train), batch_size, randomness=sample_rng)
+    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     plan = None
     if mechanism != "dpsgd":
         plan = correlated_plan(mechanism, batches.sample_spec(), epochs, band, buffers)
@@ -231,7 +262,7 @@ def train_image_classifier(
                 f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
             )
         model_path = Path(out_dir) / "model.pt"
-    trainer = PrivateTrainer(
+    trainer = trainer_cls(
         net,
         optimizer,
         nn.CrossEntropyLoss(reduction="none"),
@@ -252,6 +283,7 @@ def train_image_classifier(
         progress=progress,
         callbacks=callbacks,
         precision=checked_precision,
+        **user_args,
         correlated=plan,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
@@ -266,8 +298,8 @@ def train_image_classifier(
         learning_rate=learning_rate,
         momentum=momentum,
         batch_size=batch_size,
+        unit_of_privacy=users.unit_description(unit, max_examples_per_user, "training image"),
         mechanism=mechanism,
-        unit_of_privacy="example (one training image)",
         released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )

@@ -37,6 +37,14 @@ Microbatching (Ponomareva et al. 2023, Alg. 3):
   presence of the changed one (e.g. its row is replaced by padding, or rows are assigned to
   microbatches independently); a partition that shifts every later row when one example is
   added changes many microbatches and has a larger sensitivity.
+* ``microbatch_mode="sum"`` (user-level DP, :mod:`dpfy.training.users`): consecutive groups of
+  ``microbatch_size`` rows hold one unit of privacy (one user's examples, padded with weight-0
+  rows); the *sum* of the group's per-example gradients is clipped to C, the clipped sums are
+  summed, noised and divided by ``expected_batch_size / k`` (the expected number of units
+  when ``expected_batch_size`` counts k rows per unit). Adding or removing a whole unit adds
+  or removes one clipped sum: sensitivity C, a plain ``GaussianSumQuery(C, z)``. Valid only
+  when a group is exactly one unit (all of its rows, nobody else's) and the sampler draws
+  units: a group mixing several units' rows moves by up to 2C when one of them changes.
 
 Limits: layers must see batch-first inputs (dimension 0 = the example), module outputs must
 not be modified in place (``ReLU(inplace=True)``, ``out += x``: refused with a clear error),
@@ -109,8 +117,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PrivateGradient", "ChunkStats", "StepStats", "MicrobatchMode", "OpenChunk"]
 
-MicrobatchMode = Literal["examples", "average"]
-_MODES = ("examples", "average")
+MicrobatchMode = Literal["examples", "average", "sum"]
+_MODES = ("examples", "average", "sum")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,8 +175,9 @@ class PrivateGradient:
         ``clip_weights`` and ``add_noise`` gets a plain release and a division pass.
       expected_batch_size: the fixed denominator (q x N for Poisson sampling), > 0.
       microbatch_size: rows per microbatch, or ``None`` (no microbatching).
-      microbatch_mode: ``"examples"`` (Ponomareva et al. 2023, Alg. 3 option 1) or
-        ``"average"`` (option 2).
+      microbatch_mode: ``"examples"`` (Ponomareva et al. 2023, Alg. 3 option 1),
+        ``"average"`` (option 2) or ``"sum"`` (one unit of privacy per group of
+        ``microbatch_size`` rows, its summed gradient clipped: user-level DP).
       fallback_chunk_size: examples per ``vmap`` chunk for layers without a norm rule.
       forward: ``forward(model, inputs) -> outputs`` for inputs the default convention does
         not fit. Default: a mapping calls ``model(**inputs)`` (e.g. a tokenizer's
@@ -269,7 +278,6 @@ class PrivateGradient:
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # persistent buffers (no division pass, no new tensors).
         self._fast_release = getattr(query, "fused_release", False) is True
-        self._grads: dict[str, torch.Tensor] = {}
         self._acc_flat: torch.Tensor | None = None
         self._reset()
 
@@ -288,8 +296,8 @@ class PrivateGradient:
 
     @property
     def group_size_(self) -> int:
-        """Rows per clipped unit: ``microbatch_size`` in average mode, else 1."""
-        return (self.microbatch_size or 1) if self.microbatch_mode == "average" else 1
+        """Rows per clipped unit: ``microbatch_size`` in average and sum mode, else 1."""
+        return (self.microbatch_size or 1) if self.microbatch_mode != "examples" else 1
 
     @property
     def denominator_(self) -> float:
@@ -414,15 +422,17 @@ class PrivateGradient:
         if batch % k:
             raise ValueError(
                 f"chunk size {batch} must be a multiple of microbatch_size={k} in "
-                "microbatch_mode='average' (pad with weight-0 rows)"
+                f"microbatch_mode={self.microbatch_mode!r} (pad with weight-0 rows)"
             )
         weights_ok = None  # device weights: validity read with the chunk's statistics
+        # average mode: a group's gradient is its mean (fixed divisor k); sum mode: its sum
+        seed = loss_scale / k if self.microbatch_mode == "average" else loss_scale
         if weights is None:
             mask = None
-            scale = torch.full_like(losses, loss_scale / k).detach()
+            scale = torch.full_like(losses, seed).detach()
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
-            scale = mask if k == 1 and loss_scale == 1.0 else mask * (loss_scale / k)
+            scale = mask if seed == 1.0 else mask * seed
         captures = recorder.backward(losses, scale)
         # The DP arithmetic in fp32 (bf16/fp16 captures upcast, the loss scale divided out),
         # never under autocast: docs/architecture.md, "Mixed precision".
@@ -596,8 +606,8 @@ class PrivateGradient:
 
         Every trainable parameter receives noise, also if no chunk produced a gradient for it.
         The query records its ledger entry before the noisy values exist outside it.
-        ``p.grad`` is a buffer owned by this object and rewritten in place by the next
-        release (like ``zero_grad(set_to_none=False)``): clone it to keep a step's gradient.
+        ``p.grad`` is a new tensor at every release (the previous one is not touched);
+        ``zero_grad(set_to_none=True)`` frees it.
 
         Args:
           ledger: the run's :class:`dpfy.ledger.Ledger`.
@@ -615,17 +625,18 @@ class PrivateGradient:
         denom = self.denominator_
         if self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
-            # query adds noise scaled alike and writes into persistent gradient buffers (no
-            # fresh allocation, no division pass) which then become ``p.grad``.
-            if not self._grads:
-                # views of one flat buffer: the noise fills it in one fused pass
-                _, self._grads = _flat_buffers(params)
+            # query adds noise scaled alike and writes into new gradient buffers (no division
+            # pass) which then become ``p.grad``: views of one flat buffer, so the noise fills
+            # it in one fused pass. They are not kept here: once the caller drops the
+            # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer but the
+            # accumulator outlives the step.
+            _, grads = _flat_buffers(params)
             noisy = self.query.add_noise(
                 clipped,
                 ledger=ledger,
                 sample_id=sample_id,
                 randomness=randomness,
-                out=self._grads,
+                out=grads,
                 scale=1.0 / denom,
             )
             for name in self.param_names_:
@@ -642,6 +653,10 @@ class PrivateGradient:
                     p.grad = g.div_(denom)  # the query's fresh output: scale in place
                 else:  # never alias the accumulator buffers
                     p.grad = (g / denom).to(p.dtype)
+        # The accumulator is not kept between steps either: the next step's first chunk
+        # allocates it after its backward pass, so the backward's peak holds no model-sized
+        # buffer of this object's.
+        self._buffers, self._acc_flat = {}, None
         stats = StepStats(
             self._loss_sum,
             self._examples,

@@ -10,16 +10,25 @@ Li et al. 2022 ("Large language models can be strong differentially private lear
 
 Unit of privacy: one training snippet (add-or-remove for Poisson sampling). A movie contributes
 2 to 35 snippets, so the guarantee per *movie* is weaker (group privacy); the report states the
-snippet unit.
+snippet unit. With ``unit="movie"`` the unit is one movie instead (user-level DP,
+:mod:`dpfy.training.users`): the sampler draws movies (N = 429 in the train split), each
+movie's snippet gradients are summed (or averaged) and clipped as one vector, optionally
+capped at ``max_examples_per_user`` snippets per movie; ``batch_size`` is then the expected
+number of movies per batch.
 
 Fine-tuning modes (``lora``):
 
-* full (default): every parameter of the encoder, the fresh pooler and the fresh 2-way head is
-  trainable (22.7M parameters); defaults lr 1e-4, 2 epochs;
+The model is the pretrained encoder with a zero-initialised 2-way linear head on the masked
+mean of its last hidden states (:class:`dpfy.hf.heads.MeanPooledClassifier`): the pooling the
+sentence encoder was trained with, and no fresh pooler (a fresh 384 x 384 ``[CLS]`` pooler, as
+in ``BertForSequenceClassification``, made DP-Adam at epsilon 8 collapse to one class).
+
+* full (default): every parameter of the encoder and the head is trainable (22.7M
+  parameters); defaults lr 1e-4, 2 epochs;
 * LoRA (Hu et al. 2022, via ``peft``): rank r=8 (alpha 16, no LoRA dropout) on the attention
-  ``query`` and ``value`` projections of all 6 layers, plus the fresh pooler and head trained
-  in full (``modules_to_save``); the pretrained weights stay frozen (about 0.22M trainable
-  parameters); defaults lr 5e-4, 3 epochs.
+  ``query`` and ``value`` projections of all 6 layers, plus the head trained in full; the
+  pretrained weights stay frozen (about 75k trainable parameters); defaults lr 5e-4, 3
+  epochs.
 
 Both: expected batch size 256 (Poisson rate 256 / N), clip norm 1.0, Adam betas (0.9, 0.999),
 no weight EMA. Snippets are tokenised once with MiniLM's uncased WordPiece tokenizer, padded and
@@ -46,6 +55,7 @@ from dpfy._validate import check_int
 from dpfy.ledger import Ledger
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.training import users
 from dpfy.training.budget import spent
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
@@ -60,6 +70,7 @@ __all__ = [
     "TEXT_DATASETS",
     "TEXT_DEFAULTS",
     "TEXT_MODELS",
+    "TEXT_UNITS",
     "TokenDataset",
     "evaluate_text",
     "make_text_model",
@@ -70,6 +81,8 @@ __all__ = [
 
 #: Text datasets of :func:`train_text_classifier`.
 TEXT_DATASETS = ("rotten-tomatoes",)
+#: Units of privacy of :func:`train_text_classifier`: one snippet, or one movie.
+TEXT_UNITS = ("example", "movie")
 #: Pretrained text models by name.
 TEXT_MODELS = ("minilm",)
 #: The attention projections that get LoRA factors (BERT module names).
@@ -133,21 +146,25 @@ def truncated_fraction(
 
 
 def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
-    """The pretrained classifier (2 labels), fully trainable or with LoRA (module docstring)."""
+    """The pretrained encoder with a zero-initialised 2-way head on its mean-pooled tokens
+    (:class:`dpfy.hf.heads.MeanPooledClassifier`), fully trainable or with LoRA on the encoder
+    (module docstring)."""
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
-    from dpfy.hf.pretrained import load_minilm_classifier
+    from dpfy.hf.heads import MeanPooledClassifier
+    from dpfy.hf.pretrained import load_minilm_encoder
 
-    net: nn.Module = load_minilm_classifier(num_labels=2)
+    base = load_minilm_encoder(add_pooling_layer=False)
+    width = int(base.config.hidden_size)
+    encoder: nn.Module = base
     if lora:
         import peft
 
         cfg = peft.LoraConfig(
-            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
-            task_type="SEQ_CLS", modules_to_save=["pooler"],
+            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
         )
-        net = peft.get_peft_model(net, cfg)
-    return net
+        encoder = peft.get_peft_model(encoder, cfg)
+    return MeanPooledClassifier(encoder, width, num_labels=2)
 
 
 @torch.no_grad()
@@ -174,6 +191,10 @@ class _TextTrainer(PrivateTrainer):
     def evaluate(self, model: nn.Module | None = None, batch_size: int = 128) -> float:
         return evaluate_text(model if model is not None else self.released_model,
                              self.test_tokens, batch_size)
+
+
+class _UserTextTrainer(users.UserLevelTrainer, _TextTrainer):
+    """The text trainer with a movie (or any group) as the unit of privacy."""
 
 
 class _RunningEpsilon:
@@ -246,6 +267,9 @@ def train_text_classifier(
     test_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
+    unit: str = "example",
+    max_examples_per_user: int | None = None,
+    user_reduction: str = "sum",
 ) -> TrainResultSummary:
     """DP fine-tuning of MiniLM on the rotten-tomatoes snippets; write model and ledger.
 
@@ -266,6 +290,9 @@ def train_text_classifier(
       threads: ``torch.set_num_threads`` for the run.
       train_limit, test_limit: the first snippets of each split only (quick runs).
       callbacks, precision: as in :func:`dpfy.training.recipes.train_image_classifier`.
+      unit: ``"example"`` (one snippet) or ``"movie"`` (all of one movie's snippets).
+      max_examples_per_user, user_reduction: with ``unit="movie"``: the cap on snippets per
+        movie and ``"sum"``/``"mean"`` (:class:`dpfy.training.users.UserLevelTrainer`).
     """
     if dataset not in TEXT_DATASETS:
         raise ValueError(
@@ -273,6 +300,8 @@ def train_text_classifier(
         )
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
+    if unit not in TEXT_UNITS:
+        raise ValueError(f"unit must be one of {{{', '.join(TEXT_UNITS)}}}, got unit={unit!r}")
     check_int("max_length", max_length, 2, 512)
     defaults = TEXT_DEFAULTS["lora" if lora else "full"]
     epochs = int(epochs if epochs is not None else defaults["epochs"])
@@ -294,7 +323,16 @@ def train_text_classifier(
     truncated = truncated_fraction(train_split.texts, max_length, tokenizer)
     net = make_text_model(model, lora=lora)
     trainable = [p for p in net.parameters() if p.requires_grad]
-    batches = make_sampler(sampler, len(train_data), batch_size, randomness=sample_rng)
+    units = len(train_data)
+    trainer_cls: type[_TextTrainer] = _TextTrainer
+    user_args: dict[str, Any] = {}
+    if unit != "example":
+        units, user_args = users.user_level_options(
+            unit, train_split.movies, max_examples_per_user=max_examples_per_user,
+            reduction=user_reduction, randomness=sample_rng,
+        )
+        trainer_cls = _UserTextTrainer
+    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.Adam(trainable, lr=learning_rate)
@@ -306,13 +344,13 @@ def train_text_classifier(
                 f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
             )
         model_path = Path(out_dir) / "model.pt"
-    trainer = _TextTrainer(
+    trainer = trainer_cls(
         net, optimizer, sequence_classification_loss, train_data, None, batches,
         clip_norm=clip_norm, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
         max_physical_batch_size=max_physical_batch_size, accounting=accounting,
         ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
         randomness=noise_rng, test_tokens=test_data, precision=checked_precision,
-        callbacks=callbacks,
+        callbacks=callbacks, **user_args,
     )
     trainer.calibrate()  # an unreachable target is refused before anything is written
     if out_dir is not None:
@@ -327,8 +365,10 @@ def train_text_classifier(
         max_length=max_length,
         truncated_fraction=truncated,
         trainable_parameters=int(sum(p.numel() for p in trainable)),
-        unit_of_privacy="example (one review snippet; a movie has 2 to 35)",
-        released_output="final model" + (" (LoRA factors, pooler and head)" if lora else ""),
+        unit_of_privacy=users.unit_description(
+            unit, max_examples_per_user, "review snippet"
+        ) + ("; a movie has 2 to 35 snippets" if unit == "example" else ""),
+        released_output="final model" + (" (LoRA factors and head)" if lora else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )
     bar = None
