@@ -8,9 +8,13 @@ interleaved rounds (every method once per round, in a rotating order) so that lo
 processes hits them alike; the figure of merit is the median step time divided by the plain
 median (DESIGN.md section 9).
 
+``dpfy_bandmf``, ``dpfy_blt`` and ``dpfy_tree`` are dpfy's step with correlated DP-FTRL noise
+(their ratio to ``dpfy`` is the overhead of the noise streams).
+
 Usage::
 
     python benchmarks/dpsgd_step.py                 # table
+    python benchmarks/dpsgd_step.py --threads 1 --methods dpfy dpfy_bandmf dpfy_blt dpfy_tree
     python benchmarks/dpsgd_step.py --json out.json # also write JSON ("-" for stdout)
 """
 
@@ -86,6 +90,39 @@ def dpfy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
     return step
 
 
+def dpfy_correlated_step(
+    strategy: str,
+) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]:
+    """dpfy's step with correlated (DP-FTRL) noise instead of independent noise: the
+    ``CorrelatedNoiseQuery`` of a BandMF (band 16), BLT (4 buffers) or tree plan for 1000
+    steps of the cyclic order of 60,000 examples (docs/architecture.md, 5.16)."""
+
+    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+        from dpfy.correlated import Cyclic, make_plan
+        from dpfy.queries.correlated import CorrelatedNoiseQuery
+        from dpfy.sampling import CyclicSampler
+
+        batch = x.shape[0]
+        spec = CyclicSampler(60_000, batch).sample_spec()
+        period = int(spec.steps_per_epoch or 1)
+        plan = make_plan(strategy, 1000, Cyclic(period), band=16, buffers=4, maxiter=50)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        query = CorrelatedNoiseQuery(plan, CLIP, Z)
+        pg = PrivateGradient(model, query, expected_batch_size=batch)
+        loss_fn = nn.CrossEntropyLoss(reduction="none")
+        ledger, rng = Ledger(), Randomness(seed=0)
+
+        def step() -> None:
+            sid = ledger.record_sample(spec, epoch=query.steps_done // period)
+            pg.accumulate(x, y, loss_fn)
+            pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+            opt.step()
+
+        return step
+
+    return build
+
+
 def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]:
     def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
         from opacus import PrivacyEngine
@@ -132,6 +169,9 @@ def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], 
 METHODS = {
     "plain": plain_step,
     "dpfy": dpfy_step,
+    "dpfy_bandmf": dpfy_correlated_step("bandmf"),
+    "dpfy_blt": dpfy_correlated_step("blt"),
+    "dpfy_tree": dpfy_correlated_step("tree"),
     "opacus_hooks": opacus_step("hooks"),
     "opacus_functorch": opacus_step("functorch"),
     "opacus_ew": opacus_step("ew"),

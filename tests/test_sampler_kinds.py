@@ -131,15 +131,18 @@ def test_unregistered_kinds_disappear_everywhere(strided):
 # --- the table and its consumers agree -------------------------------------------------------
 
 _VALUES = {"sampling_rate": 0.1, "batch_size": 10, "steps_per_epoch": 10, "dataset_size": 100}
-_BUILTIN = ("poisson", "balls_and_bins", "shuffle", "deterministic", "fixed_size", "full_batch")
+_BUILTIN = (
+    "poisson", "balls_and_bins", "shuffle", "deterministic", "fixed_size", "full_batch", "cyclic"
+)
 
 
 def test_the_builtin_rows():
     assert tuple(r.name for r in kinds()) == _BUILTIN
-    assert tuple(SAMPLER_KINDS) == _BUILTIN[:-1]  # full_batch has no sampler class
+    # full_batch has no sampler class
+    assert tuple(SAMPLER_KINDS) == tuple(k for k in _BUILTIN if k != "full_batch")
     assert {r.name for r in kinds() if r.truncates} == {"poisson", "balls_and_bins"}
     epochal = {r.name for r in kinds() if r.epoch_structured}
-    assert epochal == {"balls_and_bins", "shuffle", "deterministic"}
+    assert epochal == {"balls_and_bins", "shuffle", "deterministic", "cyclic"}
     accountants = {r.name: r.default_accountant for r in kinds()}
     assert accountants["poisson"] == "pld" and accountants["balls_and_bins"] == "random_allocation"
 
@@ -189,4 +192,4 @@ def test_the_cli_offers_the_tables_kinds():
     from dpfy import cli
 
     assert [m.value for m in cli.SamplerName] == [r.cli_name for r in kinds() if r.cli]
-    assert [m.value for m in cli.TrainSampler] == ["poisson", "balls-and-bins"]
+    assert [m.value for m in cli.TrainSampler] == ["poisson", "balls-and-bins", "cyclic"]

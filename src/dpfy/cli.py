@@ -7,6 +7,7 @@ a traceback). Every epsilon printed names its accounting method and adjacency.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -169,6 +170,28 @@ Seed = Annotated[
     int | None, typer.Option("--seed", help="Seed for Monte Carlo accounting.", parser=_seed())
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+CompareMechanisms = Annotated[
+    bool,
+    typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
+                 "the correlated-noise mechanisms (BandMF, BLT, tree; cyclic order) side by "
+                 "side at the same epsilon."),
+]
+
+
+class MechanismName(StrEnum):
+    dpsgd = "dpsgd"
+    bandmf = "bandmf"
+    blt = "blt"
+    tree = "tree"
+
+
+def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
+    print(title)
+    print(f"{'mechanism':<10}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
+          f"{'prefix rmse / C':>17}")
+    for r in rows:
+        print(f"{r['mechanism']:<10}{r['sampler']:<10}{r['method']:<10}"
+              f"{r['noise_multiplier']:>9.4f}{r['epsilon']:>9.4f}{r['prefix_rmse']:>17.4g}")
 
 
 def _num(value: Any) -> Any:
@@ -302,6 +325,7 @@ def calibrate(
     samples: Samples = None,
     error_probability: ErrorProb = 1e-3,
     seed: Seed = None,
+    compare_mechanisms: CompareMechanisms = False,
     as_json: AsJson = False,
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
@@ -322,11 +346,18 @@ def calibrate(
         samples=samples,
         error_probability=error_probability,
         seed=seed,
+        compare_mechanisms=compare_mechanisms,
     )
     payload = _run_fields(sampler, run)
     payload.update(target_epsilon=target_epsilon, noise_multiplier=run.noise_multiplier)
     payload.update(_result_fields(run.result))
+    rows = None if run.mechanisms is None else [dataclasses.asdict(r) for r in run.mechanisms]
+    if rows is not None and as_json:
+        payload["mechanisms"] = rows
     _emit(payload, as_json, "dpfy calibrate")
+    if rows is not None and not as_json:
+        _print_mechanisms(rows, f"mechanisms at epsilon {target_epsilon:g} (whole epochs of "
+                          f"{dataset_size // batch_size} steps):")
 
 
 @app.command()
@@ -443,29 +474,37 @@ def plan(
                      parser=_out_dir("plot")),
     ] = None,
     sampler: Sampler = SamplerName.poisson,
+    compare_mechanisms: CompareMechanisms = False,
     as_json: AsJson = False,
 ) -> None:
     """Recommend (batch size, noise multiplier, steps) that meet the budget for the sampler."""
     from dpfy import runs
 
-    result, figures = runs.plan_with_figures(
+    result, figures, compared = runs.plan_and_compare(
         dataset_size,
         target_epsilon,
         delta,
+        compare_mechanisms=compare_mechanisms,
         max_steps=max_steps,
         max_examples_processed=max_examples_processed,
         plot_dir=plot,
         sampler=sampler.value,
     )
+    rows = None if compared is None else [dataclasses.asdict(r) for r in compared]
     if as_json:
         payload = result.to_dict()
         if figures:
             payload["figures"] = [str(p) for p in figures]
+        if rows is not None:
+            payload["mechanisms"] = rows
         print(json.dumps(payload, default=str))
         return
     print(result.summary())
     for path in figures:
         print(f"figure: {path}")
+    if rows is not None:
+        _print_mechanisms(rows, "mechanisms at the recommended batch size "
+                          f"{result.recommendation.batch_size} (whole epochs):")
 
 
 #: ``--seed`` of ``dpfy train`` / ``dpfy features``: without it a run is secure (a DP release).
@@ -511,8 +550,10 @@ def train(
     ] = 3.0,
     delta: Delta = 1e-5,
     sampler: Annotated[
-        TrainSampler, typer.Option("--sampler", help="Batch sampler (decides the accounting).")
-    ] = TrainSampler.poisson,
+        TrainSampler | None,
+        typer.Option("--sampler", help="Batch sampler (decides the accounting; default "
+                     "poisson, cyclic with a correlated --mechanism)."),
+    ] = None,
     epochs: Annotated[
         int | None,
         typer.Option("--epochs", help="Passes over the data (default: images 10; text 2, "
@@ -600,6 +641,11 @@ def train(
                      "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
                      parser=_count("workers")),
     ] = 1,
+    mechanism: Annotated[
+        MechanismName,
+        typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
+                     "DP-FTRL noise bandmf, blt, tree (default sampler then: cyclic)."),
+    ] = MechanismName.dpsgd,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
@@ -611,7 +657,8 @@ def train(
         out=out,
         target_epsilon=target_epsilon,
         delta=delta,
-        sampler=sampler.value.replace("-", "_"),
+        sampler=(sampler.value.replace("-", "_") if sampler is not None
+                 else "poisson" if mechanism is MechanismName.dpsgd else "cyclic"),
         epochs=epochs,
         batch_size=batch_size,
         learning_rate=learning_rate,
@@ -630,6 +677,7 @@ def train(
         cap=cap,
         user_reduction=user_reduction.value,
         workers=workers,
+        mechanism=mechanism.value,
     )
     from rich.console import Console
 

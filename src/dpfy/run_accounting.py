@@ -30,7 +30,16 @@ if TYPE_CHECKING:
     from dpfy.planning import Plan
     from dpfy.sampling import Sampler
 
-__all__ = ["RunAccounting", "account_run", "calibrate_run", "plan_with_figures"]
+__all__ = [
+    "MECHANISMS",
+    "MechanismRow",
+    "RunAccounting",
+    "account_run",
+    "calibrate_run",
+    "compare_mechanisms",
+    "plan_and_compare",
+    "plan_with_figures",
+]
 
 
 def _check_budget(target_epsilon: float, delta: float) -> None:
@@ -92,6 +101,8 @@ class RunAccounting:
       result: epsilon at delta by the chosen method (``all``: the tightest valid one).
       comparison: with ``method="all"``, every method's result or why it does not apply.
       attack_risk: a membership-inference attacker's TPR bound at FPRs 1e-3, 1e-2, 0.1.
+      mechanisms: with ``compare_mechanisms``, every mechanism calibrated to the same target
+        (:func:`compare_mechanisms`, whole epochs of ``floor(N / B)`` steps).
     """
 
     sampler: str
@@ -103,6 +114,7 @@ class RunAccounting:
     result: PrivacyResult
     comparison: dict[str, PrivacyResult | str] | None = None
     attack_risk: AttackRisk | None = None
+    mechanisms: tuple[MechanismRow, ...] | None = None
 
     @property
     def sampling_rate(self) -> float:
@@ -176,9 +188,12 @@ def calibrate_run(
     samples: int | None = None,
     error_probability: float = 1e-3,
     seed: int | None = None,
+    compare_mechanisms: bool = False,
 ) -> RunAccounting:
     """The smallest noise multiplier whose epsilon stays at or below ``target_epsilon``
-    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`."""
+    (rounded to the safe side), with the epsilon it gives; options as :func:`account_run`.
+    ``compare_mechanisms``: also calibrate DP-SGD and the correlated-noise mechanisms for the
+    same run (``mechanisms``; see :func:`compare_mechanisms`)."""
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
@@ -195,7 +210,33 @@ def calibrate_run(
     z = calibrate_noise_multiplier(make_event, target_epsilon, delta, method=acc)
     result = accounting.epsilon(make_event(z), delta, method=acc)
     total = _total_steps(smp, epochs, steps)
-    return RunAccounting(smp.kind, dataset_size, batch_size, total, epochs, z, result)
+    rows = None
+    if compare_mechanisms:
+        passes = math.ceil(total / max(dataset_size // batch_size, 1))
+        rows = tuple(_compare(target_epsilon, dataset_size, batch_size, delta, epochs=passes))
+    return RunAccounting(
+        smp.kind, dataset_size, batch_size, total, epochs, z, result, mechanisms=rows
+    )
+
+
+def plan_and_compare(
+    dataset_size: int,
+    target_epsilon: float,
+    delta: float,
+    *,
+    compare_mechanisms: bool = False,
+    **options: Any,
+) -> tuple[Plan, list[Path], list[MechanismRow] | None]:
+    """:func:`plan_with_figures` (``options`` as there) and, with ``compare_mechanisms``,
+    every mechanism calibrated at the recommended batch size for whole epochs covering the
+    recommended steps."""
+    result, figures = plan_with_figures(dataset_size, target_epsilon, delta, **options)
+    if not compare_mechanisms:
+        return result, figures, None
+    best = result.recommendation
+    passes = max(1, math.ceil(best.steps / max(dataset_size // best.batch_size, 1)))
+    rows = _compare(target_epsilon, dataset_size, best.batch_size, delta, epochs=passes)
+    return result, figures, rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,3 +365,88 @@ def _accountant(
             kwargs["seed"] = seed
         return cast("Accountant", MonteCarloAccountant(**kwargs))
     return method
+
+
+# ---------------------------------------------------------------------------------------------
+# mechanisms side by side (DP-SGD vs correlated noise, docs/architecture.md 5.16)
+# ---------------------------------------------------------------------------------------------
+
+#: Mechanisms of ``dpfy train --mechanism`` (``dpsgd``: independent noise per step).
+MECHANISMS = ("dpsgd", "bandmf", "blt", "tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class MechanismRow:
+    """One mechanism calibrated to the common target.
+
+    Attributes:
+      mechanism, sampler, method: what runs and who accounts it.
+      noise_multiplier: z at the target (safe side); epsilon: the accountant's at delta.
+      prefix_rmse: root-mean-square noise of the released prefix sums of clipped gradients,
+        per clip norm: ``z ||A C^{-1}||_F / sqrt(T)`` (``C = I`` for DP-SGD), what the model's
+        trajectory sees (Denisov et al. 2022).
+    """
+
+    mechanism: str
+    sampler: str
+    method: str
+    noise_multiplier: float
+    epsilon: float
+    prefix_rmse: float
+
+
+def _compare(*args: Any, **kwargs: Any) -> list[MechanismRow]:
+    """:func:`compare_mechanisms`, for the callers whose flag of that name shadows it."""
+    return compare_mechanisms(*args, **kwargs)
+
+
+def compare_mechanisms(
+    target_epsilon: float,
+    dataset_size: int,
+    batch_size: int,
+    delta: float,
+    *,
+    epochs: int = 1,
+    band: int = 16,
+    buffers: int = 4,
+) -> list[MechanismRow]:
+    """Calibrate every mechanism for the same run (``epochs`` passes of ``floor(N / B)``
+    batches): DP-SGD with Poisson sampling (``rdp``), DP-SGD with shuffled batches (the
+    no-amplification bound, ``shuffle``), and BandMF, BLT and tree aggregation with the
+    cyclic order of one secret permutation (``MatrixMechanism``, exact GDP)."""
+    from dpfy import accounting
+    from dpfy import events as ev
+    from dpfy.accounting.calibrate import calibrate_noise_multiplier
+    from dpfy.correlated import Cyclic, make_plan
+    from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
+
+    _check_budget(target_epsilon, delta)
+    check_int("dataset_size", dataset_size)
+    check_int("batch_size", batch_size, high=dataset_size)
+    check_int("epochs", epochs)
+    per_epoch = dataset_size // batch_size
+    steps = per_epoch * epochs
+    check_int("steps", steps, high=20_000)  # the strategies are optimised for T steps
+    workload = math.sqrt(steps * (steps + 1) / 2 / steps)  # ||A||_F / sqrt(T)
+    rows = []
+
+    def add(name: str, sampler: str, method: str, make: Any, err: float) -> None:
+        z = calibrate_noise_multiplier(make, target_epsilon, delta, method=method)
+        eps = accounting.epsilon(make(z), delta, method=method).epsilon
+        rows.append(MechanismRow(name, sampler, method, float(z), float(eps), float(z * err)))
+
+    poisson = ev.PoissonSampled(batch_size / dataset_size, ev.Gaussian(1.0))
+    add("dpsgd", "poisson", "rdp",
+        lambda z: ev.SelfComposed(dataclasses.replace(poisson, event=ev.Gaussian(z)), steps),
+        workload)
+    add("dpsgd", "shuffle", "shuffle", lambda z: ev.Shuffled(z, per_epoch, epochs), workload)
+    for name in MECHANISMS[1:]:
+        plan = make_plan(name, steps, Cyclic(per_epoch), band=min(band, per_epoch),
+                         buffers=buffers)
+        if name == "tree":  # prefix t is the sum of popcount(t + 1) node noises
+            total = float(sum(bin(t).count("1") for t in range(1, steps + 1)))
+        else:
+            total = prefix_error_total(toeplitz_inverse_coeffs(plan.coeffs(), steps))
+        err = math.sqrt(total / steps)
+        add(name, "cyclic", "gaussian", plan.event, err)
+    return rows

@@ -61,8 +61,11 @@ __all__ = [
     "ReportedRun",
     "RunAccounting",
     "TrainedRun",
+    "MECHANISMS",
     "account_run",
     "audit_and_report",
+    "compare_mechanisms",
+    "plan_and_compare",
     "calibrate_run",
     "features_and_report",
     "plan_with_figures",
@@ -84,10 +87,13 @@ FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 # Accounting a planned run lives in its own module; re-exported here for the CLI and users.
 from dpfy.run_accounting import (  # noqa: E402
+    MECHANISMS,
     RunAccounting,
     _check_budget,
     account_run,
     calibrate_run,
+    compare_mechanisms,
+    plan_and_compare,
     plan_with_figures,
 )
 
@@ -167,6 +173,7 @@ def train_and_report(
     cap: int | None = None,
     user_reduction: str = "sum",
     workers: int = 1,
+    mechanism: str = "dpsgd",
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -195,6 +202,8 @@ def train_and_report(
         recorded). See :mod:`dpfy.training.users`.
       workers: image datasets only: data-parallel processes on this machine (this one is
         rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
+      mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
+        ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -220,6 +229,18 @@ def train_and_report(
                 f"got dataset={dataset!r}"
             )
     _check_unit_options(dataset, text, unit, users, cap, user_reduction)
+    if mechanism not in MECHANISMS:
+        raise ValueError(
+            f"mechanism must be one of {{{', '.join(MECHANISMS)}}}, got mechanism={mechanism!r}"
+        )
+    if text and mechanism != "dpsgd":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to the image datasets, got dataset={dataset!r}"
+        )
+    if unit != "example" and mechanism != "dpsgd":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to example-level runs, got unit={unit!r}"
+        )
     if max_length is not None:
         check_int("max_length", max_length, 2, 512)
     if test_limit is not None:
@@ -267,6 +288,8 @@ def train_and_report(
         if not text:
             unit_options["num_users"] = users
     options.update(unit_options)
+    if mechanism != "dpsgd":
+        options["mechanism"] = mechanism
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
     from dpfy.training import recipes
     from dpfy.training import text as text_recipe
@@ -297,6 +320,7 @@ def train_and_report(
          "workers": workers if workers > 1 else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
+         "mechanism": None if mechanism == "dpsgd" else mechanism,
          **({"unit": unit, "users": users, "cap": cap,
              "user_reduction": None if user_reduction == "sum" else user_reduction}
             if unit != "example" else {})},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dpfy.correlated.bandmf import BandMF, optimize_bandmf
 from dpfy.correlated.blt import BLT, optimize_blt
+from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch, sensitivity
 from dpfy.correlated.tree import TreeAggregation, tree_sensitivity
 from dpfy.correlated.workload import prefix_sum_matrix
@@ -25,10 +26,12 @@ from dpfy.correlated.workload import prefix_sum_matrix
 __all__ = [
     "BLT",
     "BandMF",
+    "CorrelatedPlan",
     "Cyclic",
     "MinSeparation",
     "SingleEpoch",
     "TreeAggregation",
+    "make_plan",
     "optimize_bandmf",
     "optimize_blt",
     "prefix_sum_matrix",

@@ -4,6 +4,8 @@
   metadata, file markers), their JSON form and the registry of record types;
 * :mod:`dpfy.ledger.ledger` -- :class:`Ledger`: the write-ahead file, the one replay path that
   loading, resuming and copying share, and the mapping of records to a privacy event;
+* :mod:`dpfy.ledger.matrix` -- matrix-mechanism (correlated-noise) runs -> one event, with
+  the checks of their steps against the recorded schema;
 * :mod:`dpfy.ledger.chain` -- the hash chain over the file's lines and its verification;
 * :mod:`dpfy.ledger.logfile` -- the locked, append-only file (one writer, clean failures).
 
@@ -23,6 +25,8 @@ from dpfy.ledger.logfile import LedgerLockedError, LedgerWriteError
 from dpfy.ledger.records import (
     EndRecord,
     HeaderRecord,
+    MatrixRunRecord,
+    MatrixStepRecord,
     MetadataRecord,
     NonPrivateRecord,
     Record,
@@ -41,6 +45,8 @@ __all__ = [
     "SumQueryRecord",
     "NonPrivateRecord",
     "MetadataRecord",
+    "MatrixRunRecord",
+    "MatrixStepRecord",
     "HeaderRecord",
     "ResumeRecord",
     "EndRecord",

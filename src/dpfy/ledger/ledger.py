@@ -66,12 +66,15 @@ from dpfy.ledger.lines import (
     recover_sum_query,
 )
 from dpfy.ledger.logfile import AppendFile
+from dpfy.ledger.matrix import matrix_event
 from dpfy.ledger.records import (
     FORMAT,
     VERSION,
     AnyRecord,
     EndRecord,
     HeaderRecord,
+    MatrixRunRecord,
+    MatrixStepRecord,
     MetadataRecord,
     NonPrivateRecord,
     Record,
@@ -180,6 +183,7 @@ class Ledger:
         self._samples: dict[int, SampleRecord] = {}
         self._ratio: dict[int, float] = {}  # sample -> sum_j S_j^2 / s_j^2 (McMahan Eq. 1)
         self._nonprivate: dict[int, str] = {}  # sample -> first reason it is not private
+        self._matrix: dict[str, tuple[MatrixRunRecord, list[MatrixStepRecord]]] = {}
         self._event_cache: tuple[int, ev.Event] | None = None
         self._next_id = 0
         self._lock = threading.Lock()
@@ -283,9 +287,13 @@ class Ledger:
                 raise ValueError(
                     f"sample_id must be a new integer, got sample_id={record.sample_id!r}"
                 )
-        elif isinstance(record, SumQueryRecord | NonPrivateRecord):
+        elif isinstance(record, SumQueryRecord | NonPrivateRecord | MatrixStepRecord):
             if record.sample_id is not None:
                 self._check_sample(record.sample_id)
+        if isinstance(record, MatrixRunRecord) and record.name in self._matrix:
+            raise ValueError(f"matrix run {record.name!r} is already recorded")
+        if isinstance(record, MatrixStepRecord) and record.name not in self._matrix:
+            raise ValueError(f"matrix step of {record.name!r} before its matrix run record")
         if write:
             self._write(record.to_dict(), sync=sync)
         self._add(record)
@@ -324,6 +332,10 @@ class Ledger:
             self._next_id = max(self._next_id, record.sample_id + 1)
         elif isinstance(record, NonPrivateRecord) and record.sample_id is not None:
             self._nonprivate.setdefault(record.sample_id, f"{record.name}: {record.reason}")
+        elif isinstance(record, MatrixRunRecord):
+            self._matrix[record.name] = (record, [])
+        elif isinstance(record, MatrixStepRecord):
+            self._matrix[record.name][1].append(record)
 
     def record_sample(self, spec: SampleSpec, *, epoch: int = 0, step: int | None = None) -> int:
         """Record that a batch was drawn with ``spec``; returns its ``sample_id``.
@@ -401,6 +413,24 @@ class Ledger:
                 sample_id = int(sample_id)
             record = NonPrivateRecord(sample_id, str(name), str(reason))
             self._replay(record, write=True, sync=True)
+
+    def record_matrix(self, record: MatrixRunRecord | MatrixStepRecord) -> None:
+        """Record (write-ahead) a matrix-mechanism run or one of its steps (5.16): returns
+        after the entry is durable; refuses a second run of one name or a step without one."""
+        if not isinstance(record, MatrixRunRecord | MatrixStepRecord):
+            raise ValueError(f"record must be a matrix run or step record, got {record!r}")
+        with self._lock:
+            self._replay(record, write=True, sync=True)
+
+    def sample(self, sample_id: int) -> SampleRecord:
+        """The sample record of ``sample_id`` (``ValueError`` for an unknown id)."""
+        self._check_sample(sample_id)
+        return self._samples[sample_id]
+
+    def matrix_run(self, name: str) -> tuple[MatrixRunRecord, int] | None:
+        """The matrix run record named ``name`` and its number of steps so far, or None."""
+        found = self._matrix.get(name)
+        return None if found is None else (found[0], len(found[1]))
 
     def record_metadata(self, **info: Any) -> None:
         """Record free-form, JSON-serialisable run facts (not privacy-relevant)."""
@@ -725,6 +755,8 @@ class Ledger:
         for r in self._entries:
             if isinstance(r, NonPrivateRecord) and r.sample_id is None:
                 builder.add(ev.NonPrivate(reason=f"{r.name}: {r.reason}"))
+        for run, steps in self._matrix.values():  # one Gaussian per correlated-noise run
+            builder.add(matrix_event(run, steps, self._samples))
         return builder.build()
 
 
@@ -773,7 +805,7 @@ def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Reco
             if num_samples is not None and len(kept) >= num_samples:
                 return
             kept.add(record.sample_id)
-        elif isinstance(record, SumQueryRecord | NonPrivateRecord):
+        elif isinstance(record, SumQueryRecord | NonPrivateRecord | MatrixStepRecord):
             if record.sample_id is not None and record.sample_id not in kept:
                 continue
         yield record
@@ -818,6 +850,13 @@ def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
             "max": max(zs),
         }
     out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
+    runs = [r for r in ledger.entries if isinstance(r, MatrixRunRecord)]
+    if runs:  # a correlated-noise run: its z and the strategy (docs/architecture.md, 5.16)
+        out["noise_multiplier"] = runs[0].noise_multiplier
+        out["mechanism"] = "; ".join(
+            f"{r.plan.strategy} (correlated noise), schema {r.plan.event(1.0).schema}, "
+            f"{r.plan.steps} steps, sensitivity {r.sensitivity:.4g} x clip norm" for r in runs
+        )
     meta = ledger.metadata
     keys = (
         "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",

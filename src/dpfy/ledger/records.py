@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from dpfy._validate import check_count, check_finite_nonneg, check_real
+from dpfy._validate import check_count, check_finite_nonneg, check_range, check_real
+from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.sampling.spec import SampleSpec
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "SumQueryRecord",
     "NonPrivateRecord",
     "MetadataRecord",
+    "MatrixRunRecord",
+    "MatrixStepRecord",
     "HeaderRecord",
     "ResumeRecord",
     "EndRecord",
@@ -326,8 +330,110 @@ class MetadataRecord:
         return cls(data["info"])
 
 
+def _check_name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"name must be a non-empty string, got name={value!r}")
+    return value
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatrixRunRecord:
+    """A correlated-noise (matrix-mechanism) run named ``name`` starts (written before its
+    first release; docs/architecture.md, 5.16).
+
+    ``plan``: strategy parameters, planned steps ``T`` and participation schema;
+    ``clip_norm``: L2 bound of one example's contribution to one step's sum;
+    ``noise_multiplier``: z, the std of the strategy noise ``z_t`` over the clip norm;
+    ``sensitivity``: the writer's ``max_u ||C u||`` per unit clip norm (the ledger recomputes
+    it from ``plan`` and refuses a smaller recorded value).
+    """
+
+    name: str
+    plan: CorrelatedPlan
+    clip_norm: float
+    noise_multiplier: float
+    sensitivity: float
+    kind: ClassVar[str] = "matrix_run"
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        if not isinstance(self.plan, CorrelatedPlan):
+            raise ValueError(f"plan must be a CorrelatedPlan, got plan={self.plan!r}")
+        for field in ("clip_norm", "noise_multiplier", "sensitivity"):
+            value = getattr(self, field)
+            check_range(field, value, 0.0, math.inf, low_open=True, high_open=True)
+            object.__setattr__(self, field, float(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.kind,
+            "name": self.name,
+            "noise_multiplier": self.noise_multiplier,
+            "sensitivity": self.sensitivity,
+            "clip_norm": self.clip_norm,
+            "plan": self.plan.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MatrixRunRecord:
+        for field in ("clip_norm", "noise_multiplier", "sensitivity"):
+            check_real(field, data[field])
+        plan = CorrelatedPlan.from_dict(data["plan"])
+        return cls(data["name"], plan, data["clip_norm"], data["noise_multiplier"],
+                   data["sensitivity"])
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class MatrixStepRecord:
+    """Step ``index`` (0-based) of the matrix-mechanism run ``name`` releases the clipped sum
+    of sample ``sample_id`` plus its correlated noise (written before the release).
+
+    ``clip_norm``: bound of one example's contribution; ``noise_std``: std of the fresh
+    strategy noise ``z_t`` drawn at this step (the added noise is ``(C^{-1} z)_t``).
+    """
+
+    sample_id: int
+    name: str
+    index: int
+    clip_norm: float
+    noise_std: float
+    kind: ClassVar[str] = "matrix_step"
+
+    def __post_init__(self) -> None:
+        _check_sample_id(self.sample_id)
+        _check_name(self.name)
+        check_count("index", self.index)
+        object.__setattr__(self, "index", int(self.index))
+        for field in ("clip_norm", "noise_std"):
+            value = getattr(self, field)
+            check_range(field, value, 0.0, math.inf, low_open=True, high_open=True)
+            object.__setattr__(self, field, float(value))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": self.kind,
+            "sample_id": self.sample_id,
+            "name": self.name,
+            "index": self.index,
+            "clip_norm": self.clip_norm,
+            "noise_std": self.noise_std,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MatrixStepRecord:
+        for field in ("clip_norm", "noise_std"):
+            check_real(field, data[field])
+        return cls(data["sample_id"], data["name"], data["index"], data["clip_norm"],
+                   data["noise_std"])
+
+
 #: The facts a ledger holds (:attr:`Ledger.entries`).
-Record = SampleRecord | SumQueryRecord | NonPrivateRecord | MetadataRecord
+Record = (
+    SampleRecord | SumQueryRecord | NonPrivateRecord | MetadataRecord | MatrixRunRecord
+    | MatrixStepRecord
+)
 #: Lines of a ledger file that mark its structure and hold no fact.
 Marker = HeaderRecord | ResumeRecord | EndRecord
 AnyRecord = Record | Marker

@@ -12,6 +12,8 @@ hyperparameter that claims to.
   -> ``BallsAndBins`` (``TruncatedBallsAndBins``).
 * ``ShuffleSampler``: permute each epoch, cut into fixed-size batches -> ``Shuffled``.
 * ``DeterministicSampler``: fixed order, fixed-size batches -> ``Deterministic``.
+* ``CyclicSampler``: one permutation repeated every epoch -> ``Deterministic`` (the cyclic
+  schema of matrix-mechanism runs, ``dpfy.correlated``).
 * ``FixedSizeSampler``: ``batch_size`` examples without replacement per step
   -> ``FixedSizeSampled`` (replace-one adjacency).
 * ``full_batch`` (no sampler class): every example in every release -> ``Gaussian``.
@@ -67,6 +69,7 @@ from dpfy.sampling.shuffle import ShuffleSampler
 from dpfy.sampling.deterministic import DeterministicSampler
 from dpfy.sampling.fixed_size import FixedSizeSampler
 from dpfy.sampling import full_batch as _full_batch  # noqa: F401  (registers "full_batch")
+from dpfy.sampling.cyclic import CyclicSampler
 # isort: on
 from dpfy.sampling.factory import SAMPLER_KINDS, make_sampler
 
@@ -79,6 +82,7 @@ __all__ = [
     "ShuffleSampler",
     "DeterministicSampler",
     "FixedSizeSampler",
+    "CyclicSampler",
     "SAMPLER_KINDS",
     "make_sampler",
     "pad_batch",

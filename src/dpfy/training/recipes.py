@@ -29,7 +29,10 @@ from torch import nn
 
 from dpfy import datasets
 from dpfy._validate import check_int
-from dpfy.ledger import Ledger
+from dpfy.correlated import Cyclic, SingleEpoch
+from dpfy.correlated.plan import STRATEGIES, CorrelatedPlan, make_plan
+from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger.matrix import CYCLIC_KINDS, ONCE_PER_EPOCH
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
@@ -165,6 +168,9 @@ def train_image_classifier(
     user_reduction: str = "sum",
     workers: int = 1,
     distributed: Distributed | None = None,
+    mechanism: str = "dpsgd",
+    band: int = 16,
+    buffers: int = 4,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -211,11 +217,29 @@ def train_image_classifier(
         ``workers - 1`` helpers are spawned; ``max_physical_batch_size`` must be a multiple.
       distributed: this process's place in a run started elsewhere (``torchrun``); only
         rank 0 should be given ``out_dir``.
+      mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
+        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
+        (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
+        one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
 
     Returns:
       :class:`TrainResultSummary` (rank 0's).
     """
     checked_precision = check_precision(precision)
+    if mechanism not in ("dpsgd", *STRATEGIES):
+        raise ValueError(
+            f"mechanism must be one of {{dpsgd, {', '.join(STRATEGIES)}}}, "
+            f"got mechanism={mechanism!r}"
+        )
+    if mechanism != "dpsgd" and unit != "example":
+        raise ValueError(
+            f"mechanism={mechanism!r} applies only to unit='example', got unit={unit!r}"
+        )
+    if mechanism != "dpsgd" and (workers > 1 or distributed is not None):
+        raise ValueError(
+            f"mechanism={mechanism!r} (correlated noise) runs in one process: use workers=1, "
+            f"got workers={workers}" + ("" if distributed is None else " and a distributed run")
+        )
     check_int("workers", workers, 1, 1024)
     if unit != "example" and (workers > 1 or distributed is not None):
         raise ValueError(
@@ -264,6 +288,10 @@ def train_image_classifier(
         trainer_cls = users.UserLevelTrainer
     net = make_model(model)
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
+    plan = None
+    if mechanism != "dpsgd":
+        plan = correlated_plan(mechanism, batches.sample_spec(), epochs, band, buffers)
+        accounting = accounting or "gaussian"
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
     optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
@@ -298,6 +326,7 @@ def train_image_classifier(
         precision=checked_precision,
         **user_args,
         distributed=distributed,
+        correlated=plan,
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.
@@ -312,6 +341,7 @@ def train_image_classifier(
         momentum=momentum,
         batch_size=batch_size,
         unit_of_privacy=users.unit_description(unit, max_examples_per_user, "training image"),
+        mechanism=mechanism,
         released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )
@@ -360,6 +390,28 @@ def train_image_classifier(
 def _worker(distributed: Distributed, options: dict[str, Any]) -> TrainResultSummary:
     """One rank of ``train_image_classifier(workers=...)``."""
     return train_image_classifier(**options, distributed=distributed)
+
+
+def correlated_plan(
+    mechanism: str, spec: SampleSpec, epochs: int, band: int = 16, buffers: int = 4
+) -> CorrelatedPlan:
+    """The plan of a correlated-noise image run: the cyclic schema for a sampler that repeats
+    one order (``cyclic``, ``deterministic``), a single epoch for ``shuffle`` or
+    ``balls_and_bins`` with ``epochs=1``; anything else is refused (``ValueError``)."""
+    per_epoch = spec.required_int("steps_per_epoch") if spec.steps_per_epoch else 0
+    schema: Cyclic | SingleEpoch
+    if spec.sampler in CYCLIC_KINDS:
+        schema = Cyclic(per_epoch)
+    elif spec.sampler in ONCE_PER_EPOCH and epochs == 1:
+        schema = SingleEpoch()
+    else:
+        raise ValueError(
+            f"sampler must be one of {{{', '.join(CYCLIC_KINDS)}}} for mechanism={mechanism!r} "
+            f"(or shuffle / balls_and_bins with epochs=1): its correlated noise needs every "
+            f"example in one fixed step per epoch, got sampler={spec.sampler!r}"
+        )
+    return make_plan(mechanism, per_epoch * epochs, schema, band=min(band, per_epoch),
+                     buffers=buffers)
 
 
 def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:

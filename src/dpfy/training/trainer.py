@@ -31,7 +31,6 @@ guarantee. Test accuracy is computed on the test data you pass, which is not pro
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import time
 import warnings
@@ -64,12 +63,15 @@ from dpfy.training.distributed import (
     per_process_batch,
     unwrap,
 )
+from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
 if TYPE_CHECKING:
+    from dpfy import events as ev
+    from dpfy.correlated import CorrelatedPlan
     from dpfy.queries import Query
     from dpfy.sampling import Sampler
 
@@ -91,116 +93,6 @@ _NEED_TARGET_OR_Z = (
     "give target_epsilon (the noise multiplier is calibrated to it) or noise_multiplier, "
     "got neither"
 )
-
-
-# --------------------------------------------------------------------------------------------
-# Records
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One logical step (monitoring only: loss/accuracy are of the private batch, not noised).
-
-    Attributes:
-      step: global step index (0-based). epoch: epoch index.
-      batch_size: real examples in the logical batch.
-      loss: mean per-example loss over the batch (nan for an empty batch).
-      accuracy: fraction of correct argmax predictions (classification), else nan.
-      num_nonfinite: examples dropped because their gradient was not finite.
-    """
-
-    step: int
-    epoch: int
-    batch_size: int
-    loss: float
-    accuracy: float
-    num_nonfinite: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EpochRecord:
-    """End-of-epoch summary.
-
-    Attributes:
-      epoch: epoch index. steps: global steps done at the end of the epoch.
-      train_loss: mean of the epoch's step losses (monitoring only).
-      test_accuracy: accuracy of the released model on the test data (None without test data).
-      model_test_accuracy: accuracy of the raw (non-EMA) weights when EMA is on, else None.
-      epsilon: ledger epsilon at ``delta`` so far (``monitor_accounting`` method).
-      seconds: wall time since the run started (this process).
-    """
-
-    epoch: int
-    steps: int
-    train_loss: float
-    test_accuracy: float | None
-    model_test_accuracy: float | None
-    epsilon: float
-    seconds: float
-
-
-@dataclasses.dataclass
-class History:
-    """Per-step and per-epoch records of a run."""
-
-    steps: list[StepRecord] = dataclasses.field(default_factory=list)
-    epochs: list[EpochRecord] = dataclasses.field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "steps": [dataclasses.asdict(s) for s in self.steps],
-            "epochs": [dataclasses.asdict(e) for e in self.epochs],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> History:
-        return cls(
-            [StepRecord(**s) for s in data.get("steps", [])],
-            [EpochRecord(**e) for e in data.get("epochs", [])],
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class ProgressInfo:
-    """What a progress callback receives after each step (``kind="step"``) and epoch."""
-
-    kind: Literal["step", "epoch"]
-    epoch: int
-    step: int
-    total_steps: int
-    loss: float
-    accuracy: float
-    epsilon: float | None
-    test_accuracy: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What :meth:`PrivateTrainer.fit` returns.
-
-    Attributes:
-      model: the released model (the EMA copy when ``ema_decay`` is set, else the trained one).
-      ledger: the run's ledger (account it again with
-        ``dpfy.accounting.epsilon(ledger, delta, method)``).
-      privacy: final :class:`dpfy.accounting.PrivacyResult` from the ledger (``accounting``).
-      history: per-step and per-epoch records.
-      noise_multiplier: z used for every step (calibrated or given).
-      steps: logical steps taken in total. stopped: ``"completed"``, ``"budget"`` or
-        ``"max_steps"``.
-      seconds: wall time of this ``fit`` call.
-      trained_model: the raw trained model (same object as ``model`` without EMA).
-    """
-
-    model: nn.Module
-    ledger: Ledger
-    privacy: Any
-    history: History
-    noise_multiplier: float
-    steps: int
-    stopped: str
-    seconds: float
-    trained_model: nn.Module
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,6 +159,10 @@ class PrivateTrainer:
         global chunk, a multiple of the world size), rank 0 records and noises the summed
         release, every rank applies it. Only rank 0's ``ledger`` may be a file; the others
         keep an in-memory mirror. A ``DistributedDataParallel`` model is unwrapped.
+      correlated: a :class:`dpfy.correlated.CorrelatedPlan`: DP-FTRL / matrix-factorization
+        noise instead of independent noise (:class:`dpfy.queries.correlated.CorrelatedNoiseQuery`;
+        the sampler must implement its schema, the whole run is one ``MatrixMechanism``;
+        account it with ``"gaussian"`` or ``"auto"``).
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -313,11 +209,13 @@ class PrivateTrainer:
         precision: Precision = "fp32",
         loss_scale: float | None = None,
         distributed: Distributed | None = None,
+        correlated: CorrelatedPlan | None = None,
     ) -> None:
         self.distributed = distributed
         if distributed is not None:
             model, sampler = unwrap(model), cast("Sampler", SharedSampler(sampler, distributed))
         self.model = model
+        self.correlated = correlated
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.inputs = inputs
@@ -431,7 +329,7 @@ class PrivateTrainer:
             epochs = int(self.epochs)
             self.noise_multiplier_ = float(
                 calibrate_noise_multiplier(
-                    lambda z: self.sampler.privacy_event(z, epochs=epochs),
+                    lambda z: self._privacy_event(z, epochs=epochs),
                     float(self.target_epsilon),
                     float(self.delta),
                     self.accounting,
@@ -450,8 +348,13 @@ class PrivateTrainer:
             dist.sync_module_(self.model)
         z = self.calibrate()
         from dpfy.queries import GaussianSumQuery
+        from dpfy.queries.correlated import correlated_query
 
-        self.query_: Query = GaussianSumQuery(self.clip_norm, z, name="gradient")
+        self.query_: Query = (
+            GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
+            else correlated_query(self.correlated, self.clip_norm, z, self.sampler.sample_spec(),
+                                  self.total_steps)
+        )
         self.private_gradient_ = PrivateGradient(
             self.model,
             self.query_,
@@ -505,6 +408,15 @@ class PrivateTrainer:
     def total_steps(self) -> int:
         """Planned logical steps: ``epochs x sampler.steps_per_epoch``."""
         return int(self.epochs) * int(self.sampler.steps_per_epoch)
+
+    def _privacy_event(self, z: float, **count: int | None) -> ev.Event:
+        """The sampler's event of ``epochs=`` / ``steps=``, or what a correlated run costs."""
+        if self.correlated is None:
+            return self.sampler.privacy_event(z, **count)
+        from dpfy.queries.correlated import correlated_event
+
+        spec = self.sampler.sample_spec()
+        return correlated_event(self.correlated, self.ledger, z, spec, steps=count.get("steps"))
 
     # -- one step ---------------------------------------------------------------------------
     def _step(self, indices: np.ndarray, epoch: int) -> StepRecord:
@@ -633,7 +545,7 @@ class PrivateTrainer:
                 guard = self.guard_
                 if guard is not None:
                     allowed = guard.allowed_steps(
-                        self.ledger, lambda k: self.sampler.privacy_event(z, steps=k), todo
+                        self.ledger, lambda k: self._privacy_event(z, steps=k), todo
                     )
                 losses = []
                 for indices in _take(self.sampler.batches(epoch), allowed):
@@ -646,7 +558,7 @@ class PrivateTrainer:
                     message = guard._message(
                         self.ledger,
                         guard.epsilon_after(
-                            self.ledger, self.sampler.privacy_event(z, steps=1)
+                            self.ledger, self._privacy_event(z, steps=1)
                         ),
                     )
                     self._end_epoch(epoch, losses, start, bar, partial=True)
@@ -754,6 +666,7 @@ class PrivateTrainer:
             "noise_randomness": self.randomness.describe(),
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
+            "mechanism": "dpsgd" if self.correlated is None else self.correlated.strategy,
         } | ({} if self.distributed is None else {"workers": self.distributed.world_size})
 
     # -- checkpointing ----------------------------------------------------------------------

@@ -1,0 +1,347 @@
+"""The correlated-noise (DP-FTRL / matrix-factorization) release of a training step.
+
+:class:`CorrelatedNoiseQuery` clips like :class:`~dpfy.queries.GaussianSumQuery` but adds to
+step ``t``'s clipped sum the correlated noise ``(C^{-1} z)_t`` of a
+:class:`~dpfy.correlated.plan.CorrelatedPlan`, with ``z_t ~ N(0, (z C)^2 I)`` drawn fresh
+from the run's :class:`~dpfy.randomness.Randomness` (secure by default). The model then sees
+the prefix sums ``A x + A C^{-1} z = B (C x + z)``: a post-processing of the one Gaussian
+release ``C x + z`` (Denisov et al. 2022; Choquette-Choo et al. 2023). The noise streams
+keep, over all parameters as one flat vector of ``P`` values:
+
+* BandMF (band ``b``): the last ``b - 1`` noises, ``w_t = z_t - sum_{k<b} c_k w_{t-k}``
+  (``c_0 = 1``): ``O(b x P)`` memory;
+* BLT (``d`` buffers): ``w_t = z_t + sum_i omega_i s_i``, then ``s_i <- theta_i s_i + z_t``
+  (McMahan et al. 2024): ``O(d x P)``;
+* tree aggregation: the node noise of each level of the current binary decomposition,
+  ``w_t = z_t - sum_{l < low(t + 1)} node_l`` (Kairouz et al. 2021): ``O(log T x P)``.
+
+Write-ahead: before the first release the ledger gets the run record (plan, clip norm, z and
+sensitivity), before every release a step record; the ledger resolves them to one
+:class:`dpfy.events.MatrixMechanism` (:mod:`dpfy.ledger.matrix`). A batch whose sampler does
+not implement the plan's schema is refused before anything is written. The stream state
+(:meth:`CorrelatedNoiseQuery.state_dict`) holds past noise: it is as secret as the noise
+itself and belongs only in a private checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from dpfy import events as ev
+from dpfy._validate import check_range
+from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord
+from dpfy.ledger.matrix import check_schema_spec
+from dpfy.queries._tree import (
+    Norms,
+    Tensors,
+    clip_weights_from_norms,
+    flat_norm,
+    flatten,
+    unflatten_like,
+)
+from dpfy.queries.base import LedgerEntry, QueryBase, _output_buffers, check_release_args
+from dpfy.randomness import (
+    Randomness,
+    _flat_span,  # the same flat-buffer test as the fused noise path
+)
+from dpfy.sampling.spec import SampleSpec
+
+__all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlated_query"]
+
+#: Values per chunk of the BLT update: its d + 2 slices stay in cache between the two passes.
+_CHUNK = 1 << 17
+
+
+class NoiseStream:
+    """The per-step noise ``(C^{-1} z)_t`` of a plan over a flat vector of ``size`` values.
+
+    ``next(z)`` takes the fresh ``z_t`` (already scaled to its std) and returns ``w_t``
+    (a tensor it owns until the next call). Memory: BandMF ``band - 1``, BLT ``buffers``,
+    tree ``<= log2(T) + 1`` vectors of ``size``.
+    """
+
+    def __init__(self, plan: CorrelatedPlan, size: int, like: torch.Tensor) -> None:
+        self.plan, self.size, self.step = plan, int(size), 0
+        dtype, device = like.dtype, like.device
+        self.w: torch.Tensor = torch.empty(size, dtype=dtype, device=device)
+        self.head = 0
+        rows = max(plan.steps.bit_length(), 1)  # tree: one node per level
+        if plan.strategy == "bandmf":
+            self.coeffs = torch.tensor(plan.params["coeffs"], dtype=torch.float64)
+            rows = max(plan.band - 1, 0)
+        elif plan.strategy == "blt":
+            self.omega = torch.tensor(plan.params["omega"], dtype=dtype, device=device)
+            self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
+            rows = plan.band
+        self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
+
+    def next(
+        self, z: torch.Tensor, add: tuple[torch.Tensor, torch.Tensor, float] | None = None
+    ) -> torch.Tensor:
+        """``w_t`` from the fresh ``z_t``; advances one step. ``add = (src, dst, s)``: also
+        ``dst = src + s w_t`` (flat vectors of ``size``), in the same pass where possible."""
+        if self.step >= self.plan.steps:
+            raise ValueError(
+                f"the correlated-noise plan covers steps={self.plan.steps}; step {self.step} "
+                "is beyond it (plan a longer run)"
+            )
+        strategy, buf, w = self.plan.strategy, self.buf, self.w
+        if strategy == "bandmf":
+            m = buf.shape[0]
+            if m == 0:
+                w.copy_(z)
+            else:
+                # row r holds w_{t-k}, k = ((head - 1 - r) mod m) + 1 (unwritten rows are 0)
+                k = (self.head - 1 - torch.arange(m)) % m + 1
+                coef = self.coeffs[k].to(buf.dtype).to(buf.device)
+                torch.addmv(z, buf.T, coef, alpha=-1.0, out=w)
+                buf[self.head].copy_(w)
+                self.head = (self.head + 1) % m
+        elif strategy == "blt":
+            # w = z + omega . s, then s <- theta s + z (one fused pass), in cache-sized chunks
+            theta = self.theta[:, None]
+            for a in range(0, self.size, _CHUNK):
+                zc, sc, wc = z[a : a + _CHUNK], buf[:, a : a + _CHUNK], w[a : a + _CHUNK]
+                torch.addmv(zc, sc.T, self.omega, out=wc)
+                torch.addcmul(zc.expand_as(sc), sc, theta, out=sc)
+                if add is not None:
+                    src, dst, scale = add
+                    torch.add(src[a : a + _CHUNK], wc, alpha=scale, out=dst[a : a + _CHUNK])
+            add = None  # done
+        else:
+            n = self.step + 1
+            low = (n & -n).bit_length() - 1  # the level of the node completed at this step
+            w.copy_(z)
+            if low:
+                w.sub_(buf[:low].sum(0))
+                buf[:low].zero_()
+            buf[low].copy_(z)
+        if add is not None:
+            torch.add(add[0], w, alpha=add[2], out=add[1])
+        self.step += 1
+        return w
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "head": self.head, "buf": self.buf.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        buf = state["buf"]
+        if tuple(buf.shape) != tuple(self.buf.shape):
+            raise ValueError(
+                f"noise state must have shape {tuple(self.buf.shape)}, got {tuple(buf.shape)}"
+            )
+        self.buf.copy_(buf)
+        self.step, self.head = int(state["step"]), int(state["head"])
+
+
+class CorrelatedNoiseQuery(QueryBase):
+    """Flat clipping to ``clip_norm`` and the correlated noise of ``plan`` on each step's sum.
+
+    Args:
+      plan: strategy, steps ``T`` and participation schema (:func:`dpfy.correlated.make_plan`).
+      clip_norm: L2 bound C of one example's contribution to one step.
+      noise_multiplier: z: ``z_t ~ N(0, (z C)^2 I)``; the run is ``mu = sensitivity / z`` GDP.
+      name: ledger label of the run (one run per name and ledger).
+    """
+
+    groups = None
+
+    def __init__(
+        self,
+        plan: CorrelatedPlan,
+        clip_norm: float,
+        noise_multiplier: float,
+        *,
+        name: str = "gradient",
+    ) -> None:
+        if not isinstance(plan, CorrelatedPlan):
+            raise ValueError(f"plan must be a dpfy.correlated.CorrelatedPlan, got {plan!r}")
+        check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+        check_range(
+            "noise_multiplier", noise_multiplier, 0.0, math.inf, low_open=True, high_open=True
+        )
+        self.plan = plan
+        self.clip_norm = float(clip_norm)
+        self.noise_multiplier = float(noise_multiplier)
+        self.name = name
+        self.noise_std = self.noise_multiplier * self.clip_norm
+        self._stream: NoiseStream | None = None
+        self._layout: list[tuple[str, tuple[int, ...]]] | None = None
+        self._z: torch.Tensor | None = None
+        self._pending: dict[str, Any] | None = None  # a loaded state, applied at first use
+        self.steps_done = 0
+
+    # -- what the query declares ------------------------------------------------------------
+    def ledger_entries(self) -> tuple[LedgerEntry, ...]:
+        """Per step: clip norm C and the std of the fresh strategy noise ``z_t``."""
+        return (LedgerEntry(self.name, self.clip_norm, self.noise_std),)
+
+    def noise_stds(self) -> float:
+        return self.noise_std
+
+    def clip_weights(self, norms: Norms, *, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return clip_weights_from_norms(flat_norm(norms), self.clip_norm, mask)
+
+    def check_spec(self, spec: SampleSpec) -> None:
+        """Refuse a sampler whose batches do not implement the plan's schema (``ValueError``)."""
+        check_schema_spec(self.plan.schema, spec)
+
+    # -- the release ------------------------------------------------------------------------
+    def add_noise(
+        self,
+        clipped_sum: Tensors,
+        *,
+        ledger: Ledger,
+        sample_id: int,
+        randomness: Randomness,
+        out: Tensors | None = None,
+        scale: float = 1.0,
+    ) -> dict[str, Any]:
+        """Check the batch against the schema, record (write-ahead), add ``scale x w_t``."""
+        check_release_args(ledger, randomness, scale)
+        flat = flatten(clipped_sum)
+        for n, v in flat.items():
+            if not v.is_floating_point():
+                raise ValueError(f"clipped_sum[{n!r}] must be a floating-point tensor")
+        layout = [(n, tuple(v.shape)) for n, v in flat.items()]
+        if self._layout is not None and layout != self._layout:
+            raise ValueError("clipped_sum must have the same tensors at every step")
+        dst = _output_buffers(flat, out)
+        t = self.steps_done
+        if t >= self.plan.steps:
+            raise ValueError(
+                f"the correlated-noise plan covers steps={self.plan.steps}; step {t} is beyond"
+            )
+        rec = ledger.sample(sample_id)
+        check_schema_spec(self.plan.schema, rec.spec, index=t, epoch=rec.epoch)
+        self._write_ahead_run(ledger, t)
+        ledger.record_matrix(
+            MatrixStepRecord(sample_id, self.name, t, self.clip_norm, self.noise_std)
+        )
+        if self._stream is None:
+            self._start(flat, layout)
+        assert self._stream is not None and self._z is not None
+        randomness.normal_([self._z], [self.noise_std])
+        device = self._z.device
+        src_span = _flat_span(list(flat.values()), device)
+        dst_span = _flat_span([dst[n] for n in flat], device)
+        if src_span is not None and dst_span is not None:  # a flat gradient buffer: one pass
+            self._stream.next(self._z, add=(src_span, dst_span, scale))
+        else:
+            w = self._stream.next(self._z)
+            start = 0
+            for n, src in flat.items():
+                k = src.numel()
+                torch.add(src, w[start : start + k].view(src.shape), alpha=scale, out=dst[n])
+                start += k
+        self.steps_done = t + 1
+        return unflatten_like(dst, clipped_sum)
+
+    def _write_ahead_run(self, ledger: Ledger, t: int) -> None:
+        found = ledger.matrix_run(self.name)
+        if found is None:
+            if t != 0:
+                raise ValueError(
+                    f"the query is at step {t} but the ledger holds no matrix run "
+                    f"{self.name!r}: resume with the run's own ledger"
+                )
+            ledger.record_matrix(
+                MatrixRunRecord(
+                    self.name, self.plan, self.clip_norm, self.noise_multiplier,
+                    self.plan.sensitivity,
+                )
+            )
+            return
+        run, done = found
+        same = (
+            run.plan == self.plan
+            and run.clip_norm == self.clip_norm
+            and run.noise_multiplier == self.noise_multiplier
+        )
+        if not same or done != t:
+            raise ValueError(
+                f"the ledger's matrix run {self.name!r} ({done} steps, {run.plan.strategy}, "
+                f"z={run.noise_multiplier}) is not this query's ({t} steps, "
+                f"{self.plan.strategy}, z={self.noise_multiplier})"
+            )
+
+    def _start(self, flat: Mapping[str, torch.Tensor], layout: list[Any]) -> None:
+        first = next(iter(flat.values()))
+        size = sum(v.numel() for v in flat.values())
+        self._layout = layout
+        self._z = torch.empty(size, dtype=first.dtype, device=first.device)
+        self._stream = NoiseStream(self.plan, size, self._z)
+        if self._pending is not None:
+            self._stream.load_state_dict(self._pending)
+            self._pending = None
+
+    # -- checkpoints (secret: the state holds past noise) -----------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"plan": self.plan.to_dict(), "steps_done": self.steps_done}
+        if self._stream is not None:
+            state["stream"] = self._stream.state_dict()
+        elif self._pending is not None:
+            state["stream"] = self._pending
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if CorrelatedPlan.from_dict(state["plan"]) != self.plan:
+            raise ValueError("the checkpoint's correlated-noise plan is not this query's")
+        self.steps_done = int(state["steps_done"])
+        stream = state.get("stream")
+        if stream is not None and self._stream is not None:
+            self._stream.load_state_dict(stream)
+        else:
+            self._pending = None if stream is None else dict(stream)
+
+    def __repr__(self) -> str:
+        return (
+            f"CorrelatedNoiseQuery({self.plan.strategy}, steps={self.plan.steps}, "
+            f"clip_norm={self.clip_norm}, noise_multiplier={self.noise_multiplier})"
+        )
+
+
+def correlated_event(
+    plan: CorrelatedPlan,
+    ledger: Ledger,
+    noise_multiplier: float,
+    spec: SampleSpec,
+    *,
+    name: str = "gradient",
+    steps: int | None = None,
+) -> ev.Event:
+    """What the next ``steps`` steps of the run cost beyond ``ledger``: the whole run's
+    ``MatrixMechanism`` before its run record exists, nothing once it does (the record
+    charges all ``T`` steps at once), refused past ``T`` or for a sampler (``spec``) that
+    does not implement the plan's schema."""
+    check_schema_spec(plan.schema, spec)
+    found = ledger.matrix_run(name)
+    if found is None:
+        return plan.event(noise_multiplier, spec.adjacency_value)
+    done = found[1]
+    if steps is not None and done + steps > plan.steps:
+        raise ValueError(
+            f"steps must be at most {plan.steps - done} (the plan covers steps={plan.steps}, "
+            f"{done} done), got steps={steps}"
+        )
+    return ev.Composed(())
+
+
+def correlated_query(
+    plan: CorrelatedPlan, clip_norm: float, noise_multiplier: float, spec: SampleSpec,
+    total_steps: int,
+) -> CorrelatedNoiseQuery:
+    """The trainer's query for a correlated run, refusing (``ValueError``, before any step) a
+    sampler that does not implement ``plan.schema`` or a run longer than ``plan.steps``."""
+    check_schema_spec(plan.schema, spec)
+    if total_steps > plan.steps:
+        raise ValueError(
+            f"steps must be at most the plan's steps={plan.steps}, got {total_steps} planned "
+            "steps (epochs x steps_per_epoch)"
+        )
+    return CorrelatedNoiseQuery(plan, clip_norm, noise_multiplier, name="gradient")
