@@ -1,4 +1,4 @@
-"""The self-tests of the distributed, federated and correlated-noise releases (dpfy.audit.selftests).
+"""Self-tests of the distributed, federated and correlated-noise releases (dpfy.audit.selftests).
 
 Each self-test must pass on dpfy's own code and FAIL on a deliberately broken variant that
 exists only here: noise at half or sqrt(2) times the recorded std, noise skipped, noise added
@@ -9,14 +9,19 @@ code is not luck, and every broken variant lands many thresholds away.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from dpfy import runs
+from dpfy.audit.run import audit_run
 from dpfy.audit.selftests import (
     SelfTest,
     correlated_selftest,
@@ -25,9 +30,12 @@ from dpfy.audit.selftests import (
 )
 from dpfy.correlated import Cyclic, SingleEpoch, make_plan
 from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery
 from dpfy.queries import correlated as correlated_module
+from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling import CyclicSampler
 from dpfy.training.distributed import Distributed
 
 torch.set_num_threads(1)
@@ -90,6 +98,19 @@ def test_correlated_flags_independent_noise_recorded_as_bandmf(monkeypatch) -> N
     _failed(correlated_selftest(recorded), "whiteness")
 
 
+@pytest.mark.parametrize("strategy", ["bandmf", "tree"])
+def test_correlated_tests_a_prefix_of_a_long_plan(strategy: str, monkeypatch) -> None:
+    long = make_plan(strategy, 100, SingleEpoch(), band=4, maxiter=20)
+    short = dataclasses.replace(long, steps=16)
+    # the prefix's C is the leading block of the long plan's C
+    np.testing.assert_array_equal(short.strategy_matrix(), long.strategy_matrix()[:16, :16])
+    _passed(correlated_selftest(long, max_steps=16))
+    _stream_of(make_plan(strategy, 100, SingleEpoch(), band=2, maxiter=20)
+               if strategy == "bandmf" else CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 100,
+                                                           SingleEpoch()), monkeypatch)
+    assert not correlated_selftest(long, max_steps=16).passed
+
+
 def test_correlated_flags_the_noise_of_the_wrong_band(monkeypatch) -> None:
     _stream_of(_plan("bandmf", band=2), monkeypatch)
     _failed(correlated_selftest(_plan("bandmf", band=4)), "whiteness")
@@ -112,7 +133,7 @@ def test_correlated_refuses_bad_arguments() -> None:
     with pytest.raises(TypeError, match="plan must be"):
         correlated_selftest("bandmf")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_steps"):
-        correlated_selftest(make_plan("tree", 100, SingleEpoch()))
+        correlated_selftest(_plan("tree"), max_steps=1)
     with pytest.raises(ValueError, match="alpha"):
         correlated_selftest(_plan("tree"), alpha=0.0)
 
@@ -188,3 +209,34 @@ def test_distributed_refuses_bad_arguments() -> None:
         distributed_selftest(1)
     with pytest.raises(ValueError, match="rows"):
         distributed_selftest(4, rows=3)
+
+
+# -- dpfy audit RUN_DIR runs the self-tests of the paths a run used ---------------------------
+def _correlated_fed_run(tmp_path: Path) -> Path:
+    """A tiny run directory whose ledger has a BandMF run and DP-FedAvg metadata."""
+    run = tmp_path / "run"
+    run.mkdir()
+    plan = _plan("bandmf")
+    ledger = Ledger(run / "ledger.jsonl")
+    ledger.record_metadata(clip_norm=1.0, noise_multiplier=2.0, trainer="dpfy.fed.DPFedAvg")
+    query, spec, rng = CorrelatedNoiseQuery(plan, 1.0, 2.0), CyclicSampler(8, 2).sample_spec(), \
+        Randomness(0)
+    for t in range(plan.steps):
+        sid = ledger.record_sample(spec, epoch=t // 4, step=t)
+        query.add_noise({"w": torch.zeros(3)}, ledger=ledger, sample_id=sid, randomness=rng)
+    ledger.record_metadata(delta=1e-5)
+    ledger.close()
+    runs.report_ledger(run / "ledger.jsonl", out=run, figures=False)
+    return run
+
+
+def test_audit_run_runs_the_self_tests_of_the_run(tmp_path: Path, monkeypatch) -> None:
+    run = _correlated_fed_run(tmp_path)
+    section = audit_run(run, method="one-run", trials=1000)
+    assert section["self_tests_run"] == ["replay", "sampler", "federated", "correlated (bandmf)"]
+    assert section["self_tests"] == [] and section["verdict"] == "no violation found"
+    assert "Self-tests run" in (run / "report.md").read_text()
+    _stream_of(CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 12, Cyclic(4)), monkeypatch)
+    section = audit_run(run, method="one-run", trials=1000)
+    assert section["verdict"].startswith("VIOLATION")
+    assert any(f.startswith("correlated (bandmf): whiteness") for f in section["self_tests"])

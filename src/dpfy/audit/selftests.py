@@ -244,7 +244,8 @@ def federated_selftest(
     a fixed vector of ``dim`` values and norm between 0.2 C and 3 C. Each round's mean delta
     times the expected cohort, minus the closed-form clipped sum of the cohort's deltas, must
     have the std that round's release records declare (``rounds + 1`` tests: each round and
-    all rounds together), and each round must have exactly one release record. ``randomness``: the server's noise randomness (default: secure).
+    all rounds together), and each round must have exactly one release record.
+    ``randomness``: the server's noise randomness (default: secure).
     """
     check_int("num_clients", num_clients, 2)
     check_int("clients_per_round", clients_per_round, 1, num_clients)
@@ -314,17 +315,18 @@ def correlated_selftest(
     the strategy matrix of the ledger's ``matrix_run`` record and ``sigma`` the std of its
     ``matrix_step`` records, each row of ``C W`` must have std ``sigma`` (``T`` tests) and every
     two rows must be uncorrelated (``T (T - 1) / 2`` tests). ``randomness``: the query's noise
-    (default: secure). ``T`` must be at most ``max_steps`` (the test forms ``C``).
+    (default: secure). A plan of more than ``max_steps`` steps is tested on its first
+    ``max_steps`` (the test forms ``C``): the same plan with fewer steps, whose ``C`` is the
+    leading block of the long one (Toeplitz ``C``, and tree nodes that do not depend on ``T``),
+    so its noise is the long run's first steps.
     """
     if not isinstance(plan, CorrelatedPlan):
         raise TypeError(f"plan must be a dpfy.correlated.CorrelatedPlan, got plan={plan!r}")
     check_int("size", size, 16)
-    check_int("max_steps", max_steps)
-    if plan.steps > max_steps:
-        raise ValueError(
-            f"plan.steps must be in [1, {max_steps}] (max_steps), got plan.steps={plan.steps}"
-        )
+    check_int("max_steps", max_steps, 2, 1024)
     _check_common(alpha, clip_norm, noise_multiplier)
+    if plan.steps > max_steps:
+        plan = dataclasses.replace(plan, steps=max_steps)
     t_steps = plan.steps
     period = plan.schema.period if isinstance(plan.schema, Cyclic) else t_steps
     spec = CyclicSampler(2 * period, 2).sample_spec()
