@@ -219,7 +219,11 @@ def distributed_selftest(
     _check_common(alpha, clip_norm, noise_multiplier)
     cfg = _DistConfig(dim, rows, steps, float(clip_norm), float(noise_multiplier), float(alpha),
                       make_reducer, make_randomness)
-    result = run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
+    threads = torch.get_num_threads()  # rank 0 runs here and sets 1 thread
+    try:
+        result = run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
+    finally:
+        torch.set_num_threads(threads)
     assert isinstance(result, SelfTest)
     return result
 
