@@ -13,6 +13,8 @@ this attack did not find one. Modules:
 * :mod:`~dpfy.audit.replay` - gray-box record-and-replay checks (Cebere et al. 2026): two
   neighbouring batches, identical randomness, and what entered the noise compared with what the
   ledger declares.
+* :mod:`~dpfy.audit.selftests` - white-box self-tests of the distributed (noise once across
+  ranks), federated (one release per round) and correlated-noise (``C W`` white) releases.
 * :mod:`~dpfy.audit.run` - ``dpfy audit RUN_DIR``: the audit of a run's configuration and its
   section of the report.
 """
@@ -25,6 +27,12 @@ from dpfy.audit.canary import (
     canary_audit,
     canary_scores,
     one_run_audit,
+)
+from dpfy.audit.selftests import (
+    SelfTest,
+    correlated_selftest,
+    distributed_selftest,
+    federated_selftest,
 )
 from dpfy.audit.stats import (
     ThresholdBound,
@@ -41,10 +49,14 @@ __all__ = [
     "CanaryModel",
     "CanaryScores",
     "OneRunAudit",
+    "SelfTest",
     "ThresholdBound",
     "canary_audit",
     "canary_scores",
     "clopper_pearson",
+    "correlated_selftest",
+    "distributed_selftest",
+    "federated_selftest",
     "gdp_mu_lower",
     "one_run_audit",
     "one_run_ceiling",

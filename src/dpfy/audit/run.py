@@ -5,7 +5,9 @@ report the claim. The audit attacks one release of that configuration on the rea
 (:mod:`dpfy.audit.canary`): what it can refute is the epsilon of *one* Gaussian release at z
 without subsampling, the "audited claim" (the run's epsilon adds composition and sampling,
 which a one-release audit does not see). It also replays a release of the run's query and
-checks the run's sampler (:mod:`dpfy.audit.replay`). The result goes into ``report.json``
+checks the run's sampler (:mod:`dpfy.audit.replay`), and runs the self-tests of the release
+paths the run used (:mod:`dpfy.audit.selftests`: several processes, federated rounds,
+correlated noise). The result goes into ``report.json``
 (field ``audit``) and ``report.md`` (section "Audit").
 """
 
@@ -29,7 +31,13 @@ from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_seed
 from dpfy.audit.canary import CanaryModel, canary_audit, one_run_audit
 from dpfy.audit.replay import replay_release, sampler_check
-from dpfy.ledger import Ledger
+from dpfy.audit.selftests import (
+    SelfTest,
+    correlated_selftest,
+    distributed_selftest,
+    federated_selftest,
+)
+from dpfy.ledger import Ledger, MatrixRunRecord
 from dpfy.ledger.records import SumQueryRecord
 from dpfy.queries import GaussianSumQuery
 from dpfy.report.statement import PrivacyReport
@@ -69,6 +77,8 @@ def _load(run_dir: Path) -> tuple[Ledger, dict[str, Any]]:
 
 def _configuration(ledger: Ledger, report: dict[str, Any]) -> dict[str, Any]:
     zs = [z for z in ledger.noise_multipliers().values() if z > 0 and math.isfinite(z)]
+    # a correlated-noise run: each step's fresh noise z_t ~ N(0, (z C)^2) (docs 5.16)
+    zs += [r.noise_multiplier for r in ledger.entries if isinstance(r, MatrixRunRecord)]
     if not zs:
         raise ValueError("the run's ledger records no noisy release: nothing to audit")
     sums = [r for r in ledger.entries if isinstance(r, SumQueryRecord) and r.noise_std > 0]
@@ -118,6 +128,26 @@ def _self_tests(cfg: dict[str, Any], seed: int) -> list[str]:
     if cfg["sampler"] not in (None, "full_batch"):
         found += sampler_check(cfg["sampler"], seed=seed)
     return found
+
+
+def _path_tests(ledger: Ledger, cfg: dict[str, Any]) -> list[SelfTest]:
+    """The self-tests of what the run used beyond one process's DP-SGD step
+    (:mod:`dpfy.audit.selftests`): several processes (metadata ``workers``), DP-FedAvg rounds
+    (metadata ``trainer``) and correlated noise (a ``matrix_run`` record, with its plan)."""
+    c, z = cfg["clip_norm"], cfg["noise_multiplier"]
+    meta = ledger.metadata
+    done: list[SelfTest] = []
+    workers = meta.get("workers")
+    if isinstance(workers, int) and not isinstance(workers, bool) and workers > 1:
+        done.append(distributed_selftest(2, clip_norm=c, noise_multiplier=z))
+    if meta.get("trainer") == "dpfy.fed.DPFedAvg":
+        done.append(federated_selftest(clip_norm=c, noise_multiplier=z))
+    for rec in ledger.entries:
+        if isinstance(rec, MatrixRunRecord):
+            done.append(correlated_selftest(
+                rec.plan, clip_norm=rec.clip_norm, noise_multiplier=rec.noise_multiplier
+            ))
+    return done
 
 
 def audit_run(
@@ -212,6 +242,11 @@ def audit_run(
         noise_multiplier=z,
         clip_norm=c,
         self_tests=_self_tests(cfg, seed),
+    )
+    paths = _path_tests(ledger, cfg)
+    section["self_tests"] += [f"{t.name}: {f}" for t in paths for f in t.findings]
+    section.update(
+        self_tests_run=["replay", "sampler"] + [t.name for t in paths],
         seconds=time.perf_counter() - start,
     )
     broken = section["epsilon_lower"] > audited or bool(section["self_tests"])

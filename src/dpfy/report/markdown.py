@@ -179,6 +179,8 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
         ("Ceiling of the method", _fmt(audit.get("ceiling"))),
         ("Self-tests (replay, sampler)", "; ".join(audit.get("self_tests") or []) or "passed"),
     ]
+    if audit.get("self_tests_run"):
+        rows.append(("Self-tests run", ", ".join(str(t) for t in audit["self_tests_run"])))
     if audit.get("guesses") is not None:
         rows.append(("Guesses (correct)", f"{audit['guesses']} ({audit.get('correct')})"))
     if audit.get("mu_lower") is not None:

@@ -1,0 +1,379 @@
+"""White-box self-tests of the distributed, federated and correlated-noise release paths.
+
+Each self-test runs the real release code on inputs whose noise-free result is known in closed
+form, subtracts it, and tests what is left (the noise that was actually added) against what the
+ledger records. Every statistic is a standardised deviation that is approximately N(0, 1)
+when the code is correct, and the test fails when the largest one in absolute value exceeds
+the two-sided Bonferroni threshold ``Phi^{-1}(1 - alpha / (2 m))`` over its ``m`` tests (so a
+correct implementation fails with probability at most about ``alpha``; ``1e-6`` by default).
+
+* **Standard deviation.** For ``n`` i.i.d. ``N(0, s^2)`` values ``x``, the estimate
+  ``s_hat = sqrt(mean(x^2))`` has standard error about ``s / sqrt(2 n)``; the statistic is
+  ``(s_hat / s - 1) sqrt(2 n)`` with ``s`` the *recorded* std. Noise added twice (``sqrt 2``
+  times the std), at half the std, or not at all (``s_hat = 0``) is far outside for the sizes
+  used here (``n`` in the thousands).
+* **Whiteness** (correlated noise). For two independent ``N(0, s^2)`` vectors of ``P``
+  values, ``<x, y> / (P s^2)`` has standard error ``1 / sqrt(P)``; the statistic is that
+  correlation times ``sqrt(P)``.
+
+:func:`distributed_selftest` spawns a gloo process group on this machine (rank 0 is the
+calling process) and checks that the noise of a data-parallel DP-SGD step is added once, at
+the recorded std, and that every rank receives the same gradient (docs/architecture.md 5.18).
+:func:`federated_selftest` runs DP-FedAvg rounds of :class:`dpfy.fed.DPFedAvg` (the server
+calls of :func:`dpfy.fed.run_in_process`) on known client deltas (5.19).
+:func:`correlated_selftest` recovers the noise sequence ``W`` of a
+:class:`~dpfy.queries.correlated.CorrelatedNoiseQuery` over its ``T`` steps and checks that
+``C W``, with ``C`` the strategy matrix *the ledger records*, is i.i.d. ``N(0, sigma^2)``
+(Denisov et al. 2022; 5.16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from scipy import stats
+from torch import nn
+
+from dpfy._validate import check_int, check_range
+from dpfy.correlated import Cyclic
+from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.fed import CohortSampler, DPFedAvg, client_update_query
+from dpfy.ledger import Ledger, MatrixStepRecord, SampleSpec, SumQueryRecord
+from dpfy.queries import GaussianSumQuery
+from dpfy.queries.correlated import CorrelatedNoiseQuery
+from dpfy.randomness import Randomness
+from dpfy.sampling import CyclicSampler
+from dpfy.training import PrivateGradient
+from dpfy.training.distributed import Distributed, GradientReducer
+from dpfy.training.launch import run_local
+
+__all__ = [
+    "SelfTest",
+    "correlated_selftest",
+    "distributed_selftest",
+    "federated_selftest",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SelfTest:
+    """The outcome of one self-test.
+
+    Attributes:
+      name: which release path was tested.
+      passed: no finding (``statistic <= threshold`` and every exact check held).
+      statistic: the largest absolute standardised deviation (about N(0, 1) when correct).
+      threshold: the Bonferroni-corrected two-sided critical value it is compared with.
+      findings: what failed, one sentence each (empty when passed).
+    """
+
+    name: str
+    passed: bool
+    statistic: float
+    threshold: float
+    findings: tuple[str, ...]
+
+
+def _threshold(alpha: float, tests: int) -> float:
+    """``Phi^{-1}(1 - alpha / (2 m))``: two-sided, Bonferroni over ``m`` tests."""
+    return float(stats.norm.isf(alpha / (2.0 * tests)))
+
+
+def _std_z(x: np.ndarray, std: float) -> tuple[float, float]:
+    """(measured std / recorded std, the standardised deviation of that ratio from 1)."""
+    measured = float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+    if not std > 0.0:
+        return (math.inf if measured > 0 else math.nan), math.inf
+    ratio = measured / std
+    return ratio, (ratio - 1.0) * math.sqrt(2.0 * x.size)
+
+
+def _result(name: str, zs: list[float], thr: float, findings: list[str]) -> SelfTest:
+    stat = max((abs(z) for z in zs), default=0.0)
+    if not stat <= thr:
+        findings.append(
+            f"the largest standardised deviation is {stat:.3g}, above the threshold {thr:.3g}"
+        )
+    return SelfTest(name, not findings, stat, thr, tuple(findings))
+
+
+def _check_common(alpha: float, clip_norm: float, noise_multiplier: float) -> None:
+    check_range("alpha", alpha, 0.0, 0.5, low_open=True, high_open=True)
+    check_range("clip_norm", clip_norm, 0.0, 1e15, low_open=True)
+    check_range("noise_multiplier", noise_multiplier, 0.0, 1e6, low_open=True)
+
+
+def _rows(count: int, dim: int, clip_norm: float, seed: int) -> np.ndarray:
+    """``count`` vectors of ``dim`` values with norms spread over ``[0.2 C, 3 C]``."""
+    g = np.random.default_rng(seed)
+    x = g.standard_normal((count, dim))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x * (clip_norm * np.linspace(0.2, 3.0, count))[:, None]
+
+
+def _clipped_sum(x: np.ndarray, clip_norm: float) -> np.ndarray:
+    """The closed-form clipped sum: ``sum_i x_i min(1, C / ||x_i||)`` in float64."""
+    norms = np.linalg.norm(x, axis=1)
+    return np.asarray((x * np.minimum(1.0, clip_norm / norms)[:, None]).sum(axis=0))
+
+
+# -- 1. distributed DP-SGD: the noise is added once across ranks -------------------------------
+@dataclasses.dataclass(frozen=True)
+class _DistConfig:
+    dim: int
+    rows: int
+    steps: int
+    clip_norm: float
+    noise_multiplier: float
+    alpha: float
+    make_reducer: Callable[[Distributed], GradientReducer] | None
+    make_randomness: Callable[[], Randomness] | None
+
+
+def _linear_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``w . x_i``: example i's gradient with respect to ``w`` is exactly ``x_i``."""
+    return outputs[:, 0] * targets
+
+
+def _distributed_worker(d: Distributed, cfg: _DistConfig) -> SelfTest:
+    torch.set_num_threads(1)
+    x = _rows(cfg.rows, cfg.dim, cfg.clip_norm, seed=0)
+    known = _clipped_sum(x, cfg.clip_norm)
+    mine = torch.from_numpy(x[d.rank :: d.world_size]).float()
+    reducer = d if cfg.make_reducer is None else cfg.make_reducer(d)
+    rng = Randomness.secure_mode() if cfg.make_randomness is None else cfg.make_randomness()
+    model = nn.Linear(cfg.dim, 1, bias=False)
+    pg = PrivateGradient(
+        model, GaussianSumQuery(cfg.clip_norm, cfg.noise_multiplier), expected_batch_size=1.0,
+        reducer=reducer,
+    )
+    ledger = Ledger()
+    noise, spread = [], 0.0
+    for _ in range(cfg.steps):
+        sid = ledger.record_sample(SampleSpec("full_batch"))
+        pg.accumulate(mine, torch.ones(mine.shape[0]), _linear_loss)
+        pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+        assert model.weight.grad is not None
+        g = model.weight.grad.detach().reshape(-1).double().clone()
+        noise.append(g.numpy() - known)  # the denominator is 1
+        first = g.clone()
+        d.share_([first])  # rank 0's gradient on every rank
+        spread = max(spread, float((g - first).abs().max()))
+    spread = d.sum_numbers([spread])[0]
+    findings: list[str] = []
+    recs = [r for r in ledger.entries if isinstance(r, SumQueryRecord)]
+    if len(recs) != cfg.steps:
+        findings.append(f"ledger: {len(recs)} release records for {cfg.steps} steps")
+    declared = {r.noise_std for r in recs}
+    std = recs[0].noise_std if len(declared) == 1 else math.nan
+    if len(declared) != 1:
+        findings.append(f"ledger: the steps record different noise stds {sorted(declared)}")
+    if spread != 0.0:
+        findings.append(f"ranks: the released gradients differ by up to {spread:.3g}")
+    ratio, z = _std_z(np.concatenate(noise), std)
+    if not abs(z) <= _threshold(cfg.alpha, 1):
+        findings.append(
+            f"noise: the released gradient minus the clipped sum has std {ratio:.4g} x the "
+            f"recorded {std:.6g} (1 when added once; {math.sqrt(d.world_size):.3g} when every "
+            "rank adds it; 0 when skipped)"
+        )
+    return _result("distributed", [z], _threshold(cfg.alpha, 1), findings)
+
+
+def distributed_selftest(
+    world_size: int = 2,
+    *,
+    dim: int = 512,
+    rows: int = 16,
+    steps: int = 8,
+    clip_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    alpha: float = 1e-6,
+    timeout: float = 60.0,
+    make_reducer: Callable[[Distributed], GradientReducer] | None = None,
+    make_randomness: Callable[[], Randomness] | None = None,
+) -> SelfTest:
+    """Noise added exactly once across ranks of a data-parallel DP-SGD step (gloo, CPU).
+
+    ``world_size`` local processes share ``rows`` examples of a bias-free linear model with the
+    loss ``w . x_i`` (example i's gradient is ``x_i``; norms from 0.2 C to 3 C, so clipping
+    acts), each rank holding every ``world_size``-th row. Over ``steps`` releases with
+    denominator 1 the released gradient minus the closed-form clipped sum must have the
+    per-coordinate std the ledger records (``steps x dim`` values), every step must have one
+    release record, and every rank must hold the same gradient bit for bit.
+
+    ``make_reducer`` (module-level, picklable: it runs in the spawned ranks) wraps each rank's
+    :class:`~dpfy.training.distributed.Distributed`, and ``make_randomness`` builds each rank's
+    noise randomness (default: secure). Both exist to show that a broken variant is caught;
+    leave them unset to test dpfy's own code.
+    """
+    check_int("world_size", world_size, 2, 64)
+    check_int("dim", dim)
+    check_int("rows", rows, world_size)
+    check_int("steps", steps)
+    check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
+    _check_common(alpha, clip_norm, noise_multiplier)
+    cfg = _DistConfig(dim, rows, steps, float(clip_norm), float(noise_multiplier), float(alpha),
+                      make_reducer, make_randomness)
+    threads = torch.get_num_threads()  # rank 0 runs here and sets 1 thread
+    try:
+        result = run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(result, SelfTest)
+    return result
+
+
+# -- 2. DP-FedAvg: one record and one noise draw per round ------------------------------------
+def federated_selftest(
+    *,
+    num_clients: int = 20,
+    clients_per_round: int = 5,
+    rounds: int = 6,
+    dim: int = 1000,
+    clip_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    alpha: float = 1e-6,
+    randomness: Randomness | None = None,
+) -> SelfTest:
+    """DP-FedAvg rounds add noise once per round at the recorded std, one record per round.
+
+    A :class:`~dpfy.fed.DPFedAvg` server (fixed-size cohorts, fixed clipping, server-side
+    clipping) runs ``rounds`` rounds through the calls :func:`dpfy.fed.run_in_process` makes
+    (``begin_round``, then ``finish_round`` with the cohort's deltas), with client ``c``'s delta
+    a fixed vector of ``dim`` values and norm between 0.2 C and 3 C. Each round's mean delta
+    times the expected cohort, minus the closed-form clipped sum of the cohort's deltas, must
+    have the std that round's release records declare (``rounds + 1`` tests: each round and
+    all rounds together), and each round must have exactly one release record.
+    ``randomness``: the server's noise randomness (default: secure).
+    """
+    check_int("num_clients", num_clients, 2)
+    check_int("clients_per_round", clients_per_round, 1, num_clients)
+    check_int("rounds", rounds)
+    check_int("dim", dim)
+    _check_common(alpha, clip_norm, noise_multiplier)
+    deltas = _rows(num_clients, dim, clip_norm, seed=1)
+    cohort = CohortSampler(num_clients, "fixed_size", clients_per_round=clients_per_round)
+    ledger = Ledger()
+    server = DPFedAvg(cohort, client_update_query(clip_norm, noise_multiplier), ledger,
+                      randomness=randomness)
+    template = {"w": torch.zeros(dim, dtype=torch.float64)}
+    thr = _threshold(alpha, rounds + 1)
+    findings: list[str] = []
+    zs: list[float] = []
+    noises: list[np.ndarray] = []
+    stds: list[float] = []
+    for _ in range(rounds):
+        rnd = server.begin_round()
+        updates = {c: {"w": torch.from_numpy(deltas[c].copy())} for c in rnd.cohort}
+        mean = server.finish_round(template, updates)
+        noise = mean["w"].numpy() * cohort.expected_size - _clipped_sum(
+            deltas[list(rnd.cohort)], clip_norm
+        )
+        recs = [r for r in ledger.entries
+                if isinstance(r, SumQueryRecord) and r.sample_id == rnd.sample_id]
+        if len(recs) != 1:
+            findings.append(f"round {rnd.number}: {len(recs)} release records, expected 1")
+        if not recs:
+            continue
+        std = math.sqrt(sum(r.noise_std**2 for r in recs))  # what the records declare in all
+        ratio, z = _std_z(noise, std)
+        zs.append(z)
+        noises.append(noise / std)
+        stds.append(std)
+        if not abs(z) <= thr:
+            findings.append(
+                f"round {rnd.number}: the noise has std {ratio:.4g} x the recorded {std:.6g}"
+            )
+    if noises:
+        ratio, z = _std_z(np.concatenate(noises), 1.0)
+        zs.append(z)
+        if not abs(z) <= thr:
+            findings.append(f"all rounds: the noise has std {ratio:.4g} x the recorded one")
+    total = sum(isinstance(r, SumQueryRecord) for r in ledger.entries)
+    if total != rounds:
+        findings.append(f"ledger: {total} release records for {rounds} rounds")
+    return _result("federated", zs, thr, findings)
+
+
+# -- 3. correlated noise: C W is white at the recorded std ------------------------------------
+def correlated_selftest(
+    plan: CorrelatedPlan,
+    *,
+    size: int = 4096,
+    clip_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    alpha: float = 1e-6,
+    randomness: Randomness | None = None,
+    max_steps: int = 64,
+) -> SelfTest:
+    """The noise of a correlated-noise run is ``C^{-1} z`` for the ledger's ``C``.
+
+    A :class:`~dpfy.queries.correlated.CorrelatedNoiseQuery` for ``plan`` releases zero sums
+    of ``size`` values at each of the plan's ``T`` steps (batches of a cyclic sampler with the
+    plan's period, or one epoch), so its outputs are the noise ``W`` (``T x size``). With ``C``
+    the strategy matrix of the ledger's ``matrix_run`` record and ``sigma`` the std of its
+    ``matrix_step`` records, each row of ``C W`` must have std ``sigma`` (``T`` tests) and every
+    two rows must be uncorrelated (``T (T - 1) / 2`` tests). ``randomness``: the query's noise
+    (default: secure). A plan of more than ``max_steps`` steps is tested on its first
+    ``max_steps`` (the test forms ``C``): the same plan with fewer steps, whose ``C`` is the
+    leading block of the long one (Toeplitz ``C``, and tree nodes that do not depend on ``T``),
+    so its noise is the long run's first steps.
+    """
+    if not isinstance(plan, CorrelatedPlan):
+        raise TypeError(f"plan must be a dpfy.correlated.CorrelatedPlan, got plan={plan!r}")
+    check_int("size", size, 16)
+    check_int("max_steps", max_steps, 2, 1024)
+    _check_common(alpha, clip_norm, noise_multiplier)
+    if plan.steps > max_steps:
+        plan = dataclasses.replace(plan, steps=max_steps)
+    t_steps = plan.steps
+    period = plan.schema.period if isinstance(plan.schema, Cyclic) else t_steps
+    spec = CyclicSampler(2 * period, 2).sample_spec()
+    query = CorrelatedNoiseQuery(plan, clip_norm, noise_multiplier)
+    rng = randomness if randomness is not None else Randomness.secure_mode()
+    ledger = Ledger()
+    rows = []
+    for t in range(t_steps):
+        sid = ledger.record_sample(spec, epoch=t // period, step=t)
+        out = query.add_noise({"w": torch.zeros(size, dtype=torch.float64)}, ledger=ledger,
+                              sample_id=sid, randomness=rng)
+        rows.append(out["w"].numpy().copy())
+    w = np.stack(rows)
+    findings: list[str] = []
+    found = ledger.matrix_run(query.name)
+    steps = [r for r in ledger.entries if isinstance(r, MatrixStepRecord)]
+    m = t_steps + t_steps * (t_steps - 1) // 2
+    thr = _threshold(alpha, m)
+    if found is None or found[1] != t_steps or len(steps) != t_steps:
+        findings.append(f"ledger: no matrix run with {t_steps} step records")
+        return _result("correlated", [], thr, findings)
+    run = found[0]
+    sigma = run.noise_multiplier * run.clip_norm
+    if any(not math.isclose(r.noise_std, sigma, rel_tol=1e-12) for r in steps):
+        findings.append(f"ledger: a step records a noise std other than z C = {sigma:.6g}")
+    z = run.plan.strategy_matrix() @ w / sigma  # i.i.d. N(0, 1) when correct
+    zs: list[float] = []
+    for t in range(t_steps):
+        ratio, dev = _std_z(z[t], 1.0)
+        zs.append(dev)
+        if not abs(dev) <= thr:
+            findings.append(f"step {t}: (C W)_t has std {ratio:.4g} x the recorded {sigma:.6g}")
+    corr = z @ z.T / size * math.sqrt(size)
+    worst = (0.0, 0, 0)
+    for s in range(t_steps):
+        for t in range(s):
+            zs.append(float(corr[s, t]))
+            worst = max(worst, (abs(float(corr[s, t])), t, s))
+    if not worst[0] <= thr:
+        findings.append(
+            f"whiteness: rows {worst[1]} and {worst[2]} of C W are correlated "
+            f"({worst[0] / math.sqrt(size):.3g}, {worst[0]:.3g} standard errors): the noise is "
+            f"not C^{{-1}} z for the recorded {run.plan.strategy} strategy"
+        )
+    return _result(f"correlated ({plan.strategy})", zs, thr, findings)
+

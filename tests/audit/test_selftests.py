@@ -1,0 +1,242 @@
+"""Self-tests of the distributed, federated and correlated-noise releases (dpfy.audit.selftests).
+
+Each self-test must pass on dpfy's own code and FAIL on a deliberately broken variant that
+exists only here: noise at half or sqrt(2) times the recorded std, noise skipped, noise added
+on every rank, two releases per round, independent noise recorded as BandMF, and the noise of
+the wrong band. The thresholds are Bonferroni-corrected at alpha = 1e-6, so a pass on the real
+code is not luck, and every broken variant lands many thresholds away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dpfy import runs
+from dpfy.audit.run import audit_run
+from dpfy.audit.selftests import (
+    SelfTest,
+    correlated_selftest,
+    distributed_selftest,
+    federated_selftest,
+)
+from dpfy.correlated import Cyclic, SingleEpoch, make_plan
+from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.ledger import Ledger
+from dpfy.queries import GaussianSumQuery
+from dpfy.queries import correlated as correlated_module
+from dpfy.queries.correlated import CorrelatedNoiseQuery
+from dpfy.randomness import Randomness
+from dpfy.sampling import CyclicSampler
+from dpfy.training.distributed import Distributed
+
+torch.set_num_threads(1)
+
+
+class ScaledNoise(Randomness):
+    """Broken randomness: every noise std multiplied by ``factor`` (secure draws)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__(seed=None)
+        self.factor = factor
+
+    def normal_(
+        self, tensors: Sequence[Any], stds: Sequence[float], *, add: Sequence[Any] | None = None
+    ) -> None:
+        super().normal_(tensors, [s * self.factor for s in stds], add=add)
+
+
+def _failed(result: SelfTest, what: str) -> None:
+    assert not result.passed, result
+    assert any(what in f for f in result.findings), result.findings
+
+
+def _ratio(result: SelfTest) -> float:
+    """The measured / recorded std a finding states."""
+    found = [re.search(r"std ([0-9.]+(?:e[-+]?[0-9]+)?) x", f) for f in result.findings]
+    return float(next(m for m in found if m is not None).group(1))
+
+
+def _passed(result: SelfTest) -> None:
+    assert result.passed and result.findings == (), result
+    assert 0.0 <= result.statistic <= result.threshold and 4.0 < result.threshold < 7.0
+
+
+# -- correlated noise --------------------------------------------------------------------------
+def _plan(strategy: str, band: int = 4, schema: Any = None) -> CorrelatedPlan:
+    return make_plan(strategy, 12, schema or Cyclic(4), band=band, buffers=2, maxiter=50)
+
+
+@pytest.mark.parametrize("strategy", ["bandmf", "blt", "tree"])
+def test_correlated_passes_on_every_strategy(strategy: str) -> None:
+    _passed(correlated_selftest(_plan(strategy)))
+
+
+def test_correlated_passes_for_one_epoch() -> None:
+    _passed(correlated_selftest(make_plan("bandmf", 10, SingleEpoch(), band=4, maxiter=50)))
+
+
+def _stream_of(plan: CorrelatedPlan, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Broken query: the noise stream follows ``plan`` whatever the ledger records."""
+    real = correlated_module.NoiseStream
+    monkeypatch.setattr(correlated_module, "NoiseStream",
+                        lambda _plan, size, like: real(plan, size, like))
+
+
+def test_correlated_flags_independent_noise_recorded_as_bandmf(monkeypatch) -> None:
+    recorded = _plan("bandmf")
+    assert recorded.params["coeffs"][1] > 0.1  # a real band: C is not the identity
+    _stream_of(CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 12, Cyclic(4)), monkeypatch)
+    _failed(correlated_selftest(recorded), "whiteness")
+
+
+@pytest.mark.parametrize("strategy", ["bandmf", "tree"])
+def test_correlated_tests_a_prefix_of_a_long_plan(strategy: str, monkeypatch) -> None:
+    long = make_plan(strategy, 100, SingleEpoch(), band=4, maxiter=20)
+    short = dataclasses.replace(long, steps=16)
+    # the prefix's C is the leading block of the long plan's C
+    np.testing.assert_array_equal(short.strategy_matrix(), long.strategy_matrix()[:16, :16])
+    _passed(correlated_selftest(long, max_steps=16))
+    _stream_of(make_plan(strategy, 100, SingleEpoch(), band=2, maxiter=20)
+               if strategy == "bandmf" else CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 100,
+                                                           SingleEpoch()), monkeypatch)
+    assert not correlated_selftest(long, max_steps=16).passed
+
+
+def test_correlated_flags_the_noise_of_the_wrong_band(monkeypatch) -> None:
+    _stream_of(_plan("bandmf", band=2), monkeypatch)
+    _failed(correlated_selftest(_plan("bandmf", band=4)), "whiteness")
+
+
+def test_correlated_flags_tree_noise_recorded_as_blt(monkeypatch) -> None:
+    _stream_of(_plan("tree"), monkeypatch)
+    assert not correlated_selftest(_plan("blt")).passed
+
+
+@pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0), 0.0])
+def test_correlated_flags_the_wrong_std(factor: float) -> None:
+    result = correlated_selftest(_plan("blt"), randomness=ScaledNoise(factor))
+    _failed(result, "std")
+    assert result.statistic > 5 * result.threshold
+    assert _ratio(result) == pytest.approx(factor, abs=0.15)
+
+
+def test_correlated_refuses_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="plan must be"):
+        correlated_selftest("bandmf")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_steps"):
+        correlated_selftest(_plan("tree"), max_steps=1)
+    with pytest.raises(ValueError, match="alpha"):
+        correlated_selftest(_plan("tree"), alpha=0.0)
+
+
+# -- federated ---------------------------------------------------------------------------------
+def test_federated_passes() -> None:
+    _passed(federated_selftest())
+
+
+@pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0), 0.0])
+def test_federated_flags_the_wrong_std(factor: float) -> None:
+    result = federated_selftest(randomness=ScaledNoise(factor))
+    _failed(result, "std")
+    assert _ratio(result) == pytest.approx(factor, abs=0.15)
+
+
+def test_federated_flags_noise_added_twice_per_round(monkeypatch) -> None:
+    real = GaussianSumQuery.add_noise
+
+    def twice(self, clipped_sum, **kw):  # type: ignore[no-untyped-def]
+        return real(self, real(self, clipped_sum, **kw), **kw)
+
+    monkeypatch.setattr(GaussianSumQuery, "add_noise", twice)
+    result = federated_selftest()
+    _failed(result, "2 release records, expected 1")
+    assert result.statistic <= result.threshold  # the noise is what the two records declare
+
+
+def test_federated_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="clients_per_round"):
+        federated_selftest(num_clients=4, clients_per_round=5)
+
+
+# -- distributed (2 gloo processes; the broken variants must be picklable) ---------------------
+class EveryRankAddsNoise:
+    """Broken reducer: each rank noises its own clipped sum and the noisy sums are added."""
+
+    def __init__(self, d: Distributed) -> None:
+        self.d = d
+        self.rank = d.rank
+
+    @property
+    def releases(self) -> bool:
+        return True
+
+    def sum_(self, tensors: list[torch.Tensor]) -> None:
+        pass
+
+    def share_(self, tensors: list[torch.Tensor]) -> None:
+        self.d.sum_(tensors)
+
+    def sum_numbers(self, values: list[float]) -> list[float]:
+        return self.d.sum_numbers(values)
+
+
+def skipped_noise() -> Randomness:
+    return ScaledNoise(0.0)
+
+
+@pytest.mark.slow
+def test_distributed_passes_and_flags_broken_variants() -> None:
+    _passed(distributed_selftest())
+    result = distributed_selftest(make_reducer=EveryRankAddsNoise)
+    _failed(result, "noise:")
+    assert _ratio(result) == pytest.approx(math.sqrt(2.0), abs=0.1)  # noise added twice
+    result = distributed_selftest(make_randomness=skipped_noise)
+    _failed(result, "noise:")
+    assert _ratio(result) < 1e-6  # noise skipped (float32 rounding of the clipped sum)
+
+
+def test_distributed_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        distributed_selftest(1)
+    with pytest.raises(ValueError, match="rows"):
+        distributed_selftest(4, rows=3)
+
+
+# -- dpfy audit RUN_DIR runs the self-tests of the paths a run used ---------------------------
+def _correlated_fed_run(tmp_path: Path) -> Path:
+    """A tiny run directory whose ledger has a BandMF run and DP-FedAvg metadata."""
+    run = tmp_path / "run"
+    run.mkdir()
+    plan = _plan("bandmf")
+    ledger = Ledger(run / "ledger.jsonl")
+    ledger.record_metadata(clip_norm=1.0, noise_multiplier=2.0, trainer="dpfy.fed.DPFedAvg")
+    query, spec, rng = CorrelatedNoiseQuery(plan, 1.0, 2.0), CyclicSampler(8, 2).sample_spec(), \
+        Randomness(0)
+    for t in range(plan.steps):
+        sid = ledger.record_sample(spec, epoch=t // 4, step=t)
+        query.add_noise({"w": torch.zeros(3)}, ledger=ledger, sample_id=sid, randomness=rng)
+    ledger.record_metadata(delta=1e-5)
+    ledger.close()
+    runs.report_ledger(run / "ledger.jsonl", out=run, figures=False)
+    return run
+
+
+def test_audit_run_runs_the_self_tests_of_the_run(tmp_path: Path, monkeypatch) -> None:
+    run = _correlated_fed_run(tmp_path)
+    section = audit_run(run, method="one-run", trials=1000)
+    assert section["self_tests_run"] == ["replay", "sampler", "federated", "correlated (bandmf)"]
+    assert section["self_tests"] == [] and section["verdict"] == "no violation found"
+    assert "Self-tests run" in (run / "report.md").read_text()
+    _stream_of(CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 12, Cyclic(4)), monkeypatch)
+    section = audit_run(run, method="one-run", trials=1000)
+    assert section["verdict"].startswith("VIOLATION")
+    assert any(f.startswith("correlated (bandmf): whiteness") for f in section["self_tests"])
