@@ -272,12 +272,7 @@ class QueryBase(ReleasesClippedSums, abc.ABC):
         """
         check_release_args(ledger, randomness, scale)
         flat = flatten(clipped_sum)
-        for name, t in flat.items():
-            if not t.is_floating_point():
-                raise ValueError(
-                    f"clipped_sum[{name!r}] must be a floating-point tensor (noise is real), "
-                    f"got dtype {t.dtype}"
-                )
+        check_clipped_sum(flat)
         stds = self._tensor_stds(flat)
         dst = _output_buffers(flat, out)
         self._write_ahead(ledger, sample_id, self.ledger_entries())
@@ -330,6 +325,16 @@ def check_per_example(per_example: object) -> None:
         sizes[name] = int(t.shape[0])
     if len(set(sizes.values())) > 1:
         raise ValueError(f"per_example tensors must share one batch size, got {sizes}")
+
+
+def check_clipped_sum(flat: Mapping[str, torch.Tensor]) -> None:
+    """A clipped sum to noise: floating-point tensors only (``ValueError`` naming the tensor)."""
+    for name, t in flat.items():
+        if not t.is_floating_point():
+            raise ValueError(
+                f"clipped_sum[{name!r}] must be a floating-point tensor (noise is real), "
+                f"got dtype {t.dtype}"
+            )
 
 
 def check_release_args(ledger: object, randomness: object, scale: float = 1.0) -> None:

@@ -44,7 +44,13 @@ from dpfy.queries._tree import (
     flatten,
     unflatten_like,
 )
-from dpfy.queries.base import LedgerEntry, QueryBase, _output_buffers, check_release_args
+from dpfy.queries.base import (
+    LedgerEntry,
+    QueryBase,
+    _output_buffers,
+    check_clipped_sum,
+    check_release_args,
+)
 from dpfy.randomness import (
     Randomness,
     _flat_span,  # the same flat-buffer test as the fused noise path
@@ -205,9 +211,7 @@ class CorrelatedNoiseQuery(QueryBase):
         """Check the batch against the schema, record (write-ahead), add ``scale x w_t``."""
         check_release_args(ledger, randomness, scale)
         flat = flatten(clipped_sum)
-        for n, v in flat.items():
-            if not v.is_floating_point():
-                raise ValueError(f"clipped_sum[{n!r}] must be a floating-point tensor")
+        check_clipped_sum(flat)
         layout = [(n, tuple(v.shape)) for n, v in flat.items()]
         if self._layout is not None and layout != self._layout:
             raise ValueError("clipped_sum must have the same tensors at every step")

@@ -297,18 +297,18 @@ class PrivateGradient:
                 )
         # Fast release, a capability the query declares (Query.fused_release): 1 / denominator
         # is folded into the clip weights and the query writes the noisy gradient straight into
-        # persistent buffers (no division pass, no new tensors).
+        # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = getattr(query, "fused_release", False) is True
-        self._acc_flat: torch.Tensor | None = None
         self._reset()
 
     # ------------------------------------------------------------------------------------
     def _reset(self) -> None:
-        # The accumulator buffers persist across steps (no page faults from fresh allocations)
-        # and are zeroed lazily by the first chunk of the next step.
-        if not hasattr(self, "_buffers"):
-            self._buffers: dict[str, torch.Tensor] = {}
-        self._dirty = bool(self._buffers)
+        # No model-sized buffer outlives a step: the next step's first chunk allocates the
+        # accumulator after its backward pass (so the backward's peak holds none of this
+        # object's) and writes it without a zeroing pass (``_dirty``).
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._acc_flat: torch.Tensor | None = None
+        self._dirty = False
         self._active = False
         self._loss_sum = 0.0
         self._examples = 0
@@ -643,8 +643,7 @@ class PrivateGradient:
         if red is not None and not red.releases:
             check_mirror_ledger(ledger, red.rank)  # before any collective
         if red is not None and not self._active:  # zeros laid out as on the other processes
-            if not self._buffers:
-                self._acc_flat, self._buffers = _flat_buffers(params)
+            self._acc_flat, self._buffers = _flat_buffers(params)
             for b in self._buffers.values():
                 b.zero_()
             self._active = True
@@ -665,8 +664,8 @@ class PrivateGradient:
             # query adds noise scaled alike and writes into new gradient buffers (no division
             # pass) which then become ``p.grad``: views of one flat buffer, so the noise fills
             # it in one fused pass. They are not kept here: once the caller drops the
-            # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer but the
-            # accumulator outlives the step.
+            # gradients (``zero_grad(set_to_none=True)``), no model-sized buffer outlives the
+            # step.
             flat_grads, grads = _flat_buffers(params)
             if red is None or red.releases:
                 noisy = self.query.add_noise(
@@ -696,10 +695,6 @@ class PrivateGradient:
                     p.grad = g.div_(denom)  # the query's fresh output: scale in place
                 else:  # never alias the accumulator buffers
                     p.grad = (g / denom).to(p.dtype)
-        # The accumulator is not kept between steps either: the next step's first chunk
-        # allocates it after its backward pass, so the backward's peak holds no model-sized
-        # buffer of this object's.
-        self._buffers, self._acc_flat = {}, None
         stats = StepStats(
             self._loss_sum,
             self._examples,
