@@ -152,6 +152,21 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: DP-FC ridge multiplier ``c`` per epsilon (ridge = c * max(z sqrt(d), 1), z for the T + 1
+#: releases), the values chosen on a validation split by benchmarks/features.py for 10 steps
+#: (benchmarks/results/features_rotten_tomatoes.json); lr 2.0 as there.
+DPFC_RIDGE_C = {1.0: 1.0, 3.0: 1.0, 8.0: 3.0}
+DPFC_STEPS, DPFC_LR = 10, 2.0
+
+
+def _dpfc_ridge(eps: float, d: int) -> float:
+    """The ridge of benchmarks/features.py: ``c * max(z sqrt(d), 1)`` in sum units."""
+    from dpfy.features import accounting as facc
+
+    z = float(facc.noise_multipliers(facc.mu_for_target(eps, DELTA), [1.0] * (DPFC_STEPS + 1))[0])
+    return DPFC_RIDGE_C.get(eps, 1.0) * max(z * math.sqrt(d), 1.0)
+
+
 def run_dpfc(config: str, args: argparse.Namespace) -> dict[str, Any]:
     from dpfy.features import DPFeatureCovarianceClassifier, extract
 
@@ -163,10 +178,13 @@ def run_dpfc(config: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.test_limit is not None:
         x_te, y_te = x_te[: args.test_limit], y_te[: args.test_limit]
     start = time.perf_counter()
-    est = DPFeatureCovarianceClassifier(epsilon=eps, delta=DELTA, steps=10, learning_rate=2.0,
+    ridge = _dpfc_ridge(eps, x_tr.shape[1])
+    est = DPFeatureCovarianceClassifier(epsilon=eps, delta=DELTA, steps=DPFC_STEPS,
+                                        learning_rate=DPFC_LR, ridge=ridge,
                                         random_state=args.seed).fit(x_tr, y_tr)
     acc = float(np.mean(est.predict(x_te) == np.asarray(y_te)))
-    return {"test_accuracy": acc, "epsilon": eps, "steps": 10, "learning_rate": 2.0,
+    return {"test_accuracy": acc, "epsilon": eps, "steps": DPFC_STEPS,
+            "learning_rate": DPFC_LR, "ridge": ridge,
             "seconds": time.perf_counter() - start}
 
 
