@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dpfy import accounting
+from dpfy.features import accounting as facc
 from dpfy.features import estimators as est
 
 sklearn_base = pytest.importorskip("sklearn.base")
@@ -138,3 +139,36 @@ def test_random_state_none_is_secure_and_an_int_is_a_seeded_experiment(cls):
     c, d = cls(epsilon=1.0, random_state=4).fit(X, y), cls(epsilon=1.0, random_state=4).fit(X, y)
     assert c.ledger_.metadata["noise_randomness"] == "seeded (seed 4)"
     assert np.array_equal(c.coef_, d.coef_)
+
+
+@pytest.mark.parametrize(
+    ("cls", "target", "factor", "releases"),
+    [
+        (est.DPLeastSquaresClassifier, "dp_least_squares", 1.0, 3),
+        (est.DPNewtonClassifier, "dp_newton", math.sqrt(3) / 4.0, 4),
+        (est.DPFeatureCovarianceClassifier, "dp_feature_covariance", 1.0, 11),
+    ],
+)
+def test_auto_ridge_is_matched_to_the_noise_and_public(cls, target, factor, releases,
+                                                       monkeypatch):
+    """``ridge="auto"`` is ``z C^2 sqrt(d)`` (times the matrix's sensitivity factor), at least
+    1: the algorithm receives exactly that; without noise it is the old default of 1."""
+    X, y = _data()
+    seen: list[float] = []
+    real = getattr(est.alg, target)
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["ridge"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(est.alg, target, spy)
+    cls(epsilon=0.5, random_state=0).fit(X, y)
+    z = facc.noise_multipliers(facc.mu_for_target(0.5, 1e-5), [1.0] * releases)[0]
+    assert seen[-1] == pytest.approx(max(factor * z * math.sqrt(6), 1.0), rel=1e-12)
+    assert seen[-1] > 1.0
+    cls(epsilon=math.inf, random_state=0).fit(X, y)
+    assert seen[-1] == 1.0
+    cls(epsilon=0.5, ridge=2.5, random_state=0).fit(X, y)
+    assert seen[-1] == 2.5
+    with pytest.raises(ValueError, match="ridge must be 'auto' or a number"):
+        cls(epsilon=0.5, ridge="large", random_state=0).fit(X, y)
