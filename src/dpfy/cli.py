@@ -602,8 +602,8 @@ def train(
     ] = None,
     test_limit: Annotated[
         int | None,
-        typer.Option("--test-limit", help="Text datasets only: evaluate on this many test "
-                     "examples.", parser=_count("test_limit")),
+        typer.Option("--test-limit", help="Evaluate on the first this many test examples "
+                     "(quick runs).", parser=_count("test_limit")),
     ] = None,
     threads: Annotated[
         int | None,

@@ -189,11 +189,12 @@ def train_and_report(
         int runs a reproducible seeded experiment, which is NOT a DP release (anyone with the
         seed and the data can re-create the model); its report says so in its headline.
       train_limit, threads, progress: as in the recipe.
+      test_limit: evaluate on the first ``test_limit`` test examples only (quick runs).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32).
-      model, lora, max_length, test_limit: text datasets only: the pretrained model
-        (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
-        (default 64) and the first ``test_limit`` test examples only.
+      model, lora, max_length: text datasets only: the pretrained model
+        (``"minilm"``, the default), LoRA instead of full fine-tuning and tokens per example
+        (default 64).
       unit: the unit of privacy: ``"example"`` (default); ``"user"`` for the image datasets
         (``users`` synthetic users, image i belongs to user ``i % users``); ``"movie"`` for
         rotten-tomatoes (each snippet's movie). User-level runs sample users (``batch_size``
@@ -221,8 +222,7 @@ def train_and_report(
             f"model), got model={model!r}"
         )
     for name, given in (("model", model is not None), ("lora", lora),
-                        ("max_length", max_length is not None),
-                        ("test_limit", test_limit is not None)):
+                        ("max_length", max_length is not None)):
         if given and not text:
             raise ValueError(
                 f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
@@ -278,9 +278,10 @@ def train_and_report(
         "precision": precision,
         "workers": workers if workers > 1 else None,
     }
-    text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
-                    "test_limit": test_limit} if text else {}
+    text_options = {"model": model or "minilm", "lora": lora,
+                    "max_length": max_length} if text else {}
     options.update(text_options)
+    options["test_limit"] = test_limit
     unit_options: dict[str, Any] = {}
     if unit != "example":
         unit_options = {"unit": unit, "max_examples_per_user": cap,
@@ -316,7 +317,8 @@ def train_and_report(
         "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
-         "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
+         "train_limit": train_limit, "test_limit": test_limit,
+         "precision": None if precision == "fp32" else precision,
          "workers": workers if workers > 1 else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,

@@ -160,6 +160,7 @@ def train_image_classifier(
     seed: int | None = None,
     threads: int | None = None,
     train_limit: int | None = None,
+    test_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
     unit: str = "example",
@@ -204,6 +205,7 @@ def train_image_classifier(
         ``noise_randomness``).
       threads: ``torch.set_num_threads`` for the run (None: leave as is).
       train_limit: use only the first ``train_limit`` training images (smoke tests).
+      test_limit: evaluate on the first ``test_limit`` test images only (smoke tests).
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32; :mod:`dpfy.training.precision`).
@@ -259,7 +261,7 @@ def train_image_classifier(
             clip_norm=clip_norm, model=model, ema_decay=ema_decay,
             max_physical_batch_size=max_physical_batch_size, accounting=accounting, seed=seed,
             threads=threads or max(1, (os.cpu_count() or 1) // workers),
-            train_limit=train_limit, precision=precision,
+            train_limit=train_limit, test_limit=test_limit, precision=precision,
         )
         return cast(TrainResultSummary, run_local(
             _worker, workers, (options,),
@@ -273,7 +275,7 @@ def train_image_classifier(
             f"num_users is missing: unit={unit!r} needs the number of synthetic users"
         )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
-    x_test, y_test = datasets.load(dataset, "test")
+    x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
     sample_rng, noise_rng, randomness = run_randomness(seed)
     units = len(x_train)
     trainer_cls: type[PrivateTrainer] = PrivateTrainer
