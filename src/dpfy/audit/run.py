@@ -42,7 +42,7 @@ from dpfy.ledger.records import SumQueryRecord
 from dpfy.queries import GaussianSumQuery
 from dpfy.report.statement import PrivacyReport
 
-__all__ = ["AuditMethod", "audit_run", "METHODS"]
+__all__ = ["AuditMethod", "audit_run", "METHODS", "write_section"]
 
 AuditMethod = Literal["canary", "one-run"]
 METHODS: tuple[str, ...] = ("canary", "one-run")
@@ -256,11 +256,11 @@ def audit_run(
         else "no violation found"
     )
     section["meaning"] = MEANING
-    _write(out, report, section)
+    write_section(out, report, section)
     return section
 
 
-def _write(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
+def write_section(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
     """Add the section to report.json and re-render report.md (each file replaced atomically)."""
     fields = {f.name for f in dataclasses.fields(PrivacyReport)}
     data = {k: v for k, v in report.items() if k in fields}
