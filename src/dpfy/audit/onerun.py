@@ -246,7 +246,7 @@ def one_run_section(
     conf_each = 1.0 - (1.0 - confidence) / len(scores)
     ceiling = one_run_ceiling(m, guesses, delta=delta, confidence=conf_each)
     gdp_ceiling = one_run_gdp_bound(m, guesses, guesses, delta=delta, confidence=conf_each)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, s in scores.items():
         v = count_correct(s, included, guesses)
         gdp = one_run_gdp_bound(m, guesses, v, delta=delta, confidence=conf_each)

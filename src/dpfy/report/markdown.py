@@ -192,8 +192,8 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
         rows.append((
             "f-DP (Gaussian) lower bound",
             f"mu >= {_fmt(audit.get('fdp_mu_lower'))}, epsilon >= "
-            f"{_fmt(audit.get('fdp_epsilon_lower'))} (ceiling mu {_fmt(audit.get('fdp_mu_ceiling'))}"
-            f", epsilon {_fmt(audit.get('fdp_ceiling'))})",
+            f"{_fmt(audit.get('fdp_epsilon_lower'))} (ceiling mu "
+            f"{_fmt(audit.get('fdp_mu_ceiling'))}, epsilon {_fmt(audit.get('fdp_ceiling'))})",
         ))
     for row in audit.get("scores") or []:
         rows.append((
