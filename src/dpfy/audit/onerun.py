@@ -257,7 +257,7 @@ def one_run_section(
             "fdp_mu_lower": gdp.mu,
             "fdp_epsilon_lower": gdp.epsilon,
         })
-    best = max(rows, key=lambda r: (r["epsilon_lower"], r["fdp_epsilon_lower"]))
+    best = max(rows, key=lambda r: (r["epsilon_lower"], r["fdp_epsilon_lower"], r["correct"]))
     best_fdp = max(rows, key=lambda r: r["fdp_epsilon_lower"])
     claim = float(run_epsilon)
     broken = best["epsilon_lower"] > claim
