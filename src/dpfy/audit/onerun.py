@@ -8,11 +8,14 @@ the accounting) counts them. After training, two scores per canary (higher = "lo
 
 * black-box: ``-loss`` of the canary under the released model (what anyone holding the model
   can compute);
-* white-box: ``sum_t <u_t, -(theta_{t+1} - theta_t)>``, where ``u_t`` is the unit direction of
+* white-box: ``sum_t <u_t, s_t - momentum s_{t-1}>``, where ``u_t`` is the unit direction of
   the canary's gradient at the trained parameters ``theta_t`` (its clipped gradient divided by
-  its norm) and ``theta_{t+1} - theta_t`` is the step the optimizer took from the released noisy
-  gradient: summed over every step, because DP-SGD's guarantee covers every iterate and an
-  included canary pushes the update along ``u_t`` in each step that samples it.
+  its norm), ``s_t = -(theta_{t+1} - theta_t)`` is the step the optimizer took, and
+  ``s_t - momentum s_{t-1}`` is lr times the step's released noisy gradient (heavy-ball SGD):
+  summed over every step, because DP-SGD's guarantee covers every iterate and an included
+  canary pushes the release along ``u_t`` in each step that samples it.
+
+Both scores are centred within each label (:func:`center_by_label`).
 
 The auditor guesses "in" for the ``k // 2`` highest scores, "out" for the ``k - k // 2`` lowest
 and abstains on the rest (the rule is fixed before the run), counts the correct guesses and
