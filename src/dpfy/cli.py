@@ -646,6 +646,23 @@ def train(
         typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
                      "DP-FTRL noise bandmf, blt, tree (default sampler then: cyclic)."),
     ] = MechanismName.dpsgd,
+    audit_canaries: Annotated[
+        int | None,
+        typer.Option("--audit-canaries", help="Images: train with M canaries, each in the "
+                     "training set by a secret coin, and add a one-run audit (Steinke et al.; "
+                     "f-DP) to the report. M in [2, training set size].",
+                     parser=_count("audit_canaries", 2)),
+    ] = None,
+    audit_guesses: Annotated[
+        int | None,
+        typer.Option("--audit-guesses", help="Guesses of the one-run audit, in [2, M] "
+                     "(default M/5); it abstains on the rest.",
+                     parser=_count("audit_guesses", 2)),
+    ] = None,
+    audit_confidence: Annotated[
+        float, typer.Option("--audit-confidence", help="Confidence of the one-run audit's "
+                            "bounds, in (0, 1).", parser=_open_unit("audit_confidence"))
+    ] = 0.95,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
@@ -678,6 +695,9 @@ def train(
         user_reduction=user_reduction.value,
         workers=workers,
         mechanism=mechanism.value,
+        audit_canaries=audit_canaries,
+        audit_guesses=audit_guesses,
+        audit_confidence=audit_confidence,
     )
     from rich.console import Console
 
@@ -687,6 +707,16 @@ def train(
     console.print(
         f"test accuracy {100 * run.test_accuracy:.2f} %, training took {run.seconds:.0f} s"
     )
+    audit_ = run.report.audit
+    if audit_:
+        console.print(
+            f"one-run audit ({audit_['trials']} canaries, {audit_['guesses']} guesses, "
+            f"{audit_['correct']} correct, {100 * audit_confidence:g} %): epsilon >= "
+            f"{audit_['epsilon_lower']:.3g} (ceiling {audit_['ceiling']:.3g}); f-DP: epsilon >= "
+            f"{audit_['fdp_epsilon_lower']:.3g} (ceiling {audit_['fdp_ceiling']:.3g}); "
+            f"{audit_['verdict']}",
+            highlight=False,
+        )
     console.print(f"run directory: {run.out_dir}   report: {run.report_path}")
 
 

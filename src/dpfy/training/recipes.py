@@ -172,6 +172,8 @@ def train_image_classifier(
     mechanism: str = "dpsgd",
     band: int = 16,
     buffers: int = 4,
+    extra_train: tuple[torch.Tensor, torch.Tensor] | None = None,
+    step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -223,6 +225,12 @@ def train_image_classifier(
         ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
         (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
         one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
+      extra_train: ``(images, labels)`` appended to the training set (one process,
+        example-level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`). They
+        are ordinary training examples: sampled, clipped and counted in N like the rest.
+      step_observer: ``step_observer(model)`` is called once with the freshly initialised
+        model, before any step, and returns a callback added to ``callbacks`` (it sees the
+        trained parameters after every step: the white-box audit's view).
 
     Returns:
       :class:`TrainResultSummary` (rank 0's).
@@ -247,6 +255,13 @@ def train_image_classifier(
         raise ValueError(
             f"unit={unit!r} (user-level DP) runs in one process: use workers=1, got "
             f"workers={workers}" + ("" if distributed is None else " and a distributed run")
+        )
+    if (extra_train is not None or step_observer is not None) and (
+        workers > 1 or distributed is not None or unit != "example"
+    ):
+        raise ValueError(
+            "extra_train and step_observer (the one-run audit) need one process and "
+            f"unit='example', got workers={workers}, unit={unit!r}"
         )
     if workers > 1:
         if distributed is not None:
@@ -276,6 +291,9 @@ def train_image_classifier(
         )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
     x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
+    if extra_train is not None:
+        x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
+        y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])
     sample_rng, noise_rng, randomness = run_randomness(seed)
     units = len(x_train)
     trainer_cls: type[PrivateTrainer] = PrivateTrainer
@@ -289,6 +307,8 @@ def train_image_classifier(
         )
         trainer_cls = users.UserLevelTrainer
     net = make_model(model)
+    if step_observer is not None:
+        callbacks = (*callbacks, step_observer(net))
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     plan = None
     if mechanism != "dpsgd":
