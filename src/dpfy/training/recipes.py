@@ -218,9 +218,10 @@ def train_image_classifier(
       distributed: this process's place in a run started elsewhere (``torchrun``); only
         rank 0 should be given ``out_dir``.
       mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
-        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
-        (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
-        one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
+        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers), ``"tree"`` or
+        ``"tree-efficient"`` (docs/architecture.md, 5.16): needs the ``cyclic`` or
+        ``deterministic`` sampler (or one epoch of ``shuffle``); accounted as one
+        ``MatrixMechanism`` (``"gaussian"``).
 
     Returns:
       :class:`TrainResultSummary` (rank 0's).
