@@ -91,7 +91,7 @@ class NoiseStream:
             self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
             rows = plan.band
         #: efficient tree: v_l, the weight of a level-l node's own value in its estimate
-        self.weights: list[float] = level_variances(rows).tolist()
+        self.weights: list[float] = level_variances(max(rows, 1)).tolist()
         self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
 
     def draws(self) -> int:
