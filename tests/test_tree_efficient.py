@@ -175,3 +175,25 @@ def test_compare_mechanisms_row_has_the_trees_z_and_less_noise() -> None:
     assert eff.prefix_rmse < 0.85 * tree.prefix_rmse
     want = eff.noise_multiplier * math.sqrt(prefix_variances(64).mean())
     assert eff.prefix_rmse == pytest.approx(want, rel=1e-12)
+
+
+def test_ledger_recomputes_the_full_trees_sensitivity() -> None:
+    from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord, SampleRecord
+    from dpfy.sampling import CyclicSampler
+
+    plan = CorrelatedPlan("tree-efficient", {}, 8, Cyclic(4))
+    square = CorrelatedPlan("tree", {}, 8, Cyclic(4))
+    # two epochs: more full-tree nodes hold both of an example's steps than square-tree ones
+    assert plan.sensitivity > square.sensitivity
+    spec = CyclicSampler(8, 2).sample_spec()
+
+    def ledger(recorded: float) -> Ledger:
+        records: list[object] = [MatrixRunRecord("gradient", plan, 1.0, 2.0, recorded)]
+        for i in range(8):
+            records += [SampleRecord(i, spec, i // 4, i), MatrixStepRecord(i, "gradient", i,
+                                                                           1.0, 2.0)]
+        return Ledger.from_records(records)  # type: ignore[arg-type]
+
+    assert ledger(plan.sensitivity).to_event() == plan.event(2.0)
+    with pytest.raises(ValueError, match="below the exact"):
+        ledger(square.sensitivity).to_event()  # the plain tree's figure for the full tree
