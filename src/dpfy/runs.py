@@ -203,7 +203,8 @@ def train_and_report(
       workers: image datasets only: data-parallel processes on this machine (this one is
         rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
       mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
-        ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
+        ``"tree"``, ``"tree-efficient"`` (with the ``cyclic`` sampler; docs/architecture.md,
+        5.16).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
