@@ -173,8 +173,8 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 CompareMechanisms = Annotated[
     bool,
     typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
-                 "the correlated-noise mechanisms (BandMF, BLT, tree; cyclic order) side by "
-                 "side at the same epsilon."),
+                 "the correlated-noise mechanisms (BandMF, BLT, tree, efficient tree; cyclic "
+                 "order) side by side at the same epsilon."),
 ]
 
 
@@ -183,14 +183,21 @@ class MechanismName(StrEnum):
     bandmf = "bandmf"
     blt = "blt"
     tree = "tree"
+    tree_efficient = "tree-efficient"
+    dp_sgd = "dp-sgd"  # alias of dpsgd
+    dp_ftrl_tree = "dp-ftrl-tree"  # alias of tree-efficient (Kairouz et al. 2021)
+
+
+#: The spellings that name another mechanism.
+_MECHANISM_ALIASES = {"dp-sgd": "dpsgd", "dp-ftrl-tree": "tree-efficient"}
 
 
 def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
-    print(f"{'mechanism':<10}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
+    print(f"{'mechanism':<16}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
           f"{'prefix rmse / C':>17}")
     for r in rows:
-        print(f"{r['mechanism']:<10}{r['sampler']:<10}{r['method']:<10}"
+        print(f"{r['mechanism']:<16}{r['sampler']:<10}{r['method']:<10}"
               f"{r['noise_multiplier']:>9.4f}{r['epsilon']:>9.4f}{r['prefix_rmse']:>17.4g}")
 
 
@@ -643,8 +650,10 @@ def train(
     ] = 1,
     mechanism: Annotated[
         MechanismName,
-        typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
-                     "DP-FTRL noise bandmf, blt, tree (default sampler then: cyclic)."),
+        typer.Option("--mechanism", help="Noise: dpsgd (alias dp-sgd; independent per step) "
+                     "or correlated DP-FTRL noise bandmf, blt, tree, tree-efficient (alias "
+                     "dp-ftrl-tree: the full tree with the Honaker estimator; default sampler "
+                     "then: cyclic)."),
     ] = MechanismName.dpsgd,
     audit_canaries: Annotated[
         int | None,
@@ -669,13 +678,14 @@ def train(
     is the unit of privacy."""
     from dpfy import runs
 
+    chosen = _MECHANISM_ALIASES.get(mechanism.value, mechanism.value)
     run = runs.train_and_report(
         dataset.value,
         out=out,
         target_epsilon=target_epsilon,
         delta=delta,
         sampler=(sampler.value.replace("-", "_") if sampler is not None
-                 else "poisson" if mechanism is MechanismName.dpsgd else "cyclic"),
+                 else "poisson" if chosen == "dpsgd" else "cyclic"),
         epochs=epochs,
         batch_size=batch_size,
         learning_rate=learning_rate,
@@ -694,7 +704,7 @@ def train(
         cap=cap,
         user_reduction=user_reduction.value,
         workers=workers,
-        mechanism=mechanism.value,
+        mechanism=chosen,
         audit_canaries=audit_canaries,
         audit_guesses=audit_guesses,
         audit_confidence=audit_confidence,

@@ -207,7 +207,8 @@ def train_and_report(
       workers: image datasets only: data-parallel processes on this machine (this one is
         rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
       mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
-        ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
+        ``"tree"``, ``"tree-efficient"`` (with the ``cyclic`` sampler; docs/architecture.md,
+        5.16).
       audit_canaries: image datasets, one process, example level, DP-SGD: train with this many
         canaries, each in the training set by a secret coin, and add the one-run audit
         (:mod:`dpfy.audit.onerun`) to the report; in [2, training set size].

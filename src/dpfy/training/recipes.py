@@ -222,9 +222,10 @@ def train_image_classifier(
       distributed: this process's place in a run started elsewhere (``torchrun``); only
         rank 0 should be given ``out_dir``.
       mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
-        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
-        (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
-        one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
+        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers), ``"tree"`` or
+        ``"tree-efficient"`` (docs/architecture.md, 5.16): needs the ``cyclic`` or
+        ``deterministic`` sampler (or one epoch of ``shuffle``); accounted as one
+        ``MatrixMechanism`` (``"gaussian"``).
       extra_train: ``(images, labels)`` appended to the training set (one process,
         example-level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`). They
         are ordinary training examples: sampled, clipped and counted in N like the rest.
