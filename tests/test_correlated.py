@@ -180,15 +180,6 @@ def test_stream_state_resumes_bit_for_bit(kind: str) -> None:
     assert not np.array_equal(first[0], rest[0])
 
 
-def test_bandmf_memory_guard_names_the_figure() -> None:
-    from dpfy.correlated.bandmf import check_state_memory, state_bytes
-
-    assert state_bytes(5, 1000) == 4 * 1000 * 4
-    check_state_memory(5, 1000, 16_000)
-    with pytest.raises(ValueError, match=r"band must be in \[1, 4\].*got band=5 \(16000 bytes"):
-        check_state_memory(5, 1000, 15_999)
-
-
 def test_optimised_blt_is_near_the_full_toeplitz_optimum_with_four_buffers() -> None:
     from dpfy.correlated import optimize_blt
     from dpfy.correlated.blt import blt_loss

@@ -255,3 +255,24 @@ def test_cyclic_sampler_repeats_one_permutation_and_resumes_it_with_secure_rando
     again.load_state_dict(state)
     assert [b.tolist() for b in again.batches(1)] == e0[1:]
     assert [b.tolist() for b in again.batches(2)] == e0
+
+
+def test_a_noise_state_that_does_not_fit_is_refused_before_anything_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stream's state (BandMF: band - 1 vectors of the parameters' size, plus z and w)
+    is checked against the free memory before the first step, with the figure."""
+    from dpfy.queries import correlated as corr
+
+    plan = _plan("bandmf")  # band 3: (2 + 2) x 34 parameters x 4 bytes = 544 bytes
+    assert corr.stream_bytes(plan, 34) == 544
+    assert corr.stream_bytes(_plan("tree"), 34) == (12 .bit_length() + 2) * 34 * 4
+    corr.check_stream_memory(plan, 34, 544)
+    with pytest.raises(ValueError, match=r"bandmf noise state needs .*band must be at most 2"):
+        corr.check_stream_memory(plan, 34, 543)
+    monkeypatch.setattr(corr, "available_memory", lambda device: 500)
+    ledger = Ledger()
+    trainer = _trainer(plan, ledger=ledger)
+    with pytest.raises(ValueError, match=r"noise state needs 0\.0 MiB"):
+        trainer.fit()
+    assert not ledger.entries and not ledger.samples

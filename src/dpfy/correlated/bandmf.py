@@ -27,7 +27,7 @@ from scipy.special import gammaln
 from dpfy._validate import check_finite_nonneg, check_int
 from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs, toeplitz_lower
 
-__all__ = ["BandMF", "BandMFNoise", "check_state_memory", "optimize_bandmf", "state_bytes"]
+__all__ = ["BandMF", "BandMFNoise", "optimize_bandmf"]
 
 Objective = Literal["total", "max"]
 
@@ -117,33 +117,6 @@ class BandMFNoise:
         self.history.clear()
         self.history.extend(np.array(h) for h in state["history"])
         self.rng.bit_generator.state = state["rng"]
-
-
-def state_bytes(band: int, parameters: int, bytes_per_value: int = 4) -> int:
-    """Bytes of BandMF noise state: ``(band - 1) x parameters x bytes_per_value``."""
-    check_int("band", band)
-    check_int("parameters", parameters)
-    check_int("bytes_per_value", bytes_per_value)
-    return (band - 1) * parameters * bytes_per_value
-
-
-def check_state_memory(
-    band: int, parameters: int, limit_bytes: int, bytes_per_value: int = 4
-) -> None:
-    """Refuse a band whose noise state would exceed ``limit_bytes``, with the figure.
-
-    Raises:
-        ValueError: naming ``band``, the state size and the limit, and the largest band that fits.
-    """
-    check_int("limit_bytes", limit_bytes, low=0)
-    need = state_bytes(band, parameters, bytes_per_value)
-    if need > limit_bytes:
-        fits = limit_bytes // (parameters * bytes_per_value) + 1
-        raise ValueError(
-            f"band must be in [1, {fits}] for {parameters} parameters within {limit_bytes} "
-            f"bytes of noise state, got band={band} ({need} bytes: (band - 1) x parameters x "
-            f"{bytes_per_value})"
-        )
 
 
 def _sqrt_coeffs(n: int) -> np.ndarray:

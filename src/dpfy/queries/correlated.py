@@ -30,6 +30,7 @@ itself and belongs only in a private checkpoint.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -68,6 +69,58 @@ __all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlate
 _CHUNK = 1 << 17
 
 
+def state_rows(plan: CorrelatedPlan) -> int:
+    """Parameter-sized vectors of noise state a plan's stream keeps: BandMF ``band - 1``,
+    BLT ``buffers``, the trees one per level (``floor(log2 T) + 1``)."""
+    if plan.strategy == "bandmf":
+        return max(plan.band - 1, 0)
+    if plan.strategy == "blt":
+        return plan.band
+    return max(plan.steps.bit_length(), 1)
+
+
+def stream_bytes(plan: CorrelatedPlan, parameters: int, bytes_per_value: int = 4) -> int:
+    """Bytes a run's noise stream allocates: the state plus the fresh draw ``z_t`` and the
+    output ``w_t`` (``(state_rows + 2) x parameters x bytes_per_value``)."""
+    return (state_rows(plan) + 2) * int(parameters) * int(bytes_per_value)
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: the free physical pages
+    the OS reports), or None where that is unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def check_stream_memory(
+    plan: CorrelatedPlan, parameters: int, limit_bytes: int, bytes_per_value: int = 4
+) -> None:
+    """Refuse (``ValueError``, before any step) a plan whose noise stream would not fit in
+    ``limit_bytes``, with the figure and, for BandMF and BLT, the largest band that fits."""
+    need = stream_bytes(plan, parameters, bytes_per_value)
+    if need <= limit_bytes:
+        return
+    per_row = int(parameters) * int(bytes_per_value)
+    rows_fit = limit_bytes // per_row - 2
+    what = {"bandmf": ("band", rows_fit + 1), "blt": ("buffers", rows_fit)}
+    hint = ""
+    if plan.strategy in what:
+        name, best = what[plan.strategy]
+        hint = (f"; {name} must be at most {best} here" if best >= 1 else
+                "; not even the smallest state fits")
+    raise ValueError(
+        f"the {plan.strategy} noise state needs {need / 2**20:.1f} MiB "
+        f"((state vectors {state_rows(plan)} + 2) x {parameters} parameters x "
+        f"{bytes_per_value} bytes), above the {limit_bytes / 2**20:.1f} MiB available{hint}"
+    )
+
+
 class NoiseStream:
     """The per-step noise ``(C^{-1} z)_t`` of a plan over a flat vector of ``size`` values.
 
@@ -82,14 +135,12 @@ class NoiseStream:
         dtype, device = like.dtype, like.device
         self.w: torch.Tensor = torch.empty(size, dtype=dtype, device=device)
         self.head = 0
-        rows = max(plan.steps.bit_length(), 1)  # tree: one node per level
+        rows = state_rows(plan)
         if plan.strategy == "bandmf":
             self.coeffs = torch.tensor(plan.params["coeffs"], dtype=torch.float64)
-            rows = max(plan.band - 1, 0)
         elif plan.strategy == "blt":
             self.omega = torch.tensor(plan.params["omega"], dtype=dtype, device=device)
             self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
-            rows = plan.band
         #: efficient tree: v_l, the weight of a level-l node's own value in its estimate
         self.weights: list[float] = level_variances(max(rows, 1)).tolist()
         self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
@@ -378,11 +429,20 @@ def correlated_event(
 
 def correlated_query(
     plan: CorrelatedPlan, clip_norm: float, noise_multiplier: float, spec: SampleSpec,
-    total_steps: int,
+    total_steps: int, *, parameters: int | None = None, device: torch.device | None = None,
+    limit_bytes: int | None = None,
 ) -> CorrelatedNoiseQuery:
     """The trainer's query for a correlated run, refusing (``ValueError``, before any step) a
-    sampler that does not implement ``plan.schema`` or a run longer than ``plan.steps``."""
+    sampler that does not implement ``plan.schema``, a run longer than ``plan.steps``, or a
+    noise stream for ``parameters`` float32 values that would not fit in ``limit_bytes``
+    (default: 90 % of the free memory of ``device``, when that is known)."""
     check_schema_spec(plan.schema, spec)
+    if parameters is not None:
+        if limit_bytes is None and device is not None:
+            free = available_memory(device)
+            limit_bytes = None if free is None else int(0.9 * free)
+        if limit_bytes is not None:
+            check_stream_memory(plan, parameters, limit_bytes)
     if total_steps > plan.steps:
         raise ValueError(
             f"steps must be at most the plan's steps={plan.steps}, got {total_steps} planned "

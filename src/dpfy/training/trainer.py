@@ -350,10 +350,12 @@ class PrivateTrainer:
         from dpfy.queries import GaussianSumQuery
         from dpfy.queries.correlated import correlated_query
 
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.query_: Query = (
             GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
             else correlated_query(self.correlated, self.clip_norm, z, self.sampler.sample_spec(),
-                                  self.total_steps)
+                                  self.total_steps, parameters=sum(p.numel() for p in trainable),
+                                  device=trainable[0].device if trainable else None)
         )
         self.private_gradient_ = PrivateGradient(
             self.model,
