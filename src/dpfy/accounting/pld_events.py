@@ -42,6 +42,17 @@ Three kinds of step, all with the noise multiplier z relative to the clip norm C
   gives weight t(N - 1) to (q_bar_max, z/2), 1 - t(N) to (q, z) and the difference to (q, z/2),
   which dominates both of those pairs. This replaces the coupling bound
   (delta + (1 + e^eps) P(some batch over-full)) when it is tighter.
+
+  Against dp_accounting 0.6.0's truncated subsampled Gaussian (the same branch split; its
+  docstring points to arXiv 2508.15089): its cut branch uses the *replace-one* subsampled pair at (q_bar, z/2), i.e.
+  (1 - q_bar) N(0) + q_bar N(-1) against (1 - q_bar) N(0) + q_bar N(+1) at noise z/2, which
+  dominates the pair above (there the neighbour without the unit is the plain R, so one side
+  has no shifted component); it counts N - 1 others only. Where truncation binds, ours is
+  tighter (0.05 % to 3.4 % on the stored rows); where it barely binds (t <= 2e-6) both are the
+  Poisson step and only discretisation separates them: dp_accounting's default loss grid 1e-4
+  errs by about 2e-6 relative over a few hundred steps, below the default relative tolerance.
+  So truncated steps refine the grid to at most :data:`TRUNCATED_MAX_INTERVAL` as well
+  (connect-the-dots errs by about C h^2 with the same C in both codes, measured).
 """
 
 from __future__ import annotations
@@ -59,7 +70,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_NOISE_MULTIPLIER",
+    "TRUNCATED_MAX_INTERVAL",
     "Mech",
+    "max_interval",
     "flatten",
     "unsupported",
     "step_pmfs",
@@ -67,6 +80,11 @@ __all__ = [
     "symmetrised",
     "mixture",
 ]
+
+#: Finest-needed loss grid interval for runs with truncated steps (2^-14 ~ 6.1e-5): at most
+#: 0.37x the squared-interval error of dp_accounting's default 1e-4 grid, so the figure is
+#: never looser than dp_accounting's truncated subsampled Gaussian (module docstring).
+TRUNCATED_MAX_INTERVAL = 2.0**-14
 
 #: Below this noise multiplier the discretised loss exp(1/(2 z^2)) leaves float range and the
 #: grid degenerates; such events are left to RDP (which works in log space).
@@ -118,6 +136,13 @@ def truncation_weights(
             log_num = math.log(b / (n + 1.0)) + float(stats.binom.logsf(b, n + 1, q))
             qbars.append(min(q * b / (b + 1.0), math.exp(log_num - log_t)))
     return min(ts), max(ts), max(qbars, default=0.0)
+
+
+def max_interval(mechanisms: dict[Mech, int]) -> float:
+    """Largest loss grid interval the refinement may stop at for these steps (inf: no cap)."""
+    if any(m.kind == "truncated" for m in mechanisms):
+        return TRUNCATED_MAX_INTERVAL
+    return math.inf
 
 
 def _leaf(event: ev.Event) -> Mech | None:
