@@ -33,11 +33,11 @@ import json
 import math
 import pathlib
 
+import numpy as np
 from dp_accounting import dp_event as de
 from dp_accounting.pld import pld_privacy_accountant as pld_acc
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_acc
-import numpy as np
 from scipy import stats
 
 NR = pld_acc.NeighborRel
