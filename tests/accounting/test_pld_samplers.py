@@ -36,6 +36,8 @@ def test_fixed_size_between_the_reachable_pair_and_dp_accounting_rdp(row: dict) 
     eps = pld.pld_epsilon(_fixed(row["B"], row["N"], row["z"], row["steps"]), row["delta"])
     assert eps.adjacency == "replace_one"
     assert eps.epsilon >= row["lower"] * (1 - 1e-9)
+    # never looser than dp_accounting: its PLD accountant does not support sampling without
+    # replacement (0.6.0), so its RDP figure is its number for the event (1.56x to 2.28x ours)
     assert eps.epsilon <= row["rdp"]
     # and below dpfy's own RDP figure for the event (Wang, Balle, Kasiviswanathan 2019)
     rdp = accounting.epsilon(
@@ -47,12 +49,22 @@ def test_fixed_size_between_the_reachable_pair_and_dp_accounting_rdp(row: dict) 
 @pytest.mark.parametrize("row", VECTORS["truncated"], ids=lambda r: f"Bmax{r['B_max']}")
 def test_truncated_never_looser_than_dp_accounting(row: dict) -> None:
     event = ev.TruncatedPoisson(row["q"], row["z"], row["steps"], row["N"], row["B_max"])
+    eps = pld.pld_epsilon(event, row["delta"]).epsilon
+    # a pessimistic discretisation of the mixture pair: never below that pair's converged value
+    # (dp_accounting's Gaussian PLDs at a 10x finer grid), nor below a lower bound on the truth
+    assert eps >= row["converged"] * (1 - 1e-9)
+    assert eps >= row["lower"]
+    # never looser than dp_accounting's default truncated subsampled Gaussian PLD
+    assert eps <= row["dp_accounting"] * (1 + 1e-9)
+
+
+def test_public_truncated_epsilon_is_the_smaller_of_mixture_and_coupling() -> None:
+    row = VECTORS["truncated"][4]
+    event = ev.TruncatedPoisson(row["q"], row["z"], row["steps"], row["N"], row["B_max"])
     res = accounting.epsilon(event, row["delta"], method="pld")
     assert res.method == "pld"
-    assert row["lower"] <= res.epsilon
-    # dp_accounting's default grid (1e-4) against dpfy's default tolerance: never looser by
-    # more than that tolerance (below it on 5 of 8 rows, at most +1.8e-4 relative)
-    assert res.epsilon <= row["dp_accounting"] * (1 + pld.DEFAULT_TOLERANCE)
+    assert res.epsilon <= pld.pld_epsilon(event, row["delta"]).epsilon
+    assert row["lower"] <= res.epsilon <= row["dp_accounting"] * (1 + 1e-9)
 
 
 def test_symmetrised_step_is_a_symmetric_probability_with_the_remove_curve() -> None:
@@ -165,7 +177,7 @@ def test_fixed_size_pld_is_monotone(b: int, z: float, steps: int, delta: float) 
     assert _fixed_eps(b, z, steps, delta * 10) <= base * (1 + _SLACK) + 1e-9
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)  # ~0.3 s per value on the capped grid
 @given(
     q=st.floats(0.01, 0.2),
     z=st.floats(0.7, 3.0),

@@ -80,6 +80,8 @@ class _Evaluator:
     * pld: coarse = the first (coarsest) loss grid, no refinement; fine = the full tolerance
       for the first fine call, then that call's final grid interval for the calls after it
       (a fixed grid makes epsilon a smooth function of the parameter near the target).
+      Truncated samplers: coarse = the mixture PLD on the first grid (without the coupling
+      bound the API also tries; still valid), fine = the public API.
     * random_allocation: coarse = the first grid level; fine = the upper bound alone (no
       optimistic twin).
     * rdp: coarse = a sparse order grid; fine = the default orders within a factor 2 of the
@@ -101,6 +103,9 @@ class _Evaluator:
     def __call__(self, x: float, coarse: bool) -> float:
         event = self.make_event(x)
         if _api.untruncated(event) != event:  # truncation is added centrally: use the API
+            if coarse and self.method == "pld":  # the mixture PLD alone is valid (looser)
+                h = _pld.first_interval(event)
+                return _pld.epsilon_with_interval(event, self.delta, interval=h)[0]
             return _api.epsilon(event, self.delta, method=self.method).epsilon
         if not self.has_coarse:
             return _api.epsilon(event, self.delta, method=self.method).epsilon

@@ -66,6 +66,7 @@ from dpfy.accounting._api import (
 )
 from dpfy.accounting.pld_events import MIN_NOISE_MULTIPLIER, Mech, flatten, step_pmfs
 from dpfy.accounting.pld_events import loss_std as _mech_loss_std
+from dpfy.accounting.pld_events import max_interval as _max_interval
 from dpfy.accounting.pld_events import unsupported as _unsupported
 
 __all__ = [
@@ -567,9 +568,12 @@ def _refine(
     (a third of the change when h_f = h_c / 2). The first step halves h; later steps jump to
     the interval this model says meets ``_REFINE_AIM`` x tolerance (between 1/8 and 1/2 of
     the current one, on a quarter-power-of-two grid so that nearby parameters share grids).
-    Every level is a valid upper bound, so the smallest value seen is returned.
+    Steps with a cap on the interval (:func:`pld_events.max_interval`, truncated Poisson) go on
+    to that interval once the tolerance is met. Every level is a valid upper bound, so the
+    smallest value seen is returned.
     """
     h = _first_interval(mechanisms)
+    cap = _max_interval(mechanisms)
     prev, prev_h = math.inf, math.nan
     best = math.inf
     levels = 0
@@ -589,8 +593,11 @@ def _refine(
             shrink = (h / prev_h) ** 2
             error = abs(prev - value) * shrink / (1.0 - shrink)
             allowed = tolerance * max(value, floor)
-            if error <= allowed:
+            if error <= allowed and h <= cap:
                 return _Refined(best, h, True, levels)
+            if error <= allowed:  # tolerance met, interval still above the cap: go there
+                prev, prev_h, h = value, h, cap
+                continue
             ratio = min(0.5, max(0.125, math.sqrt(_REFINE_AIM * allowed / error)))
         prev, prev_h = value, h
         h = 2.0 ** (math.floor(4.0 * math.log2(h * ratio)) / 4.0)

@@ -42,6 +42,22 @@ Three kinds of step, all with the noise multiplier z relative to the clip norm C
   gives weight t(N - 1) to (q_bar_max, z/2), 1 - t(N) to (q, z) and the difference to (q, z/2),
   which dominates both of those pairs. This replaces the coupling bound
   (delta + (1 + e^eps) P(some batch over-full)) when it is tighter.
+
+  dp_accounting 0.6.0's truncated subsampled Gaussian (its docstring points to arXiv
+  2508.15089) splits the step the same way, with the same t and q_bar, but its cut branch is
+  the *replace-one* subsampled pair, (1 - q_bar) N(0) + q_bar N(-1) against
+  (1 - q_bar) N(0) + q_bar N(+1) at noise z/2. That pair dominates ours: here the neighbour
+  without the unit releases the plain R, so one side carries no shifted component (joint
+  convexity over the coupling of R and R' gives the one-sided Poisson pair in each
+  direction, and the direction is the same at every step because the neighbouring pair is
+  fixed for the run). dp_accounting counts N - 1 others only; on the stored rows where
+  truncation binds, our cover term for N others costs less than the tighter cut pair saves,
+  and ours is 0.07 % to 3.4 % below its figure. Where truncation barely binds (t <= 2e-6 per
+  step) both are the Poisson step and only the discretisation separates them:
+  dp_accounting's default grid 1e-4 errs by about 2.4e-6 relative at 300 steps (q = 0.01,
+  z = 1), far below our default relative tolerance. So runs with truncated steps also refine
+  the grid down to :data:`TRUNCATED_MAX_INTERVAL` (connect-the-dots errs by about C h^2,
+  with about the same C in both codes, measured).
 """
 
 from __future__ import annotations
@@ -59,7 +75,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MIN_NOISE_MULTIPLIER",
+    "TRUNCATED_MAX_INTERVAL",
     "Mech",
+    "max_interval",
     "flatten",
     "unsupported",
     "step_pmfs",
@@ -67,6 +85,11 @@ __all__ = [
     "symmetrised",
     "mixture",
 ]
+
+#: Finest-needed loss grid interval for runs with truncated steps (2^-14 ~ 6.1e-5): at most
+#: 0.37x the squared-interval error of dp_accounting's default 1e-4 grid, so the figure is
+#: never looser than dp_accounting's truncated subsampled Gaussian (module docstring).
+TRUNCATED_MAX_INTERVAL = 2.0**-14
 
 #: Below this noise multiplier the discretised loss exp(1/(2 z^2)) leaves float range and the
 #: grid degenerates; such events are left to RDP (which works in log space).
@@ -118,6 +141,13 @@ def truncation_weights(
             log_num = math.log(b / (n + 1.0)) + float(stats.binom.logsf(b, n + 1, q))
             qbars.append(min(q * b / (b + 1.0), math.exp(log_num - log_t)))
     return min(ts), max(ts), max(qbars, default=0.0)
+
+
+def max_interval(mechanisms: dict[Mech, int]) -> float:
+    """Largest loss grid interval the refinement may stop at for these steps (inf: no cap)."""
+    if any(m.kind == "truncated" for m in mechanisms):
+        return TRUNCATED_MAX_INTERVAL
+    return math.inf
 
 
 def _leaf(event: ev.Event) -> Mech | None:

@@ -33,6 +33,7 @@ import json
 import math
 import pathlib
 
+import numpy as np
 from dp_accounting import dp_event as de
 from dp_accounting.pld import pld_privacy_accountant as pld_acc
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -41,6 +42,7 @@ from scipy import stats
 
 NR = pld_acc.NeighborRel
 FINE = 1e-4  # optimistic: a lower bound of its pair at any interval
+CONVERGED = 1e-5  # pessimistic, ten times finer than dp_accounting's default
 
 # (B, N, z, steps, delta)
 FIXED = [
@@ -92,6 +94,36 @@ def fixed_rows() -> list[dict]:
     return rows
 
 
+def _weights(q: float, n_all: int, b_max: int) -> tuple[float, float, float]:
+    """(t(N-1), t(N), q_bar) by direct sums over the binomial pmf."""
+    ts, qbars = [], []
+    for n in (n_all - 1, n_all):
+        k = np.arange(b_max, n + 1)
+        pk = stats.binom.pmf(k, n, q)
+        t = float(pk.sum())
+        ts.append(t)
+        if t > 0.0:
+            qbars.append(q * float(np.sum(pk * b_max / (k + 1.0))) / t)
+    return ts[0], ts[1], max(qbars, default=0.0)
+
+
+def _pessimistic(q: float, sigma: float) -> pld_lib.PrivacyLossDistribution:
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=sigma, sampling_prob=q, value_discretization_interval=CONVERGED
+    )
+
+
+def converged_mixture(q: float, n: int, b_max: int, z: float, steps: int, delta: float) -> float:
+    """Epsilon of dpfy's truncated step pair, composed, on dp_accounting's fine grid."""
+    t1, t2, q_bar = _weights(q, n, b_max)
+    step = _pessimistic(q, z)
+    if t2 > t1:  # (q, z/2) with weight t2 - t1
+        step = _pessimistic(q, z / 2.0).compute_mixture(step, (t2 - t1) / (1.0 - t1))
+    if t1 > 0.0:
+        step = _pessimistic(q_bar, z / 2.0).compute_mixture(step, t1)
+    return float(step.self_compose(steps).get_epsilon_for_delta(delta))
+
+
 def truncated_rows() -> list[dict]:
     rows = []
     for q, n, b_max, z, steps, delta in TRUNCATED:
@@ -107,7 +139,8 @@ def truncated_rows() -> list[dict]:
             lower = float(_optimistic_poisson(q, z, steps).get_epsilon_for_delta(budget))
         rows.append(
             {"q": q, "N": n, "B_max": b_max, "z": z, "steps": steps, "delta": delta,
-             "dp_accounting": upper, "lower": max(0.0, lower), "p": p}
+             "dp_accounting": upper, "lower": max(0.0, lower), "p": p,
+             "converged": converged_mixture(q, n, b_max, z, steps, delta)}
         )
         print(rows[-1], flush=True)
     return rows
