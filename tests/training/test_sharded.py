@@ -214,7 +214,7 @@ def _refusal_worker(d: Distributed, out: Path) -> None:
     refused(lambda: PrivateGradient(sharded, GaussianSumQuery(CLIP, Z), expected_batch_size=4))
     refused(lambda: PrivateGradient(sharded, GaussianSumQuery(CLIP, Z), expected_batch_size=4,
                                     microbatch_size=2, microbatch_mode="sum", reducer=d))
-    plan = make_plan("banded", 4, Cyclic(2), band=2, buffers=1, maxiter=20)
+    plan = make_plan("bandmf", 4, Cyclic(2), band=2, buffers=1, maxiter=20)
     refused(lambda: PrivateGradient(
         sharded, CorrelatedNoiseQuery(plan, CLIP, Z), expected_batch_size=4, reducer=d))
 

@@ -48,9 +48,10 @@ is not a stateless :class:`dpfy.queries.QueryBase`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -180,6 +181,30 @@ class ShardedRelease:
         self._streams: weakref.WeakKeyDictionary[Randomness, Randomness] = (
             weakref.WeakKeyDictionary()
         )
+
+    @contextlib.contextmanager
+    def collectives(self) -> Iterator[None]:
+        """Around a forward and backward pass: FSDP2's own all-gathers and reduce-scatters
+        that fail (a rank died or hung) stop this rank with ``DistributedError``."""
+        from dpfy.training.distributed import DistributedError
+
+        try:
+            yield
+        except RuntimeError as e:
+            text = str(e)
+            backend = isinstance(e, torch.distributed.DistBackendError) or any(
+                k in text for k in ("gloo", "NCCL", "Connection reset", "Timed out")
+            )
+            if isinstance(e, DistributedError) or not backend:
+                raise
+            first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+            raise DistributedError(
+                f"rank {self.reducer.rank} of {self.reducer.world_size}: an FSDP2 collective "
+                f"of the forward or backward pass failed ({first}): another process died, "
+                f"stopped or did not arrive within timeout={self.reducer.timeout:g} s. This "
+                "process stops; the step was not applied here, and the ledger (rank 0's) "
+                "records every release any rank applied"
+            ) from e
 
     def stream(self, randomness: Randomness) -> Randomness:
         """This rank's noise stream for ``randomness`` (derived once, then continued)."""

@@ -398,7 +398,8 @@ class PrivateGradient:
         return_norms: bool,
         loss_scale: float = 1.0,
     ) -> ChunkStats:
-        with capture_layers(self.plans_, _batch_size(inputs)) as recorder:
+        guard = self._sharded.collectives() if self._sharded else contextlib.nullcontext()
+        with guard, capture_layers(self.plans_, _batch_size(inputs)) as recorder:
             with self.autocast():
                 losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
