@@ -33,6 +33,7 @@ from dpfy.audit.selftests import (
     correlated_selftest,
     distributed_selftest,
     federated_selftest,
+    sharded_selftest,
 )
 from dpfy.audit.stats import (
     ThresholdBound,
@@ -62,5 +63,6 @@ __all__ = [
     "one_run_ceiling",
     "one_run_epsilon",
     "one_run_p_value",
+    "sharded_selftest",
     "threshold_epsilon_bound",
 ]

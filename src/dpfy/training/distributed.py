@@ -176,6 +176,7 @@ class Distributed:
         from torch.distributed.device_mesh import DeviceMesh
 
         group = self.group if self.group is not None else dist.group.WORLD
+        assert group is not None  # a process group exists once this process joined
         return DeviceMesh.from_group(group, self.device.type)
 
     def sum_numbers(self, values: list[float]) -> list[float]:

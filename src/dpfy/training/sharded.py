@@ -277,7 +277,7 @@ def _local_shape(p: torch.Tensor) -> torch.Size:
 
 
 def _describe(p: torch.Tensor) -> str:
-    placements = getattr(p, "placements", None)
+    placements, mesh = getattr(p, "placements", None), getattr(p, "device_mesh", None)
     if placements is None:
         return f"a plain {type(p).__name__} of shape {tuple(p.shape)}"
-    return f"a DTensor with placements {tuple(placements)} on mesh {p.device_mesh}"
+    return f"a DTensor with placements {tuple(placements)} on mesh {mesh}"

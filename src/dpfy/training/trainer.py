@@ -66,6 +66,7 @@ from dpfy.training.distributed import (
 from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
+from dpfy.training.sharded import is_sharded
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
@@ -667,7 +668,9 @@ class PrivateTrainer:
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
             "mechanism": "dpsgd" if self.correlated is None else self.correlated.strategy,
-        } | ({} if self.distributed is None else {"workers": self.distributed.world_size})
+        } | ({} if self.distributed is None else {"workers": self.distributed.world_size}) | (
+            {"sharded": True} if self.distributed is not None and is_sharded(self.model) else {}
+        )
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
