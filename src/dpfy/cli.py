@@ -641,6 +641,11 @@ def train(
                      "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
                      parser=_count("workers")),
     ] = 1,
+    shard: Annotated[
+        bool,
+        typer.Option("--shard", help="With --workers N: shard the model over the processes "
+                     "(FSDP2 fully_shard; each process noises its own shard)."),
+    ] = False,
     mechanism: Annotated[
         MechanismName,
         typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
@@ -677,6 +682,7 @@ def train(
         cap=cap,
         user_reduction=user_reduction.value,
         workers=workers,
+        shard=shard,
         mechanism=mechanism.value,
     )
     from rich.console import Console

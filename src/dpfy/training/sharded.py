@@ -64,7 +64,15 @@ if TYPE_CHECKING:
     from dpfy.randomness import Randomness
     from dpfy.training.norms.capture import ModulePlan
 
-__all__ = ["ShardReducer", "ShardedRelease", "is_sharded", "rank_randomness", "shard_rows"]
+__all__ = [
+    "ShardReducer",
+    "ShardedRelease",
+    "full_state_dict",
+    "is_sharded",
+    "rank_randomness",
+    "shard_model",
+    "shard_rows",
+]
 
 
 class ShardReducer(Protocol):
@@ -86,6 +94,27 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def shard_model(model: nn.Module, distributed: Any) -> nn.Module:
+    """``fully_shard`` every submodule that owns parameters, then the root, over
+    ``distributed.mesh()`` (in place; returns ``model``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = distributed.mesh()
+    for module in list(model.modules()):
+        if module is not model and any(True for _ in module.parameters(recurse=False)):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every shard gathered (a collective: every rank calls it)."""
+    return {
+        k: v.full_tensor() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
 
 
 def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -287,6 +287,11 @@ class PrivateTrainer:
             per_process_batch(self.max_physical_batch_size, self.distributed.world_size)
             if not self.distributed.releases:
                 check_mirror_ledger(self.ledger, self.distributed.rank)
+        if self.ema_decay is not None and is_sharded(self.model):
+            raise ValueError(
+                f"ema_decay must be None for a model sharded with fully_shard (FSDP2 modules "
+                f"cannot be copied for the EMA), got ema_decay={self.ema_decay!r}"
+            )
 
     def sampler_size(self) -> int:
         """Examples in the training data (checked against the sampler's ``dataset_size``)."""
