@@ -308,3 +308,36 @@ def test_sharded_killed_rank_never_undercounts(tmp_path, victim):
     assert max(applied) == 2
     assert releases >= max(applied)
     assert releases == (3 if victim == 0 else 2)
+
+
+@pytest.mark.slow
+def test_cli_trains_a_sharded_model_with_two_workers(tmp_path, capsys):
+    from dpfy.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "mnist", "--workers", "2", "--shard", "--train-limit", "128",
+                 "--epochs", "1", "--batch-size", "32", "--seed", "0", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    ledger = Ledger.load(out / "ledger.jsonl")
+    assert ledger.metadata["workers"] == 2 and ledger.metadata["sharded"] is True
+    state = torch.load(out / "model.pt")
+    assert all(type(v) is torch.Tensor for v in state.values())  # gathered, not shards
+    assert state["7.weight"].shape == (32, 512)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--shard"], "shard needs workers >= 2"),
+        (["--shard", "--workers", "3"], "multiple of the world size 3"),
+    ],
+)
+def test_cli_refuses_shard_without_workers(tmp_path, capsys, args, message):
+    from dpfy.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", "mnist", *args, "--out", str(out), "--train-limit", "64"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
