@@ -144,7 +144,8 @@ def test_plan_json_meets_budget_under_the_real_accountant(capsys):
 # ---------------------------------------------------------------------------------------------
 # dpfy train / dpfy features: secure by default, --seed N is a seeded experiment
 # ---------------------------------------------------------------------------------------------
-TINY_TRAIN = ["--epochs", "1", "--batch-size", "32", "--train-limit", "128", "--threads", "2"]
+TINY_TRAIN = ["--epochs", "1", "--batch-size", "32", "--train-limit", "128", "--test-limit", "256",
+              "--threads", "2"]
 SECURE = "secure (AES-256-CTR, OS key)"
 
 

@@ -18,7 +18,7 @@ def test_calibrate_compares_mechanisms_at_one_epsilon(capsys) -> None:
     rows = {(r["mechanism"], r["sampler"]): r for r in json.loads(capsys.readouterr().out)[
         "mechanisms"]}
     assert set(rows) == {("dpsgd", "poisson"), ("dpsgd", "shuffle"), ("bandmf", "cyclic"),
-                         ("blt", "cyclic"), ("tree", "cyclic")}
+                         ("blt", "cyclic"), ("tree", "cyclic"), ("tree-efficient", "cyclic")}
     for r in rows.values():
         assert r["epsilon"] <= 2.0 and r["epsilon"] == pytest.approx(2.0, rel=1e-3)
     # DP-SGD under the shuffle bound: sqrt(epochs) / z GDP, an independent closed form
@@ -26,15 +26,37 @@ def test_calibrate_compares_mechanisms_at_one_epsilon(capsys) -> None:
     assert float(gaussian_epsilon(math.sqrt(2) / z, 1e-5)) == pytest.approx(2.0, rel=1e-3)
     # shuffled DP-SGD's prefix sums carry more noise than Poisson's at the same epsilon
     assert rows[("dpsgd", "shuffle")]["prefix_rmse"] > rows[("dpsgd", "poisson")]["prefix_rmse"]
+    # the efficient tree releases every node: over two epochs more nodes hold both of an
+    # example's steps than in the square tree, so a larger z, yet less prefix noise
+    tree, eff = rows[("tree", "cyclic")], rows[("tree-efficient", "cyclic")]
+    assert eff["noise_multiplier"] > tree["noise_multiplier"]
+    assert eff["prefix_rmse"] < 0.9 * tree["prefix_rmse"]
 
 
+@pytest.mark.parametrize("mechanism", ["bandmf", "dp-ftrl-tree"])
 def test_train_mechanism_with_a_poisson_sampler_is_one_line_and_writes_nothing(
-    tmp_path, capsys
+    mechanism: str, tmp_path, capsys
 ) -> None:
     out = tmp_path / "run"
-    code = main(["train", "mnist", "--mechanism", "bandmf", "--sampler", "poisson",
+    code = main(["train", "mnist", "--mechanism", mechanism, "--sampler", "poisson",
                  "--train-limit", "256", "--epochs", "1", "--batch-size", "64", "--seed", "0",
                  "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "cyclic" in err
     assert not (out / "ledger.jsonl").exists()
+
+
+def test_train_mechanism_aliases_name_the_canonical_mechanism(tmp_path, monkeypatch) -> None:
+    from dpfy import runs
+
+    seen: list[tuple[str, str | None]] = []
+
+    def fake(dataset: str, **kw: object) -> None:
+        seen.append((str(kw["mechanism"]), kw["sampler"]))  # type: ignore[arg-type]
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(runs, "train_and_report", fake)
+    for given in ("dp-sgd", "dpsgd", "dp-ftrl-tree", "tree-efficient", "tree"):
+        assert main(["train", "mnist", "--mechanism", given, "--out", str(tmp_path / "r")]) == 2
+    assert seen == [("dpsgd", "poisson"), ("dpsgd", "poisson"), ("tree-efficient", "cyclic"),
+                    ("tree-efficient", "cyclic"), ("tree", "cyclic")]

@@ -159,7 +159,8 @@ def test_pipelines_run_without_the_command_or_matplotlib(tmp_path):
 @pytest.mark.slow
 def test_train_and_report_small(tmp_path):
     run = runs.train_and_report(
-        "mnist", out=tmp_path / "run", epochs=1, batch_size=128, train_limit=1024, threads=2
+        "mnist", out=tmp_path / "run", epochs=1, batch_size=128, train_limit=1024, threads=2,
+        test_limit=512,
     )
     for name in ("model.pt", "ledger.jsonl", "report.md", "report.json", "summary.json",
                  "figures/epsilon_over_training.png"):

@@ -95,7 +95,8 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
     run_dir = tmp_path / "users"
     code, printed = _dpfy([
         "train", "mnist", "--unit", "user", "--users", "40", "--cap", "4", "--train-limit",
-        "400", "--epochs", "1", "--batch-size", "8", "--seed", "0", "--threads", "1",
+        "400", "--test-limit", "256", "--epochs", "1", "--batch-size", "8", "--seed", "0",
+        "--threads", "1",
         "--user-reduction", "mean", "--out", str(run_dir),
     ])
     assert code == 0, printed

@@ -173,8 +173,8 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 CompareMechanisms = Annotated[
     bool,
     typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
-                 "the correlated-noise mechanisms (BandMF, BLT, tree; cyclic order) side by "
-                 "side at the same epsilon."),
+                 "the correlated-noise mechanisms (BandMF, BLT, tree, efficient tree; cyclic "
+                 "order) side by side at the same epsilon."),
 ]
 
 
@@ -183,14 +183,21 @@ class MechanismName(StrEnum):
     bandmf = "bandmf"
     blt = "blt"
     tree = "tree"
+    tree_efficient = "tree-efficient"
+    dp_sgd = "dp-sgd"  # alias of dpsgd
+    dp_ftrl_tree = "dp-ftrl-tree"  # alias of tree-efficient (Kairouz et al. 2021)
+
+
+#: The spellings that name another mechanism.
+_MECHANISM_ALIASES = {"dp-sgd": "dpsgd", "dp-ftrl-tree": "tree-efficient"}
 
 
 def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
-    print(f"{'mechanism':<10}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
+    print(f"{'mechanism':<16}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
           f"{'prefix rmse / C':>17}")
     for r in rows:
-        print(f"{r['mechanism']:<10}{r['sampler']:<10}{r['method']:<10}"
+        print(f"{r['mechanism']:<16}{r['sampler']:<10}{r['method']:<10}"
               f"{r['noise_multiplier']:>9.4f}{r['epsilon']:>9.4f}{r['prefix_rmse']:>17.4g}")
 
 
@@ -602,8 +609,8 @@ def train(
     ] = None,
     test_limit: Annotated[
         int | None,
-        typer.Option("--test-limit", help="Text datasets only: evaluate on this many test "
-                     "examples.", parser=_count("test_limit")),
+        typer.Option("--test-limit", help="Evaluate on the first this many test examples "
+                     "(quick runs).", parser=_count("test_limit")),
     ] = None,
     threads: Annotated[
         int | None,
@@ -648,22 +655,42 @@ def train(
     ] = False,
     mechanism: Annotated[
         MechanismName,
-        typer.Option("--mechanism", help="Noise: dpsgd (independent per step) or correlated "
-                     "DP-FTRL noise bandmf, blt, tree (default sampler then: cyclic)."),
+        typer.Option("--mechanism", help="Noise: dpsgd (alias dp-sgd; independent per step) "
+                     "or correlated DP-FTRL noise bandmf, blt, tree, tree-efficient (alias "
+                     "dp-ftrl-tree: the full tree with the Honaker estimator; default sampler "
+                     "then: cyclic)."),
     ] = MechanismName.dpsgd,
+    audit_canaries: Annotated[
+        int | None,
+        typer.Option("--audit-canaries", help="Images: train with M canaries, each in the "
+                     "training set by a secret coin, and add a one-run audit (Steinke et al.; "
+                     "f-DP) to the report. M in [2, training set size].",
+                     parser=_count("audit_canaries", 2)),
+    ] = None,
+    audit_guesses: Annotated[
+        int | None,
+        typer.Option("--audit-guesses", help="Guesses of the one-run audit, in [2, M] "
+                     "(default M/5); it abstains on the rest.",
+                     parser=_count("audit_guesses", 2)),
+    ] = None,
+    audit_confidence: Annotated[
+        float, typer.Option("--audit-confidence", help="Confidence of the one-run audit's "
+                            "bounds, in (0, 1).", parser=_open_unit("audit_confidence"))
+    ] = 0.95,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
     is the unit of privacy."""
     from dpfy import runs
 
+    chosen = _MECHANISM_ALIASES.get(mechanism.value, mechanism.value)
     run = runs.train_and_report(
         dataset.value,
         out=out,
         target_epsilon=target_epsilon,
         delta=delta,
         sampler=(sampler.value.replace("-", "_") if sampler is not None
-                 else "poisson" if mechanism is MechanismName.dpsgd else "cyclic"),
+                 else "poisson" if chosen == "dpsgd" else "cyclic"),
         epochs=epochs,
         batch_size=batch_size,
         learning_rate=learning_rate,
@@ -683,7 +710,10 @@ def train(
         user_reduction=user_reduction.value,
         workers=workers,
         shard=shard,
-        mechanism=mechanism.value,
+        mechanism=chosen,
+        audit_canaries=audit_canaries,
+        audit_guesses=audit_guesses,
+        audit_confidence=audit_confidence,
     )
     from rich.console import Console
 
@@ -693,6 +723,16 @@ def train(
     console.print(
         f"test accuracy {100 * run.test_accuracy:.2f} %, training took {run.seconds:.0f} s"
     )
+    audit_ = run.report.audit
+    if audit_:
+        console.print(
+            f"one-run audit ({audit_['trials']} canaries, {audit_['guesses']} guesses, "
+            f"{audit_['correct']} correct, {100 * audit_confidence:g} %): epsilon >= "
+            f"{audit_['epsilon_lower']:.3g} (ceiling {audit_['ceiling']:.3g}); f-DP: epsilon >= "
+            f"{audit_['fdp_epsilon_lower']:.3g} (ceiling {audit_['fdp_ceiling']:.3g}); "
+            f"{audit_['verdict']}",
+            highlight=False,
+        )
     console.print(f"run directory: {run.out_dir}   report: {run.report_path}")
 
 

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DATASETS",
+    "TRAIN_SIZES",
+    "pixel_stats",
     "DatasetNotFoundError",
     "FASHION_MNIST_DIR",
     "RottenTomatoes",
@@ -62,6 +64,15 @@ _SPLITS: tuple[Split, ...] = ("train", "test")
 #: Per-dataset (mean, std) of the training pixels on the [0, 1] scale.
 _STATS = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
 DATASETS = tuple(_STATS)
+#: Training images of each image dataset (before any ``limit``).
+TRAIN_SIZES = {"mnist": 60_000, "fashion-mnist": 60_000}
+
+
+def pixel_stats(name: str) -> tuple[float, float]:
+    """(mean, std) the loaders normalise pixel values in [0, 1] with: ``(x - mean) / std``."""
+    if name not in _STATS:
+        raise ValueError(f"name must be one of {{{', '.join(_STATS)}}}, got name={name!r}")
+    return _STATS[name]
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 _FASHION_FILES: dict[Split, tuple[str, str]] = {

@@ -372,7 +372,7 @@ def _accountant(
 # ---------------------------------------------------------------------------------------------
 
 #: Mechanisms of ``dpfy train --mechanism`` (``dpsgd``: independent noise per step).
-MECHANISMS = ("dpsgd", "bandmf", "blt", "tree")
+MECHANISMS = ("dpsgd", "bandmf", "blt", "tree", "tree-efficient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,12 +412,14 @@ def compare_mechanisms(
 ) -> list[MechanismRow]:
     """Calibrate every mechanism for the same run (``epochs`` passes of ``floor(N / B)``
     batches): DP-SGD with Poisson sampling (``rdp``), DP-SGD with shuffled batches (the
-    no-amplification bound, ``shuffle``), and BandMF, BLT and tree aggregation with the
-    cyclic order of one secret permutation (``MatrixMechanism``, exact GDP)."""
+    no-amplification bound, ``shuffle``), and BandMF, BLT and tree aggregation (plain, and
+    with the efficient estimator of Honaker 2015) with the cyclic order of one secret
+    permutation (``MatrixMechanism``, exact GDP)."""
     from dpfy import accounting
     from dpfy import events as ev
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
     from dpfy.correlated import Cyclic, make_plan
+    from dpfy.correlated.tree_efficient import prefix_variances
     from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
 
     _check_budget(target_epsilon, delta)
@@ -445,6 +447,8 @@ def compare_mechanisms(
                          buffers=buffers)
         if name == "tree":  # prefix t is the sum of popcount(t + 1) node noises
             total = float(sum(bin(t).count("1") for t in range(1, steps + 1)))
+        elif name == "tree-efficient":  # sum_{bits l of t + 1} v_l (Honaker 2015)
+            total = float(prefix_variances(steps).sum())
         else:
             total = prefix_error_total(toeplitz_inverse_coeffs(plan.coeffs(), steps))
         err = math.sqrt(total / steps)

@@ -175,6 +175,9 @@ def train_and_report(
     workers: int = 1,
     shard: bool = False,
     mechanism: str = "dpsgd",
+    audit_canaries: int | None = None,
+    audit_guesses: int | None = None,
+    audit_confidence: float = 0.95,
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -190,11 +193,12 @@ def train_and_report(
         int runs a reproducible seeded experiment, which is NOT a DP release (anyone with the
         seed and the data can re-create the model); its report says so in its headline.
       train_limit, threads, progress: as in the recipe.
+      test_limit: evaluate on the first ``test_limit`` test examples only (quick runs).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32).
-      model, lora, max_length, test_limit: text datasets only: the pretrained model
-        (``"minilm"``, the default), LoRA instead of full fine-tuning, tokens per example
-        (default 64) and the first ``test_limit`` test examples only.
+      model, lora, max_length: text datasets only: the pretrained model
+        (``"minilm"``, the default), LoRA instead of full fine-tuning and tokens per example
+        (default 64).
       unit: the unit of privacy: ``"example"`` (default); ``"user"`` for the image datasets
         (``users`` synthetic users, image i belongs to user ``i % users``); ``"movie"`` for
         rotten-tomatoes (each snippet's movie). User-level runs sample users (``batch_size``
@@ -206,7 +210,14 @@ def train_and_report(
       shard: with ``workers >= 2``: shard the model over them with FSDP2
         (:mod:`dpfy.training.sharded`). Same privacy, same ledger.
       mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
-        ``"tree"`` (with the ``cyclic`` sampler; docs/architecture.md, 5.16).
+        ``"tree"``, ``"tree-efficient"`` (with the ``cyclic`` sampler; docs/architecture.md,
+        5.16).
+      audit_canaries: image datasets, one process, example level, DP-SGD: train with this many
+        canaries, each in the training set by a secret coin, and add the one-run audit
+        (:mod:`dpfy.audit.onerun`) to the report; in [2, training set size].
+      audit_guesses: guesses of that audit (the rest abstain), in [2, audit_canaries];
+        default a fifth of the canaries.
+      audit_confidence: confidence of its lower bounds, in (0, 1).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -224,8 +235,7 @@ def train_and_report(
             f"model), got model={model!r}"
         )
     for name, given in (("model", model is not None), ("lora", lora),
-                        ("max_length", max_length is not None),
-                        ("test_limit", test_limit is not None)):
+                        ("max_length", max_length is not None)):
         if given and not text:
             raise ValueError(
                 f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
@@ -262,6 +272,13 @@ def train_and_report(
                         ("train_limit", train_limit)):
         if count is not None:
             check_int(name, count)
+    if audit_canaries is not None:
+        audit_guesses = _check_audit_options(
+            dataset, text, unit, workers, mechanism, train_limit, audit_canaries, audit_guesses,
+            audit_confidence,
+        )
+    elif audit_guesses is not None:
+        raise ValueError("audit_guesses needs audit_canaries (the one-run audit), got none")
     for name, scale in (("learning_rate", learning_rate), ("clip_norm", clip_norm)):
         if scale is not None:
             check_positive(name, scale, MAX_SCALE)
@@ -285,9 +302,10 @@ def train_and_report(
         "workers": workers if workers > 1 else None,
         "shard": True if shard else None,
     }
-    text_options = {"model": model or "minilm", "lora": lora, "max_length": max_length,
-                    "test_limit": test_limit} if text else {}
+    text_options = {"model": model or "minilm", "lora": lora,
+                    "max_length": max_length} if text else {}
     options.update(text_options)
+    options["test_limit"] = test_limit
     unit_options: dict[str, Any] = {}
     if unit != "example":
         unit_options = {"unit": unit, "max_examples_per_user": cap,
@@ -306,6 +324,11 @@ def train_and_report(
     train_fn: Callable[..., Any] = (
         text_recipe.train_text_classifier if text else recipes.train_image_classifier
     )
+    canaries = tracker = None
+    if audit_canaries is not None:
+        canaries, tracker = _audit_setup(dataset, audit_canaries, seed, 0.9)
+        options["extra_train"] = canaries.training_rows()
+        options["step_observer"] = tracker
     summary = train_fn(
         dataset,
         target_epsilon=target_epsilon,
@@ -325,11 +348,14 @@ def train_and_report(
         "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
-         "train_limit": train_limit, "precision": None if precision == "fp32" else precision,
+         "train_limit": train_limit, "test_limit": test_limit,
+         "precision": None if precision == "fp32" else precision,
          "workers": workers if workers > 1 else None, "shard": "" if shard else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
          "mechanism": None if mechanism == "dpsgd" else mechanism,
+         "audit_canaries": audit_canaries,
+         "audit_guesses": audit_guesses if audit_canaries is not None else None,
          **({"unit": unit, "users": users, "cap": cap,
              "user_reduction": None if user_reduction == "sum" else user_reduction}
             if unit != "example" else {})},
@@ -339,6 +365,7 @@ def train_and_report(
         target_epsilon=target_epsilon,
         accuracy_by_step=[list(x) for x in accuracy_by_step],
         train_command=command,
+        **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
     )
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
     from dpfy.ledger import Ledger
@@ -354,9 +381,88 @@ def train_and_report(
         target_epsilon=target_epsilon,
         accuracy_by_step=accuracy_by_step,
     )
+    if canaries is not None and tracker is not None and audit_guesses is not None:
+        report = _one_run_audit(
+            out_dir, report, summary.model, canaries, tracker.observer, audit_guesses,
+            delta, audit_confidence,
+        )
     return TrainedRun(
         out_dir, ledger_path, report, summary.test_accuracy, summary.seconds, summary
     )
+
+
+def _check_audit_options(
+    dataset: str, text: bool, unit: str, workers: int, mechanism: str,
+    train_limit: int | None, canaries: int, guesses: int | None, confidence: float,
+) -> int:
+    """The one-run audit options of :func:`train_and_report`; returns the guesses to use."""
+    from dpfy.audit.onerun import check_canary_counts
+    from dpfy.datasets import TRAIN_SIZES
+
+    for ok, what in ((not text, f"the image datasets, got dataset={dataset!r}"),
+                     (unit == "example", f"unit='example', got unit={unit!r}"),
+                     (workers == 1, f"workers=1, got workers={workers}"),
+                     (mechanism == "dpsgd", f"mechanism='dpsgd', got mechanism={mechanism!r}")):
+        if not ok:
+            raise ValueError(f"audit_canaries (the one-run audit) needs {what}")
+    check_range("audit_confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
+    size = TRAIN_SIZES[dataset]
+    if train_limit is not None:
+        size = min(size, train_limit)
+    return check_canary_counts(canaries, guesses, size)
+
+
+@dataclasses.dataclass
+class _Tracker:
+    """Builds the white-box score callback from the recipe's model and keeps it."""
+
+    canaries: Any
+    momentum: float
+    observer: Any = None
+
+    def __call__(self, model: Any) -> Any:
+        from dpfy.audit.onerun import WhiteBoxScores
+
+        self.observer = WhiteBoxScores(model, self.canaries, momentum=self.momentum)
+        return self.observer
+
+
+def _audit_setup(
+    dataset: str, count: int, seed: int | None, momentum: float
+) -> tuple[Any, _Tracker]:
+    """The canaries (coins from the secure generator, or from the run's seed for a seeded
+    experiment) and the white-box tracker of a one-run audit."""
+    from dpfy.audit.onerun import make_canaries
+    from dpfy.datasets import pixel_stats
+    from dpfy.randomness import Randomness
+
+    rng = Randomness.secure_mode() if seed is None else Randomness((int(seed) + 1) % 2**63)
+    canaries = make_canaries(count, rng, pixel_stats=pixel_stats(dataset))
+    return canaries, _Tracker(canaries, momentum)
+
+
+def _one_run_audit(
+    out_dir: Path, report: PrivacyReport, model: Any, canaries: Any, white: Any,
+    guesses: int, delta: float, confidence: float,
+) -> PrivacyReport:
+    """Score the canaries, write the Audit section into report.json / report.md."""
+    import json
+
+    from dpfy.audit.onerun import black_box_scores, center_by_label, one_run_section
+    from dpfy.audit.run import write_section
+
+    start = time.perf_counter()
+    section = one_run_section(
+        {"black-box": center_by_label(black_box_scores(model, canaries), canaries.labels),
+         "white-box": center_by_label(white.scores, canaries.labels)},
+        canaries.included, guesses=guesses, delta=delta, confidence=confidence,
+        run_epsilon=float(report.epsilon),
+    )
+    section["steps_scored"] = white.steps
+    section["seconds"] = time.perf_counter() - start
+    data = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    write_section(out_dir, data, section)
+    return dataclasses.replace(report, audit=section)
 
 
 #: Units of privacy of ``dpfy train`` per kind of dataset (beyond ``"example"``).

@@ -64,6 +64,10 @@ def test_one_run_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     section = json.loads(out)
     assert section["method"] == "one-run" and section["guesses"] == 100
     assert 0.0 < section["epsilon_lower"] <= section["ceiling"] < 3.6
+    # the f-DP reading of the same counts: tighter, and below the release's exact 1/z
+    assert section["epsilon_lower"] < section["fdp_epsilon_lower"] <= section["fdp_ceiling"]
+    assert 0.0 < section["fdp_mu_lower"] <= section["audited_mu"]
+    assert section["verdict"] == "no violation found"
 
 
 @pytest.mark.parametrize(

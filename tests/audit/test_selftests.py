@@ -29,7 +29,7 @@ from dpfy.audit.selftests import (
     federated_selftest,
     sharded_selftest,
 )
-from dpfy.correlated import Cyclic, SingleEpoch, make_plan
+from dpfy.correlated import Cyclic, SingleEpoch, TreeAggregation, make_plan
 from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery
@@ -76,7 +76,7 @@ def _plan(strategy: str, band: int = 4, schema: Any = None) -> CorrelatedPlan:
     return make_plan(strategy, 12, schema or Cyclic(4), band=band, buffers=2, maxiter=50)
 
 
-@pytest.mark.parametrize("strategy", ["bandmf", "blt", "tree"])
+@pytest.mark.parametrize("strategy", ["bandmf", "blt", "tree", "tree-efficient"])
 def test_correlated_passes_on_every_strategy(strategy: str) -> None:
     _passed(correlated_selftest(_plan(strategy)))
 
@@ -99,12 +99,19 @@ def test_correlated_flags_independent_noise_recorded_as_bandmf(monkeypatch) -> N
     _failed(correlated_selftest(recorded), "whiteness")
 
 
-@pytest.mark.parametrize("strategy", ["bandmf", "tree"])
+@pytest.mark.parametrize("strategy", ["bandmf", "tree", "tree-efficient"])
 def test_correlated_tests_a_prefix_of_a_long_plan(strategy: str, monkeypatch) -> None:
     long = make_plan(strategy, 100, SingleEpoch(), band=4, maxiter=20)
     short = dataclasses.replace(long, steps=16)
-    # the prefix's C is the leading block of the long plan's C
-    np.testing.assert_array_equal(short.strategy_matrix(), long.strategy_matrix()[:16, :16])
+    # the prefix's C is the leading block of the long plan's C (the full tree: its nodes
+    # ending by step 16, the same noise map on them)
+    if strategy == "tree-efficient":
+        keep = [i for i, (lv, j) in enumerate(TreeAggregation(100).nodes) if (j + 1) << lv <= 16]
+        np.testing.assert_array_equal(short.strategy_matrix(),
+                                      long.strategy_matrix()[keep, :16])
+        np.testing.assert_allclose(short.noise_map(), long.noise_map()[:16, keep], atol=1e-12)
+    else:
+        np.testing.assert_array_equal(short.strategy_matrix(), long.strategy_matrix()[:16, :16])
     _passed(correlated_selftest(long, max_steps=16))
     _stream_of(make_plan(strategy, 100, SingleEpoch(), band=2, maxiter=20)
                if strategy == "bandmf" else CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 100,
@@ -120,6 +127,17 @@ def test_correlated_flags_the_noise_of_the_wrong_band(monkeypatch) -> None:
 def test_correlated_flags_tree_noise_recorded_as_blt(monkeypatch) -> None:
     _stream_of(_plan("tree"), monkeypatch)
     assert not correlated_selftest(_plan("blt")).passed
+
+
+@pytest.mark.parametrize(("real", "recorded"), [("tree", "tree-efficient"),
+                                                ("tree-efficient", "tree")])
+def test_correlated_flags_one_tree_recorded_as_the_other(
+    real: str, recorded: str, monkeypatch
+) -> None:
+    # plain-tree noise claimed as the efficient estimator (or the reverse): same C, same
+    # sensitivity, another noise covariance
+    _stream_of(CorrelatedPlan(real, {}, 32, SingleEpoch()), monkeypatch)
+    assert not correlated_selftest(CorrelatedPlan(recorded, {}, 32, SingleEpoch())).passed
 
 
 @pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0), 0.0])

@@ -19,13 +19,15 @@ from torch import nn
 from dpfy import accounting
 from dpfy.correlated import BandMF, Cyclic, SingleEpoch, make_plan, sensitivity
 from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.correlated.tree import TreeAggregation
+from dpfy.correlated.tree_efficient import efficient_decoder_matrix
 from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord, SampleRecord, SampleSpec
 from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import CyclicSampler, make_sampler
 from dpfy.training import PrivateTrainer
 
-STRATEGIES = ("bandmf", "blt", "tree")
+STRATEGIES = ("bandmf", "blt", "tree", "tree-efficient")
 N, B, EPOCHS = 48, 12, 3  # 4 steps per epoch, 12 steps
 
 
@@ -64,11 +66,16 @@ def _plan(strategy: str, steps: int = 12, period: int = 4) -> CorrelatedPlan:
 def test_plan_sensitivity_and_inverse_match_dense_oracles(strategy: str, schema: object) -> None:
     plan = make_plan(strategy, 13, schema, band=3, buffers=2, maxiter=50)  # type: ignore[arg-type]
     c = plan.strategy_matrix()
-    assert np.allclose(np.tril(c), c) and np.all(c >= 0)
+    assert np.all(c >= 0)
     assert plan.sensitivity == pytest.approx(sensitivity(c, schema), rel=1e-12)  # type: ignore[arg-type]
-    np.testing.assert_allclose(plan.noise_map(), np.linalg.inv(c), atol=1e-12)
+    if strategy == "tree-efficient":  # the full tree (nodes x T); G is a left inverse
+        assert c.shape == (13 + 6 + 3 + 1, 13)
+        np.testing.assert_allclose(plan.noise_map() @ c, np.eye(13), atol=1e-12)
+    else:
+        assert np.allclose(np.tril(c), c)
+        np.testing.assert_allclose(plan.noise_map(), np.linalg.inv(c), atol=1e-12)
     # the closed-form tree sensitivity of one epoch (Kairouz et al. 2021)
-    if strategy == "tree" and isinstance(schema, SingleEpoch):
+    if strategy.startswith("tree") and isinstance(schema, SingleEpoch):
         assert plan.sensitivity == pytest.approx(np.sqrt(np.floor(np.log2(13)) + 1))
 
 
@@ -134,13 +141,22 @@ def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(
     steps, period, size, sigma = 12, 4, 4000, 0.7
     plan = _plan(strategy, steps, period)
     w = _noise_run(plan, size, sigma, seed=11, flat=flat)
-    replay, fresh = Randomness(11), []  # the same stream: one fresh N(0, sigma^2) per step
-    for _ in range(steps):
-        buf = torch.empty(size)
-        replay.normal_([buf], [sigma])
-        fresh.append(buf.double().numpy())
-    z = np.stack(fresh)
-    c_inv = np.linalg.inv(plan.strategy_matrix())  # the oracle: NumPy's dense inverse
+    # the same stream: one fresh N(0, sigma^2) per step, or, for the efficient tree, one per
+    # node ending at n = t + 1 (level 0 first), placed in the full tree's node order
+    nodes = [(0, t) for t in range(steps)]
+    if strategy == "tree-efficient":
+        nodes = TreeAggregation(steps).nodes
+    replay, z = Randomness(11), np.zeros((len(nodes), size))
+    for n in range(1, steps + 1):
+        for level in range((n & -n).bit_length() if strategy == "tree-efficient" else 1):
+            buf = torch.empty(size)
+            replay.normal_([buf], [sigma])
+            z[nodes.index((level, (n >> level) - 1))] = buf.double().numpy()
+    c = plan.strategy_matrix()
+    c_inv = np.linalg.pinv(c)  # the oracle: NumPy's (pseudo-)inverse
+    if strategy == "tree-efficient":  # the least-squares decoder, not pinv(C) (that would use
+        c_inv = np.diff(efficient_decoder_matrix(steps), axis=0, prepend=0.0)  # future nodes)
+        np.testing.assert_allclose(c_inv @ c, np.eye(steps), atol=1e-12)
     np.testing.assert_allclose(w, c_inv @ z, rtol=0, atol=1e-5)
     # hence Cov(w) = sigma^2 C^{-1} C^{-T} exactly; the coordinates are i.i.d. samples of it
     cov = sigma**2 * c_inv @ c_inv.T
@@ -154,7 +170,7 @@ def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(
 
 def test_noise_stream_memory_is_the_band_or_buffers() -> None:
     size = 1000
-    for strategy, rows in (("bandmf", 2), ("blt", 2), ("tree", 4)):  # band 3, 2 buffers, T=12
+    for strategy, rows in (("bandmf", 2), ("blt", 2), ("tree", 4), ("tree-efficient", 4)):
         query = CorrelatedNoiseQuery(_plan(strategy), 1.0, 1.0)
         ledger = Ledger()
         sid = ledger.record_sample(CyclicSampler(8, 2).sample_spec())

@@ -8,6 +8,10 @@ this attack did not find one. Modules:
 * :mod:`~dpfy.audit.stats` - Clopper-Pearson bounds, the threshold-test epsilon bound (both
   orientations, threshold chosen on a held-out half or from a fixed grid with a union bound),
   the Gaussian-DP mu of a test, and the one-run bound of Steinke, Nasr, Jagielski 2023.
+* :mod:`~dpfy.audit.fdp` - the f-DP (Gaussian) one-run bound of Mahloujifar, Melis,
+  Chaudhuri 2024 from the same counts.
+* :mod:`~dpfy.audit.onerun` - the one-run audit of a real ``dpfy train`` run (canaries with
+  secret coins in the training set, black-box and white-box scores).
 * :mod:`~dpfy.audit.canary` - white-box gradient canaries on :class:`PrivateGradient` and the
   queries (Nasr et al. 2023), and the one-run audit of one release.
 * :mod:`~dpfy.audit.replay` - gray-box record-and-replay checks (Cebere et al. 2026): two
@@ -28,6 +32,7 @@ from dpfy.audit.canary import (
     canary_scores,
     one_run_audit,
 )
+from dpfy.audit.fdp import OneRunGdpBound, gdp_rejects, one_run_gdp_bound, one_run_gdp_ceiling
 from dpfy.audit.selftests import (
     SelfTest,
     correlated_selftest,
@@ -50,6 +55,7 @@ __all__ = [
     "CanaryModel",
     "CanaryScores",
     "OneRunAudit",
+    "OneRunGdpBound",
     "SelfTest",
     "ThresholdBound",
     "canary_audit",
@@ -59,9 +65,12 @@ __all__ = [
     "distributed_selftest",
     "federated_selftest",
     "gdp_mu_lower",
+    "gdp_rejects",
     "one_run_audit",
     "one_run_ceiling",
     "one_run_epsilon",
+    "one_run_gdp_bound",
+    "one_run_gdp_ceiling",
     "one_run_p_value",
     "sharded_selftest",
     "threshold_epsilon_bound",

@@ -30,6 +30,7 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_seed
 from dpfy.audit.canary import CanaryModel, canary_audit, one_run_audit
+from dpfy.audit.fdp import one_run_gdp_bound, one_run_gdp_ceiling
 from dpfy.audit.replay import replay_release, sampler_check
 from dpfy.audit.selftests import (
     SelfTest,
@@ -43,7 +44,7 @@ from dpfy.ledger.records import SumQueryRecord
 from dpfy.queries import GaussianSumQuery
 from dpfy.report.statement import PrivacyReport
 
-__all__ = ["AuditMethod", "audit_run", "METHODS"]
+__all__ = ["AuditMethod", "audit_run", "METHODS", "write_section"]
 
 AuditMethod = Literal["canary", "one-run"]
 METHODS: tuple[str, ...] = ("canary", "one-run")
@@ -227,17 +228,29 @@ def audit_run(
         one = one_run_audit(
             c, z, delta=delta, canaries=n, guesses=guesses, confidence=confidence, seed=seed
         )
+        gdp = one_run_gdp_bound(
+            one.canaries, one.guesses, one.correct, delta=delta, confidence=confidence
+        )
+        gdp_top = one_run_gdp_ceiling(one.canaries, one.guesses, delta=delta,
+                                      confidence=confidence)
         section.update(
             description=(
                 "one-run audit (Steinke, Nasr, Jagielski 2023): canaries each included with "
                 "probability 1/2 in one release, guesses for the highest and lowest scores, "
-                "abstention on the rest; needs no independence between canaries"
+                "abstention on the rest; needs no independence between canaries. The f-DP "
+                "bound (Mahloujifar, Melis, Chaudhuri 2024) reads the same counts against "
+                "mu-GDP; one Gaussian release at z is exactly 1/z-GDP"
             ),
             epsilon_lower=one.epsilon,
             ceiling=one.ceiling,
             trials=one.canaries,
             guesses=one.guesses,
             correct=one.correct,
+            fdp_mu_lower=gdp.mu,
+            fdp_epsilon_lower=gdp.epsilon,
+            fdp_mu_ceiling=gdp_top.mu,
+            fdp_ceiling=gdp_top.epsilon,
+            audited_mu=1.0 / z,
         )
     section.update(
         audited_claim=audited,
@@ -253,18 +266,22 @@ def audit_run(
         self_tests_run=["replay", "sampler"] + [t.name for t in paths],
         seconds=time.perf_counter() - start,
     )
-    broken = section["epsilon_lower"] > audited or bool(section["self_tests"])
+    broken = (
+        section["epsilon_lower"] > audited
+        or section.get("fdp_mu_lower", 0.0) > 1.0 / z
+        or bool(section["self_tests"])
+    )
     section["verdict"] = (
         "VIOLATION: the measured lower bound exceeds the audited claim or a self-test failed"
         if broken
         else "no violation found"
     )
     section["meaning"] = MEANING
-    _write(out, report, section)
+    write_section(out, report, section)
     return section
 
 
-def _write(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
+def write_section(out: Path, report: dict[str, Any], section: dict[str, Any]) -> None:
     """Add the section to report.json and re-render report.md (each file replaced atomically)."""
     fields = {f.name for f in dataclasses.fields(PrivacyReport)}
     data = {k: v for k, v in report.items() if k in fields}

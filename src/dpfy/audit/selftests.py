@@ -440,6 +440,17 @@ def federated_selftest(
 
 
 # -- 3. correlated noise: C W is white at the recorded std ------------------------------------
+def _whitener(plan: CorrelatedPlan) -> np.ndarray:
+    """``M`` (``T x T``) with ``M W`` white when ``W`` is the plan's noise at unit std:
+    ``C`` for a square strategy, ``L^{-1}`` with ``L L^T = G G^T`` otherwise."""
+    c = plan.strategy_matrix()
+    if c.shape[0] == c.shape[1]:
+        return c
+    g = plan.noise_map()
+    chol = np.linalg.cholesky(g @ g.T)
+    return np.asarray(np.linalg.solve(chol, np.eye(chol.shape[0])))
+
+
 def correlated_selftest(
     plan: CorrelatedPlan,
     *,
@@ -450,14 +461,18 @@ def correlated_selftest(
     randomness: Randomness | None = None,
     max_steps: int = 64,
 ) -> SelfTest:
-    """The noise of a correlated-noise run is ``C^{-1} z`` for the ledger's ``C``.
+    """The noise of a correlated-noise run is ``C^{-1} z`` for the ledger's ``C`` (``G z``,
+    ``G`` the plan's :meth:`~dpfy.correlated.CorrelatedPlan.noise_map`, for a strategy whose
+    ``C`` is not square: the efficient tree).
 
     A :class:`~dpfy.queries.correlated.CorrelatedNoiseQuery` for ``plan`` releases zero sums
     of ``size`` values at each of the plan's ``T`` steps (batches of a cyclic sampler with the
     plan's period, or one epoch), so its outputs are the noise ``W`` (``T x size``). With ``C``
     the strategy matrix of the ledger's ``matrix_run`` record and ``sigma`` the std of its
     ``matrix_step`` records, each row of ``C W`` must have std ``sigma`` (``T`` tests) and every
-    two rows must be uncorrelated (``T (T - 1) / 2`` tests). ``randomness``: the query's noise
+    two rows must be uncorrelated (``T (T - 1) / 2`` tests). For a non-square ``C`` the
+    whitener is ``L^{-1}`` instead of ``C``, ``L L^T = G G^T`` (Cholesky; for a square ``C``
+    with unit diagonal this ``L`` is ``C^{-1}`` itself). ``randomness``: the query's noise
     (default: secure). A plan of more than ``max_steps`` steps is tested on its first
     ``max_steps`` (the test forms ``C``): the same plan with fewer steps, whose ``C`` is the
     leading block of the long one (Toeplitz ``C``, and tree nodes that do not depend on ``T``),
@@ -495,7 +510,7 @@ def correlated_selftest(
     sigma = run.noise_multiplier * run.clip_norm
     if any(not math.isclose(r.noise_std, sigma, rel_tol=1e-12) for r in steps):
         findings.append(f"ledger: a step records a noise std other than z C = {sigma:.6g}")
-    z = run.plan.strategy_matrix() @ w / sigma  # i.i.d. N(0, 1) when correct
+    z = _whitener(run.plan) @ w / sigma  # i.i.d. N(0, 1) when correct
     zs: list[float] = []
     for t in range(t_steps):
         ratio, dev = _std_z(z[t], 1.0)

@@ -6,7 +6,8 @@ it releases ``C x + z`` with ``z ~ N(0, sigma^2 I)`` and decodes ``B (C x + z) =
 In training the same release is obtained by adding the per-step noise ``C^{-1} z`` to each
 step's clipped sum (Denisov et al. 2022; Choquette-Choo et al. 2023).
 
-Strategies (one module each): tree aggregation (:mod:`.tree`, Kairouz et al. 2021), banded
+Strategies (one module each): tree aggregation (:mod:`.tree`, Kairouz et al. 2021), the full
+tree with Honaker's efficient estimator (:mod:`.tree_efficient`, Honaker 2015), banded
 Toeplitz matrix factorization (:mod:`.bandmf`, Choquette-Choo et al. 2023) and buffered
 linear Toeplitz (:mod:`.blt`, McMahan et al. 2024). Participation schemas and the exact
 sensitivity of a strategy under them live in :mod:`.schemas`.

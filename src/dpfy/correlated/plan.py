@@ -19,7 +19,15 @@ of the binary decomposition of a prefix is completed, the node ``[n - lowbit(n),
 nodes no prefix uses are never drawn. Row ``t`` of ``C`` is the indicator of that interval,
 its column norms are those of the full tree (``sqrt(floor(log2 T) + 1)`` for the first
 step), and the per-step noise ``C^{-1} z`` is the difference of consecutive prefix noises
-(Kairouz et al. 2021). The Honaker-style estimator (all nodes, least squares) is not built.
+(Kairouz et al. 2021).
+
+``"tree-efficient"`` releases the FULL tree (every node with ``(j + 1) 2^l <= T``, the
+``nodes x T`` matrix of :class:`~dpfy.correlated.tree.TreeAggregation`, the same column norms
+and sensitivity) and decodes it with the streaming least-squares estimator of Honaker 2015
+(:mod:`.tree_efficient`): ``C`` is not square, the per-step noise is ``G z`` with
+``G = A^{-1} B`` (``B`` the online decoder, :meth:`CorrelatedPlan.noise_map`), ``G C = I``.
+Its prefix noise has variance ``sum_{bits l of t + 1} v_l`` (``v_l`` from 1 down to 1/2)
+instead of the plain tree's ``popcount(t + 1)``.
 """
 
 from __future__ import annotations
@@ -37,20 +45,25 @@ from dpfy._validate import check_int
 from dpfy.correlated.bandmf import optimize_bandmf
 from dpfy.correlated.blt import BLT, optimize_blt
 from dpfy.correlated.schemas import Cyclic, MinSeparation, Schema, SingleEpoch
+from dpfy.correlated.tree import TreeAggregation
+from dpfy.correlated.tree_efficient import efficient_noise_map
 from dpfy.correlated.workload import toeplitz_inverse_coeffs, toeplitz_lower
 
 __all__ = [
     "STRATEGIES",
     "CorrelatedPlan",
     "StrategyName",
+    "TREES",
     "make_plan",
     "schema_from_dict",
     "schema_name",
 ]
 
-StrategyName = Literal["bandmf", "blt", "tree"]
+StrategyName = Literal["bandmf", "blt", "tree", "tree-efficient"]
 #: The strategies a training run can stream.
-STRATEGIES: tuple[str, ...] = ("bandmf", "blt", "tree")
+STRATEGIES: tuple[str, ...] = ("bandmf", "blt", "tree", "tree-efficient")
+#: The tree strategies (no parameters; ``C`` made of dyadic intervals).
+TREES: tuple[str, ...] = ("tree", "tree-efficient")
 
 
 def schema_from_dict(data: Any) -> Schema:
@@ -94,9 +107,9 @@ class CorrelatedPlan:
     """One correlated-noise run: strategy parameters, ``steps`` and participation ``schema``.
 
     Attributes:
-      strategy: ``"bandmf"``, ``"blt"`` or ``"tree"``.
+      strategy: ``"bandmf"``, ``"blt"``, ``"tree"`` or ``"tree-efficient"``.
       params: the strategy's numbers: ``{"coeffs": c}`` (BandMF, ``c_0 = 1``, ``c_k >= 0``),
-        ``{"omega": w, "theta": t}`` (BLT) or ``{}`` (tree), as tuples of floats.
+        ``{"omega": w, "theta": t}`` (BLT) or ``{}`` (the trees), as tuples of floats.
       steps: ``T``, the most steps the run may take (a shorter run is covered: releasing a
         prefix of ``C x + z`` is post-processing).
       schema: :class:`SingleEpoch` or :class:`Cyclic` (the samplers that exist implement
@@ -125,7 +138,7 @@ class CorrelatedPlan:
             )
         if not isinstance(self.params, dict):
             raise ValueError(f"params must be a dict, got params={self.params!r}")
-        keys = {"bandmf": {"coeffs"}, "blt": {"omega", "theta"}, "tree": set()}[self.strategy]
+        keys = {"bandmf": {"coeffs"}, "blt": {"omega", "theta"}}.get(self.strategy, set())
         if set(self.params) != keys:
             raise ValueError(
                 f"params of {self.strategy!r} must have the keys {sorted(keys)}, "
@@ -151,7 +164,7 @@ class CorrelatedPlan:
     # -- the strategy ---------------------------------------------------------------------------
     @property
     def band(self) -> int:
-        """Band width (BandMF), buffer count (BLT) or 0 (tree), as the event records it."""
+        """Band width (BandMF), buffer count (BLT) or 0 (trees), as the event records it."""
         if self.strategy == "bandmf":
             return len(self.params["coeffs"])
         if self.strategy == "blt":
@@ -172,8 +185,11 @@ class CorrelatedPlan:
         raise ValueError("tree aggregation is not Toeplitz; use strategy_matrix()")
 
     def strategy_matrix(self) -> np.ndarray:
-        """The square lower-triangular ``C`` (``T x T``; for tests and small ``T``)."""
+        """``C`` for tests and small ``T``: square lower-triangular ``T x T``, except the
+        full tree of ``"tree-efficient"`` (``nodes x T``, node order of TreeAggregation)."""
         t = self.steps
+        if self.strategy == "tree-efficient":
+            return TreeAggregation(t).strategy_matrix()
         if self.strategy != "tree":
             return toeplitz_lower(self.coeffs(), t)
         c = np.zeros((t, t))
@@ -182,7 +198,11 @@ class CorrelatedPlan:
         return c
 
     def noise_map(self) -> np.ndarray:
-        """``C^{-1}`` (``T x T``): the per-step noise is ``C^{-1} z``, ``z ~ N(0, sigma^2 I)``."""
+        """``C^{-1}`` (``T x T``): the per-step noise is ``C^{-1} z``, ``z ~ N(0, sigma^2 I)``;
+        for ``"tree-efficient"`` the left inverse ``G = A^{-1} B`` (``T x nodes``, ``G C = I``)
+        of the online least-squares decoder ``B``."""
+        if self.strategy == "tree-efficient":
+            return efficient_noise_map(self.steps)
         if self.strategy == "bandmf":
             inv = toeplitz_inverse_coeffs(np.asarray(self.params["coeffs"]), self.steps)
             return toeplitz_lower(inv, self.steps)
@@ -192,8 +212,16 @@ class CorrelatedPlan:
         return np.asarray(np.linalg.inv(self.strategy_matrix()))
 
     def apply(self, u: np.ndarray) -> np.ndarray:
-        """``C u`` for a vector ``u`` of ``T`` entries, without forming ``C``."""
+        """``C u`` for a vector ``u`` of ``T`` entries, without forming ``C`` (``nodes``
+        entries for ``"tree-efficient"``)."""
         u = np.asarray(u, dtype=float)
+        if self.strategy == "tree-efficient":  # each level's complete blocks, prefix sums
+            prefix = np.concatenate(([0.0], np.cumsum(u)))
+            return np.concatenate([
+                prefix[np.arange(1, (self.steps >> lv) + 1) << lv]
+                - prefix[np.arange(0, self.steps >> lv) << lv]
+                for lv in range(self.steps.bit_length())
+            ])
         if self.strategy == "tree":
             n = np.arange(1, self.steps + 1)
             prefix = np.concatenate(([0.0], np.cumsum(u)))
@@ -206,6 +234,8 @@ class CorrelatedPlan:
         """``max_u ||C u||`` over the schema's patterns, per unit clip norm (exact)."""
         t = self.steps
         if isinstance(self.schema, SingleEpoch):
+            if self.strategy == "tree-efficient":  # step 0 is in one complete node per level
+                return float(np.sqrt(t.bit_length()))
             if self.strategy != "tree":  # Toeplitz column j is the first one cut short
                 return float(np.linalg.norm(self.coeffs()))
             n = np.arange(1, t + 1)  # the tree: how many drawn nodes hold each step
@@ -287,8 +317,8 @@ def make_plan(
         return CorrelatedPlan(
             "blt", {"omega": tuple(strat.omega), "theta": tuple(strat.theta)}, steps, schema
         )
-    if strategy == "tree":
-        return CorrelatedPlan("tree", {}, steps, schema)
+    if strategy in TREES:
+        return CorrelatedPlan(strategy, {}, steps, schema)
     raise ValueError(
         f"strategy must be one of {{{', '.join(STRATEGIES)}}}, got strategy={strategy!r}"
     )

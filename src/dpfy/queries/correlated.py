@@ -13,7 +13,11 @@ keep, over all parameters as one flat vector of ``P`` values:
 * BLT (``d`` buffers): ``w_t = z_t + sum_i omega_i s_i``, then ``s_i <- theta_i s_i + z_t``
   (McMahan et al. 2024): ``O(d x P)``;
 * tree aggregation: the node noise of each level of the current binary decomposition,
-  ``w_t = z_t - sum_{l < low(t + 1)} node_l`` (Kairouz et al. 2021): ``O(log T x P)``.
+  ``w_t = z_t - sum_{l < low(t + 1)} node_l`` (Kairouz et al. 2021): ``O(log T x P)``;
+* the efficient tree (``"tree-efficient"``, Honaker 2015): ``low(t + 1) + 1`` fresh node
+  noises per step (the nodes ending at ``t + 1``, level 0 first), folded bottom-up into the
+  estimate ``h <- v_l z + (1 - v_l) (h + est_{l-1})``; ``w_t = h - sum_{l < low} est_l``,
+  then ``est_low = h``: ``O(log T x P)`` (:mod:`dpfy.correlated.tree_efficient`).
 
 Write-ahead: before the first release the ledger gets the run record (plan, clip norm, z and
 sensitivity), before every release a step record; the ledger resolves them to one
@@ -26,7 +30,7 @@ itself and belongs only in a private checkpoint.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,6 +38,7 @@ import torch
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.correlated.tree_efficient import level_variances
 from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord
 from dpfy.ledger.matrix import check_schema_spec
 from dpfy.queries._tree import (
@@ -68,7 +73,8 @@ class NoiseStream:
 
     ``next(z)`` takes the fresh ``z_t`` (already scaled to its std) and returns ``w_t``
     (a tensor it owns until the next call). Memory: BandMF ``band - 1``, BLT ``buffers``,
-    tree ``<= log2(T) + 1`` vectors of ``size``.
+    trees ``<= log2(T) + 1`` vectors of ``size``. The efficient tree needs more than one
+    fresh draw at some steps: ``refill()`` overwrites ``z`` with the next one.
     """
 
     def __init__(self, plan: CorrelatedPlan, size: int, like: torch.Tensor) -> None:
@@ -84,13 +90,28 @@ class NoiseStream:
             self.omega = torch.tensor(plan.params["omega"], dtype=dtype, device=device)
             self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
             rows = plan.band
+        #: efficient tree: v_l, the weight of a level-l node's own value in its estimate
+        self.weights: list[float] = level_variances(max(rows, 1)).tolist()
         self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
 
+    def draws(self) -> int:
+        """Fresh vectors the current step needs: ``low(t + 1) + 1`` for the efficient tree
+        (one per node ending at ``t + 1``), else 1."""
+        if self.plan.strategy != "tree-efficient":
+            return 1
+        n = self.step + 1
+        return (n & -n).bit_length()
+
     def next(
-        self, z: torch.Tensor, add: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self,
+        z: torch.Tensor,
+        add: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        refill: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """``w_t`` from the fresh ``z_t``; advances one step. ``add = (src, dst, s)``: also
-        ``dst = src + s w_t`` (flat vectors of ``size``), in the same pass where possible."""
+        ``dst = src + s w_t`` (flat vectors of ``size``), in the same pass where possible.
+        ``refill``: overwrites ``z`` with a further fresh draw (needed when :meth:`draws`
+        is above 1)."""
         if self.step >= self.plan.steps:
             raise ValueError(
                 f"the correlated-noise plan covers steps={self.plan.steps}; step {self.step} "
@@ -119,6 +140,20 @@ class NoiseStream:
                     src, dst, scale = add
                     torch.add(src[a : a + _CHUNK], wc, alpha=scale, out=dst[a : a + _CHUNK])
             add = None  # done
+        elif strategy == "tree-efficient":
+            low = self.draws() - 1
+            if low and refill is None:
+                raise ValueError(f"step {self.step} needs {low + 1} fresh draws: pass refill")
+            w.copy_(z)  # the leaf's estimate
+            for level in range(1, low + 1):
+                assert refill is not None
+                refill()  # the node of this level: its own noisy value
+                v = self.weights[level]
+                w.add_(buf[level - 1]).mul_(1.0 - v).add_(z, alpha=v)
+            buf[low].copy_(w)
+            if low:
+                w.sub_(buf[:low].sum(0))
+                buf[:low].zero_()
         else:
             n = self.step + 1
             low = (n & -n).bit_length() - 1  # the level of the node completed at this step
@@ -231,13 +266,18 @@ class CorrelatedNoiseQuery(QueryBase):
             self._start(flat, layout)
         assert self._stream is not None and self._z is not None
         randomness.normal_([self._z], [self.noise_std])
+        z = self._z
+
+        def refill() -> None:
+            randomness.normal_([z], [self.noise_std])
+
         device = self._z.device
         src_span = _flat_span(list(flat.values()), device)
         dst_span = _flat_span([dst[n] for n in flat], device)
         if src_span is not None and dst_span is not None:  # a flat gradient buffer: one pass
-            self._stream.next(self._z, add=(src_span, dst_span, scale))
+            self._stream.next(self._z, add=(src_span, dst_span, scale), refill=refill)
         else:
-            w = self._stream.next(self._z)
+            w = self._stream.next(self._z, refill=refill)
             start = 0
             for n, src in flat.items():
                 k = src.numel()

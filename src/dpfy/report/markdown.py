@@ -177,14 +177,30 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
         ("Confidence", f"{100 * float(conf):g} %"),
         ("Trials (canaries)", _fmt(audit.get("trials"))),
         ("Ceiling of the method", _fmt(audit.get("ceiling"))),
-        ("Self-tests (replay, sampler)", "; ".join(audit.get("self_tests") or []) or "passed"),
     ]
+    if "self_tests" in audit:
+        rows.append(
+            ("Self-tests (replay, sampler)", "; ".join(audit.get("self_tests") or []) or "passed")
+        )
     if audit.get("self_tests_run"):
         rows.append(("Self-tests run", ", ".join(str(t) for t in audit["self_tests_run"])))
     if audit.get("guesses") is not None:
         rows.append(("Guesses (correct)", f"{audit['guesses']} ({audit.get('correct')})"))
     if audit.get("mu_lower") is not None:
         rows.append(("Gaussian-DP mu estimate", _fmt(audit.get("mu_lower"))))
+    if audit.get("fdp_epsilon_lower") is not None:
+        rows.append((
+            "f-DP (Gaussian) lower bound",
+            f"mu >= {_fmt(audit.get('fdp_mu_lower'))}, epsilon >= "
+            f"{_fmt(audit.get('fdp_epsilon_lower'))} (ceiling mu "
+            f"{_fmt(audit.get('fdp_mu_ceiling'))}, epsilon {_fmt(audit.get('fdp_ceiling'))})",
+        ))
+    for row in audit.get("scores") or []:
+        rows.append((
+            f"Score {row.get('score')}",
+            f"{row.get('correct')} correct; epsilon >= {_fmt(row.get('epsilon_lower'))}; "
+            f"f-DP epsilon >= {_fmt(row.get('fdp_epsilon_lower'))}",
+        ))
     lines = ["", "## Audit", "", "| item | value |", "|---|---|"]
     lines += [f"| {k} | {_escape(str(v))} |" for k, v in rows]
     for key in ("description", "meaning"):

@@ -161,6 +161,7 @@ def train_image_classifier(
     seed: int | None = None,
     threads: int | None = None,
     train_limit: int | None = None,
+    test_limit: int | None = None,
     callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
     precision: str = "fp32",
     unit: str = "example",
@@ -173,6 +174,8 @@ def train_image_classifier(
     mechanism: str = "dpsgd",
     band: int = 16,
     buffers: int = 4,
+    extra_train: tuple[torch.Tensor, torch.Tensor] | None = None,
+    step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -206,6 +209,7 @@ def train_image_classifier(
         ``noise_randomness``).
       threads: ``torch.set_num_threads`` for the run (None: leave as is).
       train_limit: use only the first ``train_limit`` training images (smoke tests).
+      test_limit: evaluate on the first ``test_limit`` test images only (smoke tests).
       callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
         noise stay fp32; :mod:`dpfy.training.precision`).
@@ -222,9 +226,16 @@ def train_image_classifier(
       shard: shard the model over the processes with FSDP2 (``fully_shard``; needs
         ``workers > 1`` or ``distributed``; :mod:`dpfy.training.sharded`).
       mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
-        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers) or ``"tree"``
-        (docs/architecture.md, 5.16): needs the ``cyclic`` or ``deterministic`` sampler (or
-        one epoch of ``shuffle``); accounted as one ``MatrixMechanism`` (``"gaussian"``).
+        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers), ``"tree"`` or
+        ``"tree-efficient"`` (docs/architecture.md, 5.16): needs the ``cyclic`` or
+        ``deterministic`` sampler (or one epoch of ``shuffle``); accounted as one
+        ``MatrixMechanism`` (``"gaussian"``).
+      extra_train: ``(images, labels)`` appended to the training set (one process,
+        example-level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`). They
+        are ordinary training examples: sampled, clipped and counted in N like the rest.
+      step_observer: ``step_observer(model)`` is called once with the freshly initialised
+        model, before any step, and returns a callback added to ``callbacks`` (it sees the
+        trained parameters after every step: the white-box audit's view).
 
     Returns:
       :class:`TrainResultSummary` (rank 0's).
@@ -256,6 +267,13 @@ def train_image_classifier(
             f"model cannot be copied for the EMA), got workers={workers}, "
             f"ema_decay={ema_decay!r}"
         )
+    if (extra_train is not None or step_observer is not None) and (
+        workers > 1 or distributed is not None or unit != "example"
+    ):
+        raise ValueError(
+            "extra_train and step_observer (the one-run audit) need one process and "
+            f"unit='example', got workers={workers}, unit={unit!r}"
+        )
     if workers > 1:
         if distributed is not None:
             raise ValueError("give workers (local processes) or distributed, not both")
@@ -269,7 +287,7 @@ def train_image_classifier(
             clip_norm=clip_norm, model=model, ema_decay=ema_decay,
             max_physical_batch_size=max_physical_batch_size, accounting=accounting, seed=seed,
             threads=threads or max(1, (os.cpu_count() or 1) // workers),
-            train_limit=train_limit, precision=precision, shard=shard,
+            train_limit=train_limit, test_limit=test_limit, precision=precision, shard=shard,
         )
         return cast(TrainResultSummary, run_local(
             _worker, workers, (options,),
@@ -283,7 +301,10 @@ def train_image_classifier(
             f"num_users is missing: unit={unit!r} needs the number of synthetic users"
         )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
-    x_test, y_test = datasets.load(dataset, "test")
+    x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
+    if extra_train is not None:
+        x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
+        y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])
     sample_rng, noise_rng, randomness = run_randomness(seed)
     units = len(x_train)
     trainer_cls: type[PrivateTrainer] = PrivateTrainer
@@ -299,6 +320,8 @@ def train_image_classifier(
     net = make_model(model)
     if shard and distributed is not None:
         shard_model(net, distributed)
+    if step_observer is not None:
+        callbacks = (*callbacks, step_observer(net))
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     plan = None
     if mechanism != "dpsgd":
