@@ -7,7 +7,9 @@ per step (``--batch`` rows, split across the processes), seeded randomness. Each
 with ``max_steps``); examples/s counts the sampled examples. Settings:
 
 * 1 process with 1 torch thread, and with ``--threads`` threads;
-* W processes (``--workers``) with ``--threads // W`` threads each (the same cores).
+* W processes (``--workers``) with ``--threads // W`` threads each (the same cores);
+* the same W processes with the model sharded by FSDP2 (``fully_shard`` on every layer with
+  parameters and on the root; :mod:`dpfy.training.sharded`).
 
 On a machine with few cores this measures the overhead of the collectives (index broadcast,
 all-reduce of the clipped sums, broadcast of the noisy gradient), not scaling.
@@ -40,6 +42,15 @@ def _run(distributed: Distributed | None, cfg: dict[str, Any]) -> dict[str, floa
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
     model = make_model("tanh_cnn")
+    if cfg.get("shard"):
+        from torch.distributed.fsdp import fully_shard
+
+        assert distributed is not None
+        mesh = distributed.mesh()
+        for layer in model.modules():
+            if layer is not model and any(True for _ in layer.parameters(recurse=False)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     trainer = PrivateTrainer(
         model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
         x, y, PoissonSampler(n, batch / n, randomness=Randomness(1)),
@@ -71,13 +82,16 @@ def main() -> None:
     one = _run(None, cfg)
     per = {**cfg, "threads": max(1, args.threads // args.workers)}
     many = run_local(_run, args.workers, (per,), timeout=120.0)
+    sharded = run_local(_run, args.workers, ({**per, "shard": True},), timeout=120.0)
     result = {
         "config": {**cfg, "workers": args.workers, "threads_per_worker": per["threads"]},
         "one_process_one_thread": single,
         "one_process": one,
         "workers": many,
+        "workers_sharded": sharded,
         "ratio_vs_one_thread": many["examples_per_s"] / single["examples_per_s"],
         "ratio_vs_threads": many["examples_per_s"] / one["examples_per_s"],
+        "sharded_vs_replicated": sharded["examples_per_s"] / many["examples_per_s"],
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -89,9 +103,12 @@ def main() -> None:
           f"({one['seconds']:.2f} s)")
     print(f"{args.workers} processes x {per['threads']} threads: "
           f"{many['examples_per_s']:8.1f} examples/s ({many['seconds']:.2f} s)")
+    print(f"{args.workers} processes x {per['threads']} threads, FSDP2-sharded: "
+          f"{sharded['examples_per_s']:8.1f} examples/s ({sharded['seconds']:.2f} s)")
     print(f"{args.workers} processes / 1 process x 1 thread: "
           f"{result['ratio_vs_one_thread']:.2f}; / 1 process x {args.threads} threads: "
-          f"{result['ratio_vs_threads']:.2f}")
+          f"{result['ratio_vs_threads']:.2f}; sharded / replicated: "
+          f"{result['sharded_vs_replicated']:.2f}")
 
 
 if __name__ == "__main__":

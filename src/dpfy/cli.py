@@ -648,6 +648,11 @@ def train(
                      "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
                      parser=_count("workers")),
     ] = 1,
+    shard: Annotated[
+        bool,
+        typer.Option("--shard", help="With --workers N: shard the model over the processes "
+                     "(FSDP2 fully_shard; each process noises its own shard)."),
+    ] = False,
     mechanism: Annotated[
         MechanismName,
         typer.Option("--mechanism", help="Noise: dpsgd (alias dp-sgd; independent per step) "
@@ -704,6 +709,7 @@ def train(
         cap=cap,
         user_reduction=user_reduction.value,
         workers=workers,
+        shard=shard,
         mechanism=chosen,
         audit_canaries=audit_canaries,
         audit_guesses=audit_guesses,

@@ -173,6 +173,7 @@ def train_and_report(
     cap: int | None = None,
     user_reduction: str = "sum",
     workers: int = 1,
+    shard: bool = False,
     mechanism: str = "dpsgd",
     audit_canaries: int | None = None,
     audit_guesses: int | None = None,
@@ -206,6 +207,8 @@ def train_and_report(
         recorded). See :mod:`dpfy.training.users`.
       workers: image datasets only: data-parallel processes on this machine (this one is
         rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
+      shard: with ``workers >= 2``: shard the model over them with FSDP2
+        (:mod:`dpfy.training.sharded`). Same privacy, same ledger.
       mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
         ``"tree"``, ``"tree-efficient"`` (with the ``cyclic`` sampler; docs/architecture.md,
         5.16).
@@ -256,6 +259,9 @@ def train_and_report(
     if test_limit is not None:
         check_int("test_limit", test_limit)
     check_int("workers", workers, 1, 1024)
+    if shard and workers < 2:
+        raise ValueError(f"shard needs workers >= 2 (processes to shard over), got "
+                         f"workers={workers!r}")
     if workers > 1 and text:
         raise ValueError(
             f"workers applies only to the image datasets, got dataset={dataset!r} with "
@@ -294,6 +300,7 @@ def train_and_report(
         "threads": threads,
         "precision": precision,
         "workers": workers if workers > 1 else None,
+        "shard": True if shard else None,
     }
     text_options = {"model": model or "minilm", "lora": lora,
                     "max_length": max_length} if text else {}
@@ -309,6 +316,8 @@ def train_and_report(
     if mechanism != "dpsgd":
         options["mechanism"] = mechanism
     options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
+    if shard:  # the final weights are released: an FSDP2 model cannot be copied for an EMA
+        options["ema_decay"] = None
     from dpfy.training import recipes
     from dpfy.training import text as text_recipe
 
@@ -341,7 +350,7 @@ def train_and_report(
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
          "train_limit": train_limit, "test_limit": test_limit,
          "precision": None if precision == "fp32" else precision,
-         "workers": workers if workers > 1 else None,
+         "workers": workers if workers > 1 else None, "shard": "" if shard else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
          "mechanism": None if mechanism == "dpsgd" else mechanism,

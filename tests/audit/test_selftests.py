@@ -27,6 +27,7 @@ from dpfy.audit.selftests import (
     correlated_selftest,
     distributed_selftest,
     federated_selftest,
+    sharded_selftest,
 )
 from dpfy.correlated import Cyclic, SingleEpoch, TreeAggregation, make_plan
 from dpfy.correlated.plan import CorrelatedPlan
@@ -220,6 +221,69 @@ def test_distributed_passes_and_flags_broken_variants() -> None:
     result = distributed_selftest(make_randomness=skipped_noise)
     _failed(result, "noise:")
     assert _ratio(result) < 1e-6  # noise skipped (float32 rounding of the clipped sum)
+
+
+class SecureScaled(Randomness):
+    """Broken secure randomness: every noise std multiplied by ``factor`` (secure streams are
+    used as given on every rank, so the break reaches the rank that builds it)."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__(secure=True)
+        self.factor = factor
+
+    def normal_(
+        self, tensors: Sequence[Any], stds: Sequence[float], *, add: Sequence[Any] | None = None
+    ) -> None:
+        super().normal_(tensors, [s * self.factor for s in stds], add=add)
+
+
+def every_shard_doubled(rank: int) -> Randomness:
+    return SecureScaled(math.sqrt(2.0))
+
+
+def rank1_skips(rank: int) -> Randomness:
+    return SecureScaled(0.0 if rank == 1 else 1.0)
+
+
+class SameStreamEverywhere(Randomness):
+    """Broken: every rank draws its noise from one seeded stream (seed 11), so two ranks'
+    shards get the same noise; flagged secure, so the sharded release keeps it as given."""
+
+    def __init__(self) -> None:
+        super().__init__(secure=True)
+        self.inner = Randomness(11)
+
+    def normal_(
+        self, tensors: Sequence[Any], stds: Sequence[float], *, add: Sequence[Any] | None = None
+    ) -> None:
+        self.inner.normal_(tensors, stds, add=add)
+
+
+def same_stream(rank: int) -> Randomness:
+    return SameStreamEverywhere()
+
+
+@pytest.mark.slow
+def test_sharded_passes_and_flags_broken_variants() -> None:
+    _passed(sharded_selftest())
+    result = sharded_selftest(make_randomness=every_shard_doubled)
+    _failed(result, "noise: rank 0")
+    _failed(result, "noise: rank 1")
+    assert _ratio(result) == pytest.approx(math.sqrt(2.0), abs=0.1)  # noise x sqrt(2)
+    result = sharded_selftest(make_randomness=rank1_skips)
+    _failed(result, "noise: rank 1's shard")
+    assert not any("rank 0's" in f for f in result.findings), result.findings
+    assert _ratio(result) < 1e-6  # skipped on rank 1 (float32 rounding of the clipped sum)
+    result = sharded_selftest(make_randomness=same_stream)
+    _failed(result, "ranks 0 and 1 drew correlated noise")
+    assert not any("shard of the released" in f for f in result.findings)  # std still right
+
+
+def test_sharded_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="world_size"):
+        sharded_selftest(1)
+    with pytest.raises(ValueError, match="out must be"):
+        sharded_selftest(4, out=3)
 
 
 def test_distributed_refuses_bad_arguments() -> None:

@@ -38,6 +38,7 @@ from dpfy.audit.selftests import (
     correlated_selftest,
     distributed_selftest,
     federated_selftest,
+    sharded_selftest,
 )
 from dpfy.audit.stats import (
     ThresholdBound,
@@ -71,5 +72,6 @@ __all__ = [
     "one_run_gdp_bound",
     "one_run_gdp_ceiling",
     "one_run_p_value",
+    "sharded_selftest",
     "threshold_epsilon_bound",
 ]

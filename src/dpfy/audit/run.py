@@ -37,6 +37,7 @@ from dpfy.audit.selftests import (
     correlated_selftest,
     distributed_selftest,
     federated_selftest,
+    sharded_selftest,
 )
 from dpfy.ledger import Ledger, MatrixRunRecord
 from dpfy.ledger.records import SumQueryRecord
@@ -133,14 +134,17 @@ def _self_tests(cfg: dict[str, Any], seed: int) -> list[str]:
 
 def _path_tests(ledger: Ledger, cfg: dict[str, Any]) -> list[SelfTest]:
     """The self-tests of what the run used beyond one process's DP-SGD step
-    (:mod:`dpfy.audit.selftests`): several processes (metadata ``workers``), DP-FedAvg rounds
-    (metadata ``trainer``) and correlated noise (a ``matrix_run`` record, with its plan)."""
+    (:mod:`dpfy.audit.selftests`): several processes (metadata ``workers``; ``sharded``:
+    FSDP2), DP-FedAvg rounds (metadata ``trainer``) and correlated noise (a ``matrix_run``
+    record, with its plan)."""
     c, z = cfg["clip_norm"], cfg["noise_multiplier"]
     meta = ledger.metadata
     done: list[SelfTest] = []
     workers = meta.get("workers")
     if isinstance(workers, int) and not isinstance(workers, bool) and workers > 1:
         done.append(distributed_selftest(2, clip_norm=c, noise_multiplier=z))
+    if meta.get("sharded") is True:  # FSDP2: each rank noises its own shard
+        done.append(sharded_selftest(2, clip_norm=c, noise_multiplier=z))
     if meta.get("trainer") == "dpfy.fed.DPFedAvg":
         done.append(federated_selftest(clip_norm=c, noise_multiplier=z))
     for rec in ledger.entries:

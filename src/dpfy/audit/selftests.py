@@ -19,6 +19,9 @@ correct implementation fails with probability at most about ``alpha``; ``1e-6`` 
 :func:`distributed_selftest` spawns a gloo process group on this machine (rank 0 is the
 calling process) and checks that the noise of a data-parallel DP-SGD step is added once, at
 the recorded std, and that every rank receives the same gradient (docs/architecture.md 5.18).
+:func:`sharded_selftest` does the same for a model sharded with FSDP2 (``fully_shard``): each
+rank noises its own shard, so every coordinate must be noised once at the recorded std and the
+ranks' noise must be uncorrelated (5.18, "Sharded models (FSDP2)").
 :func:`federated_selftest` runs DP-FedAvg rounds of :class:`dpfy.fed.DPFedAvg` (the server
 calls of :func:`dpfy.fed.run_in_process`) on known client deltas (5.19).
 :func:`correlated_selftest` recovers the noise sequence ``W`` of a
@@ -56,6 +59,7 @@ __all__ = [
     "correlated_selftest",
     "distributed_selftest",
     "federated_selftest",
+    "sharded_selftest",
 ]
 
 
@@ -222,6 +226,141 @@ def distributed_selftest(
     threads = torch.get_num_threads()  # rank 0 runs here and sets 1 thread
     try:
         result = run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(result, SelfTest)
+    return result
+
+
+# -- 1b. sharded (FSDP2) DP-SGD: each coordinate noised once, on the rank holding it ----------
+@dataclasses.dataclass(frozen=True)
+class _ShardConfig:
+    dim: int
+    out: int
+    rows: int
+    steps: int
+    clip_norm: float
+    noise_multiplier: float
+    alpha: float
+    make_randomness: Callable[[int], Randomness] | None
+
+
+def _outer_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``u . (W x_i)`` with ``u = 1 / sqrt(out)``: example i's gradient is ``u x_i^T``, of
+    norm ``||x_i||``."""
+    return outputs.sum(1) * targets / math.sqrt(outputs.shape[1])
+
+
+def _sharded_worker(d: Distributed, cfg: _ShardConfig) -> SelfTest:
+    from torch.distributed.fsdp import fully_shard
+
+    from dpfy.training.sharded import shard_rows
+
+    torch.set_num_threads(1)
+    w, r = d.world_size, d.rank
+    x = _rows(cfg.rows, cfg.dim, cfg.clip_norm, seed=0)
+    u = np.full(cfg.out, 1.0 / math.sqrt(cfg.out))
+    a, b = shard_rows(cfg.out, w, r)
+    known = np.outer(u, _clipped_sum(x, cfg.clip_norm))[a:b].reshape(-1)  # this rank's shard
+    mine = torch.from_numpy(x[r::w]).float()
+    rng = Randomness.secure_mode() if cfg.make_randomness is None else cfg.make_randomness(r)
+    model = nn.Linear(cfg.dim, cfg.out, bias=False)
+    fully_shard(model, mesh=d.mesh())  # in place: model's class becomes FSDPLinear
+    pg = PrivateGradient(
+        model, GaussianSumQuery(cfg.clip_norm, cfg.noise_multiplier), expected_batch_size=1.0,
+        reducer=d,
+    )
+    ledger = Ledger()
+    noise = []
+    for _ in range(cfg.steps):
+        sid = ledger.record_sample(SampleSpec("full_batch"))
+        pg.accumulate(mine, torch.ones(mine.shape[0]), _outer_loss)
+        pg.release(ledger=ledger, sample_id=sid, randomness=rng)
+        grad = model.weight.grad
+        assert grad is not None
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        noise.append(local.detach().reshape(-1).double().numpy() - known)
+    mat = np.stack(noise)  # [steps, shard size]
+    # every rank's noise on every rank (zero-padded to the largest shard), for the pairwise tests
+    width = math.ceil(cfg.out / w) * cfg.dim
+    every = torch.zeros(w, cfg.steps, width, dtype=torch.float64)
+    every[r, :, : mat.shape[1]] = torch.from_numpy(mat)
+    d.sum_([every])
+    own = [float(mat.shape[1] if k == r else 0) for k in range(w)]
+    sizes = [int(v) for v in d.sum_numbers(own)]
+    findings: list[str] = []
+    recs = [e for e in ledger.entries if isinstance(e, SumQueryRecord)]
+    declared = {e.noise_std for e in recs}
+    std = recs[0].noise_std if len(recs) == cfg.steps and len(declared) == 1 else math.nan
+    if len(recs) != cfg.steps or len(declared) != 1:
+        findings.append(f"ledger: {len(recs)} release records with stds {sorted(declared)} for "
+                        f"{cfg.steps} steps")
+    if sum(sizes) != cfg.out * cfg.dim:
+        findings.append(f"shards: {sum(sizes)} coordinates over the ranks, the parameter has "
+                        f"{cfg.out * cfg.dim} (each must be noised exactly once)")
+    zs: list[float] = []
+    tests = w + w * (w - 1) // 2
+    thr = _threshold(cfg.alpha, tests)
+    for k in range(w):  # each rank's shard at the recorded std: twice, half or none is caught
+        ratio, z = _std_z(every[k, :, : sizes[k]].numpy().reshape(-1), std)
+        zs.append(z)
+        if not abs(z) <= thr:
+            findings.append(
+                f"noise: rank {k}'s shard of the released gradient minus the clipped sum has "
+                f"std {ratio:.4g} x the recorded {std:.6g} (1 when each coordinate is noised "
+                "once; 0 when a rank skips its shard)"
+            )
+    for k in range(w):  # independent streams: no two ranks draw the same noise
+        for j in range(k + 1, w):
+            m = min(sizes[k], sizes[j])
+            xk, xj = every[k, :, :m].numpy().reshape(-1), every[j, :, :m].numpy().reshape(-1)
+            z = float(np.dot(xk, xj) / (xk.size * std * std)) * math.sqrt(xk.size)
+            zs.append(z)
+            if not abs(z) <= thr:
+                findings.append(f"noise: ranks {k} and {j} drew correlated noise "
+                                f"(standardised correlation {z:.3g}; 0 for independent streams)")
+    return _result("sharded", zs, thr, findings)
+
+
+def sharded_selftest(
+    world_size: int = 2,
+    *,
+    dim: int = 256,
+    out: int = 4,
+    rows: int = 16,
+    steps: int = 8,
+    clip_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    alpha: float = 1e-6,
+    timeout: float = 60.0,
+    make_randomness: Callable[[int], Randomness] | None = None,
+) -> SelfTest:
+    """Noise added exactly once per coordinate of an FSDP2-sharded DP-SGD step (gloo, CPU).
+
+    A bias-free ``Linear(dim, out)`` is sharded with ``fully_shard`` over ``world_size`` local
+    processes (rank r holds rows ``[r c, (r+1) c)`` of the weight, ``c = ceil(out / W)``), with
+    the loss ``u . (W x_i)`` (example i's gradient ``u x_i^T``, of norm ``||x_i||``, between
+    0.2 C and 3 C). Over ``steps`` releases with denominator 1 each rank's shard of the
+    released gradient minus its shard of the closed-form clipped sum must have the recorded
+    per-coordinate std (one test per rank), every pair of ranks' noise must be uncorrelated (one
+    test per pair), the shards must cover every coordinate once, and each step must have one
+    release record at one std.
+
+    ``make_randomness(rank)`` (module-level, picklable) builds each rank's noise randomness
+    (default: secure); it exists to show that a broken variant is caught.
+    """
+    check_int("world_size", world_size, 2, 64)
+    check_int("dim", dim)
+    check_int("out", out, world_size)
+    check_int("rows", rows, world_size)
+    check_int("steps", steps)
+    check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
+    _check_common(alpha, clip_norm, noise_multiplier)
+    cfg = _ShardConfig(dim, out, rows, steps, float(clip_norm), float(noise_multiplier),
+                       float(alpha), make_randomness)
+    threads = torch.get_num_threads()
+    try:
+        result = run_local(_sharded_worker, world_size, (cfg,), timeout=timeout)
     finally:
         torch.set_num_threads(threads)
     assert isinstance(result, SelfTest)

@@ -162,6 +162,23 @@ class Distributed:
             lambda: [dist.broadcast(t, 0, group=self.group) for t in tensors],
         )
 
+    def reduce_scatter_(self, out: torch.Tensor, stacked: torch.Tensor) -> None:
+        """Reduce (SUM) ``stacked`` (W equal blocks, flat) over all ranks; block r lands in
+        ``out`` on rank r (the sharded release, :mod:`dpfy.training.sharded`)."""
+        self._run(
+            "reduce-scatter of the clipped sums",
+            lambda: dist.reduce_scatter_single(out, stacked, group=self.group),
+        )
+
+    def mesh(self) -> Any:
+        """A 1-D ``DeviceMesh`` of this run's ranks over its process group (with its timeout),
+        for ``fully_shard(module, mesh=distributed.mesh())``."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        group = self.group if self.group is not None else dist.group.WORLD
+        assert group is not None  # a process group exists once this process joined
+        return DeviceMesh.from_group(group, self.device.type)
+
     def sum_numbers(self, values: list[float]) -> list[float]:
         """The sums over all ranks of a few monitoring numbers (losses, counts; float64)."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -191,12 +208,27 @@ class Distributed:
 
     @torch.no_grad()
     def sync_module_(self, module: nn.Module) -> None:
-        """Copy rank 0's parameters and buffers into every rank's ``module`` (in place)."""
-        tensors = [p.data for p in module.parameters()] + list(module.buffers())
-        self._run(
-            "broadcast of the initial weights",
-            lambda: [dist.broadcast(t, 0, group=self.group) for t in tensors],
-        )
+        """Copy rank 0's parameters and buffers into every rank's ``module`` (in place).
+
+        An FSDP2 shard (``DTensor``) gets its rows of rank 0's full parameter: the full
+        tensor is gathered, broadcast and this rank's shard copied back, one at a time.
+        """
+        from torch.distributed.tensor import DTensor
+
+        def sync() -> None:
+            for t in [p.data for p in module.parameters()] + list(module.buffers()):
+                if isinstance(t, DTensor):
+                    full = t.full_tensor()
+                    dist.broadcast(full, 0, group=self.group)
+                    t.to_local().copy_(
+                        DTensor.from_local(full, t.device_mesh, run_check=False)
+                        .redistribute(t.device_mesh, t.placements)
+                        .to_local()
+                    )
+                else:
+                    dist.broadcast(t, 0, group=self.group)
+
+        self._run("broadcast of the initial weights", sync)
 
     def check_in_sync(self, module: nn.Module) -> None:
         """Raise :class:`DistributedError` unless every rank's weights have rank 0's checksum.
@@ -205,7 +237,7 @@ class Distributed:
         tests and debugging (the step keeps replicas equal).
         """
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+            flat = torch.cat([_full(p).reshape(-1).double() for p in module.parameters()])
             mine = torch.stack([flat.sum(), (flat * flat).sum()]).to(self.device)
             ref = mine.clone()
         self._run(
@@ -232,6 +264,12 @@ class Distributed:
                 "This process stops; the step was not applied here, and the ledger (rank 0's) "
                 "records every release any rank applied"
             ) from e
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter: a sharded one (FSDP2 ``DTensor``) gathered from every rank."""
+    full = getattr(p.detach(), "full_tensor", None)
+    return full() if full is not None else p.detach()
 
 
 def init_process_group(

@@ -40,6 +40,7 @@ from dpfy.training import users
 from dpfy.training.distributed import Distributed, per_process_batch
 from dpfy.training.launch import run_local
 from dpfy.training.precision import check_precision
+from dpfy.training.sharded import full_state_dict, shard_model
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
 __all__ = [
@@ -169,6 +170,7 @@ def train_image_classifier(
     user_reduction: str = "sum",
     workers: int = 1,
     distributed: Distributed | None = None,
+    shard: bool = False,
     mechanism: str = "dpsgd",
     band: int = 16,
     buffers: int = 4,
@@ -221,6 +223,8 @@ def train_image_classifier(
         ``workers - 1`` helpers are spawned; ``max_physical_batch_size`` must be a multiple.
       distributed: this process's place in a run started elsewhere (``torchrun``); only
         rank 0 should be given ``out_dir``.
+      shard: shard the model over the processes with FSDP2 (``fully_shard``; needs
+        ``workers > 1`` or ``distributed``; :mod:`dpfy.training.sharded`).
       mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
         ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers), ``"tree"`` or
         ``"tree-efficient"`` (docs/architecture.md, 5.16): needs the ``cyclic`` or
@@ -257,6 +261,12 @@ def train_image_classifier(
             f"unit={unit!r} (user-level DP) runs in one process: use workers=1, got "
             f"workers={workers}" + ("" if distributed is None else " and a distributed run")
         )
+    if shard and ((workers == 1 and distributed is None) or ema_decay is not None):
+        raise ValueError(
+            "shard=True needs workers > 1 (or a distributed run) and ema_decay=None (an FSDP2 "
+            f"model cannot be copied for the EMA), got workers={workers}, "
+            f"ema_decay={ema_decay!r}"
+        )
     if (extra_train is not None or step_observer is not None) and (
         workers > 1 or distributed is not None or unit != "example"
     ):
@@ -277,7 +287,7 @@ def train_image_classifier(
             clip_norm=clip_norm, model=model, ema_decay=ema_decay,
             max_physical_batch_size=max_physical_batch_size, accounting=accounting, seed=seed,
             threads=threads or max(1, (os.cpu_count() or 1) // workers),
-            train_limit=train_limit, test_limit=test_limit, precision=precision,
+            train_limit=train_limit, test_limit=test_limit, precision=precision, shard=shard,
         )
         return cast(TrainResultSummary, run_local(
             _worker, workers, (options,),
@@ -308,6 +318,8 @@ def train_image_classifier(
         )
         trainer_cls = users.UserLevelTrainer
     net = make_model(model)
+    if shard and distributed is not None:
+        shard_model(net, distributed)
     if step_observer is not None:
         callbacks = (*callbacks, step_observer(net))
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
@@ -403,8 +415,9 @@ def train_image_classifier(
         model=result.model,
         ledger=ledger,
     )
+    state = full_state_dict(result.model) if shard else result.model.state_dict()
     if model_path is not None:  # set exactly when out_dir is
-        torch.save(result.model.state_dict(), model_path)
+        torch.save(state, model_path)
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
     return summary

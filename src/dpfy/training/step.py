@@ -115,6 +115,7 @@ from dpfy.training.precision import (
     upcast_captures,
     work_dtype,
 )
+from dpfy.training.sharded import ShardedRelease, is_sharded
 
 if TYPE_CHECKING:
     from dpfy.ledger import Ledger
@@ -283,6 +284,10 @@ class PrivateGradient:
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         check_master_weights(self._params.items())
         self.param_names_: tuple[str, ...] = tuple(self._params)
+        self._sharded = (  # FSDP2 shards: reduce-scatter, noise per shard (training.sharded)
+            ShardedRelease(self._params, self.plans_, query, reducer, microbatch_mode)
+            if is_sharded(model) else None
+        )
         groups = getattr(query, "groups", None)
         self._owner: dict[str, str] | None = None
         self._group_names: tuple[str, ...] = ()
@@ -393,7 +398,8 @@ class PrivateGradient:
         return_norms: bool,
         loss_scale: float = 1.0,
     ) -> ChunkStats:
-        with capture_layers(self.plans_, _batch_size(inputs)) as recorder:
+        guard = self._sharded.collectives() if self._sharded else contextlib.nullcontext()
+        with guard, capture_layers(self.plans_, _batch_size(inputs)) as recorder:
             with self.autocast():
                 losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
@@ -654,12 +660,16 @@ class PrivateGradient:
         denom = self.denominator_
         if red is not None:  # the global clipped sum, in place, before anything is recorded
             flat = self._acc_flat
-            red.sum_([flat] if flat is not None else list(clipped.values()))
+            if self._sharded is None:  # sharded: reduce-scattered in its release
+                red.sum_([flat] if flat is not None else list(clipped.values()))
             loss, examples, nonfinite = red.sum_numbers(
                 [self._loss_sum, self._examples, self._nonfinite]
             )
             self._loss_sum, self._examples, self._nonfinite = loss, int(examples), int(nonfinite)
-        if self._fast_release:
+        if self._sharded is not None:
+            self._sharded.release(clipped, query=self.query, ledger=ledger,
+                                  sample_id=sample_id, randomness=randomness, scale=1.0 / denom)
+        elif self._fast_release:
             # The accumulator holds clipped sum / denom (folded into the clip weights); the
             # query adds noise scaled alike and writes into new gradient buffers (no division
             # pass) which then become ``p.grad``: views of one flat buffer, so the noise fills

@@ -66,6 +66,7 @@ from dpfy.training.distributed import (
 from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
+from dpfy.training.sharded import is_sharded
 from dpfy.training.step import PrivateGradient
 from dpfy.training.validate import validate_module
 
@@ -286,6 +287,11 @@ class PrivateTrainer:
             per_process_batch(self.max_physical_batch_size, self.distributed.world_size)
             if not self.distributed.releases:
                 check_mirror_ledger(self.ledger, self.distributed.rank)
+        if self.ema_decay is not None and is_sharded(self.model):
+            raise ValueError(
+                f"ema_decay must be None for a model sharded with fully_shard (FSDP2 modules "
+                f"cannot be copied for the EMA), got ema_decay={self.ema_decay!r}"
+            )
 
     def sampler_size(self) -> int:
         """Examples in the training data (checked against the sampler's ``dataset_size``)."""
@@ -669,7 +675,9 @@ class PrivateTrainer:
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
             "mechanism": "dpsgd" if self.correlated is None else self.correlated.strategy,
-        } | ({} if self.distributed is None else {"workers": self.distributed.world_size})
+        } | ({} if self.distributed is None else {"workers": self.distributed.world_size}) | (
+            {"sharded": True} if self.distributed is not None and is_sharded(self.model) else {}
+        )
 
     # -- checkpointing ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

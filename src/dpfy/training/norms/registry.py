@@ -151,14 +151,29 @@ def register_norm_rule_by_name(
 
 
 def norm_rule_for(module: nn.Module) -> NormRule | None:
-    """The registered rule for ``type(module)`` (exact type), or ``None``."""
-    kind = type(module)
+    """The registered rule for ``type(module)`` (exact type), or ``None``.
+
+    A module sharded by FSDP2's ``fully_shard`` has a generated class ``FSDP<Name>`` whose
+    bases are ``(FSDPModule, Name)``; its rule is the one of ``Name`` (the layer's arithmetic
+    is unchanged: FSDP2 only gathers the parameters around the forward and backward).
+    """
+    kind = _unsharded_type(type(module))
     rule = _RULES.get(kind)
     if rule is None and _BY_NAME:
         rule = _BY_NAME.get(f"{kind.__module__}.{kind.__qualname__}")
         if rule is not None:
             _RULES[kind] = rule
     return rule
+
+
+def _unsharded_type(kind: type[nn.Module]) -> type[nn.Module]:
+    """The layer class under FSDP2's generated ``FSDP<Name>`` class (else ``kind`` itself)."""
+    bases = kind.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and kind.__name__ == (
+        "FSDP" + bases[1].__name__
+    ):
+        return bases[1]
+    return kind
 
 
 def registered_types() -> tuple[type[nn.Module], ...]:
