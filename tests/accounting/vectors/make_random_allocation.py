@@ -12,7 +12,8 @@ delta) the PLD_accounting (Feldman & Shenfeld 2026) upper and lower epsilon boun
 Each point is appended as soon as it is done, so an interrupted run keeps what it computed
 (and a rerun resumes). The stored file holds the first 17 points of GRID (computed with numba
 on a shared 2-core machine; ``seconds`` is PLD_accounting's time there); the last three
-(T=1000 x 50 epochs, twice, and T=8, z=0.5 x 50 epochs) were not finished.
+(T=1000 x 50 epochs, twice, and T=8, z=0.5 x 50 epochs) were not finished: a later attempt
+ran the first of them for two hours and the last for eight minutes without a result.
 """
 
 from __future__ import annotations
