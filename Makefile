@@ -26,8 +26,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
-	# two workers (one per core); a test file stays on one worker, so module fixtures run once
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	# two workers, one per core; an idle worker steals queued tests from the busy one
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
