@@ -86,16 +86,24 @@ def stream_bytes(plan: CorrelatedPlan, parameters: int, bytes_per_value: int = 4
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: the free physical pages
-    the OS reports), or None where that is unknown."""
+    """Free bytes on ``device`` (CUDA: the driver's free memory; CPU: Linux's ``MemAvailable``,
+    which counts reclaimable page cache, else the free physical pages), or None where that
+    is unknown."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu":
-        try:
-            return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def check_stream_memory(
