@@ -105,6 +105,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
         make_text_model,
         text_optimizer,
         tokenize,
+        trim_padding,
     )
 
     mode, _ = _parse(config)
@@ -117,6 +118,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     tr = datasets.rotten_tomatoes("train", limit=args.train_limit)
     te = datasets.rotten_tomatoes("test", limit=args.test_limit)
     train, test = (tokenize(s.texts, s.labels, args.max_length, tok) for s in (tr, te))
+    lengths = train.lengths()
     net = make_text_model("minilm", lora=lora)
     opt = text_optimizer(net, defaults["learning_rate"], defaults["head_learning_rate"])
     batch, physical = int(defaults["batch_size"]), 64
@@ -127,12 +129,14 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     for epoch in range(epochs):
         order = torch.randperm(len(train), generator=gen)
         for step, i in enumerate(range(0, len(train), batch)):
+            # shortest first, so each chunk is cut to about its own length (as the DP runs)
             idx = order[i : i + batch]
+            idx = idx[torch.argsort(lengths[idx], stable=True)]
             opt.zero_grad()
             total = 0.0
             for j in range(0, len(idx), physical):
                 rows = idx[j : j + physical]
-                inputs = {k: v[rows] for k, v in train.tokens.items()}
+                inputs = trim_padding({k: v[rows] for k, v in train.tokens.items()})
                 loss = torch.nn.functional.cross_entropy(
                     net(**inputs).logits, train.labels[rows], reduction="sum"
                 ) / len(idx)
