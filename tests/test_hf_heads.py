@@ -72,3 +72,50 @@ def test_private_gradient_matches_naive_loop_on_the_pooled_head():
             want[n] += factor * p.grad
     for n in params:
         assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_cutting_shared_padding_leaves_the_clipped_sum_unchanged():
+    """trim_padding is exact: the padded and the cut chunk give the same clipped sum."""
+    from dpfy.queries import GaussianSumQuery
+    from dpfy.training.losses import sequence_classification_loss
+    from dpfy.training.step import PrivateGradient
+    from dpfy.training.text import trim_padding
+
+    model = MeanPooledClassifier(_tiny_bert(), 16, num_labels=2)
+    torch.nn.init.normal_(model.head.weight, std=0.5)
+    ids = torch.randint(1, 50, (4, 12))
+    mask = torch.zeros(4, 12, dtype=torch.long)
+    for row, length in enumerate((3, 7, 5, 2)):
+        mask[row, :length] = 1
+    ids = ids * mask  # right padding with id 0, as the tokenizer pads
+    y = torch.tensor([0, 1, 1, 0])
+    padded = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+    cut = trim_padding(padded)
+    assert all(v.shape == (4, 7) for v in cut.values())
+    assert torch.equal(cut["input_ids"], ids[:, :7])
+    sums = []
+    for batch in (padded, cut):
+        pg = PrivateGradient(model, GaussianSumQuery(0.05, 1.0), expected_batch_size=4)
+        pg.accumulate(batch, y, sequence_classification_loss)
+        sums.append(pg.clipped_sum())
+    for name in sums[0]:
+        assert torch.allclose(sums[0][name], sums[1][name], rtol=1e-5, atol=1e-7), name
+    # nothing to cut: the very same tensors come back; no mask: untouched
+    full = {"input_ids": ids[:, :7], "attention_mask": torch.ones(4, 7, dtype=torch.long)}
+    assert trim_padding(full) is full
+    assert trim_padding({"x": ids}) == {"x": ids}
+
+
+def test_token_dataset_orders_by_length_and_collates_cut():
+    import numpy as np
+
+    from dpfy.training.text import TokenDataset, collate_trimmed
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    data = TokenDataset({"input_ids": mask * 5, "attention_mask": mask}, torch.tensor([0, 1, 0]))
+    assert data.lengths().tolist() == [3, 1, 2]
+    ordered = data.reordered(np.argsort(data.lengths().numpy(), kind="stable"))
+    assert ordered.lengths().tolist() == [1, 2, 3]
+    assert ordered.labels.tolist() == [1, 0, 0]
+    batch = collate_trimmed([ordered[0], ordered[1]])
+    assert batch["input_ids"].shape == (2, 2) and batch["labels"].tolist() == [1, 0]
