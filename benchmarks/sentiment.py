@@ -61,6 +61,11 @@ def _parse(config: str) -> tuple[str, float | None]:
     return mode, (None if rest == "nonprivate" else float(rest.removeprefix("eps")))
 
 
+def _lr(mode: str, args: argparse.Namespace) -> float | None:
+    """The encoder's Adam rate of ``mode`` from ``--lr-full`` / ``--lr-lora`` (None: default)."""
+    return args.lr_lora if mode == "lora" else args.lr_full
+
+
 def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
     from dpfy.training.text import train_text_classifier
 
@@ -83,7 +88,7 @@ def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
     summary = train_text_classifier(
         lora=mode == "lora", target_epsilon=eps, delta=DELTA, epochs=epochs, seed=args.seed,
         threads=args.threads, train_limit=args.train_limit, test_limit=args.test_limit,
-        max_length=args.max_length, callbacks=[on_epoch],
+        max_length=args.max_length, callbacks=[on_epoch], learning_rate=_lr(mode, args),
     )
     return {
         "test_accuracy": summary.test_accuracy, "epsilon": summary.epsilon,
@@ -120,7 +125,8 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     train, test = (tokenize(s.texts, s.labels, args.max_length, tok) for s in (tr, te))
     lengths = train.lengths()
     net = make_text_model("minilm", lora=lora)
-    opt = text_optimizer(net, defaults["learning_rate"], defaults["head_learning_rate"])
+    lr = _lr(mode, args) or defaults["learning_rate"]
+    opt = text_optimizer(net, lr, defaults["head_learning_rate"])
     batch, physical = int(defaults["batch_size"]), 64
     gen = torch.Generator().manual_seed(args.seed)
     per_epoch: list[dict[str, Any]] = []
@@ -151,7 +157,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
         _log(f"{config}: epoch {epoch + 1}/{epochs} test {acc:.4f}")
     return {
         "test_accuracy": per_epoch[-1]["test_accuracy"], "epsilon": math.inf, "epochs": epochs,
-        "learning_rate": defaults["learning_rate"], "batch_size": batch,
+        "learning_rate": lr, "batch_size": batch,
         "seconds": time.perf_counter() - start, "per_epoch": per_epoch,
     }
 
@@ -209,6 +215,10 @@ def run(config: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = [
         "### DP fine-tuning of all-MiniLM-L6-v2 on rotten tomatoes (split by movie)",
@@ -216,9 +226,9 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         f"Test accuracy (%), delta={DELTA:g}, Poisson sampling, seed 0 (one run each); "
         "time = training wall seconds on 1 thread.",
         "",
-        "| config | target eps | eps (ledger) | epochs | train / test examples | test acc (%) "
-        "| time (s) | s / epoch |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | target eps | eps (ledger) | epochs | lr | train / test examples "
+        "| test acc (%) | time (s) | s / epoch |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in CONFIGS:
         r = results.get(name)
@@ -229,7 +239,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         spe = f"{r['seconds_per_epoch']:.0f}" if "seconds_per_epoch" in r else "-"
         limits = f"{r['train_limit'] or 'all'} / {r['test_limit'] or 'all'}"
         lines.append(
-            f"| {name} | {eps} | {got} | {r.get('epochs', r.get('steps', '-'))} | {limits} "
+            f"| {name} | {eps} | {got} | {r.get('epochs', r.get('steps', '-'))} "
+            f"| {_fmt(r.get('learning_rate'))} | {limits} "
             f"| {100 * r['test_accuracy']:.2f} | {r['seconds']:.0f} | {spe} |"
         )
     lines += ["", "DP-FC on frozen MiniLM embeddings measured earlier (mean of 3 seeds, "
@@ -281,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr-full", type=float, default=None,
+                        help="encoder Adam rate of full fine-tuning (default: TEXT_DEFAULTS)")
+    parser.add_argument("--lr-lora", type=float, default=None,
+                        help="Adam rate of the LoRA factors (default: TEXT_DEFAULTS)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true", help="rerun finished configurations")
     args = parser.parse_args(argv)
