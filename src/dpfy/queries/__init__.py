@@ -54,7 +54,9 @@ from dpfy.queries.nested import (
     Group,
     NestedQuery,
     dimension_adjusted_noise,
+    prefix_groups,
     proportional_noise,
+    separate_clipping,
     split_clip_norm,
 )
 from dpfy.queries.sum import (
@@ -82,6 +84,8 @@ __all__ = [
     "proportional_noise",
     "dimension_adjusted_noise",
     "split_clip_norm",
+    "prefix_groups",
+    "separate_clipping",
     "clip_weights_from_norms",
     "per_example_norms",
     "expand_weights",

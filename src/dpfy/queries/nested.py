@@ -26,6 +26,8 @@ from dpfy.queries.base import LedgerEntry, QueryBase
 __all__ = [
     "Group",
     "NestedQuery",
+    "prefix_groups",
+    "separate_clipping",
     "proportional_noise",
     "dimension_adjusted_noise",
     "split_clip_norm",
@@ -217,6 +219,67 @@ def split_clip_norm(
         total = float(sum(dims.values()))
         return {g: clip_norm * math.sqrt(d / total) for g, d in dims.items()}
     raise ValueError(f"how must be one of {{equal, dimension}}, got how={how!r}")
+
+
+def prefix_groups(
+    names: Sequence[str], prefixes: Sequence[str], *, rest: str = "rest"
+) -> dict[str, tuple[str, ...]]:
+    """Parameter names grouped by the first of ``prefixes`` they start with.
+
+    Group ``p.rstrip(".")`` holds the names starting with prefix ``p``; the names matching no
+    prefix form the group ``rest`` (left out when empty).
+
+    Raises:
+      ValueError: no prefixes, a repeated prefix, or a prefix that matches no name (a typo
+        would otherwise silently clip everything jointly).
+    """
+    if not prefixes:
+        raise ValueError("clip_groups must name at least one parameter-name prefix, got ()")
+    if len(set(prefixes)) != len(prefixes):
+        raise ValueError(f"clip_groups must not repeat a prefix, got {list(prefixes)}")
+    groups: dict[str, list[str]] = {p.rstrip(".") or p: [] for p in prefixes}
+    if rest in groups:
+        raise ValueError(f"clip_groups must not use the group name {rest!r}, got {list(prefixes)}")
+    others: list[str] = []
+    for n in names:
+        for p in prefixes:
+            if n.startswith(p):
+                groups[p.rstrip(".") or p].append(n)
+                break
+        else:
+            others.append(n)
+    empty = [p for p in prefixes if not groups[p.rstrip(".") or p]]
+    if empty:
+        raise ValueError(
+            f"clip_groups must be prefixes of trainable parameter names, got {empty} matching "
+            f"none of {len(names)} (e.g. {list(names)[:3]})"
+        )
+    out = {g: tuple(v) for g, v in groups.items()}
+    if others:
+        out[rest] = tuple(others)
+    return out
+
+
+def separate_clipping(
+    names: Sequence[str],
+    prefixes: Sequence[str],
+    clip_norm: float,
+    noise_multiplier: float,
+    *,
+    name: str = "gradient",
+) -> NestedQuery:
+    """Separate clipping of the :func:`prefix_groups` at the privacy cost of one clip norm.
+
+    The k groups get ``C_j = C / sqrt(k)`` (:func:`split_clip_norm`) and proportional noise
+    ``s_j = z sqrt(k) C_j = z C``: every coordinate gets the noise of joint clipping to C, the
+    per-example sensitivity stays ``sqrt(sum_j C_j^2) = C``, and the effective noise multiplier
+    of a release is exactly ``z`` (McMahan et al. 2018, Sec. 2 and 4), so the privacy event is
+    that of joint clipping. What changes is the geometry: a group with small gradients (a
+    classification head beside a whole encoder) is no longer scaled down by the others' norm.
+    """
+    groups = prefix_groups(names, prefixes)
+    clips = split_clip_norm(clip_norm, {g: 1 for g in groups})
+    return NestedQuery.from_noise_multiplier(groups, clips, noise_multiplier, name=name)
 
 
 def check_clip_norms(clip_norms: Mapping[str, float]) -> dict[str, float]:

@@ -164,6 +164,10 @@ class PrivateTrainer:
         noise instead of independent noise (:class:`dpfy.queries.correlated.CorrelatedNoiseQuery`;
         the sampler must implement its schema, the whole run is one ``MatrixMechanism``;
         account it with ``"gaussian"`` or ``"auto"``).
+      clip_groups: parameter-name prefixes clipped separately (each prefix one group, the
+        other trainable parameters one more), at the privacy cost of joint clipping to
+        ``clip_norm`` (:func:`dpfy.queries.separate_clipping`); empty: joint clipping. Not
+        with ``correlated`` or ``distributed``.
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -211,12 +215,14 @@ class PrivateTrainer:
         loss_scale: float | None = None,
         distributed: Distributed | None = None,
         correlated: CorrelatedPlan | None = None,
+        clip_groups: Sequence[str] = (),
     ) -> None:
         self.distributed = distributed
         if distributed is not None:
             model, sampler = unwrap(model), cast("Sampler", SharedSampler(sampler, distributed))
         self.model = model
         self.correlated = correlated
+        self.clip_groups = tuple(clip_groups)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.inputs = inputs
@@ -283,6 +289,12 @@ class PrivateTrainer:
                 f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
             )
         check_sampler(self.sampler, self.sampler_size(), "sampler")
+        if self.clip_groups and (self.correlated is not None or self.distributed is not None):
+            raise ValueError(
+                f"clip_groups must be empty with correlated noise or several processes "
+                f"(separate clipping is single-process, independent noise), got "
+                f"clip_groups={list(self.clip_groups)}"
+            )
         if self.distributed is not None:
             per_process_batch(self.max_physical_batch_size, self.distributed.world_size)
             if not self.distributed.releases:
@@ -355,10 +367,13 @@ class PrivateTrainer:
         z = self.calibrate()
         from dpfy.queries import GaussianSumQuery
         from dpfy.queries.correlated import correlated_query
+        from dpfy.queries.nested import separate_clipping
 
         trainable = [p for p in self.model.parameters() if p.requires_grad]
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.query_: Query = (
-            GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
+            separate_clipping(names, self.clip_groups, self.clip_norm, z) if self.clip_groups
+            else GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
             else correlated_query(self.correlated, self.clip_norm, z, self.sampler.sample_spec(),
                                   self.total_steps, parameters=sum(p.numel() for p in trainable),
                                   device=trainable[0].device if trainable else None)
