@@ -599,8 +599,8 @@ def train(
     ] = None,
     lora: Annotated[
         bool,
-        typer.Option("--lora", help="Text datasets only: LoRA (r=8 on query/value; pooler "
-                     "and head trained) instead of full fine-tuning."),
+        typer.Option("--lora", help="Text datasets only: LoRA (r=8 on query/value; the "
+                     "head trained in full) instead of full fine-tuning."),
     ] = False,
     max_length: Annotated[
         int | None,
