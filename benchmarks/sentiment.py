@@ -4,7 +4,8 @@ Configurations (``--configs``, comma separated; default all):
 
 * ``{full,lora}-eps{1,3,8}``: :func:`dpfy.training.text.train_text_classifier` (DP-Adam,
   Poisson sampling, expected batch 256, clip 1.0, delta 1e-5, noise calibrated with PLD; full:
-  lr 1e-4, LoRA r=8 on query/value: lr 5e-4; see that module's docstring);
+  lr 1e-4, head and encoder clipped separately; LoRA r=8 on query/value: lr 5e-4, joint
+  clipping; the head lr 1e-2 in both; see that module's docstring);
 * ``{full,lora}-nonprivate``: the same model, optimiser, learning rate, batch size and epochs
   without clipping or noise (shuffled batches of 256, Adam);
 * ``dpfc-eps{1,3,8}``: DP-FC (Mehta et al. 2023; 10 steps, lr 2.0) on the frozen, mean-pooled
@@ -18,9 +19,13 @@ epsilon: lines for full, LoRA and DP-FC, horizontal lines for non-private) are r
 all finished files after every configuration. Runs are seeded experiments (``--seed``, default
 0): reproducible, not DP releases; the privacy accounting is the same as a secure run's.
 
-Budget: the whole benchmark is about 3 hours on 2 cores (full fine-tuning gets fewer epochs than
-LoRA: ``--epochs-full`` 2, ``--epochs-lora`` 3 by default). It runs with one torch thread by
-default (``--threads``) so as not to starve a shared machine. Quick look::
+Budget: full fine-tuning gets fewer epochs than LoRA (``--epochs-full`` 2, ``--epochs-lora`` 3
+by default); with snippets cut to their batch's length (``trim_padding``) one configuration takes
+15-35 minutes on one core, the whole benchmark about 2 hours of two cores. It runs with one
+torch thread by default (``--threads``) so as not to starve a shared machine; run two
+processes with disjoint ``--configs`` to use two cores (finished files are shared).
+``--lr-full`` / ``--lr-lora`` change the encoder's rate (write those runs to their own
+``--out``). Quick look::
 
     PYTHONPATH=src python benchmarks/sentiment.py --configs lora-eps8 --train-limit 512 \\
         --test-limit 256 --out /tmp/sentiment
