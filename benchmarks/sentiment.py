@@ -230,7 +230,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "### DP fine-tuning of all-MiniLM-L6-v2 on rotten tomatoes (split by movie)",
         "",
         f"Test accuracy (%), delta={DELTA:g}, Poisson sampling, seed 0 (one run each); "
-        "time = training wall seconds on 1 thread.",
+        "time = training wall seconds, 1 torch thread per run (2-3 runs shared 2 cores, so "
+        "s / epoch varies with the load); DP-FC: 10 steps on cached embeddings.",
         "",
         "| config | target eps | eps (ledger) | epochs | lr | train / test examples "
         "| test acc (%) | time (s) | s / epoch |",
@@ -245,7 +246,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         spe = f"{r['seconds_per_epoch']:.0f}" if "seconds_per_epoch" in r else "-"
         limits = f"{r['train_limit'] or 'all'} / {r['test_limit'] or 'all'}"
         lines.append(
-            f"| {name} | {eps} | {got} | {r.get('epochs', r.get('steps', '-'))} "
+            f"| {name} | {eps} | {got} | {r.get('epochs', '-')} "
             f"| {_fmt(r.get('learning_rate'))} | {limits} "
             f"| {100 * r['test_accuracy']:.2f} | {r['seconds']:.0f} | {spe} |"
         )
