@@ -33,7 +33,7 @@ in ``BertForSequenceClassification``, made DP-Adam at epsilon 8 collapse to one 
 Full fine-tuning clips the head and the encoder as two groups (C / sqrt 2 each, the noise and
 privacy event of joint clipping to C; :func:`dpfy.queries.separate_clipping`): once the head
 has grown (weights of std 0.1), the encoder holds about 97 % of a snippet's squared gradient
-norm (median over 32 snippets; LoRA factors: 17 %), so joint clipping scales the head's signal
+norm (median over 32 snippets; LoRA factors: 18 %), so joint clipping scales the head's signal
 down about 18-fold under the same noise, and DP full fine-tuning reached 71.2 % at epsilon 8
 where LoRA reached 75.9 % (benchmarks/results/sentiment/).
 
