@@ -72,7 +72,7 @@ def _lr(mode: str, args: argparse.Namespace) -> float | None:
 
 
 def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
-    from dpfy.training.text import TEXT_DEFAULTS, train_text_classifier
+    from dpfy.training.text import train_text_classifier
 
     mode, eps = _parse(config)
     assert eps is not None
@@ -100,7 +100,7 @@ def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
         "accounting": summary.accounting, "noise_multiplier": summary.noise_multiplier,
         "steps": summary.steps, "epochs": epochs, "learning_rate": summary.learning_rate,
         "batch_size": summary.batch_size, "clip_norm": summary.clip_norm,
-        "clipping": "separate head" if TEXT_DEFAULTS[mode]["clip_head_separately"] else "joint",
+        "clipping": summary.ledger.metadata.get("clipping"),  # as the run recorded it
         "seconds": summary.seconds, "stopped": summary.stopped, "per_epoch": per_epoch,
     }
 

@@ -45,6 +45,8 @@ def test_prefix_groups_split_names_and_refuse_typos():
         prefix_groups(NAMES, [])
     with pytest.raises(ValueError, match="repeat"):
         prefix_groups(NAMES, ["0.", "0."])
+    with pytest.raises(ValueError, match="repeat"):  # one group name for two prefixes
+        prefix_groups(NAMES, ["0.", "0"])
 
 
 @pytest.mark.parametrize("k_prefixes", [["2."], ["0.", "2."], ["0.weight", "0.bias", "2."]])

@@ -235,20 +235,17 @@ def prefix_groups(
     """
     if not prefixes:
         raise ValueError("clip_groups must name at least one parameter-name prefix, got ()")
-    if len(set(prefixes)) != len(prefixes):
+    keys = {p: p.rstrip(".") or p for p in prefixes}  # prefix -> group name
+    if len(set(keys.values())) != len(prefixes):
         raise ValueError(f"clip_groups must not repeat a prefix, got {list(prefixes)}")
-    groups: dict[str, list[str]] = {p.rstrip(".") or p: [] for p in prefixes}
+    groups: dict[str, list[str]] = {g: [] for g in keys.values()}
     if rest in groups:
         raise ValueError(f"clip_groups must not use the group name {rest!r}, got {list(prefixes)}")
     others: list[str] = []
     for n in names:
-        for p in prefixes:
-            if n.startswith(p):
-                groups[p.rstrip(".") or p].append(n)
-                break
-        else:
-            others.append(n)
-    empty = [p for p in prefixes if not groups[p.rstrip(".") or p]]
+        match = next((p for p in prefixes if n.startswith(p)), None)
+        (others if match is None else groups[keys[match]]).append(n)
+    empty = [p for p in prefixes if not groups[keys[p]]]
     if empty:
         raise ValueError(
             f"clip_groups must be prefixes of trainable parameter names, got {empty} matching "

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from dpfy import datasets
 from dpfy._validate import check_int, check_range
@@ -162,8 +162,6 @@ def trim_padding(tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def collate_trimmed(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """``default_collate`` of :class:`TokenDataset` items, then :func:`trim_padding`."""
-    from torch.utils.data import default_collate
-
     return trim_padding(default_collate(items))
 
 
