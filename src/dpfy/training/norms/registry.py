@@ -22,6 +22,10 @@ from torch import nn
 
 __all__ = [
     "Capture",
+    "Recompute",
+    "Recomputed",
+    "recompute_for",
+    "covers_subtree",
     "CrossTerm",
     "cross_term",
     "register_cross_term",
@@ -90,6 +94,34 @@ class LayerGrads(Protocol):
 NormRule = Callable[[nn.Module, list[Capture], int], LayerGrads]
 _RULES: dict[type[nn.Module], NormRule] = {}
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recomputed:
+    """A module call recomputed so that the tensors a rule needs are on the autograd path.
+
+    Attributes:
+      output: what the model sees instead of the module's own output: the same structure and
+        values (up to rounding; random operations such as dropout drawn anew), computed
+        differentiably from the call's inputs and the module's parameters.
+      targets: intermediate tensors of that computation (e.g. the pre-activations of an RNN's
+        gates, the projections of an attention layer) whose gradients the rule needs; they
+        reach the rule as :attr:`Capture.grad_outputs`, in this order (zeros where a target
+        did not reach the loss).
+      extra: anything else the rule needs (detached), as :attr:`Capture.extra`.
+    """
+
+    output: Any
+    targets: tuple[torch.Tensor, ...]
+    extra: Any = None
+
+
+#: ``recompute(module, args, kwargs, output) -> Recomputed | None``: called in the forward hook
+#: of a module whose rule needs gradients of tensors *inside* the call (``args``/``kwargs`` as
+#: the module got them, not detached); ``None``: nothing to record for this call.
+Recompute = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], "Recomputed | None"]
+_RECOMPUTE: dict[type[nn.Module], Recompute] = {}
+_SUBTREE: set[type[nn.Module]] = set()
+
 _M = TypeVar("_M", bound=nn.Module)
 _G = TypeVar("_G", bound=LayerGrads)
 #: A rule as written for its module types: ``RuleFor[nn.Linear, LinearForm]``.
@@ -97,12 +129,24 @@ RuleFor = Callable[[_M, list[Capture], int], _G]
 
 
 def register_norm_rule(
-    *module_types: type[_M], replace: bool = False
+    *module_types: type[_M],
+    replace: bool = False,
+    recompute: Recompute | None = None,
+    subtree: bool = False,
 ) -> Callable[[RuleFor[_M, _G]], RuleFor[_M, _G]]:
     """Decorator registering ``rule(module, captures, group_size) -> LayerGrads`` for the types.
 
     A rule may carry an attribute ``on_forward(module, input, output) -> Any``, called in the
     forward hook; its result reaches the rule as :attr:`Capture.extra`.
+
+    Args:
+      recompute: for a layer whose parameter gradients need tensors inside the call (fused
+        recurrent kernels, attention): the forward hook returns ``recompute(...).output`` in
+        place of the module's output, and the rule gets the gradients of its ``targets``
+        (see :class:`Recomputed`). Without it the rule gets the gradients of the outputs.
+      subtree: the rule covers the trainable parameters of the module's whole subtree
+        (local names such as ``"out_proj.weight"``); its descendants are not planned on their
+        own (``nn.MultiheadAttention`` uses ``out_proj``'s weight without calling it).
 
     Raises:
       ValueError: a rule is already registered for one of the types and ``replace`` is false
@@ -124,6 +168,12 @@ def register_norm_rule(
         generic = cast(NormRule, rule)
         for t in module_types:
             _RULES[t] = generic
+            _RECOMPUTE.pop(t, None)
+            _SUBTREE.discard(t)
+            if recompute is not None:
+                _RECOMPUTE[t] = recompute
+            if subtree:
+                _SUBTREE.add(t)
         return rule
 
     return deco
@@ -164,6 +214,16 @@ def norm_rule_for(module: nn.Module) -> NormRule | None:
         if rule is not None:
             _RULES[kind] = rule
     return rule
+
+
+def recompute_for(module: nn.Module) -> Recompute | None:
+    """The ``recompute`` registered with the rule of ``type(module)`` (exact type), or ``None``."""
+    return _RECOMPUTE.get(_unsharded_type(type(module)))
+
+
+def covers_subtree(module: nn.Module) -> bool:
+    """Whether the rule of ``type(module)`` covers its whole subtree's parameters."""
+    return _unsharded_type(type(module)) in _SUBTREE
 
 
 def _unsharded_type(kind: type[nn.Module]) -> type[nn.Module]:
