@@ -11,9 +11,28 @@ median (DESIGN.md section 9).
 ``dpfy_bandmf``, ``dpfy_blt`` and ``dpfy_tree`` are dpfy's step with correlated DP-FTRL noise
 (their ratio to ``dpfy`` is the overhead of the noise streams).
 
+Models (``--models``; the default is the two image models at batch 256):
+
+* ``mlp``: 784-512-256-10 on 28x28 inputs; ``cnn``: the recipes' ``gn_cnn``.
+* ``mha``: a small transformer text classifier on ``nn.MultiheadAttention``: token and
+  position embeddings (vocabulary 1000, width 64), 2 post-norm blocks of [4-head
+  self-attention with a ``key_padding_mask``, LayerNorm, MLP 64-128-64, LayerNorm], mean
+  pool over the valid tokens, linear to 2 classes.
+* ``lstm``: Embedding(1000, 64) -> ``nn.LSTM(64, 128)`` (``--lstm-layers``, default 1) ->
+  the output at each example's last valid token -> linear to 2 classes.
+
+The text models run at batch 64 (unless ``--batch``) on random token ids of sequence length
+64 with random lengths (uniform 16..64) and trailing padding; the model input is the tuple
+``(tokens, pad)`` with ``pad`` True on padded positions (``PrivateGradient.accumulate``'s tuple
+convention, ``model(*inputs)``). dpfy and plain run the torch modules; Opacus runs its own
+replacements, ``opacus.layers.DPMultiheadAttention`` and ``DPLSTM``, built by
+``ModuleValidator.fix`` from the same weights. A mode that cannot run a model is reported
+with its error instead of a time.
+
 Usage::
 
     python benchmarks/dpsgd_step.py                 # table
+    python benchmarks/dpsgd_step.py --models mha lstm --json out.json
     python benchmarks/dpsgd_step.py --threads 1 --methods dpfy dpfy_bandmf dpfy_blt dpfy_tree
     python benchmarks/dpsgd_step.py --json out.json # also write JSON ("-" for stdout)
 """
@@ -57,24 +76,110 @@ def make_cnn() -> nn.Module:
     return make_model("gn_cnn")
 
 
-MODELS = {"mlp": make_mlp, "cnn": make_cnn}
+VOCAB, SEQ_LEN, MIN_LEN, WIDTH = 1000, 64, 16, 64
+
+
+class _AttentionBlock(nn.Module):
+    """Post-norm transformer block: self-attention (padded keys masked) and a 64-128-64 MLP."""
+
+    def __init__(self, dim: int = WIDTH, heads: int = 4, hidden: int = 128) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm1 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.norm2 = nn.LayerNorm(dim)
+
+    def forward(self, h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        a, _ = self.attn(h, h, h, key_padding_mask=pad, need_weights=False)
+        h = self.norm1(h + a)
+        return self.norm2(h + self.mlp(h))
+
+
+class MHAClassifier(nn.Module):
+    """Token + learned position embeddings, 2 attention blocks, masked mean pool, 2 classes."""
+
+    def __init__(self, blocks: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Embedding(SEQ_LEN, WIDTH)
+        self.blocks = nn.ModuleList(_AttentionBlock() for _ in range(blocks))
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).expand(b, s)  # batch-first position ids
+        h = self.tok(tokens) + self.pos(pos)
+        for block in self.blocks:
+            h = block(h, pad)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+class LSTMClassifier(nn.Module):
+    """Embedding -> LSTM -> output at the last valid token -> 2 classes."""
+
+    def __init__(self, layers: int = 1, hidden: int = 128) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.lstm = nn.LSTM(WIDTH, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, 2)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.tok(tokens))
+        last = ((~pad).sum(1) - 1).view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        return self.head(out.gather(1, last).squeeze(1))
+
+
+LSTM_LAYERS = 1
+
+
+def make_mha() -> nn.Module:
+    return MHAClassifier()
+
+
+def make_lstm() -> nn.Module:
+    return LSTMClassifier(LSTM_LAYERS)
+
+
+def text_batch(batch: int) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Random token ids [B, 64] with lengths uniform in 16..64 and trailing padding (id 0).
+
+    Returns ``((tokens, pad), labels)``; ``pad`` is True on padded positions.
+    """
+    lengths = torch.randint(MIN_LEN, SEQ_LEN + 1, (batch,))
+    pad = torch.arange(SEQ_LEN).unsqueeze(0) >= lengths.unsqueeze(1)
+    tokens = torch.randint(1, VOCAB, (batch, SEQ_LEN)).masked_fill(pad, 0)
+    return (tokens, pad), torch.randint(0, 2, (batch,))
+
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn}  # the image models (other scripts iterate these)
+TEXT_MODELS = {"mha": make_mha, "lstm": make_lstm}
+ALL_MODELS = {**MODELS, **TEXT_MODELS}
+DEFAULT_BATCH = {"mlp": 256, "cnn": 256, "mha": 64, "lstm": 64}
 Step = Callable[[], None]
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
-def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+def _args(x: Inputs) -> tuple[torch.Tensor, ...]:
+    """The positional model arguments: ``model(x)`` for a tensor, ``model(*x)`` for a tuple."""
+    return x if isinstance(x, tuple) else (x,)
+
+
+def plain_step(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     loss_fn = nn.CrossEntropyLoss()
+    args = _args(x)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        loss_fn(model(*args), y).backward()
         opt.step()
 
     return step
 
 
-def dpfy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
-    batch = x.shape[0]
+def dpfy_step(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
+    batch = _args(x)[0].shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=batch)
     loss_fn = nn.CrossEntropyLoss(reduction="none")
@@ -92,17 +197,17 @@ def dpfy_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
 
 def dpfy_correlated_step(
     strategy: str,
-) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]:
+) -> Callable[[nn.Module, Inputs, torch.Tensor], Step]:
     """dpfy's step with correlated (DP-FTRL) noise instead of independent noise: the
     ``CorrelatedNoiseQuery`` of a BandMF (band 16), BLT (4 buffers) or tree plan for 1000
     steps of the cyclic order of 60,000 examples (docs/architecture.md, 5.16)."""
 
-    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    def build(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
         from dpfy.correlated import Cyclic, make_plan
         from dpfy.queries.correlated import CorrelatedNoiseQuery
         from dpfy.sampling import CyclicSampler
 
-        batch = x.shape[0]
+        batch = _args(x)[0].shape[0]
         spec = CyclicSampler(60_000, batch).sample_spec()
         period = int(spec.steps_per_epoch or 1)
         plan = make_plan(strategy, 1000, Cyclic(period), band=16, buffers=4, maxiter=50)
@@ -123,12 +228,19 @@ def dpfy_correlated_step(
     return build
 
 
-def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]:
-    def build(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+def opacus_step(mode: str) -> Callable[[nn.Module, Inputs, torch.Tensor], Step]:
+    def build(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
         from opacus import PrivacyEngine
+        from opacus.validators import ModuleValidator
 
-        batch = x.shape[0]
-        data = torch.utils.data.TensorDataset(x.repeat(4, *([1] * (x.dim() - 1))), y.repeat(4))
+        if any(isinstance(m, nn.MultiheadAttention | nn.LSTM) for m in model.modules()):
+            # Opacus' own DPMultiheadAttention / DPLSTM, with the torch module's weights
+            model = ModuleValidator.fix(model)
+        args = _args(x)
+        batch = args[0].shape[0]
+        data = torch.utils.data.TensorDataset(
+            *(t.repeat(4, *([1] * (t.dim() - 1))) for t in args), y.repeat(4)
+        )
         loader = torch.utils.data.DataLoader(data, batch_size=batch)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         engine = PrivacyEngine()
@@ -149,7 +261,7 @@ def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], 
 
             def step() -> None:
                 dpopt.zero_grad(set_to_none=True)
-                criterion(gmodel(x), y).backward()
+                criterion(gmodel(*args), y).backward()
                 dpopt.step()
 
         else:
@@ -158,7 +270,7 @@ def opacus_step(mode: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], 
 
             def step() -> None:
                 dpopt.zero_grad(set_to_none=True)
-                loss_fn(gmodel(x), y).backward()
+                loss_fn(gmodel(*args), y).backward()
                 dpopt.step()
 
         return step
@@ -189,7 +301,7 @@ def measure(
     warmup: int,
     max_seconds: float,
     clock: Callable[[], float] = time.perf_counter,
-    builders: dict[str, Callable[[nn.Module, torch.Tensor, torch.Tensor], Step]] | None = None,
+    builders: dict[str, Callable[[nn.Module, Inputs, torch.Tensor], Step]] | None = None,
 ) -> dict[str, dict]:
     """Median step time of each method, measured in interleaved rounds.
 
@@ -197,9 +309,13 @@ def measure(
     """
     builders = METHODS if builders is None else builders
     torch.manual_seed(0)
-    base = MODELS[model_name]()
-    x = torch.randn(batch, 1, 28, 28)
-    y = torch.randint(0, 10, (batch,))
+    base = ALL_MODELS[model_name]()
+    x: Inputs
+    if model_name in TEXT_MODELS:
+        x, y = text_batch(batch)
+    else:
+        x = torch.randn(batch, 1, 28, 28)
+        y = torch.randint(0, 10, (batch,))
     steps_fn: dict[str, Step] = {}
     errors: dict[str, str] = {}
     for m in methods:
@@ -218,9 +334,15 @@ def measure(
         for m in rot:
             if budget[m] > max_seconds and len(times[m]) >= 3:
                 continue  # very slow mode: enough samples for a median
+            if m in errors:
+                continue
             for _ in range(steps):
                 t0 = clock()
-                steps_fn[m]()
+                try:
+                    steps_fn[m]()
+                except Exception as exc:  # a mode that fails after its warm-up is reported
+                    errors[m] = f"{type(exc).__name__} (timed step): {exc}"[:200]
+                    break
                 dt = clock() - t0
                 times[m].append(dt)
                 budget[m] += dt
@@ -243,9 +365,12 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(ALL_MODELS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument(
+        "--batch", type=int, default=None, help="batch size (default: 256 image, 64 text)"
+    )
+    parser.add_argument("--lstm-layers", type=int, default=1, help="LSTM layers of 'lstm'")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=2, help="steps per method per round")
@@ -261,13 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="write JSON to this path (- = stdout)")
     args = parser.parse_args(argv)
+    global LSTM_LAYERS
+    LSTM_LAYERS = args.lstm_layers
     torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(["plain", *args.methods]))
-    report = {
+    batches = {name: args.batch or DEFAULT_BATCH[name] for name in args.models}
+    report: dict = {
         "torch": torch.__version__,
         "threads": args.threads,
         "clock": args.clock,
-        "batch": args.batch,
+        "batch": batches[args.models[0]] if len(set(batches.values())) == 1 else batches,
         "clip_norm": CLIP,
         "noise_multiplier": Z,
         "models": {},
@@ -278,14 +406,16 @@ def main(argv: list[str] | None = None) -> int:
         report["opacus"] = opacus.__version__
     except ImportError:
         report["opacus"] = None
+    if "lstm" in args.models:
+        report["lstm_layers"] = args.lstm_layers
     for name in args.models:
         res = measure(
-            name, methods, batch=args.batch, rounds=args.rounds, steps=args.steps,
+            name, methods, batch=batches[name], rounds=args.rounds, steps=args.steps,
             warmup=args.warmup, max_seconds=args.max_seconds,
             clock=time.perf_counter if args.clock == "wall" else time.process_time,
         )
         report["models"][name] = res
-        print(f"\n{name} (batch {args.batch}, {args.threads} threads, {args.clock} clock)")
+        print(f"\n{name} (batch {batches[name]}, {args.threads} threads, {args.clock} clock)")
         print(f"  {'method':18s} {'median ms':>10s} {'x plain':>8s} {'IQR ms':>16s} {'n':>4s}")
         for m, r in res.items():
             if "error" in r:
@@ -296,9 +426,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {m:18s} {r['median_ms']:10.2f} {r['ratio_to_plain']:8.2f} {iqr:>16s} "
                 f"{r['samples']:4d}"
             )
+        vs = versus_best_opacus(res)
+        if vs is not None:
+            report.setdefault("dpfy_vs_best_opacus", {})[name] = vs
+            print(f"  dpfy / best Opacus mode ({vs['best_opacus']}): {vs['ratio']:.2f}")
     if args.json:
         write_json(report, args.json)
     return 0
+
+
+def versus_best_opacus(res: dict[str, dict]) -> dict | None:
+    """dpfy's median over the fastest Opacus mode's that ran (``None``: either is missing)."""
+    ran = {m: r for m, r in res.items() if m.startswith("opacus_") and "median_ms" in r}
+    if "median_ms" not in res.get("dpfy", {}) or not ran:
+        return None
+    best = min(ran, key=lambda m: ran[m]["median_ms"])
+    return {"best_opacus": best, "ratio": res["dpfy"]["median_ms"] / ran[best]["median_ms"]}
 
 
 def write_json(report: dict, dest: str) -> None:
