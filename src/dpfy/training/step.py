@@ -101,9 +101,16 @@ from dpfy.training.norms.capture import (
     capture_layers,
     plan_modules,
     shared_parameters,
+    watch_plans,
+)
+from dpfy.training.norms.coverage import (
+    TOLERANCE,
+    CoverageError,
+    coverage_problems,
+    recorded_sums,
 )
 from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.registry import Capture, LayerGrads, cross_term
+from dpfy.training.norms.registry import Capture, LayerGrads, MaterializedGrads, cross_term
 from dpfy.training.precision import (
     DEFAULT_FP16_LOSS_SCALE,
     Precision,
@@ -131,6 +138,9 @@ __all__ = [
 ]
 
 MicrobatchMode = Literal["examples", "average", "sum"]
+#: When :class:`PrivateGradient` checks that every parameter's per-example gradients were
+#: recorded exactly once (:mod:`dpfy.training.norms.coverage`): the first chunk, or every one.
+CoverageCheck = Literal["first", "every"]
 _MODES = ("examples", "average", "sum")
 
 
@@ -235,8 +245,16 @@ class PrivateGradient:
         precision: Precision = "fp32",
         loss_scale: float | None = None,
         reducer: GradientReducer | None = None,
+        coverage_check: CoverageCheck = "first",
     ) -> None:
         self.precision: Precision = check_precision(precision)
+        if coverage_check not in ("first", "every"):
+            raise ValueError(
+                "coverage_check must be 'first' or 'every', got "
+                f"coverage_check={coverage_check!r}"
+            )
+        self.coverage_check: CoverageCheck = coverage_check
+        self._coverage_due = True
         model = data_parallel_model(model, query, reducer)
         self.reducer = reducer
         if loss_scale is None:
@@ -280,7 +298,12 @@ class PrivateGradient:
             _check_average_sensitivity(query)
         self.plans_: list[ModulePlan] = plan_modules(model, fallback=fallback)
         self._shared = shared_parameters(self.plans_)
-        self._qnames = [{ln: plan.qualified(ln) for ln in plan.param_names} for plan in self.plans_]
+        self._watch = watch_plans(model, self.plans_)
+        self._qnames = [
+            {ln: plan.qualified(ln) for ln in plan.param_names}
+            | {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
+            for plan in self.plans_
+        ]
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         check_master_weights(self._params.items())
         self.param_names_: tuple[str, ...] = tuple(self._params)
@@ -399,7 +422,7 @@ class PrivateGradient:
         loss_scale: float = 1.0,
     ) -> ChunkStats:
         guard = self._sharded.collectives() if self._sharded else contextlib.nullcontext()
-        with guard, capture_layers(self.plans_, _batch_size(inputs)) as recorder:
+        with guard, capture_layers(self._hooked(), _batch_size(inputs)) as recorder:
             with self.autocast():
                 losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
@@ -418,6 +441,13 @@ class PrivateGradient:
         """``torch.autocast`` in ``precision`` on the parameters' device (fp32: a no-op)."""
         device = next(iter(self._params.values())).device.type if self._params else "cpu"
         return precision_autocast(self.precision, device)
+
+    def _hooked(self) -> list[ModulePlan]:
+        """The plans whose modules are recorded in the next chunk (with the coverage check
+        due, also the ancestors a parameter's per-example gradient may have to come from)."""
+        if self._coverage_due and self._sharded is None and self._watch:
+            return self.plans_ + self._watch
+        return self.plans_
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -460,14 +490,21 @@ class PrivateGradient:
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if seed == 1.0 else mask * seed
-        captures = recorder.backward(losses, scale)
+        check = self._coverage_due and self._sharded is None
+        checked = list(self._params.values()) if check else []
+        captures, batch_grads = recorder.backward(losses, scale, checked)
         # The DP arithmetic in fp32 (bf16/fp16 captures upcast, the loss scale divided out),
         # never under autocast: docs/architecture.md, "Mixed precision".
         with torch.no_grad(), autocast_off((losses.device.type,)):
             n = batch // k
             for i, caps in enumerate(captures):  # in place: each bf16 original freed at once
                 captures[i] = upcast_captures(caps, loss_scale)
+            watched = captures[len(self.plans_):]
+            del captures[len(self.plans_):]
             layers = self._layer_grads(captures, batch, k)
+            if check:
+                self._check_coverage(layers, batch_grads, n, loss_scale, losses.dtype,
+                                     captures, watched)
             if mask is None:
                 real = None
             else:
@@ -510,6 +547,95 @@ class PrivateGradient:
         norms = total_sq.to(torch.float64).sqrt() if return_norms else None
         return ChunkStats(loss_sum, n_real, nonfinite, norms)
 
+    def _check_coverage(
+        self,
+        layers: dict[int, LayerGrads],
+        batch_grads: list[torch.Tensor | None],
+        n: int,
+        loss_scale: float,
+        dtype: torch.dtype,
+        captures: list[list[Capture]],
+        watched: list[list[Capture]],
+    ) -> None:
+        """Refuse the run if a parameter's per-example gradients were not recorded exactly once.
+
+        A parameter whose module was never called (a parent used it directly) is first given
+        to the smallest recorded ancestor that was called: its generic rule differentiates
+        the parameter through the ancestor's whole call (:func:`watch_plans`). That ancestor
+        is then planned for the rest of the run (the current chunk uses it already).
+
+        Raises:
+          CoverageError: names each parameter still wrong, its module and class, and the fix.
+        """
+        wd = work_dtype(dtype)
+        like = next(iter(self._params.values())).new_empty((), dtype=wd)
+        ref = {
+            name: None if g is None else g.to(wd) / loss_scale
+            for name, g in zip(self._params, batch_grads, strict=True)
+        }
+        if not all(bool(torch.isfinite(g).all()) for g in ref.values() if g is not None):
+            return  # a non-finite gradient (dropped rows): checked on a later chunk
+        tol = TOLERANCE.get(self.precision_dtype(dtype), 1e-3)
+        recorded = recorded_sums(layers, self._qnames, n, like)
+        problems = coverage_problems(self.model, recorded, ref, tolerance=tol)
+        if problems and self._watch:
+            promoted = self._promote(recorded, ref, layers, captures, watched, n)
+            if promoted:
+                recorded = recorded_sums(layers, self._qnames, n, like)
+                problems = coverage_problems(self.model, recorded, ref, tolerance=tol)
+        if problems:
+            raise CoverageError(
+                "per-example gradients would be wrong for this model, so nothing was "
+                "released:\n  - " + "\n  - ".join(problems)
+            )
+        if self.coverage_check == "first":
+            self._coverage_due = False
+
+    def _promote(
+        self,
+        recorded: dict[str, torch.Tensor],
+        ref: dict[str, torch.Tensor | None],
+        layers: dict[int, LayerGrads],
+        captures: list[list[Capture]],
+        watched: list[list[Capture]],
+        n: int,
+    ) -> bool:
+        """Plan the smallest called ancestor of each parameter no call recorded; see above."""
+        lost = {name for name, g in ref.items() if g is not None and name not in recorded}
+        order = sorted(range(len(self._watch)), key=lambda i: -self._watch[i].name.count("."))
+        k = self.group_size_
+        added = False
+        for i in order:
+            plan, caps = self._watch[i], watched[i]
+            if not caps or not lost:
+                continue
+            take = {
+                ln: self.plans_[j].qualified(own)
+                for ln, j, own in plan.adoptable
+                if not captures[j] and self.plans_[j].qualified(own) in lost
+            }
+            if not take:
+                continue
+            lost -= set(take.values())
+            idx = len(self.plans_)
+            self.plans_.append(plan)
+            self._qnames.append(
+                {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
+            )
+            captures.append(caps)
+            layers[idx] = fallback_rule(
+                plan.module, caps, k, chunk_size=self.fallback_chunk_size,
+                adopt=tuple(take),
+            )
+            added = True
+        if added:
+            self._watch = watch_plans(self.model, self.plans_)
+        return added
+
+    def precision_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype whose rounding bounds the coverage check (the autocast dtype, if any)."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, dtype)
+
     def _add_weighted_sums(
         self,
         layers: dict[int, LayerGrads],
@@ -530,6 +656,8 @@ class PrivateGradient:
         shared = self._shared
         for idx, lg in layers.items():
             qnames = self._qnames[idx]
+            if self.plans_[idx].adoptable and isinstance(lg, MaterializedGrads):
+                qnames = {ln: qn for ln, qn in qnames.items() if ln in lg.grads}
             local = {ln: weights_by_param[qn] for ln, qn in qnames.items()}
             dst = {ln: acc[qn] for ln, qn in qnames.items()}
             # a tied parameter's buffer already written by another owner is added to
@@ -571,8 +699,9 @@ class PrivateGradient:
                         )
                 layers[idx] = plan.rule(plan.module, caps, k)
             else:
+                adopt = tuple(ln for ln, j, _ in plan.adoptable if not captures[j])
                 layers[idx] = fallback_rule(
-                    plan.module, caps, k, chunk_size=self.fallback_chunk_size
+                    plan.module, caps, k, chunk_size=self.fallback_chunk_size, adopt=adopt
                 )
         return layers
 
@@ -751,7 +880,7 @@ class OpenChunk:
         self._pg = private_gradient
         self._stack = contextlib.ExitStack()
         self._recorder: LayerCapture | None = self._stack.enter_context(
-            capture_layers(private_gradient.plans_, batch_size)
+            capture_layers(private_gradient._hooked(), batch_size)
         )
 
     @property

@@ -16,17 +16,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpfy.training.norms.registry import (
     Capture,
     NormRule,
+    Recompute,
+    covers_subtree,
     norm_rule_for,
+    recompute_for,
     unsupported_reason,
 )
 
@@ -51,9 +54,16 @@ class ModulePlan:
       name: qualified module name in the model ("" for the root).
       module: the module.
       rule: registered norm rule, or ``None`` for the generic vmap(grad) rule.
-      param_names: local names of its trainable direct parameters.
+      param_names: local names of its trainable direct parameters (with a rule that covers
+        its subtree, also its descendants', e.g. ``"out_proj.weight"``).
       names: the same parameters' names as ``model.named_parameters()`` reports them (for a
         parameter shared with another module -- tied weights -- the first owner's name).
+      recompute: the rule's recompute hook (:class:`~dpfy.training.norms.registry.Recomputed`).
+      adoptable: generic rule only: ``(local name, plan index, the owner's local name)`` of
+        each trainable parameter of a descendant module planned on its own. A descendant
+        that is not called in a chunk may still have its parameters used by this module's
+        forward (``F.linear(x, self.child.weight)``); the generic rule then differentiates
+        them too (zero if unused).
     """
 
     name: str
@@ -61,10 +71,12 @@ class ModulePlan:
     rule: NormRule | None
     param_names: tuple[str, ...]
     names: tuple[str, ...] = ()
+    recompute: Recompute | None = None
+    adoptable: tuple[tuple[str, int, str], ...] = ()
 
     def qualified(self, local: str) -> str:
         """Name of local parameter ``local`` as in ``model.named_parameters()``."""
-        if self.names:
+        if self.names and local in self.param_names:
             return self.names[self.param_names.index(local)]
         return f"{self.name}.{local}" if self.name else local
 
@@ -93,19 +105,30 @@ def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[Modul
     canonical = {id(p): n for n, p in model.named_parameters()}
     plans: list[ModulePlan] = []
     missing: list[str] = []
+    inside: list[str] = []  # modules whose rule covers their subtree
     for mname, module in model.named_modules():
-        local = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if any(_within(mname, top) for top in inside):
+            continue
+        rule = norm_rule_for(module)
+        subtree = rule is not None and covers_subtree(module)
+        local = [(n, p) for n, p in module.named_parameters(recurse=subtree) if p.requires_grad]
+        if subtree:
+            inside.append(mname)
         if not local:
             continue
         label = f"{mname or '<root>'!r} ({type(module).__name__})"
         reason = unsupported_reason(module)
         if reason is not None:
             raise ValueError(f"module {label} cannot be trained with DP-SGD: {reason}")
-        rule = norm_rule_for(module)
         if rule is None and fallback == "error":
             missing.append(label)
         names = tuple(canonical[id(p)] for _, p in local)
-        plans.append(ModulePlan(mname, module, rule, tuple(n for n, _ in local), names))
+        plans.append(
+            ModulePlan(
+                mname, module, rule, tuple(n for n, _ in local), names,
+                recompute_for(module) if rule is not None else None,
+            )
+        )
     if missing:
         raise ValueError(
             f"no per-example norm rule for the trainable module(s) {', '.join(missing)}; "
@@ -113,7 +136,48 @@ def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[Modul
             "dpfy.training.norms.reference), freeze their parameters (requires_grad=False), or "
             "allow the generic vmap(grad) rule (fallback='vmap')"
         )
-    return plans
+    return [_with_adoptable(plan, plans) if plan.rule is None else plan for plan in plans]
+
+
+def _within(name: str, top: str) -> bool:
+    """Whether module ``name`` lies strictly inside module ``top`` ("" is the root)."""
+    return name != top and (top == "" or name.startswith(top + "."))
+
+
+def _with_adoptable(plan: ModulePlan, plans: list[ModulePlan]) -> ModulePlan:
+    """``plan`` with the descendants' parameters its generic rule may have to differentiate."""
+    adopt: list[tuple[str, int, str]] = []
+    cut = len(plan.name) + 1 if plan.name else 0
+    for j, other in enumerate(plans):
+        if other is plan or not _within(other.name, plan.name):
+            continue
+        rel = other.name[cut:]
+        adopt.extend((f"{rel}.{local}", j, local) for local in other.param_names)
+    return dataclasses.replace(plan, adoptable=tuple(adopt)) if adopt else plan
+
+
+#: Containers whose ``forward`` (if any) only calls their children: never a parameter's user.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def watch_plans(model: nn.Module, plans: list[ModulePlan]) -> list[ModulePlan]:
+    """Generic plans, without parameters of their own, for every ancestor of a planned module.
+
+    Recorded during the coverage check only: when a parameter's module is never called (its
+    parent used the parameter directly), the smallest recorded ancestor that was called is
+    where the parameter's per-example gradient can be taken (its generic rule, adopting the
+    parameter). Containers that only call their children are left out.
+    """
+    planned = {plan.name for plan in plans}
+    watched: list[ModulePlan] = []
+    for mname, module in model.named_modules():
+        if mname in planned or isinstance(module, _CONTAINERS):
+            continue
+        if not any(_within(p, mname) for p in planned):
+            continue
+        shell = ModulePlan(mname, module, None, ())
+        watched.append(_with_adoptable(shell, plans))
+    return watched
 
 
 def shared_parameters(plans: list[ModulePlan]) -> dict[str, list[tuple[int, str]]]:
@@ -183,14 +247,20 @@ class LayerCapture:
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> Any:
             if not self.active:
-                return
+                return None
             if not torch.is_grad_enabled():
                 _check_grad_mode(plan)
-                return
+                return None
             leaves, spec = tree_flatten(output)
-            outs = [o for o in leaves if isinstance(o, torch.Tensor) and o.is_floating_point()]
-            if not any(o.requires_grad for o in outs):
-                return
+            if not any(_differentiable(o) for o in leaves):
+                return None
+            # Each output is handed on as a view of itself: the gradient recorded for it is then
+            # the one from the rest of the model only. Without the views, an output computed
+            # from another output of the same call (an LSTM cell's h' from its c') would carry
+            # the path through that other output, counted a second time when the generic rule
+            # differentiates the whole call (docs/architecture.md, "Coverage").
+            leaves = [o.view_as(o) if _differentiable(o) else o for o in leaves]
+            outs = [o for o in leaves if _differentiable(o)]
             calls.append(
                 _Call(
                     tree_map(_detach, args),
@@ -200,8 +270,37 @@ class LayerCapture:
                     spec,
                 )
             )
+            return tree_unflatten(leaves, spec)
 
-        hook = rule_hook if plan.rule is not None else generic_hook
+        def recompute_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> Any:
+            if not self.active:
+                return None
+            if not torch.is_grad_enabled():
+                _check_grad_mode(plan)
+                return None
+            assert plan.recompute is not None
+            redone = plan.recompute(module, args, kwargs, output)
+            if redone is None:
+                return None
+            targets = list(redone.targets)
+            calls.append(
+                _Call(
+                    tree_map(_detach, args),
+                    tree_map(_detach, kwargs),
+                    targets,
+                    [t._version for t in targets],
+                    None,
+                    redone.extra,
+                )
+            )
+            return redone.output
+
+        if plan.recompute is not None:
+            hook: _ForwardHook = recompute_hook
+        else:
+            hook = rule_hook if plan.rule is not None else generic_hook
         # Under torch.compile the hook must see the real output tensor, the one autograd.grad
         # differentiates for: a traced hook would record a graph-internal value, so it is a
         # graph break (docs/devices.md). torch.compile imports torch._dynamo; without it no
@@ -210,10 +309,17 @@ class LayerCapture:
             return hook
         return cast(_ForwardHook, torch.compiler.disable(hook, recursive=True))  # type: ignore[no-untyped-call]
 
-    def backward(self, losses: torch.Tensor, scale: torch.Tensor) -> list[list[Capture]]:
+    def backward(
+        self,
+        losses: torch.Tensor,
+        scale: torch.Tensor,
+        params: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[list[Capture]], list[torch.Tensor | None]]:
         """Gradients of ``sum_i scale_i * losses_i`` w.r.t. every recorded module output.
 
-        Returns, per plan, one :class:`Capture` per recorded call. Raises ``ValueError`` if a
+        Returns, per plan, one :class:`Capture` per recorded call, and the batch gradients of
+        ``params`` (``None`` where a parameter got none) from the same backward pass (the
+        coverage check compares them with the per-example sums). Raises ``ValueError`` if a
         recorded output was modified in place after the module returned it (its gradient
         would then be the one of the modified value).
         """
@@ -231,12 +337,18 @@ class LayerCapture:
                         )
                     if o.requires_grad:
                         targets.append(o)
-        grads = iter(
-            torch.autograd.grad(
-                losses, targets, grad_outputs=scale, allow_unused=True, materialize_grads=True
-            )
-            if targets
+        n_targets = len(targets)
+        wanted = targets + [p for p in params if p.requires_grad]
+        everything = (
+            torch.autograd.grad(losses, wanted, grad_outputs=scale, allow_unused=True)
+            if wanted
             else ()
+        )
+        batch_grads = iter(everything[n_targets:])
+        param_grads = [next(batch_grads) if p.requires_grad else None for p in params]
+        grads = iter(
+            g if g is not None else torch.zeros_like(t)
+            for g, t in zip(everything[:n_targets], targets, strict=True)
         )
         result: list[list[Capture]] = []
         for calls in self.calls:
@@ -249,7 +361,11 @@ class LayerCapture:
             result.append(caps)
         for calls in self.calls:
             calls.clear()
-        return result
+        return result, param_grads
+
+
+def _differentiable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
 
 
 def _check_grad_mode(plan: ModulePlan) -> None:

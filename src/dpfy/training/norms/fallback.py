@@ -24,12 +24,24 @@ __all__ = ["fallback_rule"]
 
 
 def fallback_rule(
-    module: nn.Module, captures: list[Capture], group_size: int, *, chunk_size: int = 32
+    module: nn.Module,
+    captures: list[Capture],
+    group_size: int,
+    *,
+    chunk_size: int = 32,
+    adopt: tuple[str, ...] = (),
 ) -> MaterializedGrads:
-    """Per-example gradients of ``module``'s direct trainable parameters by vmap(grad)."""
+    """Per-example gradients of ``module``'s direct trainable parameters by vmap(grad).
+
+    ``adopt``: names (relative to ``module``) of descendants' parameters to differentiate as
+    well -- those of descendants not called in this chunk, which the module's own forward may
+    use directly (``F.linear(x, self.child.weight)``); an unused one gets zero gradients.
+    """
     params = {
         name: p.detach() for name, p in module.named_parameters(recurse=False) if p.requires_grad
     }
+    for name in adopt:
+        params[name] = module.get_parameter(name).detach()
     total: dict[str, torch.Tensor] | None = None
     for cap in captures:
         leaves, _ = tree_flatten((cap.args, cap.kwargs))
