@@ -7,7 +7,9 @@ gradients with sequence dims, chosen per layer by cost), ``nn.Conv1d``/``nn.Conv
 unfolded patches), ``nn.Embedding`` (``embedding.py``: row-sparse norms), ``nn.LayerNorm``,
 ``nn.GroupNorm`` and ``nn.RMSNorm`` (``normalization.py``), and -- by class name, without
 importing ``transformers`` -- its GPT-2 ``Conv1D`` (``linear.py``, weight stored transposed)
-and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``). A Parameter
+and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``).
+``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their cells (``recurrent.py``) are recomputed unrolled
+in Python, each weight a linear form over the time steps. A Parameter
 shared by several modules (tied input/output embeddings) is clipped exactly: the owners'
 norms plus cross terms (:func:`register_cross_term`). Every other module with trainable
 parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``, chunked). Register
@@ -15,7 +17,13 @@ a rule for your own layer with :func:`register_norm_rule`; check it against
 :func:`dpfy.training.norms.reference.per_example_gradients`.
 """
 
-from dpfy.training.norms import conv, embedding, linear, normalization  # noqa: F401 (register)
+from dpfy.training.norms import (  # noqa: F401 (register)
+    conv,
+    embedding,
+    linear,
+    normalization,
+    recurrent,
+)
 from dpfy.training.norms.capture import (
     LayerCapture,
     capture_layers,
