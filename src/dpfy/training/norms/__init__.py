@@ -9,7 +9,8 @@ unfolded patches), ``nn.Embedding`` (``embedding.py``: row-sparse norms), ``nn.L
 importing ``transformers`` -- its GPT-2 ``Conv1D`` (``linear.py``, weight stored transposed)
 and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``).
 ``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their cells (``recurrent.py``) are recomputed unrolled
-in Python, each weight a linear form over the time steps. A Parameter
+in Python, each weight a linear form over the time steps; ``nn.MultiheadAttention``
+(``attention.py``) is recomputed with its projections as targets, each a linear form. A Parameter
 shared by several modules (tied input/output embeddings) is clipped exactly: the owners'
 norms plus cross terms (:func:`register_cross_term`). Every other module with trainable
 parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``, chunked). Register
@@ -18,6 +19,7 @@ a rule for your own layer with :func:`register_norm_rule`; check it against
 """
 
 from dpfy.training.norms import (  # noqa: F401 (register)
+    attention,
     conv,
     embedding,
     linear,
