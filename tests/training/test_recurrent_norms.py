@@ -306,21 +306,13 @@ def _private_clipped_sum(model, inputs, y, weights, k):
     return num / den
 
 
-# The step checks that each recorded call's first argument is batch-first; a PackedSequence
-# or a time-major input (batch_first=False) is not, though the recomputed targets are.
-_LEAD_CHECK = pytest.mark.xfail(
-    strict=True,
-    raises=(AttributeError, ValueError),
-    reason="the step's batch check reads args[0], not the recomputed targets",
-)
-
 E2E = [
     ("lstm-proj-2x-bi", None, True),
     ("gru-nobias", None, True),
-    pytest.param("lstm-2x-bi", "unsorted", True, marks=_LEAD_CHECK),
-    pytest.param("lstm-proj-2x-bi", "sorted", False, marks=_LEAD_CHECK),
-    pytest.param("gru-2x-bi", None, True, marks=_LEAD_CHECK),
-    pytest.param("rnn-relu-2x-bi-nobias", "unsorted", False, marks=_LEAD_CHECK),
+    ("lstm-2x-bi", "unsorted", True),
+    ("lstm-proj-2x-bi", "sorted", False),
+    ("gru-2x-bi", None, True),
+    ("rnn-relu-2x-bi-nobias", "unsorted", False),
 ]
 
 

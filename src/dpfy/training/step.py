@@ -482,6 +482,7 @@ class PrivateGradient:
                 f"microbatch_mode={self.microbatch_mode!r} (pad with weight-0 rows)"
             )
         weights_ok = None  # device weights: validity read with the chunk's statistics
+        half = self.precision != "fp32" or torch.is_autocast_enabled(losses.device.type)
         # average mode: a group's gradient is its mean (fixed divisor k); sum mode: its sum
         seed = loss_scale / k if self.microbatch_mode == "average" else loss_scale
         if weights is None:
@@ -503,8 +504,9 @@ class PrivateGradient:
             del captures[len(self.plans_):]
             layers = self._layer_grads(captures, batch, k)
             if check:
-                self._check_coverage(layers, batch_grads, n, loss_scale, losses.dtype,
-                                     captures, watched)
+                tol = TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3)
+                self._check_coverage(layers, batch_grads, n, loss_scale,
+                                     work_dtype(losses.dtype), tol, captures, watched)
             if mask is None:
                 real = None
             else:
@@ -553,7 +555,8 @@ class PrivateGradient:
         batch_grads: list[torch.Tensor | None],
         n: int,
         loss_scale: float,
-        dtype: torch.dtype,
+        wd: torch.dtype,
+        tol: float,
         captures: list[list[Capture]],
         watched: list[list[Capture]],
     ) -> None:
@@ -567,7 +570,6 @@ class PrivateGradient:
         Raises:
           CoverageError: names each parameter still wrong, its module and class, and the fix.
         """
-        wd = work_dtype(dtype)
         like = next(iter(self._params.values())).new_empty((), dtype=wd)
         ref = {
             name: None if g is None else g.to(wd) / loss_scale
@@ -575,7 +577,6 @@ class PrivateGradient:
         }
         if not all(bool(torch.isfinite(g).all()) for g in ref.values() if g is not None):
             return  # a non-finite gradient (dropped rows): checked on a later chunk
-        tol = TOLERANCE.get(self.precision_dtype(dtype), 1e-3)
         recorded = recorded_sums(layers, self._qnames, n, like)
         problems = coverage_problems(self.model, recorded, ref, tolerance=tol)
         if problems and self._watch:
@@ -632,10 +633,6 @@ class PrivateGradient:
             self._watch = watch_plans(self.model, self.plans_)
         return added
 
-    def precision_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype whose rounding bounds the coverage check (the autocast dtype, if any)."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, dtype)
-
     def _add_weighted_sums(
         self,
         layers: dict[int, LayerGrads],
@@ -689,11 +686,14 @@ class PrivateGradient:
                 continue
             if plan.rule is not None:
                 for cap in caps:
-                    lead = cap.args[0].shape[0] if cap.args[0].dim() > 0 else None
+                    # a recomputing rule's targets are batch-first whatever its inputs are
+                    # (a time-major RNN, a PackedSequence); a plain rule's first input is
+                    first = cap.grad_outputs[0] if plan.recompute is not None else cap.args[0]
+                    lead = first.shape[0] if first.dim() > 0 else None
                     if lead != batch:
                         raise ValueError(
                             f"module {plan.name!r} ({type(plan.module).__name__}) got an input "
-                            f"of shape {tuple(cap.args[0].shape)} whose first dimension is not "
+                            f"of shape {tuple(first.shape)} whose first dimension is not "
                             f"the batch size {batch}; per-example rules need batch-first inputs "
                             "(do not fold other dimensions into the batch)"
                         )
