@@ -275,14 +275,6 @@ def _clipped_sum_check(model, inputs, y, microbatch=1, loss=_loss):
         _close(got[n], ref[n])
 
 
-#: The step checks that each planned module's first input has the batch on dim 0, which
-#: refuses MultiheadAttention(batch_first=False) on [L, B, E] although its rule is exact (it
-#: reads the batch dimension from the module): expected to fail until that check knows.
-SEQ_FIRST = pytest.mark.xfail(
-    raises=ValueError, reason="the step's batch-first input check refuses [L, B, E] input"
-)
-
-
 @pytest.mark.parametrize(
     "case,microbatch",
     [
@@ -290,9 +282,9 @@ SEQ_FIRST = pytest.mark.xfail(
         ("cross-kv-float-kpm-mask2d", 2),
         ("qkv-mask3d-bool-weights-per-head", 1),
         ("bias-kv-zero-attn-masks", 2),
-        pytest.param("self-seq-first-bool-kpm-mask2d", 2, marks=SEQ_FIRST),
-        pytest.param("kdim-vdim-seq-first-weights", 1, marks=SEQ_FIRST),
-        pytest.param("bias-kv-cross-weights", 1, marks=SEQ_FIRST),
+        ("self-seq-first-bool-kpm-mask2d", 2),
+        ("kdim-vdim-seq-first-weights", 1),
+        ("bias-kv-cross-weights", 1),
     ],
 )
 def test_private_gradient_with_attention(case, microbatch):
@@ -316,6 +308,7 @@ class _Encoder(nn.Module):
 
     def forward(self, x, kpm):
         mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        kpm = torch.zeros_like(kpm, dtype=x.dtype).masked_fill(kpm, float("-inf"))  # as mask
         h = self.encoder(x, mask=mask, src_key_padding_mask=kpm, is_causal=True)
         return self.head(h[:, 0])
 
@@ -398,3 +391,20 @@ def test_private_gradient_attention_dropout_is_consistent():
     )
     for _ in range(2):
         pg.accumulate(_x(B, L, E), _x(B, L * E), _loss)
+
+
+def test_private_gradient_attention_under_bf16_autocast():
+    """Under autocast the context the rule keeps is bf16 and the gradients the step hands it
+    are upcast to fp32: the norms stay close to the fp32 loop's."""
+    torch.manual_seed(6)
+    layer = nn.TransformerEncoderLayer(E, HEADS, 16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(layer, nn.Flatten())
+    x, y = torch.randn(B, L, E), torch.randn(B, L * E)
+    per_ex = per_example_gradients(model, x, y, _loss)
+    ref = sum(g.double().flatten(1).square().sum(1) for g in per_ex.values()).sqrt()
+    pg = PrivateGradient(
+        model, NoPrivacyQuery(1.0), expected_batch_size=float(B), precision="bf16",
+        coverage_check="every",
+    )
+    stats = pg.accumulate(x, y, lambda out, y: _loss(out.float(), y), return_norms=True)
+    _close(stats.norms, ref, rtol=5e-2)

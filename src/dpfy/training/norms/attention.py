@@ -274,10 +274,14 @@ def _linear_part(
     weight: tuple[str, slice | None] | None,
     bias: tuple[str, slice | None] | None,
 ) -> tuple[LayerGrads, dict[str, Slot]] | None:
-    """A linear form from A [B, T, d] and G [B, T, o] filling ``weight``/``bias`` slots."""
+    """A linear form from A [B, T, d] and G [B, T, o] filling ``weight``/``bias`` slots.
+
+    A is brought to G's dtype: under autocast the recorded activations may be bf16/fp16 while
+    the step hands the rule upcast fp32 gradients.
+    """
     if weight is None and bias is None:
         return None
-    a4, g4 = fold_linear_form(a.unsqueeze(1), g.unsqueeze(1), group_size)
+    a4, g4 = fold_linear_form(a.to(g.dtype).unsqueeze(1), g.unsqueeze(1), group_size)
     form = LinearForm(
         a4,
         g4,
