@@ -208,10 +208,9 @@ def test_reentrant_checkpointing_is_refused():
     model = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.train()
-    inputs, labels = _batch()
-    pg = PrivateGradient(model, NoPrivacyQuery(1.0), expected_batch_size=B)
-    with pytest.raises(RuntimeError, match="use_reentrant"):
-        pg.accumulate(inputs, labels, causal_lm_loss)
+    # refused when the step is built (dpfy.training.validate), before any batch is seen
+    with pytest.raises(ValueError, match="use_reentrant"):
+        PrivateGradient(model, NoPrivacyQuery(1.0), expected_batch_size=B)
 
 
 class _Scaler(nn.Module):

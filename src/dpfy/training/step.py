@@ -123,6 +123,7 @@ from dpfy.training.precision import (
     work_dtype,
 )
 from dpfy.training.sharded import ShardedRelease, is_sharded
+from dpfy.training.validate import validate_module
 
 if TYPE_CHECKING:
     from dpfy.ledger import Ledger
@@ -296,6 +297,9 @@ class PrivateGradient:
         self.forward = forward
         if microbatch_mode == "average":
             _check_average_sensitivity(query)
+        # Layers that cannot be clipped per example are refused here, before anything is
+        # recorded (dpfy.training.validate: BatchNorm, lazy parameters, ...).
+        validate_module(model)
         self.plans_: list[ModulePlan] = plan_modules(model, fallback=fallback)
         self._shared = shared_parameters(self.plans_)
         self._watch = watch_plans(model, self.plans_)

@@ -183,6 +183,12 @@ def _has_rule(module: nn.Module, fast: tuple[type[nn.Module], ...], engine: bool
     return norm_rule_for(module) is not None
 
 
+def _covers_subtree(module: nn.Module) -> bool:
+    from dpfy.training.norms.registry import covers_subtree
+
+    return covers_subtree(module)
+
+
 def _own_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for p in module.parameters(recurse=False))
 
@@ -227,8 +233,12 @@ def check_module(
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (PyTorch).",
             )
         )
+    covered: list[str] = []  # modules whose norm rule covers their whole subtree
     for path, module in model.named_modules(remove_duplicate=False):
         name = type(module).__name__
+        inside = any(path.startswith(top + ".") or top == "" for top in covered)
+        if not inside and fast_layers is None and _covers_subtree(module):
+            covered.append(path)
         for pname, p in module.named_parameters(recurse=False):
             if isinstance(p, nn.parameter.UninitializedParameter):
                 issues.append(
@@ -242,23 +252,24 @@ def check_module(
                     )
                 )
                 continue
-        for check in module_checks_for(module):
-            issues.extend(
-                ModuleIssue(path, name, f.severity, f.reason, f.fix) for f in check(module)
-            )
+        found = [f for check in module_checks_for(module) for f in check(module)]
+        issues.extend(ModuleIssue(path, name, f.severity, f.reason, f.fix) for f in found)
+        refused = any(f.severity is Severity.ERROR for f in found)
         if (
             _own_trainable(module)
+            and not inside
             and not _has_rule(module, fast, fast_layers is None)
-            and not isinstance(module, _BatchNorm)
+            and not refused
         ):
             issues.append(
                 ModuleIssue(
                     path,
                     name,
                     Severity.NOTE,
-                    "no fast per-example norm rule for this layer type; its per-example "
-                    "gradients come from the chunked vmap(grad) fallback (correct, but slower).",
-                    "nothing required; use a supported layer for speed.",
+                    "no dedicated per-example norm rule for this layer type; its per-example "
+                    "gradients come from the generic rule (torch.func vmap(grad) over the "
+                    "module's call, chunked): exact, but slower.",
+                    "nothing required; use a layer with a rule for speed.",
                 )
             )
     return issues
@@ -342,6 +353,50 @@ def _embedding_check(module: nn.Module) -> tuple[Finding, ...]:
     return ()
 
 
+def _adaptive_softmax_check(module: nn.Module) -> tuple[Finding, ...]:
+    if not any(p.requires_grad for p in module.parameters()):
+        return ()
+    return (
+        Finding(
+            "AdaptiveLogSoftmaxWithLoss runs each tail cluster only on the rows whose target "
+            "falls in it, so its layers never see the whole batch with one row per example, "
+            "and its loss output is a batch mean.",
+            "use an nn.Linear head with nn.CrossEntropyLoss(reduction='none'), or freeze its "
+            "parameters (requires_grad=False).",
+        ),
+    )
+
+
+def _data_parallel_check(module: nn.Module) -> tuple[Finding, ...]:
+    return (
+        Finding(
+            "nn.DataParallel copies the model onto each device inside every forward pass, "
+            "so per-example gradients would be recorded on short-lived replicas.",
+            "train on one device, or use DistributedDataParallel through dpfy's distributed "
+            "training (dpfy.training.distributed, `dpfy train --workers N`).",
+        ),
+    )
+
+
+def _sequence_first_check(module: nn.Module) -> tuple[Finding, ...]:
+    attn = getattr(module, "self_attn", None)
+    first = getattr(attn, "batch_first", getattr(module, "batch_first", True))
+    if first is not False:
+        return ()
+    return (
+        Finding(
+            "with batch_first=False its feed-forward and normalisation layers see [sequence, "
+            "batch, ...] inputs, and per-example rules need the example on dimension 0.",
+            "construct it with batch_first=True and feed [batch, sequence, features].",
+        ),
+    )
+
+
+register_module_check(nn.AdaptiveLogSoftmaxWithLoss)(_adaptive_softmax_check)
+register_module_check(
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Transformer
+)(_sequence_first_check)
+register_module_check(nn.DataParallel)(_data_parallel_check)
 register_module_check(_BatchNorm)(_batch_norm_check)
 register_module_check(_InstanceNorm)(_instance_norm_check)
 register_module_check(nn.Embedding, nn.EmbeddingBag)(_embedding_check)
