@@ -22,6 +22,7 @@ from dpfy.training.norms import (  # noqa: F401 (register)
     attention,
     conv,
     embedding,
+    embedding_bag,
     linear,
     normalization,
     recurrent,
