@@ -621,6 +621,13 @@ class PrivateGradient:
             }
             if not take:
                 continue
+            try:
+                grads = fallback_rule(
+                    plan.module, caps, k, chunk_size=self.fallback_chunk_size,
+                    adopt=tuple(take),
+                )
+            except Exception:  # noqa: BLE001 - the ancestor cannot be vmapped: refuse below
+                continue
             lost -= set(take.values())
             idx = len(self.plans_)
             self.plans_.append(plan)
@@ -628,10 +635,7 @@ class PrivateGradient:
                 {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
             )
             captures.append(caps)
-            layers[idx] = fallback_rule(
-                plan.module, caps, k, chunk_size=self.fallback_chunk_size,
-                adopt=tuple(take),
-            )
+            layers[idx] = grads
             added = True
         if added:
             self._watch = watch_plans(self.model, self.plans_)
