@@ -50,7 +50,43 @@ def _case(kind: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
         return nn.Sequential(nn.GroupNorm(2, 4), _Flat()), torch.randn(B, 4, 3, generator=g)
     if kind is nn.RMSNorm:
         return nn.Sequential(nn.Linear(4, 5), nn.RMSNorm(5)), torch.randn(B, 4, generator=g)
+    if kind is nn.EmbeddingBag:
+        return nn.Sequential(nn.EmbeddingBag(7, 3), nn.Linear(3, 3)), torch.randint(
+            0, 7, (B, 3), generator=g
+        )
+    if kind is nn.MultiheadAttention:
+        return _Attend(), torch.randn(B, 3, 4, generator=g)
+    if kind in _RECURRENT:
+        return _Recur(kind), torch.randn(B, 3, 4, generator=g)
     raise AssertionError(f"no self-test case for the norm rule of {kind.__name__}: add one")
+
+
+class _Attend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0].flatten(1)
+
+
+_RECURRENT = (nn.RNN, nn.LSTM, nn.GRU, nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+
+
+class _Recur(nn.Module):
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        cell = kind in (nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+        self.cell = cell
+        self.layer = kind(4, 3) if cell else kind(4, 3, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.cell:
+            return self.layer(x)[0].flatten(1)
+        state = None
+        for t in range(x.shape[1]):
+            state = self.layer(x[:, t], state)
+        return state[0] if isinstance(state, tuple) else state
 
 
 def _factory(kind: type[nn.Module]):

@@ -134,7 +134,9 @@ EXACT: dict[str, tuple[Callable[[], nn.Module], Callable[..., Any], Callable[[],
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), _plain, lambda: _x(B, 4, 5), False),
     "LayerNorm": (lambda: nn.LayerNorm(6), _plain, lambda: _x(B, 3, 6), False),
     "RMSNorm": (lambda: nn.RMSNorm(6), _plain, lambda: _x(B, 3, 6), False),
-    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(3, affine=True), _plain, lambda: _x(B, 3, 5), False),
+    "InstanceNorm1d": (
+        lambda: nn.InstanceNorm1d(3, affine=True), _plain, lambda: _x(B, 3, 5), False
+    ),
     "InstanceNorm2d": (
         lambda: nn.InstanceNorm2d(3, affine=True), _plain, lambda: _x(B, 3, 4, 4), False
     ),
