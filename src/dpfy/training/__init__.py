@@ -5,6 +5,7 @@ The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chun
 """
 
 from dpfy.training.checkpoint import load_checkpoint, save_checkpoint
+from dpfy.training.chunk import OpenChunk
 from dpfy.training.data import PhysicalBatch, PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.loader import DatasetBatcher, PrivateBatchSampler
 from dpfy.training.private import (
@@ -14,7 +15,7 @@ from dpfy.training.private import (
     PrivateOptimizer,
     make_private,
 )
-from dpfy.training.step import ChunkStats, MicrobatchMode, OpenChunk, PrivateGradient, StepStats
+from dpfy.training.step import ChunkStats, MicrobatchMode, PrivateGradient, StepStats
 from dpfy.training.trainer import (
     BudgetExceededError,
     BudgetGuard,

@@ -169,3 +169,11 @@ def upcast_captures(captures: list[Capture], loss_scale: float = 1.0) -> list[Ca
             )
         )
     return out
+
+
+def autocasting(device_type: str) -> bool:
+    """Whether autocast is on for the device type (``False`` where it has none: ``meta``)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False

@@ -43,6 +43,7 @@ from dpfy._validate import check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
+from dpfy.training.chunk import OpenChunk
 from dpfy.training.loader import (
     ChunkInfo,
     PrivateBatchSampler,
@@ -58,7 +59,7 @@ from dpfy.training.precision import (
     check_master_weights,
     check_precision,
 )
-from dpfy.training.step import OpenChunk, PrivateGradient, StepStats
+from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
 __all__ = [

@@ -47,12 +47,10 @@ Microbatching (Ponomareva et al. 2023, Alg. 3):
   units: a group mixing several units' rows moves by up to 2C when one of them changes.
 
 Limits: layers must see batch-first inputs (dimension 0 = the example), module outputs must
-not be modified in place (``ReLU(inplace=True)``, ``out += x``: refused with a clear error),
-and activation checkpointing must be non-reentrant (``use_reentrant=False``, the default of
-``transformers``' ``gradient_checkpointing_enable``; layers recomputed during the backward
-pass are not recorded twice, and a layer run without autograd is refused). Tied parameters
-(one Parameter used by several modules) are clipped exactly: their per-example gradient is
-the sum of the owners' contributions.
+not be modified in place (``ReLU(inplace=True)``: refused), and activation checkpointing must
+be non-reentrant (``use_reentrant=False``). Tied parameters are clipped exactly (the owners'
+contributions summed per example); the first chunk checks that every parameter's per-example
+gradients were recorded exactly once (``docs/architecture.md``, section 4.2).
 
 Example:
     >>> import torch
@@ -101,20 +99,15 @@ from dpfy.training.norms.capture import (
     capture_layers,
     plan_modules,
     shared_parameters,
-    watch_plans,
 )
-from dpfy.training.norms.coverage import (
-    TOLERANCE,
-    CoverageError,
-    coverage_problems,
-    recorded_sums,
-)
+from dpfy.training.norms.coverage import TOLERANCE, CoverageGuard
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads, MaterializedGrads, cross_term
 from dpfy.training.precision import (
     DEFAULT_FP16_LOSS_SCALE,
     Precision,
     autocast_off,
+    autocasting,
     check_loss_scale,
     check_master_weights,
     check_precision,
@@ -129,13 +122,13 @@ if TYPE_CHECKING:
     from dpfy.ledger import Ledger
     from dpfy.queries import Query
     from dpfy.randomness import Randomness
+    from dpfy.training.chunk import OpenChunk
 
 __all__ = [
     "PrivateGradient",
     "ChunkStats",
     "StepStats",
     "MicrobatchMode",
-    "OpenChunk",
 ]
 
 MicrobatchMode = Literal["examples", "average", "sum"]
@@ -255,7 +248,6 @@ class PrivateGradient:
                 f"coverage_check={coverage_check!r}"
             )
         self.coverage_check: CoverageCheck = coverage_check
-        self._coverage_due = True
         model = data_parallel_model(model, query, reducer)
         self.reducer = reducer
         if loss_scale is None:
@@ -302,7 +294,6 @@ class PrivateGradient:
         validate_module(model)
         self.plans_: list[ModulePlan] = plan_modules(model, fallback=fallback)
         self._shared = shared_parameters(self.plans_)
-        self._watch = watch_plans(model, self.plans_)
         self._qnames = [
             {ln: plan.qualified(ln) for ln in plan.param_names}
             | {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
@@ -331,6 +322,10 @@ class PrivateGradient:
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = getattr(query, "fused_release", False) is True
+        self._coverage = CoverageGuard(
+            model, self.plans_, self._qnames, self._params,
+            every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
+        )
         self._reset()
 
     # ------------------------------------------------------------------------------------
@@ -447,11 +442,8 @@ class PrivateGradient:
         return precision_autocast(self.precision, device)
 
     def _hooked(self) -> list[ModulePlan]:
-        """The plans whose modules are recorded in the next chunk (with the coverage check
-        due, also the ancestors a parameter's per-example gradient may have to come from)."""
-        if self._coverage_due and self._sharded is None and self._watch:
-            return self.plans_ + self._watch
-        return self.plans_
+        """The plans recorded in the next chunk (the coverage check may add ancestors)."""
+        return self.plans_ if self._sharded is not None else self._coverage.hooked()
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -463,6 +455,8 @@ class PrivateGradient:
         ``batch_size``, when known, lets a layer called once on a batch-1 input broadcast over
         the batch (position embeddings) be recorded per example.
         """
+        from dpfy.training.chunk import OpenChunk
+
         return OpenChunk(self, batch_size)
 
     def _accumulate_losses(
@@ -486,7 +480,7 @@ class PrivateGradient:
                 f"microbatch_mode={self.microbatch_mode!r} (pad with weight-0 rows)"
             )
         weights_ok = None  # device weights: validity read with the chunk's statistics
-        half = self.precision != "fp32" or torch.is_autocast_enabled(losses.device.type)
+        half = self.precision != "fp32" or autocasting(losses.device.type)
         # average mode: a group's gradient is its mean (fixed divisor k); sum mode: its sum
         seed = loss_scale / k if self.microbatch_mode == "average" else loss_scale
         if weights is None:
@@ -495,8 +489,10 @@ class PrivateGradient:
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if seed == 1.0 else mask * seed
-        check = self._coverage_due and self._sharded is None
-        checked = list(self._params.values()) if check else []
+        # no coverage check on FSDP2 shards, nor on the meta device (no values to compare)
+        guard = self._coverage if self._coverage.due and self._sharded is None else None
+        guard = None if losses.device.type == "meta" else guard
+        checked = guard.params if guard is not None else []
         captures, batch_grads = recorder.backward(losses, scale, checked)
         # The DP arithmetic in fp32 (bf16/fp16 captures upcast, the loss scale divided out),
         # never under autocast: docs/architecture.md, "Mixed precision".
@@ -507,10 +503,10 @@ class PrivateGradient:
             watched = captures[len(self.plans_):]
             del captures[len(self.plans_):]
             layers = self._layer_grads(captures, batch, k)
-            if check:
-                tol = TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3)
-                self._check_coverage(layers, batch_grads, n, loss_scale,
-                                     work_dtype(losses.dtype), tol, captures, watched)
+            wd = work_dtype(losses.dtype)
+            like = losses.new_empty((), dtype=wd)
+            if guard is not None:  # read with the chunk's statistics below
+                coverage, recorded = guard.measure(layers, batch_grads, n, loss_scale, like)
             if mask is None:
                 real = None
             else:
@@ -529,12 +525,28 @@ class PrivateGradient:
             reads = [total_sq.sum(), loss_t] + ([] if mask is None else [mask.sum()])
             if weights_ok is not None:
                 reads.append(weights_ok)
-            host = torch.stack([r.to(torch.float64) for r in reads]).tolist()
+            if guard is not None:
+                reads.append(coverage)
+            host = torch.cat([r.reshape(-1).to(torch.float64) for r in reads]).tolist()
             loss_sum = host[1]
             if mask is not None:
                 n_real = int(host[2])
-            if weights_ok is not None and not host[-1]:
+            if weights_ok is not None and not host[len(reads) - 1 - (guard is not None)]:
                 raise ValueError("weights must be 0 (padding row) or 1 (real row)")
+            if guard is not None:
+
+                def promoted() -> tuple[list[float], set[str]]:  # rare: a second read
+                    guard.promote(recorded, layers, captures, watched, k)
+                    again, seen = guard.measure(layers, batch_grads, n, loss_scale, like)
+                    return again.reshape(-1).tolist(), seen
+
+                tol = TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3)
+                planned = len(self.plans_)
+                guard.settle(host[len(host) - coverage.numel():], recorded, tol, promoted)
+                if len(self.plans_) > planned:  # an ancestor took a parameter: norms anew
+                    sq = self._squared_norms(layers, n)
+                    total_sq = torch.stack(list(sq.values())).sum(0)
+                    host[0] = float(total_sq.sum())
             if not math.isfinite(host[0]):
                 bad = ~torch.isfinite(total_sq)
                 nonfinite = int((bad if real is None else bad & (real > 0)).sum())
@@ -543,103 +555,13 @@ class PrivateGradient:
                 inf = torch.full_like(total_sq, math.inf)
                 sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
                 total_sq = torch.where(bad, inf, total_sq)
-            weights_by_param = self._clip_weights(
-                sq, total_sq, real, n, work_dtype(losses.dtype)
-            )
+            weights_by_param = self._clip_weights(sq, total_sq, real, n, wd)
             self._add_weighted_sums(layers, weights_by_param, sq)
         self._loss_sum += loss_sum
         self._examples += n_real
         self._nonfinite += nonfinite
         norms = total_sq.to(torch.float64).sqrt() if return_norms else None
         return ChunkStats(loss_sum, n_real, nonfinite, norms)
-
-    def _check_coverage(
-        self,
-        layers: dict[int, LayerGrads],
-        batch_grads: list[torch.Tensor | None],
-        n: int,
-        loss_scale: float,
-        wd: torch.dtype,
-        tol: float,
-        captures: list[list[Capture]],
-        watched: list[list[Capture]],
-    ) -> None:
-        """Refuse the run if a parameter's per-example gradients were not recorded exactly once.
-
-        A parameter whose module was never called (a parent used it directly) is first given
-        to the smallest recorded ancestor that was called: its generic rule differentiates
-        the parameter through the ancestor's whole call (:func:`watch_plans`). That ancestor
-        is then planned for the rest of the run (the current chunk uses it already).
-
-        Raises:
-          CoverageError: names each parameter still wrong, its module and class, and the fix.
-        """
-        like = next(iter(self._params.values())).new_empty((), dtype=wd)
-        ref = {
-            name: None if g is None else g.to(wd) / loss_scale
-            for name, g in zip(self._params, batch_grads, strict=True)
-        }
-        if not all(bool(torch.isfinite(g).all()) for g in ref.values() if g is not None):
-            return  # a non-finite gradient (dropped rows): checked on a later chunk
-        recorded = recorded_sums(layers, self._qnames, n, like)
-        problems = coverage_problems(self.model, recorded, ref, tolerance=tol)
-        if problems and self._watch:
-            promoted = self._promote(recorded, ref, layers, captures, watched, n)
-            if promoted:
-                recorded = recorded_sums(layers, self._qnames, n, like)
-                problems = coverage_problems(self.model, recorded, ref, tolerance=tol)
-        if problems:
-            raise CoverageError(
-                "per-example gradients would be wrong for this model, so nothing was "
-                "released:\n  - " + "\n  - ".join(problems)
-            )
-        if self.coverage_check == "first":
-            self._coverage_due = False
-
-    def _promote(
-        self,
-        recorded: dict[str, torch.Tensor],
-        ref: dict[str, torch.Tensor | None],
-        layers: dict[int, LayerGrads],
-        captures: list[list[Capture]],
-        watched: list[list[Capture]],
-        n: int,
-    ) -> bool:
-        """Plan the smallest called ancestor of each parameter no call recorded; see above."""
-        lost = {name for name, g in ref.items() if g is not None and name not in recorded}
-        order = sorted(range(len(self._watch)), key=lambda i: -self._watch[i].name.count("."))
-        k = self.group_size_
-        added = False
-        for i in order:
-            plan, caps = self._watch[i], watched[i]
-            if not caps or not lost:
-                continue
-            take = {
-                ln: self.plans_[j].qualified(own)
-                for ln, j, own in plan.adoptable
-                if not captures[j] and self.plans_[j].qualified(own) in lost
-            }
-            if not take:
-                continue
-            try:
-                grads = fallback_rule(
-                    plan.module, caps, k, chunk_size=self.fallback_chunk_size,
-                    adopt=tuple(take),
-                )
-            except Exception:  # noqa: BLE001 - the ancestor cannot be vmapped: refuse below
-                continue
-            lost -= set(take.values())
-            idx = len(self.plans_)
-            self.plans_.append(plan)
-            self._qnames.append(
-                {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
-            )
-            captures.append(caps)
-            layers[idx] = grads
-            added = True
-        if added:
-            self._watch = watch_plans(self.model, self.plans_)
-        return added
 
     def _add_weighted_sums(
         self,
@@ -694,8 +616,7 @@ class PrivateGradient:
                 continue
             if plan.rule is not None:
                 for cap in caps:
-                    # a recomputing rule's targets are batch-first whatever its inputs are
-                    # (a time-major RNN, a PackedSequence); a plain rule's first input is
+                    # batch-first: a recomputing rule's targets (RNN, packed), else input 0
                     first = cap.grad_outputs[0] if plan.recompute is not None else cap.args[0]
                     lead = first.shape[0] if first.dim() > 0 else None
                     if lead != batch:
@@ -873,55 +794,6 @@ class PrivateGradient:
             f"microbatch_size={self.microbatch_size}, microbatch_mode={self.microbatch_mode!r}, "
             f"precision={self.precision!r})"
         )
-
-
-class OpenChunk:
-    """One physical chunk whose forward pass the caller runs (see ``PrivateGradient.open_chunk``).
-
-    The layer hooks are registered on construction and removed by :meth:`accumulate` or
-    :meth:`close`, whichever comes first; the model is never wrapped.
-    """
-
-    def __init__(
-        self, private_gradient: PrivateGradient, batch_size: int | None = None
-    ) -> None:
-        self._pg = private_gradient
-        self._stack = contextlib.ExitStack()
-        self._recorder: LayerCapture | None = self._stack.enter_context(
-            capture_layers(private_gradient._hooked(), batch_size)
-        )
-
-    @property
-    def open(self) -> bool:
-        return self._recorder is not None
-
-    def accumulate(
-        self,
-        losses: torch.Tensor,
-        weights: torch.Tensor | None = None,
-        *,
-        loss_scale: float | None = None,
-    ) -> ChunkStats:
-        """Backward from the per-example ``losses`` [B]; add the clipped sums; close.
-
-        ``loss_scale`` as in :meth:`PrivateGradient.accumulate` (fp16: the backward is seeded
-        with S, the norms are taken of the unscaled gradients).
-        """
-        if self._recorder is None:
-            raise RuntimeError("this chunk was already accumulated or closed")
-        pg = self._pg
-        loss_scale = check_loss_scale(pg.loss_scale if loss_scale is None else loss_scale)
-        recorder, self._recorder = self._recorder, None
-        try:
-            self._pg._chunks += 1
-            return self._pg._accumulate_losses(recorder, losses, weights, False, loss_scale)
-        finally:
-            self._stack.close()
-
-    def close(self) -> None:
-        """Remove the hooks without accumulating (the recorded calls are dropped)."""
-        self._recorder = None
-        self._stack.close()
 
 
 def _flat_buffers(

@@ -12,20 +12,31 @@ a missing call gives 0 against a non-zero gradient, a doubled path twice the gra
 
 It runs on the first physical chunk of a run (before any noisy release is written) and, as a
 debugging aid, on every chunk (``PrivateGradient(coverage_check="every")``). It costs one
-model-sized set of parameter gradients in that chunk's backward pass.
+model-sized set of parameter gradients in that chunk's backward pass; its norms are read with
+the chunk's other statistics, in its one host read (``docs/devices.md``). A parameter no call
+recorded is first offered to its smallest called ancestor (:class:`CoverageGuard`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-from dpfy.training.norms.registry import LayerGrads
+from dpfy.training.norms.capture import ModulePlan, watch_plans
+from dpfy.training.norms.fallback import fallback_rule
+from dpfy.training.norms.registry import Capture, LayerGrads
 
-__all__ = ["coverage_problems", "recorded_sums", "CoverageError", "TOLERANCE"]
+__all__ = [
+    "CoverageError",
+    "CoverageGuard",
+    "TOLERANCE",
+    "coverage_problems",
+    "measure",
+    "recorded_sums",
+]
 
 #: Relative tolerance ``||recorded - batch|| / ||batch||`` per parameter, by working dtype.
 TOLERANCE: dict[torch.dtype, float] = {
@@ -67,10 +78,37 @@ def recorded_sums(
     return out
 
 
-def coverage_problems(
-    model: nn.Module,
+def measure(
     recorded: Mapping[str, torch.Tensor],
     batch_grads: Mapping[str, torch.Tensor | None],
+) -> torch.Tensor:
+    """``[P, 3]`` float64 on the device: per parameter (in ``batch_grads`` order) the norms of
+    the batch gradient, of the recorded sum and of their difference (0 where absent).
+
+    Read with the chunk's other statistics in its one host read (``docs/devices.md``).
+    """
+    rows = []
+    for name, ref in batch_grads.items():
+        got = recorded.get(name)
+        ref64 = None if ref is None else ref.double()
+        got64 = None if got is None else got.double()
+        zero = (ref64 if ref64 is not None else got64)
+        z = torch.zeros((), dtype=torch.float64, device=None if zero is None else zero.device)
+        r = z if ref64 is None else torch.linalg.vector_norm(ref64)
+        g = z if got64 is None else torch.linalg.vector_norm(got64)
+        if ref64 is None or got64 is None:
+            d = r if got64 is None else g
+        else:
+            d = torch.linalg.vector_norm(got64 - ref64)
+        rows.append(torch.stack([r, g, d]))
+    return torch.stack(rows)
+
+
+def coverage_problems(
+    model: nn.Module,
+    names: list[str],
+    norms: list[float],
+    recorded: set[str],
     *,
     tolerance: float,
 ) -> list[str]:
@@ -78,44 +116,33 @@ def coverage_problems(
 
     Args:
       model: the model (to name each parameter's module and class).
-      recorded: :func:`recorded_sums`.
-      batch_grads: autograd's gradient of the same weighted loss per trainable parameter
-        (``None``: the parameter did not reach the loss), in the same scale as ``recorded``.
+      names: the trainable parameters, in the order of :func:`measure`'s rows.
+      norms: :func:`measure`'s values read to the host, flattened.
+      recorded: the parameters some rule recorded.
       tolerance: relative tolerance (see :data:`TOLERANCE`); a parameter passes when
         ``||recorded - batch|| <= tolerance * max(||recorded||, ||batch||) + ABSOLUTE *
         tolerance * ||whole model's batch gradient||``.
     """
-    norms = {
-        name: 0.0 if g is None else float(torch.linalg.vector_norm(g.double()))
-        for name, g in batch_grads.items()
-    }
+    rows = [norms[3 * i : 3 * i + 3] for i in range(len(names))]
     # Rounding of a gradient that is exactly zero in exact arithmetic (a key bias under
     # softmax) is judged against the whole model's gradient, not against itself.
-    floor = ABSOLUTE * tolerance * math.sqrt(sum(v * v for v in norms.values()))
+    floor = ABSOLUTE * tolerance * math.sqrt(sum(r[0] * r[0] for r in rows))
     problems = []
-    for name, ref in batch_grads.items():
-        got = recorded.get(name)
-        ref_norm = norms[name]
-        got_norm = 0.0 if got is None else float(torch.linalg.vector_norm(got.double()))
-        if ref is None and got is None:
+    for name, (ref_norm, got_norm, err) in zip(names, rows, strict=True):
+        if name not in recorded:
+            if ref_norm > floor:
+                problems.append(
+                    f"{_where(model, name)} received a gradient, but no per-example "
+                    "contribution was recorded for it: its module was not called, so another "
+                    "module used the parameter directly (e.g. a parent's torch.nn.functional "
+                    "call on `self.child.weight`). Fix: call the module instead, or register a "
+                    "norm rule for the parent that covers its subtree (dpfy.training.norms."
+                    "register_norm_rule(..., subtree=True)), or freeze the parameter"
+                )
             continue
-        if got is None:
-            if ref_norm <= floor:
-                continue
-            problems.append(
-                f"{_where(model, name)} received a gradient, but no per-example contribution "
-                "was recorded for it: its module was not called, so another module used the "
-                "parameter directly (e.g. a parent's torch.nn.functional call on "
-                "`self.child.weight`). Fix: call the module instead, or register a norm rule "
-                "for the parent that covers its subtree (dpfy.training.norms.register_norm_rule"
-                "(..., subtree=True)), or freeze the parameter"
-            )
-            continue
-        diff = got.double() - (0.0 if ref is None else ref.double())
-        err = float(torch.linalg.vector_norm(diff))
-        rel = err / max(ref_norm, got_norm, 1e-300)
         if not math.isfinite(err) or err > tolerance * max(ref_norm, got_norm) + floor:
             ratio = got_norm / ref_norm if ref_norm > 0 else math.inf
+            rel = err / max(ref_norm, got_norm, 1e-300)
             problems.append(
                 f"{_where(model, name)}: its recorded per-example gradients sum to "
                 f"{ratio:.3g} x its batch gradient in norm (relative difference {rel:.2g}); it "
@@ -125,6 +152,134 @@ def coverage_problems(
                 "covers the module using it (register_norm_rule(..., subtree=True))"
             )
     return problems
+
+
+class CoverageGuard:
+    """The coverage check of one :class:`~dpfy.training.step.PrivateGradient`.
+
+    Args:
+      model: the (unwrapped) model.
+      plans: the step's module plans; promoted ancestors are appended to it (shared list).
+      qualified: per plan, local -> model parameter names (shared list, appended alike).
+      params: the trainable parameters by name.
+      every: check every chunk (else the first one that has finite gradients).
+      chunk_size: ``vmap`` chunk of the generic rule.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plans: list[ModulePlan],
+        qualified: list[dict[str, str]],
+        params: Mapping[str, torch.Tensor],
+        *,
+        every: bool,
+        chunk_size: int,
+    ) -> None:
+        self.model, self.plans, self.qualified = model, plans, qualified
+        self.names = list(params)
+        self.params = list(params.values())
+        self.every, self.chunk_size = every, chunk_size
+        self.due = True
+        self.watch = watch_plans(model, plans)
+
+    def hooked(self) -> list[ModulePlan]:
+        """The plans to record in the next chunk (with the check due, also the ancestors)."""
+        return self.plans + self.watch if self.due and self.watch else self.plans
+
+    def measure(
+        self,
+        layers: Mapping[int, LayerGrads],
+        batch_grads: list[torch.Tensor | None],
+        n: int,
+        loss_scale: float,
+        like: torch.Tensor,
+    ) -> tuple[torch.Tensor, set[str]]:
+        """Device norms to read with the chunk's statistics, and the recorded parameters."""
+        recorded = recorded_sums(layers, self.qualified, n, like)
+        ref = {
+            name: None if g is None else g.to(like.dtype) / loss_scale
+            for name, g in zip(self.names, batch_grads, strict=True)
+        }
+        return measure(recorded, ref), set(recorded)
+
+    def settle(
+        self,
+        norms: list[float],
+        recorded: set[str],
+        tolerance: float,
+        retry: Callable[[], tuple[list[float], set[str]]],
+    ) -> None:
+        """Judge the chunk from the host values of :meth:`measure`.
+
+        A parameter no call recorded is first given to its smallest called ancestor
+        (``retry`` promotes and measures again; see :meth:`promote`). A chunk whose gradients
+        are not finite is judged on a later one.
+
+        Raises:
+          CoverageError: names each parameter still wrong, its module and class, and the fix.
+        """
+        if not all(math.isfinite(v) for v in norms):
+            return
+        problems = coverage_problems(self.model, self.names, norms, recorded, tolerance=tolerance)
+        if problems and any(name not in recorded for name in self.names) and self.watch:
+            norms, recorded = retry()
+            problems = coverage_problems(
+                self.model, self.names, norms, recorded, tolerance=tolerance
+            )
+        if problems:
+            raise CoverageError(
+                "per-example gradients would be wrong for this model, so nothing was "
+                "released:\n  - " + "\n  - ".join(problems)
+            )
+        if not self.every:
+            self.due = False
+
+    def promote(
+        self,
+        recorded: set[str],
+        layers: dict[int, LayerGrads],
+        captures: list[list[Capture]],
+        watched: list[list[Capture]],
+        group_size: int,
+    ) -> None:
+        """Plan the smallest called ancestor of each parameter that no call recorded.
+
+        Its generic rule differentiates the parameter through the ancestor's whole call; the
+        ancestor stays planned for the rest of the run. Adds the layer to ``layers`` (and its
+        captures to ``captures``) for the current chunk. An ancestor the generic rule cannot
+        run on is skipped (the parameter is then refused).
+        """
+        lost = {name for name, p in zip(self.names, self.params, strict=True)} - recorded
+        order = sorted(range(len(self.watch)), key=lambda i: -self.watch[i].name.count("."))
+        added = False
+        for i in order:
+            plan, caps = self.watch[i], watched[i]
+            if not caps or not lost:
+                continue
+            take = {
+                ln: self.plans[j].qualified(own)
+                for ln, j, own in plan.adoptable
+                if not captures[j] and self.plans[j].qualified(own) in lost
+            }
+            if not take:
+                continue
+            try:
+                grads = fallback_rule(
+                    plan.module, caps, group_size, chunk_size=self.chunk_size, adopt=tuple(take)
+                )
+            except Exception:  # noqa: BLE001 - the ancestor cannot be vmapped: refuse it
+                continue
+            lost -= set(take.values())
+            layers[len(self.plans)] = grads
+            self.plans.append(plan)
+            self.qualified.append(
+                {ln: self.plans[j].qualified(own) for ln, j, own in plan.adoptable}
+            )
+            captures.append(caps)
+            added = True
+        if added:
+            self.watch = watch_plans(self.model, self.plans)
 
 
 def _where(model: nn.Module, name: str) -> str:
