@@ -466,3 +466,44 @@ def test_a_model_mixing_the_layers_is_exact():
     pg.accumulate((ids, pad), y, _loss)
     for name in ref:
         torch.testing.assert_close(pg.clipped_sum()[name], ref[name], rtol=1e-6, atol=1e-10)
+
+
+class _TwoOutputs(nn.Module):
+    """A layer of the user's own (generic rule) returning (h, c) with h computed from c: the
+    recorded gradient of c must not also carry the path through h."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = torch.tanh(x @ self.w)
+        return torch.sigmoid(c) * c, c
+
+
+def _both_outputs(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h, c = layer(x)
+    return h + 2.0 * c
+
+
+def test_generic_outputs_computed_from_one_another_are_not_counted_twice():
+    torch.manual_seed(3)
+    model = Net(_TwoOutputs(), _both_outputs).to(DT)
+    _compare(model, _x(B, 4))
+
+
+def test_a_wrong_rule_is_caught_before_anything_is_released(monkeypatch):
+    """The check holds the rules to account too: a rule that doubles its gradients is refused
+    on the first chunk, with the parameter named."""
+    from dpfy.training.norms import linear, registry
+
+    def doubled(module, captures, group_size):
+        lg = linear.linear_rule(module, captures, group_size)
+        lg.g = 2.0 * lg.g
+        return lg
+
+    monkeypatch.setattr(registry, "_RULES", dict(registry._RULES) | {nn.Linear: doubled})
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)).to(DT)
+    pg = PrivateGradient(model, GaussianSumQuery(1.0, 1.0), expected_batch_size=float(B))
+    with pytest.raises(CoverageError, match=r"parameter '0\.weight' of module '0' \(Linear\)"):
+        pg.accumulate(_x(B, 3), torch.zeros(B, 1, dtype=DT), _loss)
