@@ -15,7 +15,6 @@ turns it into a number. See ``docs/architecture.md`` and ``docs/ledger.md``.
 
 from dpfy.ledger.chain import LedgerFormatError, LedgerIntegrityError, Verification
 from dpfy.ledger.ledger import (
-    SAMPLERS,
     Ledger,
     LedgerTruncationWarning,
     effective_noise_multiplier,
@@ -39,7 +38,6 @@ from dpfy.ledger.records import (
 from dpfy.sampling.spec import SampleSpec
 
 __all__ = [
-    "SAMPLERS",
     "SampleSpec",
     "SampleRecord",
     "SumQueryRecord",

@@ -83,21 +83,16 @@ from dpfy.ledger.records import (
     SumQueryRecord,
     record_from_dict,
 )
-from dpfy.sampling.kinds import kind, kind_names
+from dpfy.sampling.kinds import kind
 from dpfy.sampling.spec import SampleSpec, spec_event
 
 __all__ = [
-    "SAMPLERS",
     "Ledger",
     "LedgerTruncationWarning",
     "effective_noise_multiplier",
     "ledger_hyperparameters",
 ]
 
-
-#: Built-in sampler kinds a :class:`SampleSpec` may name (the table in
-#: :mod:`dpfy.sampling.kinds`; ``dpfy.sampling.kind_names()`` also lists kinds registered later).
-SAMPLERS = kind_names()
 # Two noise multipliers closer than this (relative) are folded into one run, keeping the smaller.
 _Z_RTOL = 1e-12
 

@@ -13,11 +13,13 @@ could get wrong:
   run's, and the steps must be numbered ``0, 1, ...`` with at most ``T`` of them;
 * every step's batch must come from a sampler that implements the schema
   (:func:`check_schema_spec`): :class:`~dpfy.correlated.schemas.Cyclic` with period ``p``
-  needs the ``cyclic`` sampler (one permutation, repeated) or the ``deterministic`` one with
-  ``steps_per_epoch = p`` and step ``i`` in epoch ``i // p``;
-  :class:`~dpfy.correlated.schemas.SingleEpoch` needs an epoch sampler that uses each example
-  at most once per epoch, and all steps in one epoch. A Poisson (or fixed-size) sampler with
-  BandMF is refused: an example could join steps closer than the schema allows.
+  needs a sampler kind whose row is ``cyclic`` (one order repeated every epoch: the
+  ``cyclic`` and ``deterministic`` samplers) with ``steps_per_epoch = p`` and step ``i`` in
+  epoch ``i // p``; :class:`~dpfy.correlated.schemas.SingleEpoch` needs a kind whose row is
+  ``once_per_epoch`` (each example at most once per epoch), and all steps in one epoch. Both
+  facts are read from the table of sampler kinds (:mod:`dpfy.sampling.kinds`) at call
+  time. A Poisson (or fixed-size) sampler with BandMF is refused: an example could join
+  steps closer than the schema allows.
 
 Refusals raise ``ValueError`` naming the run, the step and the rule.
 """
@@ -29,15 +31,11 @@ from collections.abc import Mapping, Sequence
 from dpfy import events as ev
 from dpfy.correlated.schemas import Cyclic, Schema, SingleEpoch
 from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord, SampleRecord
-from dpfy.sampling.kinds import kind
+from dpfy.sampling.kinds import kind, kind_names
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["ONCE_PER_EPOCH", "CYCLIC_KINDS", "check_schema_spec", "matrix_event"]
+__all__ = ["check_schema_spec", "matrix_event"]
 
-#: Epoch samplers that use every example at most once per epoch.
-ONCE_PER_EPOCH = ("cyclic", "deterministic", "shuffle", "balls_and_bins")
-#: Samplers that repeat one order every epoch (example i at steps i, i + p, ...).
-CYCLIC_KINDS = ("cyclic", "deterministic")
 _RTOL = 1e-9
 
 
@@ -50,10 +48,10 @@ def check_schema_spec(
     checked when given: a cyclic step ``i`` must be in epoch ``i // period``.
     """
     if isinstance(schema, Cyclic):
-        if spec.sampler not in CYCLIC_KINDS or spec.steps_per_epoch != schema.period:
+        if not kind(spec.sampler).cyclic or spec.steps_per_epoch != schema.period:
             raise ValueError(
                 f"the participation schema cyclic(period={schema.period}) needs a sampler "
-                f"that repeats one order every epoch ({' or '.join(CYCLIC_KINDS)}) with "
+                f"that repeats one order every epoch ({' or '.join(kind_names('cyclic'))}) with "
                 f"steps_per_epoch={schema.period}, got sampler={spec.sampler!r} with "
                 f"steps_per_epoch={spec.steps_per_epoch!r}"
             )
@@ -64,10 +62,10 @@ def check_schema_spec(
             )
         return
     if isinstance(schema, SingleEpoch):
-        if spec.sampler not in ONCE_PER_EPOCH or not kind(spec.sampler).epoch_structured:
+        if not kind(spec.sampler).once_per_epoch:
             raise ValueError(
                 "the participation schema single_epoch needs an epoch sampler that uses each "
-                f"example at most once per epoch ({', '.join(ONCE_PER_EPOCH)}), got "
+                f"example at most once per epoch ({', '.join(kind_names('once_per_epoch'))}), got "
                 f"sampler={spec.sampler!r}"
             )
         if index is not None and spec.steps_per_epoch is not None and (

@@ -110,6 +110,7 @@ BALLS_AND_BINS = register_kind(
         needs=("steps_per_epoch",),
         truncates=True,
         epoch_structured=True,
+        once_per_epoch=True,
         assumptions="each example is placed in exactly one uniformly random batch per epoch "
         "(Balls-and-Bins, Chua et al. 2025); epsilon is the provable random-allocation PLD "
         "bound (Feldman & Shenfeld 2026) of the dominating pair",

@@ -64,6 +64,8 @@ CYCLIC = register_kind(
         needs=("steps_per_epoch",),
         adjacency=ev.Adjacency.ZERO_OUT.value,
         epoch_structured=True,
+        once_per_epoch=True,
+        cyclic=True,
         assumptions="data shuffled once (a secret permutation) and cut into fixed-size "
         "batches, the same batches every epoch: each example is used once per epoch at the "
         "same position (the cyclic participation schema of matrix-factorization DP-FTRL); no "

@@ -39,6 +39,8 @@ DETERMINISTIC = register_kind(
         needs=("steps_per_epoch",),
         adjacency=ev.Adjacency.ZERO_OUT.value,
         epoch_structured=True,
+        once_per_epoch=True,
+        cyclic=True,
         assumptions="fixed order and batch size: no amplification by sampling; each example "
         "is used once per epoch",
         history_methods=("shuffle",),

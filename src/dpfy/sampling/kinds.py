@@ -1,9 +1,10 @@
 """The table of sampler kinds: everything the library knows about a kind, in one row.
 
 A row (:class:`SamplerKind`) says which :class:`~dpfy.sampling.spec.SampleSpec` fields the kind
-needs, which adjacency it assumes, whether it truncates and whether it is accounted per epoch,
-how a report describes it, which accountant suits it, how its ``(spec, z, count)`` becomes a
-:mod:`dpfy.events` event, and how :func:`dpfy.sampling.make_sampler` builds its sampler. The
+needs, which adjacency it assumes, whether it truncates, whether it is accounted per epoch,
+which participation schemas of correlated noise it implements, how a report describes it,
+which accountant suits it, how its ``(spec, z, count)`` becomes a :mod:`dpfy.events` event,
+and how :func:`dpfy.sampling.make_sampler` builds its sampler. The
 ledger, the report, the command line and the training recipes all read this table, so adding
 a sampler kind is one module holding the sampler and one :func:`register_kind` call (see
 ``docs/architecture.md``, "How to add a sampler").
@@ -74,6 +75,12 @@ class SamplerKind:
       epoch_structured: accounted per epoch: one event per epoch label at the smallest z of the
         epoch, and an epoch label holding more than ``steps_per_epoch`` samples is charged
         ceil(samples / steps_per_epoch) epochs (over-count, never under).
+      once_per_epoch: an epoch kind that uses every unit at most once per epoch, so one epoch
+        of it implements the single-epoch participation schema of correlated noise
+        (:class:`dpfy.correlated.schemas.SingleEpoch`).
+      cyclic: a ``once_per_epoch`` kind that repeats one order every epoch (unit i at steps
+        i, i + p, ... with p = ``steps_per_epoch``): it implements the cyclic participation
+        schema (:class:`dpfy.correlated.schemas.Cyclic`).
       assumptions: what a privacy report states about this sampler.
       default_accountant: the accountant training recipes use by default (``"auto"``: the API's).
       history_methods: accountants for the epsilon-over-training curve (None: the caller's);
@@ -91,6 +98,8 @@ class SamplerKind:
     allowed_adjacency: tuple[str, ...] = _ADJACENCIES
     truncates: bool = False
     epoch_structured: bool = False
+    once_per_epoch: bool = False
+    cyclic: bool = False
     assumptions: str = ""
     default_accountant: str = "auto"
     history_methods: tuple[str, ...] | None = None
@@ -109,6 +118,16 @@ class SamplerKind:
             )
         for a in self.allowed_adjacency:
             ev._as_adjacency(a)
+        if self.once_per_epoch and not self.epoch_structured:
+            raise ValueError(
+                f"once_per_epoch needs epoch_structured=True, got kind {self.name!r} with "
+                "epoch_structured=False"
+            )
+        if self.cyclic and not self.once_per_epoch:
+            raise ValueError(
+                f"cyclic needs once_per_epoch=True, got kind {self.name!r} with "
+                "once_per_epoch=False"
+            )
 
     @property
     def cli_name(self) -> str:
@@ -161,9 +180,17 @@ def kinds() -> tuple[SamplerKind, ...]:
     return tuple(_KINDS.values())
 
 
-def kind_names() -> tuple[str, ...]:
-    """Names of every registered kind, in registration order."""
-    return tuple(_KINDS)
+def kind_names(having: str | None = None) -> tuple[str, ...]:
+    """Names of every registered kind, in registration order; with ``having`` (a boolean field
+    of :class:`SamplerKind`, e.g. ``"cyclic"``), only the kinds whose field is true.
+
+    Read at call time, so kinds registered later are listed.
+    """
+    if having is None:
+        return tuple(_KINDS)
+    if having not in {f.name for f in dataclasses.fields(SamplerKind)}:
+        raise ValueError(f"having must be a SamplerKind field, got having={having!r}")
+    return tuple(name for name, row in _KINDS.items() if getattr(row, having) is True)
 
 
 class _Column(Mapping[str, Any]):

@@ -45,6 +45,7 @@ SHUFFLE = register_kind(
         needs=("steps_per_epoch",),
         adjacency=ev.Adjacency.ZERO_OUT.value,
         epoch_structured=True,
+        once_per_epoch=True,
         assumptions="data shuffled once per epoch and cut into fixed-size batches. No tight "
         "amplification bound is known for shuffling: the reported epsilon assumes NO "
         "amplification (a valid upper bound); the lower bound of Chua et al. 2024a shows how far "

@@ -32,10 +32,9 @@ from dpfy._validate import check_int
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.correlated.plan import STRATEGIES, CorrelatedPlan, make_plan
 from dpfy.ledger import Ledger, SampleSpec
-from dpfy.ledger.matrix import CYCLIC_KINDS, ONCE_PER_EPOCH
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
-from dpfy.sampling import make_sampler
+from dpfy.sampling import kind_names, make_sampler
 from dpfy.training import users
 from dpfy.training.distributed import Distributed, per_process_batch
 from dpfy.training.launch import run_local
@@ -431,20 +430,24 @@ def _worker(distributed: Distributed, options: dict[str, Any]) -> TrainResultSum
 def correlated_plan(
     mechanism: str, spec: SampleSpec, epochs: int, band: int = 16, buffers: int = 4
 ) -> CorrelatedPlan:
-    """The plan of a correlated-noise image run: the cyclic schema for a sampler that repeats
-    one order (``cyclic``, ``deterministic``), a single epoch for ``shuffle`` or
-    ``balls_and_bins`` with ``epochs=1``; anything else is refused (``ValueError``)."""
+    """The plan of a correlated-noise image run: the cyclic schema for a sampler kind that
+    repeats one order (its row is ``cyclic``: ``cyclic``, ``deterministic``), a single epoch
+    for a kind that uses each example once per epoch (``once_per_epoch``: also ``shuffle``,
+    ``balls_and_bins``) with ``epochs=1``; anything else is refused (``ValueError``)."""
     per_epoch = spec.required_int("steps_per_epoch") if spec.steps_per_epoch else 0
+    row = sampler_kind(spec.sampler)
     schema: Cyclic | SingleEpoch
-    if spec.sampler in CYCLIC_KINDS:
+    if row.cyclic:
         schema = Cyclic(per_epoch)
-    elif spec.sampler in ONCE_PER_EPOCH and epochs == 1:
+    elif row.once_per_epoch and epochs == 1:
         schema = SingleEpoch()
     else:
+        once = [n for n in kind_names("once_per_epoch") if n not in kind_names("cyclic")]
         raise ValueError(
-            f"sampler must be one of {{{', '.join(CYCLIC_KINDS)}}} for mechanism={mechanism!r} "
-            f"(or shuffle / balls_and_bins with epochs=1): its correlated noise needs every "
-            f"example in one fixed step per epoch, got sampler={spec.sampler!r}"
+            f"sampler must be one of {{{', '.join(kind_names('cyclic'))}}} for "
+            f"mechanism={mechanism!r} (or {' / '.join(once)} with epochs=1): its correlated "
+            f"noise needs every example in one fixed step per epoch, got "
+            f"sampler={spec.sampler!r}"
         )
     return make_plan(mechanism, per_epoch * epochs, schema, band=min(band, per_epoch),
                      buffers=buffers)
