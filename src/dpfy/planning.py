@@ -43,6 +43,7 @@ from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting import roots, tan
 from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
+from dpfy.sampling import SampleSpec, spec_event
 
 __all__ = ["DEFAULT_MAX_STEPS", "PlanOption", "Plan", "plan"]
 
@@ -109,8 +110,6 @@ class PlanOption:
 
     def privacy_event(self) -> ev.Event:
         """The event a ledger of this run produces (``steps`` steps of the option's sampler)."""
-        if self.sampler == "poisson":
-            return _event(self.sampling_rate, self.noise_multiplier, self.steps)
         make = _sampler_event(self.sampler, self.dataset_size, self.batch_size, self.steps)
         return make(self.noise_multiplier)
 
@@ -180,7 +179,8 @@ class Plan:
 
 
 def _event(q: float, z: float, steps: int) -> ev.Event:
-    return ev.SelfComposed(ev.PoissonSampled(min(float(q), 1.0), ev.Gaussian(float(z))), steps)
+    """``steps`` Poisson-sampled steps at rate q (capped at 1): the kind's own event map."""
+    return spec_event(SampleSpec("poisson", sampling_rate=min(float(q), 1.0)), float(z), steps)
 
 
 def _search_eps(
@@ -267,15 +267,15 @@ def _pld_min_batch(n: int, steps: int, target: float, delta: float, b_start: int
 def _sampler_event(
     sampler: str, n: int, batch: int, steps: int
 ) -> Callable[[float], ev.Event]:
-    """``z -> event`` of ``steps`` steps of ``sampler`` (its kind row; batch N if it has no
-    sampler class, e.g. full batch)."""
+    """``z -> event`` of ``steps`` steps of ``sampler`` (through :func:`spec_event`; batch N if
+    the kind has no sampler class, e.g. full batch)."""
     from dpfy.randomness import Randomness
-    from dpfy.sampling import SampleSpec, kind, make_sampler
+    from dpfy.sampling import kind, make_sampler
 
     row = kind(sampler)
     if row.sampler is None:
         spec = SampleSpec(sampler=row.name, dataset_size=n, batch_size=n)
-        return lambda z: row.event(spec, z, steps)
+        return lambda z: spec_event(spec, z, steps)
     smp = make_sampler(row.name, n, batch, randomness=Randomness(0))
     return lambda z: smp.privacy_event(z, steps=steps)
 

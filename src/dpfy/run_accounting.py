@@ -275,15 +275,14 @@ class _FullBatchPlan:
         self, noise_multiplier: float, *, epochs: float | None = None, steps: int | None = None
     ) -> Any:
         """The row's event for the releases of ``epochs`` (rounded up) or ``steps``."""
-        from dpfy.sampling import SampleSpec
-        from dpfy.sampling import kind as sampler_kind
+        from dpfy.sampling import SampleSpec, spec_event
         from dpfy.sampling.base import epochs_and_steps
 
         _, total = epochs_and_steps(epochs, steps, self.steps_per_epoch)
         spec = SampleSpec(
             sampler=self.kind, dataset_size=self.dataset_size, batch_size=self.dataset_size
         )
-        return sampler_kind(self.kind).event(spec, noise_multiplier, total)
+        return spec_event(spec, noise_multiplier, total)
 
 
 def _planned_sampler(
@@ -416,11 +415,11 @@ def compare_mechanisms(
     with the efficient estimator of Honaker 2015) with the cyclic order of one secret
     permutation (``MatrixMechanism``, exact GDP)."""
     from dpfy import accounting
-    from dpfy import events as ev
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
     from dpfy.correlated import Cyclic, make_plan
     from dpfy.correlated.tree_efficient import prefix_variances
     from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
+    from dpfy.sampling import SampleSpec, spec_event
 
     _check_budget(target_epsilon, delta)
     check_int("dataset_size", dataset_size)
@@ -437,11 +436,12 @@ def compare_mechanisms(
         eps = accounting.epsilon(make(z), delta, method=method).epsilon
         rows.append(MechanismRow(name, sampler, method, float(z), float(eps), float(z * err)))
 
-    poisson = ev.PoissonSampled(batch_size / dataset_size, ev.Gaussian(1.0))
-    add("dpsgd", "poisson", "rdp",
-        lambda z: ev.SelfComposed(dataclasses.replace(poisson, event=ev.Gaussian(z)), steps),
-        workload)
-    add("dpsgd", "shuffle", "shuffle", lambda z: ev.Shuffled(z, per_epoch, epochs), workload)
+    poisson = SampleSpec("poisson", dataset_size, sampling_rate=batch_size / dataset_size)
+    shuffle = SampleSpec(
+        "shuffle", dataset_size, batch_size=batch_size, steps_per_epoch=per_epoch
+    )
+    add("dpsgd", "poisson", "rdp", lambda z: spec_event(poisson, z, steps), workload)
+    add("dpsgd", "shuffle", "shuffle", lambda z: spec_event(shuffle, z, epochs), workload)
     for name in MECHANISMS[1:]:
         plan = make_plan(name, steps, Cyclic(per_epoch), band=min(band, per_epoch),
                          buffers=buffers)
