@@ -107,7 +107,8 @@ class MHAClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).expand(b, s)  # batch-first position ids
+        # batch-first position ids, contiguous (Opacus' ghost embedding norm views them)
+        pos = torch.arange(s, device=tokens.device).repeat(b, 1)
         h = self.tok(tokens) + self.pos(pos)
         for block in self.blocks:
             h = block(h, pad)
