@@ -15,8 +15,10 @@ from dpfy.accounting import (
 )
 from dpfy.accounting._api import (
     Accountant,
+    CalibrationSearch,
     EventSource,
     PrivacyResult,
+    SearchesForCalibration,
     UnsupportedEventError,
     accountants,
     compare,
@@ -30,11 +32,13 @@ from dpfy.accounting.group import GroupPrivacy, group_epsilon, group_privacy
 
 __all__ = [
     "Accountant",
+    "CalibrationSearch",
     "EventSource",
     "GroupPrivacy",
     "group_epsilon",
     "group_privacy",
     "PrivacyResult",
+    "SearchesForCalibration",
     "UnsupportedEventError",
     "accountants",
     "compare",

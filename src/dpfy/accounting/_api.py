@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -19,6 +19,8 @@ from dpfy._validate import check_range
 __all__ = [
     "PrivacyResult",
     "Accountant",
+    "CalibrationSearch",
+    "SearchesForCalibration",
     "EventSource",
     "UnsupportedEventError",
     "register_accountant",
@@ -83,6 +85,31 @@ class Accountant(Protocol):
     def epsilon(self, event: ev.Event, delta: float) -> PrivacyResult: ...
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult: ...
+
+
+class CalibrationSearch(Protocol):
+    """epsilon at one delta along one calibration search (:mod:`dpfy.accounting.calibrate`).
+
+    One object serves one search, so it may keep what an earlier call learned (a grid
+    interval, a best order) to make the values a smooth function of the searched parameter.
+    """
+
+    def __call__(self, event: ev.Event, coarse: bool) -> float | None:
+        """An upper bound on ``event``'s epsilon; ``coarse=True`` may be looser (faster) but
+        must stay valid. None where the accountant has no route of its own for this event
+        (e.g. one with truncated samplers): the search then uses the public :func:`epsilon`.
+        ``coarse=False`` is only asked of events without truncated samplers."""
+
+
+@runtime_checkable
+class SearchesForCalibration(Protocol):
+    """The capability of an accountant with a cheaper valid epsilon for calibration searches:
+    calibration runs a coarse phase with it before finishing at the full precision. An
+    accountant without it is calibrated with its public ``epsilon`` alone."""
+
+    def calibration_search(self, delta: float) -> CalibrationSearch:
+        """A fresh evaluator for one search at ``delta``."""
+        ...
 
 
 _ACCOUNTANTS: dict[str, Accountant] = {}

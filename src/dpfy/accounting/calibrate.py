@@ -29,7 +29,6 @@ from typing import TypeVar
 from dpfy import events as ev
 from dpfy._validate import MAX_EPSILON, check_int, check_positive, check_range
 from dpfy.accounting import _api
-from dpfy.accounting import pld as _pld
 
 __all__ = [
     "CalibrationError",
@@ -51,43 +50,16 @@ class CalibrationError(ValueError):
 # Evaluators: parameter -> epsilon upper bound, in a coarse (fast) or fine (final) mode
 # --------------------------------------------------------------------------------------------
 
-_COARSE_ORDERS = (
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    5.0,
-    6.0,
-    8.0,
-    10.0,
-    12.0,
-    16.0,
-    20.0,
-    24.0,
-    32.0,
-    48.0,
-    64.0,
-    128.0,
-    256.0,
-    512.0,
-    1024.0,
-)
-
 
 class _Evaluator:
     """epsilon(x) for one accounting method; ``coarse=True`` may be looser but is still valid.
 
-    * pld: coarse = the first (coarsest) loss grid, no refinement; fine = the full tolerance
-      for the first fine call, then that call's final grid interval for the calls after it
-      (a fixed grid makes epsilon a smooth function of the parameter near the target).
-      Truncated samplers: coarse = the mixture PLD on the first grid (without the coupling
-      bound the API also tries; still valid), fine = the public API.
-    * random_allocation: coarse = the first grid level; fine = the upper bound alone (no
-      optimistic twin).
-    * rdp: coarse = a sparse order grid; fine = the default orders within a factor 2 of the
-      best coarse order, then the order optimised continuously in that bracket (a subset of
-      orders can only give a larger, still valid, epsilon).
-    * anything else: the registered accountant, both modes alike.
+    An accountant that declares :class:`~dpfy.accounting._api.SearchesForCalibration` gives
+    one :class:`~dpfy.accounting._api.CalibrationSearch` per search: the coarse phase runs on
+    it, and so does the fine phase where the search has a route of its own (the PLD, RDP and
+    random-allocation accountants describe theirs). Everything else -- an accountant without
+    the capability, an event the search declines (None) -- is the public accountant, both
+    modes alike.
     """
 
     def __init__(
@@ -96,55 +68,20 @@ class _Evaluator:
         self.make_event = make_event
         self.delta = delta
         self.method = method
-        self.has_coarse = isinstance(method, str) and method in ("pld", "rdp", "random_allocation")
-        self._interval: float | None = None
-        self._order: float | None = None
+        accountant = _api._ACCOUNTANTS.get(method) if isinstance(method, str) else method
+        self._search: _api.CalibrationSearch | None = None
+        if isinstance(accountant, _api.SearchesForCalibration):
+            self._search = accountant.calibration_search(delta)
+        self.has_coarse = self._search is not None
 
     def __call__(self, x: float, coarse: bool) -> float:
         event = self.make_event(x)
-        if _api.untruncated(event) != event:  # truncation is added centrally: use the API
-            if coarse and self.method == "pld":  # the mixture PLD alone is valid (looser)
-                h = _pld.first_interval(event)
-                return _pld.epsilon_with_interval(event, self.delta, interval=h)[0]
-            return _api.epsilon(event, self.delta, method=self.method).epsilon
-        if not self.has_coarse:
-            return _api.epsilon(event, self.delta, method=self.method).epsilon
-        if self.method == "random_allocation":
-            from dpfy.accounting import random_allocation as _ra
-
-            if _api.contains_non_private(event):
-                return math.inf
-            return _ra.epsilon_upper(event, self.delta, coarse=coarse)
-        if self.method == "pld":
-            if coarse:
-                h = _pld.first_interval(event)
-                return _pld.epsilon_with_interval(event, self.delta, interval=h)[0]
-            eps, h = _pld.epsilon_with_interval(event, self.delta, interval=self._interval)
-            if self._interval is None and math.isfinite(h):
-                self._interval = h
-            return eps
-        if self.method == "rdp":
-            import numpy as np
-
-            from dpfy.accounting import rdp as _rdp
-
-            if coarse:
-                orders = np.array(_COARSE_ORDERS)
-            else:
-                full = np.asarray(_rdp.DEFAULT_ORDERS, dtype=float)
-                orders = full
-                if self._order is not None:
-                    near = full[(full >= self._order / 2.0) & (full <= self._order * 2.0)]
-                    orders = near if near.size else full
-            if _api.contains_non_private(event):
-                return math.inf
-            if coarse:
-                curve = _rdp.rdp_of_event(event, orders)
-                eps, order = _rdp.epsilon_from_rdp(curve, orders, self.delta)
-                self._order = float(order)
-                return float(eps)
-            return _rdp.epsilon_of_event(event, self.delta, orders)[0]
-        raise AssertionError(f"no coarse mode for method {self.method!r}")  # pragma: no cover
+        if self._search is not None and (coarse or _api.untruncated(event) == event):
+            # truncation is added centrally: a fine value of a truncated event is the API's
+            eps = self._search(event, coarse)
+            if eps is not None:
+                return eps
+        return _api.epsilon(event, self.delta, method=self.method).epsilon
 
     def verify(self, x: float) -> float:
         """epsilon(x) exactly as the public accountant reports it."""

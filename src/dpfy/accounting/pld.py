@@ -811,5 +811,35 @@ class PLDAccountant:
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
         return pld_delta(event, epsilon, tolerance=self.tolerance)
 
+    def calibration_search(self, delta: float) -> _PLDSearch:
+        """Calibration's evaluator (:class:`dpfy.accounting.SearchesForCalibration`)."""
+        return _PLDSearch(delta, self.tolerance)
+
+
+class _PLDSearch:
+    """PLD epsilon along one calibration search.
+
+    coarse: the first (coarsest) loss grid, no refinement -- for truncated samplers too (the
+    mixture PLD alone, without the coupling bound the API also tries: looser, still valid).
+    fine: the full tolerance for the first call, then that call's final grid interval for the
+    calls after it (a fixed grid makes epsilon a smooth function of the parameter near the
+    target).
+    """
+
+    def __init__(self, delta: float, tolerance: float) -> None:
+        self.delta, self.tolerance = delta, tolerance
+        self._interval: float | None = None
+
+    def __call__(self, event: ev.Event, coarse: bool) -> float:
+        if coarse:
+            h = first_interval(event)
+            return epsilon_with_interval(event, self.delta, tolerance=self.tolerance, interval=h)[0]
+        eps, h = epsilon_with_interval(
+            event, self.delta, tolerance=self.tolerance, interval=self._interval
+        )
+        if self._interval is None and math.isfinite(h):
+            self._interval = h
+        return eps
+
 
 register_accountant(PLDAccountant())

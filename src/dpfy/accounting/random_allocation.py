@@ -67,7 +67,13 @@ from scipy import signal, special
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.accounting import gaussian as gauss
-from dpfy.accounting._api import PrivacyResult, UnsupportedEventError, register_accountant
+from dpfy.accounting._api import (
+    PrivacyResult,
+    UnsupportedEventError,
+    contains_non_private,
+    register_accountant,
+    untruncated,
+)
 from dpfy.accounting.pld import DiscretePLD, compose
 
 __all__ = [
@@ -652,14 +658,16 @@ def _epsilon_bounds(
     return _bounds(parts, "epsilon", delta, tolerance, lower=lower, levels=levels)
 
 
-def epsilon_upper(event: ev.Event, delta: float, *, coarse: bool = False) -> float:
+def epsilon_upper(
+    event: ev.Event, delta: float, *, coarse: bool = False, tolerance: float = DEFAULT_TOLERANCE
+) -> float:
     """The provable epsilon of a supported event alone (no optimistic twin): for calibration.
 
     ``coarse=True`` uses the first grid level only: looser, still a valid upper bound.
     """
     parts = _parts(event)
     levels = 1 if coarse else _MAX_LEVELS
-    return _epsilon_bounds(parts, delta, DEFAULT_TOLERANCE, lower=False, levels=levels).upper
+    return _epsilon_bounds(parts, delta, tolerance, lower=False, levels=levels).upper
 
 
 def _delta_bounds(
@@ -741,6 +749,26 @@ class RandomAllocationAccountant:
             provable=True,
             notes=(_NOTE, f"delta_lower = {b.lower:.6g} (optimistic twin)"),
         )
+
+    def calibration_search(self, delta: float) -> _AllocationSearch:
+        """Calibration's evaluator (:class:`dpfy.accounting.SearchesForCalibration`)."""
+        return _AllocationSearch(delta, self.tolerance)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllocationSearch:
+    """The upper bound alone (no optimistic twin) along one calibration search: coarse = the
+    first grid level; truncated samplers are left to the public API (None)."""
+
+    delta: float
+    tolerance: float
+
+    def __call__(self, event: ev.Event, coarse: bool) -> float | None:
+        if untruncated(event) != event:
+            return None
+        if contains_non_private(event):
+            return math.inf
+        return epsilon_upper(event, self.delta, coarse=coarse, tolerance=self.tolerance)
 
 
 register_accountant(RandomAllocationAccountant(), auto=True)

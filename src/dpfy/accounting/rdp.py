@@ -41,7 +41,9 @@ from dpfy.accounting._api import (
     PrivacyResult,
     UnsupportedEventError,
     contains,
+    contains_non_private,
     register_accountant,
+    untruncated,
 )
 
 __all__ = [
@@ -845,6 +847,52 @@ class RdpAccountant:
             adjacency=event.adjacency_relation.value,
             notes=self._notes(event, order),
         )
+
+    def calibration_search(self, delta: float) -> _RdpSearch:
+        """Calibration's evaluator (:class:`dpfy.accounting.SearchesForCalibration`)."""
+        return _RdpSearch(delta, self.orders)
+
+
+#: The sparse order grid of a coarse calibration step (any subset of orders gives a valid,
+#: possibly larger, epsilon).
+_COARSE_ORDERS = (
+    1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 16.0, 20.0, 24.0, 32.0, 48.0, 64.0,
+    128.0, 256.0, 512.0, 1024.0,
+)
+
+
+class _RdpSearch:
+    """RDP epsilon along one calibration search.
+
+    coarse: the sparse order grid ``_COARSE_ORDERS``; fine: the accountant's orders within a
+    factor 2 of the best coarse order, then the order optimised continuously in that bracket
+    (a subset of orders can only give a larger, still valid, epsilon). Events with truncated
+    samplers are left to the public API (None).
+    """
+
+    def __init__(self, delta: float, orders: tuple[float, ...]) -> None:
+        self.delta = delta
+        self.orders = np.asarray(orders, dtype=float)
+        self._order: float | None = None
+
+    def __call__(self, event: ev.Event, coarse: bool) -> float | None:
+        if untruncated(event) != event:
+            return None
+        if coarse:
+            orders = np.array(_COARSE_ORDERS)
+        else:
+            orders = self.orders
+            if self._order is not None:
+                near = orders[(orders >= self._order / 2.0) & (orders <= self._order * 2.0)]
+                orders = near if near.size else self.orders
+        if contains_non_private(event):
+            return math.inf
+        if coarse:
+            curve = rdp_of_event(event, orders)
+            eps, order = epsilon_from_rdp(curve, orders, self.delta)
+            self._order = float(order)
+            return float(eps)
+        return epsilon_of_event(event, self.delta, orders)[0]
 
 
 register_accountant(RdpAccountant())
