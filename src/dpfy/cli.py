@@ -17,6 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
+import click
 import typer
 
 # The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
@@ -54,15 +55,25 @@ else:
     SamplerName = _sampler_enum("SamplerName", train=False)
 
 
-class MethodName(StrEnum):
-    auto = "auto"
-    rdp = "rdp"
-    pld = "pld"
-    gaussian = "gaussian"
-    monte_carlo = "monte_carlo"
-    random_allocation = "random_allocation"
-    shuffle = "shuffle"
-    all = "all"
+def _method_names() -> tuple[str, ...]:
+    """The ``--method`` choices: ``auto``, every registered accountant, ``all``."""
+    from dpfy import accounting
+
+    return ("auto", *accounting.accountants(), "all")
+
+
+class _RegistryChoice(click.Choice):  # type: ignore[type-arg]
+    """A ``click.Choice`` whose choices are read from a registry whenever they are needed
+    (help, parsing, completion), so an accountant registered after ``dpfy.cli`` was imported
+    is offered and one never registered is refused with the usual one-line error."""
+
+    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
+        self._names = names
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self._names()
 
 
 class UsageProblem(Exception):
@@ -150,7 +161,10 @@ TargetEpsilon = _positive("target_epsilon", _rules.MAX_EPSILON)
 Sampler = Annotated[
     SamplerName, typer.Option("--sampler", help="The batch sampler that actually runs.")
 ]
-Method = Annotated[MethodName, typer.Option("--method", help="Accounting method.")]
+Method = Annotated[
+    str,
+    typer.Option("--method", help="Accounting method.", click_type=_RegistryChoice(_method_names)),
+]
 MaxBatch = Annotated[
     int | None,
     typer.Option("--max-batch-size", help="Truncate batches to this size (costs extra delta).",
@@ -262,7 +276,7 @@ def epsilon(
     epochs: Epochs = None,
     steps: Steps = None,
     sampler: Sampler = SamplerName.poisson,
-    method: Method = MethodName.auto,
+    method: Method = "auto",
     max_batch_size: MaxBatch = None,
     samples: Samples = None,
     error_probability: ErrorProb = 1e-3,
@@ -280,7 +294,7 @@ def epsilon(
         epochs=epochs,
         steps=steps,
         sampler=sampler.value,
-        method=method.value,
+        method=method,
         max_batch_size=max_batch_size,
         samples=samples,
         error_probability=error_probability,
@@ -327,7 +341,7 @@ def calibrate(
     epochs: Epochs = None,
     steps: Steps = None,
     sampler: Sampler = SamplerName.poisson,
-    method: Method = MethodName.auto,
+    method: Method = "auto",
     max_batch_size: MaxBatch = None,
     samples: Samples = None,
     error_probability: ErrorProb = 1e-3,
@@ -338,7 +352,7 @@ def calibrate(
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
     from dpfy import runs
 
-    if method is MethodName.all:
+    if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; calibrate with one method")
     run = runs.calibrate_run(
         target_epsilon,
@@ -348,7 +362,7 @@ def calibrate(
         epochs=epochs,
         steps=steps,
         sampler=sampler.value,
-        method=method.value,
+        method=method,
         max_batch_size=max_batch_size,
         samples=samples,
         error_probability=error_probability,
@@ -375,7 +389,7 @@ def report(
         typer.Option("--delta", help="Delta of the statement (default: the run's delta).",
                      parser=_open_unit("delta")),
     ] = None,
-    method: Method = MethodName.auto,
+    method: Method = "auto",
     out: Annotated[
         Path | None,
         typer.Option("--out", help="Directory for report.md/json and figures.",
@@ -387,10 +401,10 @@ def report(
     """Re-account a ledger with every applicable method and write the privacy report."""
     from dpfy import runs
 
-    if method is MethodName.all:
+    if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
     run = runs.report_ledger(
-        ledger_path, delta=delta, method=method.value, out=out, figures=figures
+        ledger_path, delta=delta, method=method, out=out, figures=figures
     )
     rep = run.report
     if as_json:
