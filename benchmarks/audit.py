@@ -57,16 +57,17 @@ def one_run_rows(claims: tuple[float, ...] = (100.0, 8.0)) -> list[dict[str, Any
     import tempfile
 
     from dpfy import runs
+    from dpfy.config import RunConfig
 
     rows = []
     for claim in claims:
         with tempfile.TemporaryDirectory() as tmp:
             start = time.perf_counter()
-            run = runs.train_and_report(
-                "mnist", out=f"{tmp}/run", target_epsilon=claim, delta=DELTA, epochs=8,
-                batch_size=16, train_limit=100, learning_rate=1.0, clip_norm=1.0, seed=0,
-                audit_canaries=100, audit_guesses=20,
-            )
+            run = runs.train_and_report(RunConfig(
+                dataset="mnist", out=f"{tmp}/run", target_epsilon=claim, delta=DELTA,
+                epochs=8, batch_size=16, train_limit=100, learning_rate=1.0, clip_norm=1.0,
+                seed=0, audit_canaries=100, audit_guesses=20,
+            ))
             sec = time.perf_counter() - start
         a = run.report.audit
         rows.append({

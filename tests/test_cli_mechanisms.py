@@ -9,6 +9,7 @@ import pytest
 
 from dpfy.accounting.gaussian import gaussian_epsilon
 from dpfy.cli import main
+from dpfy.config import RunConfig
 
 
 def test_calibrate_compares_mechanisms_at_one_epsilon(capsys) -> None:
@@ -51,8 +52,8 @@ def test_train_mechanism_aliases_name_the_canonical_mechanism(tmp_path, monkeypa
 
     seen: list[tuple[str, str | None]] = []
 
-    def fake(dataset: str, **kw: object) -> None:
-        seen.append((str(kw["mechanism"]), kw["sampler"]))  # type: ignore[arg-type]
+    def fake(config: RunConfig, **kw: object) -> None:
+        seen.append((config.mechanism, config.sampler_kind))
         raise ValueError("stop here")
 
     monkeypatch.setattr(runs, "train_and_report", fake)

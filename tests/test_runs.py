@@ -14,6 +14,7 @@ import pytest
 import dpfy.cli
 from dpfy import accounting, runs
 from dpfy import events as ev
+from dpfy.config import RunConfig
 from dpfy.ledger import Ledger, SampleSpec
 
 N, Q, Z, C, STEPS = 10_000, 0.01, 1.1, 0.5, 200
@@ -104,14 +105,14 @@ def test_features_and_report_refuses_bad_input_before_writing(tmp_path, kwargs, 
 )
 def test_train_and_report_refuses_bad_input_before_writing(tmp_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        runs.train_and_report(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs})
+        runs.train_and_report(RunConfig(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs}))
     assert not (tmp_path / "run").exists()
 
 
 def test_pipelines_refuse_a_run_directory_that_holds_a_ledger(tmp_path):
     (tmp_path / "ledger.jsonl").write_text("")
     with pytest.raises(ValueError, match="new run directory"):
-        runs.train_and_report("mnist", out=tmp_path)
+        runs.train_and_report(RunConfig(dataset="mnist", out=tmp_path))
     with pytest.raises(ValueError, match="new run directory"):
         runs.features_and_report("mnist", out=tmp_path)
 
@@ -158,10 +159,10 @@ def test_pipelines_run_without_the_command_or_matplotlib(tmp_path):
 
 @pytest.mark.slow
 def test_train_and_report_small(tmp_path):
-    run = runs.train_and_report(
-        "mnist", out=tmp_path / "run", epochs=1, batch_size=128, train_limit=1024, threads=2,
-        test_limit=512,
-    )
+    run = runs.train_and_report(RunConfig(
+        dataset="mnist", out=tmp_path / "run", epochs=1, batch_size=128, train_limit=1024,
+        threads=2, test_limit=512,
+    ))
     for name in ("model.pt", "ledger.jsonl", "report.md", "report.json", "summary.json",
                  "figures/epsilon_over_training.png"):
         assert (run.out_dir / name).exists(), name
@@ -190,14 +191,15 @@ def _functions() -> list[ast.FunctionDef]:
 
 
 def test_cli_reaches_the_library_only_through_dpfy_runs():
-    # Besides dpfy.runs, the command reads the sampler table for its option choices (parsing).
+    # Besides dpfy.runs, the command reads the sampler table for its option choices and builds
+    # dpfy train's RunConfig (parsing).
     imported = set()
     for node in ast.walk(_cli_tree()):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dpfy"):
             imported |= {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             imported |= {a.name for a in node.names if a.name.startswith("dpfy")}
-    assert imported == {"dpfy.runs", "dpfy.sampling.kinds"}, imported
+    assert imported == {"dpfy.runs", "dpfy.sampling.kinds", "dpfy.config.RunConfig"}, imported
 
 
 def test_each_command_makes_one_library_call():

@@ -8,6 +8,8 @@ a traceback). Every epsilon printed names its accounting method and adjacency.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import math
 import os
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
 import click
 import typer
+from click.core import ParameterSource
 
 # The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
 # option parsers below refuse a bad value with the same rule before a command runs.
@@ -47,7 +50,10 @@ def _sampler_enum(name: str, *, train: bool) -> Any:
     return StrEnum(name, {r.name: r.cli_name for r in rows})
 
 
-if TYPE_CHECKING:  # generated from the table at run time, so opaque to a type checker
+if TYPE_CHECKING:
+    from dpfy.config import RunConfig
+
+    # generated from the table at run time, so opaque to a type checker
     SamplerName: TypeAlias = Any
     TrainSampler: TypeAlias = Any
 else:
@@ -562,173 +568,311 @@ class TrainPrecision(StrEnum):
     fp16 = "fp16"
 
 
-@app.command()
-def train(
-    dataset: Annotated[DatasetName, typer.Argument(help="Training data (offline packages).")],
-    target_epsilon: Annotated[
+#: Where an option's value came from when it counts as given (the command line, or the
+#: environment).
+_GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def _config_value(name: str, value: Any) -> Any:
+    """A CLI option's value as the RunConfig field takes it (enum members -> their names)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, StrEnum):
+        value = value.value
+        return _MECHANISM_ALIASES.get(value, value) if name == "mechanism" else value
+    return value
+
+
+def _run_config(
+    ctx: typer.Context, dataset: DatasetName | None, config: Path | None, given: dict[str, Any]
+) -> RunConfig:
+    """The RunConfig of ``dpfy train``: the --config file (if any), then the options given on
+    the command line (an option left at its default does not override the file)."""
+    from dpfy.config import RunConfig
+
+    values = {
+        name: _config_value(name, value)
+        for name, value in given.items()
+        if ctx.get_parameter_source(name) in _GIVEN
+    }
+    if dataset is not None:
+        values["dataset"] = dataset.value
+    if config is not None:
+        return RunConfig.from_file(config, **values)
+    if dataset is None:
+        raise ValueError("dataset is missing: name one (mnist, fashion-mnist, "
+                         "rotten-tomatoes) or give --config FILE")
+    return RunConfig.from_mapping(values, source="dpfy train")
+
+
+def _command_with_options(
+    fn: Callable[..., None], options: dict[str, tuple[Any, Any]]
+) -> Callable[..., None]:
+    """``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
+    ``options`` in its signature (what typer reads to build the command's options)."""
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> None:
+        fn(**kwargs)
+
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    hints = {
+        "ctx": typer.Context,
+        "dataset": Annotated[
+            DatasetName | None,
+            typer.Argument(help="Training data (offline packages); optional with --config."),
+        ],
+        "config": Annotated[
+            Path | None,
+            typer.Option("--config", help="A TOML file of the run's options (a run "
+                         "directory's run.toml); options given here override it."),
+        ],
+    }
+    params = [p.replace(annotation=hints[p.name]) for p in own]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                          annotation=annotation)
+        for name, (annotation, default) in options.items()
+    ]
+    command.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+    return command
+
+
+def _with_options(
+    options: dict[str, tuple[Any, Any]],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: ``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
+    ``options`` in its signature (what typer reads to build the command's options)."""
+    return functools.partial(_command_with_options, options=options)
+
+
+#: ``dpfy train``'s options, one per field of :class:`dpfy.config.RunConfig` (the shown
+#: defaults are the RunConfig's; only options given on the command line override --config).
+_TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "target_epsilon": (
+        Annotated[
         float,
         typer.Option("--target-epsilon", help="Privacy budget of the run.", parser=TargetEpsilon),
-    ] = 3.0,
-    delta: Delta = 1e-5,
-    sampler: Annotated[
+    ],
+        3.0,
+    ),
+    "delta": (
+        Delta,
+        1e-5,
+    ),
+    "sampler": (
+        Annotated[
         TrainSampler | None,
         typer.Option("--sampler", help="Batch sampler (decides the accounting; default "
                      "poisson, cyclic with a correlated --mechanism)."),
-    ] = None,
-    epochs: Annotated[
+    ],
+        None,
+    ),
+    "epochs": (
+        Annotated[
         int | None,
         typer.Option("--epochs", help="Passes over the data (default: images 10; text 2, "
                      "LoRA 3).", parser=_count("epochs")),
-    ] = None,
-    batch_size: Annotated[
+    ],
+        None,
+    ),
+    "batch_size": (
+        Annotated[
         int | None,
         typer.Option("--batch-size", help="Expected batch size (default: images 1024; "
                      "text 256).", parser=_count("batch_size")),
-    ] = None,
-    learning_rate: Annotated[
+    ],
+        None,
+    ),
+    "learning_rate": (
+        Annotated[
         float | None,
         typer.Option("--learning-rate", help="Step size (default: images SGD 2.0; text Adam "
                      "1e-4, LoRA 5e-4).", parser=_positive("learning_rate", _rules.MAX_SCALE)),
-    ] = None,
-    clip_norm: Annotated[
+    ],
+        None,
+    ),
+    "clip_norm": (
+        Annotated[
         float | None,
         typer.Option("--clip-norm", help="Per-example clip norm (default: images 0.1; "
                      "text 1.0).", parser=_positive("clip_norm", _rules.MAX_SCALE)),
-    ] = None,
-    seed: Annotated[
+    ],
+        None,
+    ),
+    "seed": (
+        Annotated[
         int | None, typer.Option("--seed", help=SEEDED_HELP, parser=_seed())
-    ] = None,
-    out: Annotated[
+    ],
+        None,
+    ),
+    "out": (
+        Annotated[
         Path | None, typer.Option("--out", help="Run directory.", parser=_out_dir("out"))
-    ] = None,
-    train_limit: Annotated[
+    ],
+        None,
+    ),
+    "train_limit": (
+        Annotated[
         int | None,
         typer.Option("--train-limit", help="Use only this many training examples.",
                      parser=_count("train_limit")),
-    ] = None,
-    model: Annotated[
+    ],
+        None,
+    ),
+    "model": (
+        Annotated[
         str | None,
         typer.Option("--model", help="Text datasets only: the pretrained model {minilm} "
                      "(default minilm)."),
-    ] = None,
-    lora: Annotated[
+    ],
+        None,
+    ),
+    "lora": (
+        Annotated[
         bool,
         typer.Option("--lora", help="Text datasets only: LoRA (r=8 on query/value; the "
                      "head trained in full) instead of full fine-tuning."),
-    ] = False,
-    max_length: Annotated[
+    ],
+        False,
+    ),
+    "max_length": (
+        Annotated[
         int | None,
         typer.Option("--max-length", help="Text datasets only: tokens per example, in "
                      "[2, 512] (default 64).", parser=_max_length),
-    ] = None,
-    test_limit: Annotated[
+    ],
+        None,
+    ),
+    "test_limit": (
+        Annotated[
         int | None,
         typer.Option("--test-limit", help="Evaluate on the first this many test examples "
                      "(quick runs).", parser=_count("test_limit")),
-    ] = None,
-    threads: Annotated[
+    ],
+        None,
+    ),
+    "threads": (
+        Annotated[
         int | None,
         typer.Option("--threads", help="Torch threads, in [1, cpu count].",
                      parser=_threads("threads")),
-    ] = None,
-    precision: Annotated[
+    ],
+        None,
+    ),
+    "precision": (
+        Annotated[
         TrainPrecision,
         typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
                      "noise stay fp32."),
-    ] = TrainPrecision.fp32,
-    unit: Annotated[
+    ],
+        TrainPrecision.fp32,
+    ),
+    "unit": (
+        Annotated[
         str,
         typer.Option("--unit", help="Unit of privacy: example (default); user (images, with "
                      "--users) or movie (rotten-tomatoes): user-level DP-SGD."),
-    ] = "example",
-    users: Annotated[
+    ],
+        "example",
+    ),
+    "users": (
+        Annotated[
         int | None,
         typer.Option("--users", help="Images with --unit user: number of synthetic users "
                      "(image i belongs to user i mod N).", parser=_count("users")),
-    ] = None,
-    cap: Annotated[
+    ],
+        None,
+    ),
+    "cap": (
+        Annotated[
         int | None,
         typer.Option("--cap", help="User-level: at most this many examples per user (a "
                      "random subset, recorded in the ledger).", parser=_count("cap")),
-    ] = None,
-    user_reduction: Annotated[
+    ],
+        None,
+    ),
+    "user_reduction": (
+        Annotated[
         UserReduction,
         typer.Option("--user-reduction", help="User-level: clip the sum or the mean of a "
                      "user's gradients."),
-    ] = UserReduction.sum,
-    workers: Annotated[
+    ],
+        UserReduction.sum,
+    ),
+    "workers": (
+        Annotated[
         int,
         typer.Option("--workers", help="Images only: data-parallel processes on this machine "
                      "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
                      parser=_count("workers")),
-    ] = 1,
-    shard: Annotated[
+    ],
+        1,
+    ),
+    "shard": (
+        Annotated[
         bool,
         typer.Option("--shard", help="With --workers N: shard the model over the processes "
                      "(FSDP2 fully_shard; each process noises its own shard)."),
-    ] = False,
-    mechanism: Annotated[
+    ],
+        False,
+    ),
+    "mechanism": (
+        Annotated[
         MechanismName,
         typer.Option("--mechanism", help="Noise: dpsgd (alias dp-sgd; independent per step) "
                      "or correlated DP-FTRL noise bandmf, blt, tree, tree-efficient (alias "
                      "dp-ftrl-tree: the full tree with the Honaker estimator; default sampler "
                      "then: cyclic)."),
-    ] = MechanismName.dpsgd,
-    audit_canaries: Annotated[
+    ],
+        MechanismName.dpsgd,
+    ),
+    "audit_canaries": (
+        Annotated[
         int | None,
         typer.Option("--audit-canaries", help="Images: train with M canaries, each in the "
                      "training set by a secret coin, and add a one-run audit (Steinke et al.; "
                      "f-DP) to the report. M in [2, training set size].",
                      parser=_count("audit_canaries", 2)),
-    ] = None,
-    audit_guesses: Annotated[
+    ],
+        None,
+    ),
+    "audit_guesses": (
+        Annotated[
         int | None,
         typer.Option("--audit-guesses", help="Guesses of the one-run audit, in [2, M] "
                      "(default M/5); it abstains on the rest.",
                      parser=_count("audit_guesses", 2)),
-    ] = None,
-    audit_confidence: Annotated[
+    ],
+        None,
+    ),
+    "audit_confidence": (
+        Annotated[
         float, typer.Option("--audit-confidence", help="Confidence of the one-run audit's "
                             "bounds, in (0, 1).", parser=_open_unit("audit_confidence"))
-    ] = 0.95,
+    ],
+        0.95,
+    ),
+}
+
+
+@app.command("train")
+@_with_options(_TRAIN_OPTIONS)
+def train(
+    ctx: typer.Context,
+    dataset: DatasetName | None = None,
+    config: Path | None = None,
+    **given: Any,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
-    is the unit of privacy."""
+    is the unit of privacy. --config FILE reads the options from a TOML file (a run's
+    run.toml); options given on the command line override it."""
     from dpfy import runs
 
-    chosen = _MECHANISM_ALIASES.get(mechanism.value, mechanism.value)
-    run = runs.train_and_report(
-        dataset.value,
-        out=out,
-        target_epsilon=target_epsilon,
-        delta=delta,
-        sampler=(sampler.value.replace("-", "_") if sampler is not None
-                 else "poisson" if chosen == "dpsgd" else "cyclic"),
-        epochs=epochs,
-        batch_size=batch_size,
-        learning_rate=learning_rate,
-        clip_norm=clip_norm,
-        seed=seed,
-        train_limit=train_limit,
-        threads=threads,
-        progress=True,
-        precision=precision.value,
-        model=model,
-        lora=lora,
-        max_length=max_length,
-        test_limit=test_limit,
-        unit=unit,
-        users=users,
-        cap=cap,
-        user_reduction=user_reduction.value,
-        workers=workers,
-        shard=shard,
-        mechanism=chosen,
-        audit_canaries=audit_canaries,
-        audit_guesses=audit_guesses,
-        audit_confidence=audit_confidence,
-    )
+    run_config = _run_config(ctx, dataset, config, given)
+    run = runs.train_and_report(run_config, progress=True)
     from rich.console import Console
 
     console = Console()
@@ -741,13 +885,16 @@ def train(
     if audit_:
         console.print(
             f"one-run audit ({audit_['trials']} canaries, {audit_['guesses']} guesses, "
-            f"{audit_['correct']} correct, {100 * audit_confidence:g} %): epsilon >= "
+            f"{audit_['correct']} correct, {100 * run_config.audit_confidence:g} %): epsilon >= "
             f"{audit_['epsilon_lower']:.3g} (ceiling {audit_['ceiling']:.3g}); f-DP: epsilon >= "
             f"{audit_['fdp_epsilon_lower']:.3g} (ceiling {audit_['fdp_ceiling']:.3g}); "
             f"{audit_['verdict']}",
             highlight=False,
         )
     console.print(f"run directory: {run.out_dir}   report: {run.report_path}")
+
+
+
 
 
 class FeatureDataset(StrEnum):

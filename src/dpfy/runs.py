@@ -86,6 +86,7 @@ FEATURE_METHODS = {
 FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 # Accounting a planned run lives in its own module; re-exported here for the CLI and users.
+from dpfy.config import RunConfig  # noqa: E402
 from dpfy.run_accounting import (  # noqa: E402
     MECHANISMS,
     RunAccounting,
@@ -148,170 +149,48 @@ class TrainedRun(ReportedRun):
 # ---------------------------------------------------------------------------------------------
 
 
-def train_and_report(
-    dataset: str = "mnist",
-    *,
-    out: str | os.PathLike[str] | None = None,
-    target_epsilon: float = 3.0,
-    delta: float = 1e-5,
-    sampler: str = "poisson",
-    epochs: int | None = None,
-    batch_size: int | None = None,
-    learning_rate: float | None = None,
-    clip_norm: float | None = None,
-    seed: int | None = None,
-    train_limit: int | None = None,
-    threads: int | None = None,
-    progress: bool = False,
-    precision: str = "fp32",
-    model: str | None = None,
-    lora: bool = False,
-    max_length: int | None = None,
-    test_limit: int | None = None,
-    unit: str = "example",
-    users: int | None = None,
-    cap: int | None = None,
-    user_reduction: str = "sum",
-    workers: int = 1,
-    shard: bool = False,
-    mechanism: str = "dpsgd",
-    audit_canaries: int | None = None,
-    audit_guesses: int | None = None,
-    audit_confidence: float = 0.95,
-) -> TrainedRun:
+def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
-    ``report.md``, ``report.json`` and figures beside the model.
+    ``report.md``, ``report.json``, ``run.toml`` and figures beside the model.
 
     Args:
-      dataset: ``"mnist"``, ``"fashion-mnist"`` or ``"rotten-tomatoes"`` (text).
-      out: a new run directory (default ``runs/<dataset>-<date>-<time>``).
-      target_epsilon, delta: the budget the noise is calibrated to; delta in (0, 1).
-      sampler: the batch sampler that runs (``"poisson"`` or ``"balls_and_bins"``).
-      epochs, batch_size, learning_rate, clip_norm: None takes the recipe's default.
-      seed: None (default): sampling and noise from the secure generator, a DP release. An
-        int runs a reproducible seeded experiment, which is NOT a DP release (anyone with the
-        seed and the data can re-create the model); its report says so in its headline.
-      train_limit, threads, progress: as in the recipe.
-      test_limit: evaluate on the first ``test_limit`` test examples only (quick runs).
-      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
-        noise stay fp32).
-      model, lora, max_length: text datasets only: the pretrained model
-        (``"minilm"``, the default), LoRA instead of full fine-tuning and tokens per example
-        (default 64).
-      unit: the unit of privacy: ``"example"`` (default); ``"user"`` for the image datasets
-        (``users`` synthetic users, image i belongs to user ``i % users``); ``"movie"`` for
-        rotten-tomatoes (each snippet's movie). User-level runs sample users (``batch_size``
-        = expected users per batch) and clip each user's summed (``user_reduction="mean"``:
-        averaged) gradient; ``cap`` bounds the examples used per user (a random subset,
-        recorded). See :mod:`dpfy.training.users`.
-      workers: image datasets only: data-parallel processes on this machine (this one is
-        rank 0; :mod:`dpfy.training.distributed`). Same privacy, same ledger.
-      shard: with ``workers >= 2``: shard the model over them with FSDP2
-        (:mod:`dpfy.training.sharded`). Same privacy, same ledger.
-      mechanism: image datasets: ``"dpsgd"`` or the correlated noise ``"bandmf"``, ``"blt"``,
-        ``"tree"``, ``"tree-efficient"`` (with the ``cyclic`` sampler; docs/architecture.md,
-        5.16).
-      audit_canaries: image datasets, one process, example level, DP-SGD: train with this many
-        canaries, each in the training set by a secret coin, and add the one-run audit
-        (:mod:`dpfy.audit.onerun`) to the report; in [2, training set size].
-      audit_guesses: guesses of that audit (the rest abstain), in [2, audit_canaries];
-        default a fifth of the canaries.
-      audit_confidence: confidence of its lower bounds, in (0, 1).
+      config: the run (:class:`dpfy.config.RunConfig`, validated when it was built).
+      progress: a progress bar (terminal) or progress lines.
 
     Raises:
-      ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
+      ValueError: ``config.out`` already holds a ledger (nothing is written then).
     """
-    from dpfy.datasets import DATASETS
-    from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS
-
-    if dataset not in (*DATASETS, *TEXT_DATASETS):
-        allowed = ", ".join((*DATASETS, *TEXT_DATASETS))
-        raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
-    text = dataset in TEXT_DATASETS
-    if model is not None and model not in TEXT_MODELS:
-        raise ValueError(
-            f"model must be one of {{{', '.join(TEXT_MODELS)}}} (a text dataset's pretrained "
-            f"model), got model={model!r}"
-        )
-    for name, given in (("model", model is not None), ("lora", lora),
-                        ("max_length", max_length is not None)):
-        if given and not text:
-            raise ValueError(
-                f"{name} applies only to the text datasets {{{', '.join(TEXT_DATASETS)}}}, "
-                f"got dataset={dataset!r}"
-            )
-    _check_unit_options(dataset, text, unit, users, cap, user_reduction)
-    if mechanism not in MECHANISMS:
-        raise ValueError(
-            f"mechanism must be one of {{{', '.join(MECHANISMS)}}}, got mechanism={mechanism!r}"
-        )
-    if text and mechanism != "dpsgd":
-        raise ValueError(
-            f"mechanism={mechanism!r} applies only to the image datasets, got dataset={dataset!r}"
-        )
-    if unit != "example" and mechanism != "dpsgd":
-        raise ValueError(
-            f"mechanism={mechanism!r} applies only to example-level runs, got unit={unit!r}"
-        )
-    if max_length is not None:
-        check_int("max_length", max_length, 2, 512)
-    if test_limit is not None:
-        check_int("test_limit", test_limit)
-    check_int("workers", workers, 1, 1024)
-    if shard and workers < 2:
-        raise ValueError(f"shard needs workers >= 2 (processes to shard over), got "
-                         f"workers={workers!r}")
-    if workers > 1 and text:
-        raise ValueError(
-            f"workers applies only to the image datasets, got dataset={dataset!r} with "
-            f"workers={workers!r}"
-        )
-    _check_budget(target_epsilon, delta)
-    for name, count in (("epochs", epochs), ("batch_size", batch_size),
-                        ("train_limit", train_limit)):
-        if count is not None:
-            check_int(name, count)
-    if audit_canaries is not None:
-        audit_guesses = _check_audit_options(
-            dataset, text, unit, workers, mechanism, train_limit, audit_canaries, audit_guesses,
-            audit_confidence,
-        )
-    elif audit_guesses is not None:
-        raise ValueError("audit_guesses needs audit_canaries (the one-run audit), got none")
-    for name, scale in (("learning_rate", learning_rate), ("clip_norm", clip_norm)):
-        if scale is not None:
-            check_positive(name, scale, MAX_SCALE)
-    if seed is not None:  # None: a secure run
-        check_seed("seed", seed)
-    if threads is not None:
-        check_int("threads", threads, 1, os.cpu_count() or 1)
-    from dpfy.training.precision import check_precision
-
-    check_precision(precision)
-    out_dir = _new_run_dir(out, dataset)
+    c = config
+    dataset, target_epsilon, delta, seed = c.dataset, c.target_epsilon, c.delta, c.seed
+    sampler, precision, lora, unit = c.sampler_kind, c.precision, c.lora, c.unit
+    workers, shard, mechanism = c.workers, c.shard, c.mechanism
+    audit_canaries = c.audit_canaries
+    audit_guesses = c.audit_guess_count() if audit_canaries is not None else None
+    text = c.text
+    out_dir = _new_run_dir(c.out, dataset)
 
     options: dict[str, Any] = {
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "learning_rate": learning_rate,
-        "clip_norm": clip_norm,
-        "train_limit": train_limit,
-        "threads": threads,
+        "epochs": c.epochs,
+        "batch_size": c.batch_size,
+        "learning_rate": c.learning_rate,
+        "clip_norm": c.clip_norm,
+        "train_limit": c.train_limit,
+        "threads": c.threads,
         "precision": precision,
         "workers": workers if workers > 1 else None,
         "shard": True if shard else None,
     }
-    text_options = {"model": model or "minilm", "lora": lora,
-                    "max_length": max_length} if text else {}
+    text_options = {"model": c.model or "minilm", "lora": lora,
+                    "max_length": c.max_length} if text else {}
     options.update(text_options)
-    options["test_limit"] = test_limit
+    options["test_limit"] = c.test_limit
     unit_options: dict[str, Any] = {}
     if unit != "example":
-        unit_options = {"unit": unit, "max_examples_per_user": cap,
-                        "user_reduction": user_reduction}
+        unit_options = {"unit": unit, "max_examples_per_user": c.cap,
+                        "user_reduction": c.user_reduction}
         if not text:
-            unit_options["num_users"] = users
+            unit_options["num_users"] = c.users
     options.update(unit_options)
     if mechanism != "dpsgd":
         options["mechanism"] = mechanism
@@ -348,7 +227,7 @@ def train_and_report(
         "train", dataset, out_dir, target_epsilon, delta,
         {"sampler": sampler, "epochs": summary.epochs, "batch_size": summary.batch_size,
          "learning_rate": summary.learning_rate, "clip_norm": summary.clip_norm, "seed": seed,
-         "train_limit": train_limit, "test_limit": test_limit,
+         "train_limit": c.train_limit, "test_limit": c.test_limit,
          "precision": None if precision == "fp32" else precision,
          "workers": workers if workers > 1 else None, "shard": "" if shard else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
@@ -356,15 +235,18 @@ def train_and_report(
          "mechanism": None if mechanism == "dpsgd" else mechanism,
          "audit_canaries": audit_canaries,
          "audit_guesses": audit_guesses if audit_canaries is not None else None,
-         **({"unit": unit, "users": users, "cap": cap,
-             "user_reduction": None if user_reduction == "sum" else user_reduction}
+         **({"unit": unit, "users": c.users, "cap": c.cap,
+             "user_reduction": None if c.user_reduction == "sum" else c.user_reduction}
             if unit != "example" else {})},
     )
+    # the configuration that ran, beside the model and in the ledger: `dpfy train --config`
+    (out_dir / "run.toml").write_text(c.replace(out=str(out_dir)).to_toml(), encoding="utf-8")
     summary.ledger.record_metadata(
         delta=delta,
         target_epsilon=target_epsilon,
         accuracy_by_step=[list(x) for x in accuracy_by_step],
         train_command=command,
+        config=c.replace(out=str(out_dir)).to_dict(),
         **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
     )
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
@@ -384,32 +266,11 @@ def train_and_report(
     if canaries is not None and tracker is not None and audit_guesses is not None:
         report = _one_run_audit(
             out_dir, report, summary.model, canaries, tracker.observer, audit_guesses,
-            delta, audit_confidence,
+            delta, c.audit_confidence,
         )
     return TrainedRun(
         out_dir, ledger_path, report, summary.test_accuracy, summary.seconds, summary
     )
-
-
-def _check_audit_options(
-    dataset: str, text: bool, unit: str, workers: int, mechanism: str,
-    train_limit: int | None, canaries: int, guesses: int | None, confidence: float,
-) -> int:
-    """The one-run audit options of :func:`train_and_report`; returns the guesses to use."""
-    from dpfy.audit.onerun import check_canary_counts
-    from dpfy.datasets import TRAIN_SIZES
-
-    for ok, what in ((not text, f"the image datasets, got dataset={dataset!r}"),
-                     (unit == "example", f"unit='example', got unit={unit!r}"),
-                     (workers == 1, f"workers=1, got workers={workers}"),
-                     (mechanism == "dpsgd", f"mechanism='dpsgd', got mechanism={mechanism!r}")):
-        if not ok:
-            raise ValueError(f"audit_canaries (the one-run audit) needs {what}")
-    check_range("audit_confidence", confidence, 0.0, 1.0, low_open=True, high_open=True)
-    size = TRAIN_SIZES[dataset]
-    if train_limit is not None:
-        size = min(size, train_limit)
-    return check_canary_counts(canaries, guesses, size)
 
 
 @dataclasses.dataclass
@@ -466,48 +327,6 @@ def _one_run_audit(
 
 
 #: Units of privacy of ``dpfy train`` per kind of dataset (beyond ``"example"``).
-TRAIN_UNITS = {"images": ("example", "user"), "text": ("example", "movie")}
-
-
-def _check_unit_options(
-    dataset: str, text: bool, unit: str, users: int | None, cap: int | None, reduction: str
-) -> None:
-    """The user-level options of :func:`train_and_report`, checked before anything runs."""
-    allowed = TRAIN_UNITS["text" if text else "images"]
-    if unit not in allowed:
-        raise ValueError(
-            f"unit must be one of {{{', '.join(allowed)}}} for dataset={dataset!r}, "
-            f"got unit={unit!r}"
-        )
-    if unit == "example":
-        for name, given in (("users", users is not None), ("cap", cap is not None),
-                            ("user_reduction", reduction != "sum")):
-            if given:
-                raise ValueError(f"{name} applies only to a user-level unit "
-                                 f"({', '.join(u for u in allowed if u != 'example')}), "
-                                 "got unit='example'")
-        return
-    if reduction not in ("sum", "mean"):
-        raise ValueError(
-            f"user_reduction must be one of {{sum, mean}}, got user_reduction={reduction!r}"
-        )
-    if cap is not None:
-        check_int("cap", cap)
-    if text:
-        if users is not None:
-            raise ValueError(
-                f"users applies only to the image datasets (synthetic users); {dataset} "
-                f"groups snippets by their {unit}"
-            )
-        return
-    if users is None:
-        raise ValueError(
-            "users is missing: unit='user' on an image dataset needs the number of synthetic "
-            "user ids (--users N; image i belongs to user i mod N)"
-        )
-    check_int("users", users)
-
-
 def features_and_report(
     dataset: str = "fashion-mnist",
     *,

@@ -16,6 +16,7 @@ from dpfy import runs
 from dpfy.audit.onerun import center_by_label, count_correct, make_canaries
 from dpfy.audit.stats import one_run_ceiling
 from dpfy.cli import main
+from dpfy.config import RunConfig
 from dpfy.randomness import Randomness
 from dpfy.training import recipes
 
@@ -38,7 +39,7 @@ def _train(tmp: Path, **kw: Any) -> runs.TrainedRun:
         clip_norm=1.0, audit_canaries=50, audit_guesses=10, test_limit=500,
     )
     opts.update(kw)
-    return runs.train_and_report("mnist", **opts)
+    return runs.train_and_report(RunConfig(dataset="mnist", **opts))
 
 
 def test_little_noise_gives_a_positive_bound_written_to_the_report(tmp_path: Path) -> None:

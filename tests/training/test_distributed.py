@@ -350,9 +350,10 @@ def test_cli_refuses_workers_that_cannot_split_the_batch(tmp_path, capsys, worke
 )
 def test_train_and_report_refuses_bad_workers_before_writing(tmp_path, kwargs, needle):
     from dpfy import runs
+    from dpfy.config import RunConfig
 
     with pytest.raises(ValueError, match=needle):
-        runs.train_and_report(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs})
+        runs.train_and_report(RunConfig(**{"dataset": "mnist", "out": tmp_path / "run", **kwargs}))
     assert not (tmp_path / "run").exists()
 
 

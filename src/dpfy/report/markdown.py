@@ -7,6 +7,8 @@ has exactly two cells: ``|`` inside a value is escaped.
 from __future__ import annotations
 
 import math
+import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -106,6 +108,11 @@ def to_markdown(r: PrivacyReport) -> str:
         lines.append(f"- re-account: `{r.reproduce['command']}`")
     if r.reproduce.get("train_command"):
         lines.append(f"- re-train: `{r.reproduce['train_command']}`")
+    config = r.reproduce.get("config")
+    if isinstance(config, dict) and config.get("out"):
+        run_toml = shlex.quote(str(Path(str(config["out"])) / "run.toml"))
+        lines.append(f"- re-train from its configuration file: `dpfy train --config {run_toml}` "
+                     "(give a new --out)")
     return "\n".join(lines) + "\n"
 
 

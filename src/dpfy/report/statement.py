@@ -268,12 +268,15 @@ def build_report(
             f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
             f", accounted with {result.method}{confidence}."
         )
-    reproduce = {
+    reproduce: dict[str, Any] = {
         "ledger": ledger_path,
         "command": reproduce_command
         or (f"dpfy report {ledger_path} --delta {delta:g}" if ledger_path else None),
         "steps_recorded": ledger.iteration,
     }
+    config = meta.get("config")  # dpfy train records its RunConfig (dpfy.config)
+    if isinstance(config, dict) and config:
+        reproduce["config"] = config
     # A run that is not central training (e.g. federated, dpfy.fed) records its own setting
     # and trust model in the ledger's metadata.
     dp_setting = meta.get("dp_setting")

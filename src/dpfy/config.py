@@ -1,0 +1,309 @@
+"""One run's configuration: a frozen record, validated once, that every layer takes.
+
+``dpfy train`` parses its options into a :class:`RunConfig`, or reads one from a TOML file
+(``dpfy train --config run.toml``; options given on the command line override the file), and
+hands it to :func:`dpfy.runs.train_and_report`. The run writes it beside the model
+(``run.toml``) and into the ledger's metadata, so the report can print the file that re-trains
+the run. Validation happens here, in the constructor, with the one-line messages of
+:mod:`dpfy._validate`: a bad value is refused before anything is written.
+
+Units: ``target_epsilon`` and ``delta`` are the (epsilon, delta) budget the noise is
+calibrated to; ``batch_size`` is the *expected* batch size (units of privacy per step);
+``learning_rate`` and ``clip_norm`` are in the model's parameter units. ``None`` takes the
+recipe's default (images: ``dpfy.training.recipes``; text: ``dpfy.training.text``).
+
+Adding an option: one field here (with its check in :meth:`RunConfig.__post_init__`) and one
+CLI option in ``dpfy.cli`` (``docs/architecture.md``, section 4.5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dpfy._validate import MAX_SCALE, check_int, check_positive, check_range, check_seed
+from dpfy.run_accounting import MECHANISMS, _check_budget
+
+__all__ = ["RunConfig", "TRAIN_UNITS"]
+
+#: Units of privacy of ``dpfy train``, per kind of dataset.
+TRAIN_UNITS = {"images": ("example", "user"), "text": ("example", "movie")}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunConfig:
+    """Everything that decides one ``dpfy train`` run (``None``: the recipe's default).
+
+    Attributes:
+      dataset: ``"mnist"``, ``"fashion-mnist"`` or ``"rotten-tomatoes"`` (text).
+      out: a new run directory (default ``runs/<dataset>-<date>-<time>``).
+      target_epsilon, delta: the budget the noise is calibrated to; delta in (0, 1).
+      sampler: the batch sampler that runs (default ``"poisson"``; ``"cyclic"`` with a
+        correlated ``mechanism``).
+      epochs, batch_size, learning_rate, clip_norm: the optimisation (expected batch size).
+      seed: ``None``: sampling and noise from the secure generator, a DP release. An int runs
+        a reproducible seeded experiment, which is NOT a DP release.
+      train_limit, test_limit: use only the first this many training / test examples.
+      threads: torch threads, in [1, cpu count].
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward pass.
+      model, lora, max_length: text datasets only: the pretrained model (``"minilm"``), LoRA
+        instead of full fine-tuning, tokens per example in [2, 512].
+      unit: the unit of privacy: ``"example"``; ``"user"`` (images, with ``users`` synthetic
+        users) or ``"movie"`` (rotten-tomatoes); ``cap`` bounds the examples used per user and
+        ``user_reduction`` (``"sum"`` or ``"mean"``) how a user's gradients are combined.
+      workers, shard: image datasets only: data-parallel processes on this machine, and FSDP2
+        sharding over them (``workers >= 2``).
+      mechanism: one of :data:`MECHANISMS` (correlated noise: image datasets).
+      audit_canaries, audit_guesses, audit_confidence: the one-run audit (image datasets, one
+        process, example level, DP-SGD).
+    """
+
+    dataset: str = "mnist"
+    out: str | os.PathLike[str] | None = None
+    target_epsilon: float = 3.0
+    delta: float = 1e-5
+    sampler: str | None = None
+    epochs: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    clip_norm: float | None = None
+    seed: int | None = None
+    train_limit: int | None = None
+    test_limit: int | None = None
+    threads: int | None = None
+    precision: str = "fp32"
+    model: str | None = None
+    lora: bool = False
+    max_length: int | None = None
+    unit: str = "example"
+    users: int | None = None
+    cap: int | None = None
+    user_reduction: str = "sum"
+    workers: int = 1
+    shard: bool = False
+    mechanism: str = "dpsgd"
+    audit_canaries: int | None = None
+    audit_guesses: int | None = None
+    audit_confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.out is not None and not isinstance(self.out, str):  # a path: kept as text
+            object.__setattr__(self, "out", os.fspath(self.out))
+        from dpfy.datasets import DATASETS
+        from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS
+
+        if self.dataset not in (*DATASETS, *TEXT_DATASETS):
+            allowed = ", ".join((*DATASETS, *TEXT_DATASETS))
+            raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={self.dataset!r}")
+        text = self.text
+        if self.model is not None and self.model not in TEXT_MODELS:
+            raise ValueError(
+                f"model must be one of {{{', '.join(TEXT_MODELS)}}} (a text dataset's "
+                f"pretrained model), got model={self.model!r}"
+            )
+        for name, given in (("model", self.model is not None), ("lora", self.lora),
+                            ("max_length", self.max_length is not None)):
+            if given and not text:
+                raise ValueError(
+                    f"{name} applies only to the text datasets "
+                    f"{{{', '.join(TEXT_DATASETS)}}}, got dataset={self.dataset!r}"
+                )
+        self._check_unit()
+        self._check_execution()
+        _check_budget(self.target_epsilon, self.delta)
+        for name, count in (("epochs", self.epochs), ("batch_size", self.batch_size),
+                            ("train_limit", self.train_limit)):
+            if count is not None:
+                check_int(name, count)
+        if self.audit_canaries is not None:
+            self.audit_guess_count()
+        elif self.audit_guesses is not None:
+            raise ValueError("audit_guesses needs audit_canaries (the one-run audit), got none")
+        for name, scale in (("learning_rate", self.learning_rate),
+                            ("clip_norm", self.clip_norm)):
+            if scale is not None:
+                check_positive(name, scale, MAX_SCALE)
+        if self.seed is not None:  # None: a secure run
+            check_seed("seed", self.seed)
+        if self.sampler is not None and not isinstance(self.sampler, str):
+            raise ValueError(f"sampler must be a sampler kind's name, got sampler={self.sampler!r}")
+
+    @property
+    def text(self) -> bool:
+        """Whether the dataset is a text dataset (fine-tuning a pretrained model)."""
+        from dpfy.training.text import TEXT_DATASETS
+
+        return self.dataset in TEXT_DATASETS
+
+    @property
+    def sampler_kind(self) -> str:
+        """The sampler that runs: ``sampler``, else poisson (cyclic with correlated noise)."""
+        if self.sampler is not None:
+            return self.sampler.replace("-", "_")
+        return "poisson" if self.mechanism == "dpsgd" else "cyclic"
+
+    def _check_unit(self) -> None:
+        text, unit, users, cap = self.text, self.unit, self.users, self.cap
+        reduction = self.user_reduction
+        allowed = TRAIN_UNITS["text" if text else "images"]
+        if unit not in allowed:
+            raise ValueError(
+                f"unit must be one of {{{', '.join(allowed)}}} for dataset={self.dataset!r}, "
+                f"got unit={unit!r}"
+            )
+        if unit == "example":
+            for name, given in (("users", users is not None), ("cap", cap is not None),
+                                ("user_reduction", reduction != "sum")):
+                if given:
+                    raise ValueError(f"{name} applies only to a user-level unit "
+                                     f"({', '.join(u for u in allowed if u != 'example')}), "
+                                     "got unit='example'")
+            return
+        if reduction not in ("sum", "mean"):
+            raise ValueError(
+                f"user_reduction must be one of {{sum, mean}}, got user_reduction={reduction!r}"
+            )
+        if cap is not None:
+            check_int("cap", cap)
+        if text:
+            if users is not None:
+                raise ValueError(
+                    f"users applies only to the image datasets (synthetic users); "
+                    f"{self.dataset} groups snippets by their {unit}"
+                )
+            return
+        if users is None:
+            raise ValueError(
+                "users is missing: unit='user' on an image dataset needs the number of "
+                "synthetic user ids (--users N; image i belongs to user i mod N)"
+            )
+        check_int("users", users)
+
+    def _check_execution(self) -> None:
+        from dpfy.training.precision import check_precision
+
+        text, mechanism, workers = self.text, self.mechanism, self.workers
+        if mechanism not in MECHANISMS:
+            raise ValueError(
+                f"mechanism must be one of {{{', '.join(MECHANISMS)}}}, got "
+                f"mechanism={mechanism!r}"
+            )
+        if text and mechanism != "dpsgd":
+            raise ValueError(f"mechanism={mechanism!r} applies only to the image datasets, "
+                             f"got dataset={self.dataset!r}")
+        if self.unit != "example" and mechanism != "dpsgd":
+            raise ValueError(f"mechanism={mechanism!r} applies only to example-level runs, "
+                             f"got unit={self.unit!r}")
+        if self.max_length is not None:
+            check_int("max_length", self.max_length, 2, 512)
+        if self.test_limit is not None:
+            check_int("test_limit", self.test_limit)
+        check_int("workers", workers, 1, 1024)
+        if self.shard and workers < 2:
+            raise ValueError(f"shard needs workers >= 2 (processes to shard over), got "
+                             f"workers={workers!r}")
+        if workers > 1 and text:
+            raise ValueError(f"workers applies only to the image datasets, got "
+                             f"dataset={self.dataset!r} with workers={workers!r}")
+        if self.threads is not None:
+            check_int("threads", self.threads, 1, os.cpu_count() or 1)
+        check_precision(self.precision)
+
+    def audit_guess_count(self) -> int:
+        """The one-run audit's guesses (default a fifth of the canaries), checked.
+
+        Raises:
+          ValueError: the audit's options do not fit this run.
+        """
+        from dpfy.audit.onerun import check_canary_counts
+        from dpfy.datasets import TRAIN_SIZES
+
+        if self.audit_canaries is None:
+            raise ValueError("the run has no one-run audit (audit_canaries is None)")
+        for ok, what in ((not self.text, f"the image datasets, got dataset={self.dataset!r}"),
+                         (self.unit == "example", f"unit='example', got unit={self.unit!r}"),
+                         (self.workers == 1, f"workers=1, got workers={self.workers}"),
+                         (self.mechanism == "dpsgd",
+                          f"mechanism='dpsgd', got mechanism={self.mechanism!r}")):
+            if not ok:
+                raise ValueError(f"audit_canaries (the one-run audit) needs {what}")
+        check_range("audit_confidence", self.audit_confidence, 0.0, 1.0,
+                    low_open=True, high_open=True)
+        size = TRAIN_SIZES[self.dataset]
+        if self.train_limit is not None:
+            size = min(size, self.train_limit)
+        return check_canary_counts(self.audit_canaries, self.audit_guesses, size)
+
+    # ---------------------------------------------------------------------------------------
+    # files and records
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from the defaults (JSON- and TOML-ready)."""
+        defaults = RunConfig()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name == "dataset" or getattr(self, f.name) != getattr(defaults, f.name)
+        }
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML document that :meth:`from_file` reads back."""
+        lines = ["# dpfy run configuration: `dpfy train --config run.toml`"]
+        for key, value in self.to_dict().items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, source: str = "config") -> RunConfig:
+        """A configuration from ``{field: value}`` (dashes in keys read as underscores).
+
+        Raises:
+          ValueError: an unknown key (the valid ones are listed) or a bad value.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {str(k).replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown option(s) {', '.join(unknown)}; valid: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**given)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], **overrides: Any) -> RunConfig:
+        """A configuration from a TOML file (a table of the fields; see :meth:`to_toml`),
+        with ``overrides`` (field values) taking precedence; validated once.
+
+        Raises:
+          ValueError: the file cannot be read or parsed, or holds a bad option (one line).
+        """
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except OSError as err:
+            raise ValueError(f"config: cannot read {p}: {err.strerror or err}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ValueError(f"config: {p} is not valid TOML: {err}") from None
+        given = {str(k).replace("-", "_"): v for k, v in data.items()} | overrides
+        return cls.from_mapping(given, source=f"config {p}")
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'

@@ -1,0 +1,106 @@
+"""dpfy train's RunConfig: validated once, read from a TOML file, recorded with the run."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from dpfy import cli, runs
+from dpfy.cli import main
+from dpfy.config import RunConfig
+from dpfy.ledger import Ledger
+
+
+def test_defaults_are_valid_and_the_cli_shows_the_same_defaults():
+    config = RunConfig()
+    assert config.sampler_kind == "poisson" and not config.text
+    fields = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    shown = {
+        name: p.default for name, p in inspect.signature(cli.train).parameters.items()
+        if name in fields and name != "dataset"  # the positional argument
+    }
+    # every field is a `dpfy train` option, and its shown default is the field's
+    assert set(shown) | {"dataset"} == set(fields)
+    for name, default in shown.items():
+        value = getattr(default, "value", default)
+        assert value == fields[name], name
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        ({"epochs": 0}, "epochs must be"),
+        ({"delta": 1.0}, "delta must be"),
+        ({"dataset": "cifar"}, "dataset must be one of"),
+        ({"lora": True}, "lora applies only to the text datasets"),
+        ({"unit": "user"}, "users is missing"),
+        ({"shard": True}, "shard needs workers >= 2"),
+        ({"audit_guesses": 5}, "audit_guesses needs audit_canaries"),
+        ({"mechanism": "laplace"}, "mechanism must be one of"),
+    ],
+)
+def test_bad_values_are_refused_in_one_line(changes, needle):
+    with pytest.raises(ValueError, match=needle) as info:
+        RunConfig(**changes)
+    assert "\n" not in str(info.value)
+
+
+def test_toml_round_trip_and_unknown_keys(tmp_path: Path):
+    config = RunConfig(dataset="fashion-mnist", epochs=3, learning_rate=0.5, seed=7,
+                       out=tmp_path / "r", precision="bf16")
+    path = tmp_path / "run.toml"
+    path.write_text(config.to_toml(), encoding="utf-8")
+    assert RunConfig.from_file(path) == config
+    assert RunConfig.from_file(path, epochs=5).epochs == 5  # overrides win
+    path.write_text('dataset = "mnist"\nlearning-rate = 0.1\nepoch = 2\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) epoch; valid: .*epochs"):
+        RunConfig.from_file(path)
+    path.write_text("dataset = \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        RunConfig.from_file(path)
+
+
+def test_options_given_on_the_command_line_override_the_file(tmp_path, monkeypatch):
+    seen: list[RunConfig] = []
+
+    def fake(config: RunConfig, **kw: object) -> None:
+        seen.append(config)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(runs, "train_and_report", fake)
+    path = tmp_path / "run.toml"
+    path.write_text('dataset = "fashion-mnist"\nepochs = 4\nclip_norm = 0.5\n', encoding="utf-8")
+    assert main(["train", "--config", str(path), "--epochs", "2"]) == 2
+    assert main(["train", "mnist", "--config", str(path)]) == 2
+    assert (seen[0].dataset, seen[0].epochs, seen[0].clip_norm) == ("fashion-mnist", 2, 0.5)
+    assert (seen[1].dataset, seen[1].epochs) == ("mnist", 4)
+
+
+def test_a_bad_file_or_no_dataset_is_one_line(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert main(["train"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "cannot read" in err[0] and "dataset is missing" in err[1]
+
+
+@pytest.mark.slow
+def test_train_from_a_config_file_records_it_in_ledger_and_report(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'dataset = "mnist"\nepochs = 1\nbatch_size = 64\ntrain_limit = 256\n'
+        "test_limit = 256\nseed = 0\nthreads = 1\n",
+        encoding="utf-8",
+    )
+    out = tmp_path / "run"
+    assert main(["train", "mnist", "--config", str(path), "--out", str(out)]) == 0
+    recorded = RunConfig.from_file(out / "run.toml")  # beside the model, re-trainable
+    assert recorded == RunConfig.from_file(path, out=str(out))
+    meta = Ledger.load(out / "ledger.jsonl").metadata
+    assert meta["config"] == recorded.to_dict()
+    report = json.loads((out / "report.json").read_text())
+    assert report["reproduce"]["config"] == recorded.to_dict()
+    assert f"dpfy train --config {out / 'run.toml'}" in (out / "report.md").read_text()
