@@ -139,7 +139,8 @@ class LinearForm:
                 # the exact value is >= 0; rounding must not turn a tiny norm into NaN
                 sq = (gram_a * gram_g).sum((1, 2, 3)).clamp_(min=0.0)
             else:
-                sq = self._materialize().square().sum((1, 2, 3))
+                # one fused reduction: no squared copy of the N x d x o gradients
+                sq = torch.linalg.vector_norm(self._materialize(), dim=(1, 2, 3)).square()
             out[self.weight_name] = sq
         if self.bias_name is not None:
             out[self.bias_name] = g.sum(2).square().sum((1, 2))
