@@ -162,11 +162,14 @@ def _doc_examples() -> dict[str, str]:
     return {m.group(1): m.group(2) for m in pattern.finditer(text)}
 
 
-def test_the_architecture_document_has_the_four_worked_examples() -> None:
-    assert set(_doc_examples()) == {"sampler", "layer_rule", "query", "accountant"}
+EXAMPLES = ["sampler", "layer_rule", "query", "accountant", "run_config"]
 
 
-@pytest.mark.parametrize("name", ["sampler", "layer_rule", "query", "accountant"])
+def test_the_architecture_document_has_the_five_worked_examples() -> None:
+    assert set(_doc_examples()) == set(EXAMPLES)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
 def test_a_worked_example_of_the_architecture_document_runs(name: str, tmp_path: Path) -> None:
     """Each extension example is a complete program; run it in a fresh interpreter."""
     script = tmp_path / f"{name}.py"
