@@ -109,7 +109,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from dpfy import datasets
-    from dpfy.hf.pretrained import load_minilm_tokenizer
+    from dpfy.models.pretrained import load_minilm_tokenizer
     from dpfy.training.text import (
         TEXT_DEFAULTS,
         evaluate_text,

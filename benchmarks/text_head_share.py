@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from dpfy import datasets
-from dpfy.hf.pretrained import load_minilm_tokenizer
+from dpfy.models.pretrained import load_minilm_tokenizer
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.text import make_text_model, tokenize, trim_padding
 

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from dpfy.hf.heads import MeanPooledClassifier, mean_pool  # noqa: E402
+from dpfy.models.heads import MeanPooledClassifier, mean_pool  # noqa: E402
 
 
 def test_mean_pool_ignores_padding_and_empty_rows():

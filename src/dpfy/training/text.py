@@ -1,7 +1,7 @@
 """Ready-made DP fine-tuning of a pretrained text encoder (what ``dpfy train rotten-tomatoes``
 calls).
 
-:func:`train_text_classifier` fine-tunes all-MiniLM-L6-v2 (:mod:`dpfy.hf.pretrained`) as a
+:func:`train_text_classifier` fine-tunes all-MiniLM-L6-v2 (:mod:`dpfy.models.pretrained`) as a
 binary fresh/rotten classifier on the rotten-tomatoes snippets (:func:`dpfy.datasets.
 rotten_tomatoes`, split by movie), with DP-Adam: the :class:`~dpfy.training.PrivateTrainer`
 releases the clipped, noised gradient sum (the noise multiplier calibrated to the target
@@ -19,7 +19,7 @@ number of movies per batch.
 Fine-tuning modes (``lora``):
 
 The model is the pretrained encoder with a zero-initialised 2-way linear head on the masked
-mean of its last hidden states (:class:`dpfy.hf.heads.MeanPooledClassifier`): the pooling the
+mean of its last hidden states (:class:`dpfy.models.heads.MeanPooledClassifier`): the pooling the
 sentence encoder was trained with, and no fresh pooler (a fresh 384 x 384 ``[CLS]`` pooler, as
 in ``BertForSequenceClassification``, made DP-Adam at epsilon 8 collapse to one class).
 
@@ -174,7 +174,7 @@ def tokenize(
     """Tokenise ``texts`` padded and truncated to ``max_length`` tokens (incl. [CLS], [SEP])."""
     check_int("max_length", max_length, 2, 512)
     if tokenizer is None:
-        from dpfy.hf.pretrained import load_minilm_tokenizer
+        from dpfy.models.pretrained import load_minilm_tokenizer
 
         tokenizer = load_minilm_tokenizer()
     enc = tokenizer(list(texts), padding="max_length", truncation=True,
@@ -189,7 +189,7 @@ def truncated_fraction(
     """Fraction of ``texts`` longer than ``max_length`` tokens (incl. [CLS] and [SEP])."""
     check_int("max_length", max_length, 2, 512)
     if tokenizer is None:
-        from dpfy.hf.pretrained import load_minilm_tokenizer
+        from dpfy.models.pretrained import load_minilm_tokenizer
 
         tokenizer = load_minilm_tokenizer()
     lengths = [len(ids) for ids in tokenizer(list(texts))["input_ids"]]
@@ -198,12 +198,12 @@ def truncated_fraction(
 
 def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
     """The pretrained encoder with a zero-initialised 2-way head on its mean-pooled tokens
-    (:class:`dpfy.hf.heads.MeanPooledClassifier`), fully trainable or with LoRA on the encoder
+    (:class:`dpfy.models.heads.MeanPooledClassifier`), fully trainable or with LoRA on the encoder
     (module docstring)."""
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
-    from dpfy.hf.heads import MeanPooledClassifier
-    from dpfy.hf.pretrained import load_minilm_encoder
+    from dpfy.models.heads import MeanPooledClassifier
+    from dpfy.models.pretrained import load_minilm_encoder
 
     base = load_minilm_encoder(add_pooling_layer=False)
     width = int(base.config.hidden_size)
@@ -401,7 +401,7 @@ def train_text_classifier(
     sample_rng, noise_rng, randomness = run_randomness(seed)
     train_split = datasets.rotten_tomatoes("train", limit=train_limit)
     test_split = datasets.rotten_tomatoes("test", limit=test_limit)
-    from dpfy.hf.pretrained import load_minilm_tokenizer
+    from dpfy.models.pretrained import load_minilm_tokenizer
 
     tokenizer = load_minilm_tokenizer()
     train_data = tokenize(train_split.texts, train_split.labels, max_length, tokenizer)
