@@ -12,11 +12,13 @@ paper (Mehta et al. 2023, Theorems 2.1-2.3) reports; converting zCDP to (epsilon
 generic bound ``epsilon = rho + 2 sqrt(rho log(1/delta))`` (Bun & Steinke 2016, Prop. 1.3) is
 looser, so calibrating with the exact curve needs less noise for the same target.
 
-The (epsilon, delta) statement of a fitted model is not computed here: its ledger is accounted
-like every other one, ``dpfy.accounting.epsilon(ledger, delta, method="gaussian")`` (ledger ->
-``to_event()`` -> the exact Gaussian accountant -> ``PrivacyResult``). This module calibrates
-the noise before training (:func:`mu_for_target`, :func:`noise_multipliers`) and states the
-figures the paper reports beside epsilon (:func:`gdp_figures`, :func:`paper_zcdp_rho`).
+The (epsilon, delta) statement of a fitted model is its ledger accounted like every other one,
+``dpfy.accounting.epsilon(ledger, delta, method="gaussian")`` (ledger -> ``to_event()`` -> the
+exact Gaussian accountant -> ``PrivacyResult``; :func:`ledger_statement`). This module is the
+one door of :mod:`dpfy.features` to :mod:`dpfy.accounting` (docs/architecture.md, section 2):
+it calibrates the noise before training (:func:`mu_for_target`, :func:`noise_multipliers`),
+states a fitted ledger's epsilon (:func:`ledger_statement`) and the figures the paper reports
+beside it (:func:`gdp_figures`, :func:`paper_zcdp_rho`).
 
 Adjacency is add-or-remove one example; the unit of privacy is one example (one feature vector
 with its labels). The released sums never divide by the (private) dataset size.
@@ -35,11 +37,14 @@ import numpy.typing as npt
 
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range
-from dpfy.accounting import gaussian, roots
+from dpfy.accounting import PrivacyResult, gaussian, roots
+from dpfy.accounting import epsilon as _account
 from dpfy.accounting._api import first_unsupported
 from dpfy.ledger import Ledger, NonPrivateRecord, SumQueryRecord
 
 __all__ = [
+    "PrivacyResult",
+    "ledger_statement",
     "GDPFigures",
     "gdp_figures",
     "gdp_delta",
@@ -145,6 +150,16 @@ class GDPFigures:
 
     def to_dict(self) -> dict[str, float | int]:
         return {"mu": self.mu, "zcdp_rho": self.zcdp_rho, "releases": self.releases}
+
+
+def ledger_statement(ledger: Ledger, delta: float) -> PrivacyResult:
+    """The (epsilon, delta) statement of a fitted model: its ledger accounted by the exact
+    Gaussian accountant (GDP composition, Dong, Roth, Su 2019), as any ledger is.
+
+    ``PrivacyResult`` is listed in this module's ``__all__`` as the type of this result, so
+    the estimators need no import of :mod:`dpfy.accounting` of their own.
+    """
+    return _account(ledger, delta, method="gaussian")
 
 
 def gdp_figures(ledger: Ledger) -> GDPFigures:

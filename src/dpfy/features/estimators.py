@@ -7,7 +7,8 @@ Each estimator follows scikit-learn's conventions: ``__init__`` only stores its 
 * ``classes_``, ``n_features_in_``,
 * ``ledger_``: the :class:`dpfy.ledger.Ledger` of every noisy release,
 * ``privacy_``: a :class:`dpfy.accounting.PrivacyResult`, the ledger accounted like any other,
-  ``dpfy.accounting.epsilon(ledger_, delta, method="gaussian")`` (exact GDP composition; epsilon
+  ``dpfy.accounting.epsilon(ledger_, delta, method="gaussian")`` (through
+  :func:`dpfy.features.accounting.ledger_statement`; exact GDP composition; epsilon
   at ``delta``, adjacency add-or-remove, unit example): computed from the ledger, not from the
   hyperparameters. The exact GDP ``mu`` and the paper's zCDP ``rho`` of the same run:
   :func:`dpfy.features.accounting.gdp_figures` of ``ledger_``.
@@ -47,10 +48,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from dpfy import accounting
 from dpfy._validate import check_int, check_range
 from dpfy.features import algorithms as alg
-from dpfy.features.accounting import mu_for_target
+from dpfy.features.accounting import PrivacyResult, ledger_statement, mu_for_target
 from dpfy.features.algorithms import Loss
 from dpfy.features.stats import ArrayOrTensor, SufficientStats, clip_rows
 from dpfy.ledger import Ledger
@@ -226,7 +226,7 @@ class _DPFeatureClassifier(_EstimatorBase):
     n_features_in_: int
     coef_: Float64Array
     ledger_: Ledger
-    privacy_: accounting.PrivacyResult
+    privacy_: PrivacyResult
 
     # -- privacy ------------------------------------------------------------------------------
     def _noise_multipliers(self, shares: list[float]) -> list[float]:
@@ -299,7 +299,7 @@ class _DPFeatureClassifier(_EstimatorBase):
     def _finish(self, fitted: alg.Fitted) -> None:
         self.coef_ = fitted.weights.T.numpy().copy()
         self.ledger_ = fitted.ledger
-        self.privacy_ = accounting.epsilon(fitted.ledger, float(self.delta), method="gaussian")
+        self.privacy_ = ledger_statement(fitted.ledger, float(self.delta))
 
     # -- prediction ---------------------------------------------------------------------------
     def _clip_for_predict(self) -> float | None:
