@@ -75,7 +75,7 @@ def _violations(owner: str, forbidden: tuple[str, ...]) -> list[str]:
         ("dpfy.correlated", ("torch", "dpfy.accounting", "dpfy.training", "dpfy.ledger")),
         # the audit attacks the release path from above: nothing it audits may depend on it
         ("dpfy.training", ("dpfy.audit",)),
-        ("dpfy.queries", ("dpfy.audit",)),
+        ("dpfy.queries", ("dpfy.audit", "dpfy.accounting")),
         ("dpfy.report", ("dpfy.audit",)),
         ("dpfy.cli", ("dpfy.audit",)),
         # federated learning sits on the release layer: nothing below it knows about it
@@ -90,6 +90,76 @@ def test_lower_layers_do_not_import_upper_ones(owner: str, forbidden: tuple[str,
     assert MODULES, "no sources found"
     bad = _violations(owner, forbidden)
     assert not bad, "\n".join(bad)
+
+
+#: Every module and package directly under src/dpfy, by layer (docs/architecture.md, section
+#: 2); "" is the package root (``dpfy/__init__.py``, the public surface). ``config`` is the run
+#: configuration the pipelines and the command line share.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "ground": ("_validate", "events", "randomness", "_philox", "datasets", "models"),
+    "accounting": ("accounting",),
+    "sampling": ("sampling",),
+    "correlated": ("correlated",),
+    "ledger": ("ledger",),
+    "releases": ("queries", "training", "features", "fed"),
+    "pipelines": ("planning", "runs", "run_accounting", "report", "audit", "hf", "config"),
+    "interface": ("cli", ""),
+}
+#: The layers each layer may import besides its own (releases reach accounting only through
+#: the doors tested below).
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "ground": (),
+    "accounting": ("ground",),
+    "sampling": ("ground",),
+    "correlated": ("ground",),
+    "ledger": ("ground", "sampling", "correlated"),
+    "releases": ("ground", "accounting", "sampling", "correlated", "ledger"),
+    "pipelines": ("ground", "accounting", "sampling", "correlated", "ledger", "releases"),
+    "interface": (
+        "ground", "accounting", "sampling", "correlated", "ledger", "releases", "pipelines"
+    ),
+}
+LAYER_OF = {name: layer for layer, names in LAYERS.items() for name in names}
+
+
+def _top(module: str) -> str:
+    """``dpfy.training.step`` -> ``training``; the package root is ``""``."""
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def test_every_package_under_src_dpfy_has_a_layer() -> None:
+    """A new package or top-level module must be placed in the table before it can be checked."""
+    assert sorted(LAYERS) == sorted(MAY_IMPORT)
+    missing = sorted({_top(m) for m in MODULES} - set(LAYER_OF))
+    assert not missing, f"add to LAYERS (and docs/architecture.md, section 2): {missing}"
+
+
+def test_every_import_goes_to_the_same_layer_or_one_it_may_import() -> None:
+    bad = []
+    for module, imported in IMPORTS.items():
+        layer = LAYER_OF[_top(module)]
+        allowed = (layer, *MAY_IMPORT[layer])
+        for target in sorted(imported):
+            if not target.startswith("dpfy.") or target.split(".")[1] not in LAYER_OF:
+                continue  # third-party, the bare ``dpfy`` namespace, or a name, not a module
+            if LAYER_OF[_top(target)] not in allowed:
+                bad.append(f"{module} ({layer}) imports {target} ({LAYER_OF[_top(target)]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_features_reach_accounting_only_through_their_accounting_module() -> None:
+    """``dpfy.features.accounting`` is the one door: calibration, a fitted ledger's statement
+    and the GDP figures; the estimators and algorithms never import an accountant."""
+    door = "dpfy.features.accounting"
+    bad = [
+        f"{module} imports {target}"
+        for module, imported in IMPORTS.items()
+        if _in(module, "dpfy.features") and module != door
+        for target in imported
+        if _in(target, "dpfy.accounting")
+    ]
+    assert not bad, "\n".join(bad)
+    assert any(_in(t, "dpfy.accounting") for t in IMPORTS[door])
 
 
 #: Calibration is the one accounting import any training module may make; everything else
