@@ -63,9 +63,9 @@ else:
 
 def _method_names() -> tuple[str, ...]:
     """The ``--method`` choices: ``auto``, every registered accountant, ``all``."""
-    from dpfy import accounting
+    from dpfy.accounting import accountants
 
-    return ("auto", *accounting.accountants(), "all")
+    return ("auto", *accountants(), "all")
 
 
 class _RegistryChoice(click.Choice):  # type: ignore[type-arg]
