@@ -1,0 +1,532 @@
+"""How the ``dpfy`` commands parse their options: one rule per kind of value, checked at
+parse time, and ``dpfy train``'s option table.
+
+Every option of a kind is checked by the same rule of :mod:`dpfy._validate` when it is parsed,
+so a bad value is refused in one line naming the option (exit 2) before anything runs or is
+written. ``dpfy train`` has one option per field of :class:`dpfy.config.RunConfig`: the table
+:data:`TRAIN_OPTIONS` gives each its typer annotation and shown default, and
+:func:`with_options` puts them into the command's signature (docs/architecture.md, 4.5).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
+
+import click
+import typer
+from click.core import ParameterSource
+
+# The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs.
+from dpfy import runs as _rules
+
+if TYPE_CHECKING:
+    from dpfy.config import RunConfig
+
+
+def _sampler_enum(name: str, *, train: bool) -> Any:
+    """A StrEnum of the sampler kinds the table offers on the command line (dashed spelling)."""
+    from dpfy.sampling import kinds
+
+    rows = [r for r in kinds() if (r.cli_train if train else r.cli)]
+    return StrEnum(name, {r.name: r.cli_name for r in rows})
+
+
+if TYPE_CHECKING:
+    from dpfy.config import RunConfig
+
+    # generated from the table at run time, so opaque to a type checker
+    SamplerName: TypeAlias = Any
+    TrainSampler: TypeAlias = Any
+else:
+    #: Samplers of the accounting commands (rows of dpfy.sampling.kinds with ``cli``).
+    SamplerName = _sampler_enum("SamplerName", train=False)
+
+
+def _method_names() -> tuple[str, ...]:
+    """The ``--method`` choices: ``auto``, every registered accountant, ``all``."""
+    from dpfy.accounting import accountants
+
+    return ("auto", *accountants(), "all")
+
+
+class _RegistryChoice(click.Choice):  # type: ignore[type-arg]
+    """A ``click.Choice`` whose choices are read from a registry whenever they are needed
+    (help, parsing, completion), so an accountant registered after ``dpfy.cli`` was imported
+    is offered and one never registered is refused with the usual one-line error."""
+
+    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
+        self._names = names
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return self._names()
+
+
+class UsageProblem(Exception):
+    """Bad input found by a command: reported in one line with exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# option parsers: every option of a kind is checked by the same rule of dpfy._validate, at parse
+# time, so a bad value is refused (one line naming the option) before anything runs or is written
+# ---------------------------------------------------------------------------------------------
+def parsed_option(
+    name: str, convert: Callable[[str], Any], check: Callable[[str, Any], None]
+) -> Any:
+    """A typer ``parser``: ``convert`` the text, then ``check(name, value)``; a failure is a
+    ``BadParameter`` (exit 2, one line) carrying the project's message."""
+
+    def parse(text: Any) -> Any:
+        if not isinstance(text, str):  # a default value, already of its type
+            return text
+        try:
+            value = convert(text)
+        except ValueError:
+            kind = "an integer" if convert is int else "a number"
+            raise typer.BadParameter(f"{name} must be {kind}, got {name}={text[:40]!r}") from None
+        try:
+            check(name, value)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
+        return value
+
+    return parse
+
+
+def count_option(name: str, low: int = 1) -> Any:
+    """Every integer option: an integer in [low, MAX_COUNT]."""
+    return parsed_option(name, int, lambda n, v: _rules.check_int(n, v, low))
+
+
+def positive_option(name: str, high: float = math.inf) -> Any:
+    """Every float the math needs finite: in (0, high], never inf or NaN."""
+    return parsed_option(name, float, lambda n, v: _rules.check_positive(n, v, high))
+
+
+def open_unit_option(name: str) -> Any:
+    """A probability: in (0, 1)."""
+    return parsed_option(
+        name, float, lambda n, v: _rules.check_range(n, v, 0.0, 1.0, low_open=True, high_open=True)
+    )
+
+
+def seed_option(name: str = "seed") -> Any:
+    return parsed_option(name, int, _rules.check_seed)
+
+
+def threads_option(name: str) -> Any:
+    return parsed_option(name, int, lambda n, v: _rules.check_int(n, v, 1, os.cpu_count() or 1))
+
+
+def out_dir_option(name: str) -> Any:
+    """Every output directory: not empty, not an existing file, creatable."""
+
+    parse = parsed_option(name, str, _rules.check_output_path)
+    return lambda text: Path(parse(text)) if isinstance(text, str) else text
+
+
+DatasetSize = Annotated[
+    int,
+    typer.Option("--dataset-size", "-n", help="Number of examples N.",
+                 parser=count_option("dataset_size")),
+]
+BatchSize = Annotated[
+    int,
+    typer.Option("--batch-size", "-b", help="Expected batch size B (Poisson: q = B/N).",
+                 parser=count_option("batch_size")),
+]
+Epochs = Annotated[
+    float | None, typer.Option("--epochs", help="Passes over the data.",
+                               parser=positive_option("epochs", _rules.MAX_COUNT))
+]
+Steps = Annotated[
+    int | None,
+    typer.Option("--steps", help="Number of training steps.", parser=count_option("steps")),
+]
+Delta = Annotated[
+    float,
+    typer.Option("--delta", help="Target delta, in (0, 1).", parser=open_unit_option("delta")),
+]
+TargetEpsilon = positive_option("target_epsilon", _rules.MAX_EPSILON)
+Sampler = Annotated[
+    SamplerName, typer.Option("--sampler", help="The batch sampler that actually runs.")
+]
+Method = Annotated[
+    str,
+    typer.Option("--method", help="Accounting method.", click_type=_RegistryChoice(_method_names)),
+]
+MaxBatch = Annotated[
+    int | None,
+    typer.Option("--max-batch-size", help="Truncate batches to this size (costs extra delta).",
+                 parser=count_option("max_batch_size")),
+]
+Samples = Annotated[
+    int | None,
+    typer.Option("--samples", help="Monte Carlo samples (Balls-and-Bins).",
+                 parser=count_option("samples")),
+]
+ErrorProb = Annotated[
+    float,
+    typer.Option("--error-probability", help="Monte Carlo: probability the bound fails.",
+                 parser=open_unit_option("error_probability")),
+]
+Seed = Annotated[
+    int | None,
+    typer.Option("--seed", help="Seed for Monte Carlo accounting.", parser=seed_option()),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+CompareMechanisms = Annotated[
+    bool,
+    typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
+                 "the correlated-noise mechanisms (BandMF, BLT, tree, efficient tree; cyclic "
+                 "order) side by side at the same epsilon."),
+]
+
+
+class MechanismName(StrEnum):
+    dpsgd = "dpsgd"
+    bandmf = "bandmf"
+    blt = "blt"
+    tree = "tree"
+    tree_efficient = "tree-efficient"
+    dp_sgd = "dp-sgd"  # alias of dpsgd
+    dp_ftrl_tree = "dp-ftrl-tree"  # alias of tree-efficient (Kairouz et al. 2021)
+
+
+#: The spellings that name another mechanism.
+_MECHANISM_ALIASES = {"dp-sgd": "dpsgd", "dp-ftrl-tree": "tree-efficient"}
+
+
+#: ``--seed`` of ``dpfy train`` / ``dpfy features``: without it a run is secure (a DP release).
+SEEDED_HELP = (
+    "Run a reproducible seeded experiment with this seed instead of a DP release (default: no "
+    "seed; sampling and noise from the secure generator). A seeded model is NOT private "
+    "against anyone who knows the seed; its report says so."
+)
+
+
+class DatasetName(StrEnum):
+    mnist = "mnist"
+    fashion_mnist = "fashion-mnist"
+    rotten_tomatoes = "rotten-tomatoes"
+
+
+if not TYPE_CHECKING:
+    #: Samplers of ``dpfy train`` (rows of dpfy.sampling.kinds with ``cli_train``).
+    TrainSampler = _sampler_enum("TrainSampler", train=True)
+
+
+#: ``--max-length`` of ``dpfy train``: tokens per text example, as BERT's positions allow.
+_max_length = parsed_option("max_length", int, lambda n, v: _rules.check_int(n, v, 2, 512))
+
+
+class UserReduction(StrEnum):
+    sum = "sum"
+    mean = "mean"
+
+
+class TrainPrecision(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+#: Where an option's value came from when it counts as given (the command line, or the
+#: environment).
+_GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def _config_value(name: str, value: Any) -> Any:
+    """A CLI option's value as the RunConfig field takes it (enum members -> their names)."""
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, StrEnum):
+        value = value.value
+        return _MECHANISM_ALIASES.get(value, value) if name == "mechanism" else value
+    return value
+
+
+def run_config(
+    ctx: typer.Context, dataset: DatasetName | None, config: Path | None, given: dict[str, Any]
+) -> RunConfig:
+    """The RunConfig of ``dpfy train``: the --config file (if any), then the options given on
+    the command line (an option left at its default does not override the file)."""
+    from dpfy.config import RunConfig
+
+    values = {
+        name: _config_value(name, value)
+        for name, value in given.items()
+        if ctx.get_parameter_source(name) in _GIVEN
+    }
+    if dataset is not None:
+        values["dataset"] = dataset.value
+    if config is not None:
+        return RunConfig.from_file(config, **values)
+    if dataset is None:
+        raise ValueError("dataset is missing: name one (mnist, fashion-mnist, "
+                         "rotten-tomatoes) or give --config FILE")
+    return RunConfig.from_mapping(values, source="dpfy train")
+
+
+def _command_with_options(
+    fn: Callable[..., None], options: dict[str, tuple[Any, Any]]
+) -> Callable[..., None]:
+    """``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
+    ``options`` in its signature (what typer reads to build the command's options)."""
+
+    @functools.wraps(fn)
+    def command(**kwargs: Any) -> None:
+        fn(**kwargs)
+
+    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    hints = {
+        "ctx": typer.Context,
+        "dataset": Annotated[
+            DatasetName | None,
+            typer.Argument(help="Training data (offline packages); optional with --config."),
+        ],
+        "config": Annotated[
+            Path | None,
+            typer.Option("--config", help="A TOML file of the run's options (a run "
+                         "directory's run.toml); options given here override it."),
+        ],
+    }
+    params = [p.replace(annotation=hints[p.name]) for p in own]
+    params += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                          annotation=annotation)
+        for name, (annotation, default) in options.items()
+    ]
+    signature = inspect.Signature(params, return_annotation=None)
+    command.__signature__ = signature  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params} | {"return": None}
+    return command
+
+
+def with_options(
+    options: dict[str, tuple[Any, Any]],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: ``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
+    ``options`` in its signature (what typer reads to build the command's options)."""
+    return functools.partial(_command_with_options, options=options)
+
+
+#: ``dpfy train``'s options, one per field of :class:`dpfy.config.RunConfig` (the shown
+#: defaults are the RunConfig's; only options given on the command line override --config).
+TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "target_epsilon": (
+        Annotated[
+        float,
+        typer.Option("--target-epsilon", help="Privacy budget of the run.", parser=TargetEpsilon),
+    ],
+        3.0,
+    ),
+    "delta": (
+        Delta,
+        1e-5,
+    ),
+    "sampler": (
+        Annotated[
+        TrainSampler | None,
+        typer.Option("--sampler", help="Batch sampler (decides the accounting; default "
+                     "poisson, cyclic with a correlated --mechanism)."),
+    ],
+        None,
+    ),
+    "epochs": (
+        Annotated[
+        int | None,
+        typer.Option("--epochs", help="Passes over the data (default: images 10; text 2, "
+                     "LoRA 3).", parser=count_option("epochs")),
+    ],
+        None,
+    ),
+    "batch_size": (
+        Annotated[
+        int | None,
+        typer.Option("--batch-size", help="Expected batch size (default: images 1024; "
+                     "text 256).", parser=count_option("batch_size")),
+    ],
+        None,
+    ),
+    "learning_rate": (
+        Annotated[
+        float | None,
+        typer.Option("--learning-rate", help="Step size (default: images SGD 2.0; text Adam "
+                     "1e-4, LoRA 5e-4).",
+                     parser=positive_option("learning_rate", _rules.MAX_SCALE)),
+    ],
+        None,
+    ),
+    "clip_norm": (
+        Annotated[
+        float | None,
+        typer.Option("--clip-norm", help="Per-example clip norm (default: images 0.1; "
+                     "text 1.0).", parser=positive_option("clip_norm", _rules.MAX_SCALE)),
+    ],
+        None,
+    ),
+    "seed": (
+        Annotated[
+        int | None, typer.Option("--seed", help=SEEDED_HELP, parser=seed_option())
+    ],
+        None,
+    ),
+    "out": (
+        Annotated[
+        Path | None, typer.Option("--out", help="Run directory.", parser=out_dir_option("out"))
+    ],
+        None,
+    ),
+    "train_limit": (
+        Annotated[
+        int | None,
+        typer.Option("--train-limit", help="Use only this many training examples.",
+                     parser=count_option("train_limit")),
+    ],
+        None,
+    ),
+    "model": (
+        Annotated[
+        str | None,
+        typer.Option("--model", help="Text datasets only: the pretrained model {minilm} "
+                     "(default minilm)."),
+    ],
+        None,
+    ),
+    "lora": (
+        Annotated[
+        bool,
+        typer.Option("--lora", help="Text datasets only: LoRA (r=8 on query/value; the "
+                     "head trained in full) instead of full fine-tuning."),
+    ],
+        False,
+    ),
+    "max_length": (
+        Annotated[
+        int | None,
+        typer.Option("--max-length", help="Text datasets only: tokens per example, in "
+                     "[2, 512] (default 64).", parser=_max_length),
+    ],
+        None,
+    ),
+    "test_limit": (
+        Annotated[
+        int | None,
+        typer.Option("--test-limit", help="Evaluate on the first this many test examples "
+                     "(quick runs).", parser=count_option("test_limit")),
+    ],
+        None,
+    ),
+    "threads": (
+        Annotated[
+        int | None,
+        typer.Option("--threads", help="Torch threads, in [1, cpu count].",
+                     parser=threads_option("threads")),
+    ],
+        None,
+    ),
+    "precision": (
+        Annotated[
+        TrainPrecision,
+        typer.Option("--precision", help="Forward/backward autocast dtype; clipping and "
+                     "noise stay fp32."),
+    ],
+        TrainPrecision.fp32,
+    ),
+    "unit": (
+        Annotated[
+        str,
+        typer.Option("--unit", help="Unit of privacy: example (default); user (images, with "
+                     "--users) or movie (rotten-tomatoes): user-level DP-SGD."),
+    ],
+        "example",
+    ),
+    "users": (
+        Annotated[
+        int | None,
+        typer.Option("--users", help="Images with --unit user: number of synthetic users "
+                     "(image i belongs to user i mod N).", parser=count_option("users")),
+    ],
+        None,
+    ),
+    "cap": (
+        Annotated[
+        int | None,
+        typer.Option("--cap", help="User-level: at most this many examples per user (a "
+                     "random subset, recorded in the ledger).", parser=count_option("cap")),
+    ],
+        None,
+    ),
+    "user_reduction": (
+        Annotated[
+        UserReduction,
+        typer.Option("--user-reduction", help="User-level: clip the sum or the mean of a "
+                     "user's gradients."),
+    ],
+        UserReduction.sum,
+    ),
+    "workers": (
+        Annotated[
+        int,
+        typer.Option("--workers", help="Images only: data-parallel processes on this machine "
+                     "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
+                     parser=count_option("workers")),
+    ],
+        1,
+    ),
+    "shard": (
+        Annotated[
+        bool,
+        typer.Option("--shard", help="With --workers N: shard the model over the processes "
+                     "(FSDP2 fully_shard; each process noises its own shard)."),
+    ],
+        False,
+    ),
+    "mechanism": (
+        Annotated[
+        MechanismName,
+        typer.Option("--mechanism", help="Noise: dpsgd (alias dp-sgd; independent per step) "
+                     "or correlated DP-FTRL noise bandmf, blt, tree, tree-efficient (alias "
+                     "dp-ftrl-tree: the full tree with the Honaker estimator; default sampler "
+                     "then: cyclic)."),
+    ],
+        MechanismName.dpsgd,
+    ),
+    "audit_canaries": (
+        Annotated[
+        int | None,
+        typer.Option("--audit-canaries", help="Images: train with M canaries, each in the "
+                     "training set by a secret coin, and add a one-run audit (Steinke et al.; "
+                     "f-DP) to the report. M in [2, training set size].",
+                     parser=count_option("audit_canaries", 2)),
+    ],
+        None,
+    ),
+    "audit_guesses": (
+        Annotated[
+        int | None,
+        typer.Option("--audit-guesses", help="Guesses of the one-run audit, in [2, M] "
+                     "(default M/5); it abstains on the rest.",
+                     parser=count_option("audit_guesses", 2)),
+    ],
+        None,
+    ),
+    "audit_confidence": (
+        Annotated[
+        float, typer.Option("--audit-confidence", help="Confidence of the one-run audit's "
+                            "bounds, in (0, 1).", parser=open_unit_option("audit_confidence"))
+    ],
+        0.95,
+    ),
+}
+
+
