@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import dpfy.cli
+import dpfy.cli_options
 from dpfy import accounting, runs
 from dpfy import events as ev
 from dpfy.config import RunConfig
@@ -184,8 +185,6 @@ MAX_STATEMENTS = 12  # top-level statements of a function body: parse, call dpfy
 
 def _cli_tree() -> ast.Module:
     """The command line: ``dpfy.cli`` (commands) and ``dpfy.cli_options`` (their parsing)."""
-    import dpfy.cli_options
-
     body = []
     for module in (dpfy.cli, dpfy.cli_options):
         body += ast.parse(Path(module.__file__).read_text(encoding="utf-8")).body
