@@ -189,7 +189,7 @@ def test_every_samplers_event_is_its_ledgers_event(name, max_batch_size, steps):
 
 
 def test_the_cli_offers_the_tables_kinds():
-    from dpfy import cli
+    from dpfy import cli_options
 
-    assert [m.value for m in cli.SamplerName] == [r.cli_name for r in kinds() if r.cli]
-    assert [m.value for m in cli.TrainSampler] == ["poisson", "balls-and-bins", "cyclic"]
+    assert [m.value for m in cli_options.SamplerName] == [r.cli_name for r in kinds() if r.cli]
+    assert [m.value for m in cli_options.TrainSampler] == ["poisson", "balls-and-bins", "cyclic"]
