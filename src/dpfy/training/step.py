@@ -489,9 +489,8 @@ class PrivateGradient:
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if seed == 1.0 else mask * seed
-        # no coverage check on FSDP2 shards, nor on the meta device (no values to compare)
         guard = self._coverage if self._coverage.due and self._sharded is None else None
-        guard = None if losses.device.type == "meta" else guard
+        guard = None if losses.device.type == "meta" else guard  # meta: no values to compare
         checked = guard.params if guard is not None else []
         captures, batch_grads = recorder.backward(losses, scale, checked)
         # The DP arithmetic in fp32 (bf16/fp16 captures upcast, the loss scale divided out),
@@ -519,9 +518,8 @@ class PrivateGradient:
                 loss_t, n_real = detached.sum(), batch
             else:
                 loss_t = torch.where(mask > 0, detached, 0.0).sum()
-            # The chunk's one host read (docs/devices.md): a sum of squares is finite iff
-            # every term is (the elementwise test runs only when it is not, or overflows),
-            # the loss sum, the real-row count and the weights' validity, fetched together.
+            # The chunk's one host read (docs/devices.md): the norms' sum (finite iff every
+            # term is), loss sum, real rows, weights' validity and coverage norms, together.
             reads = [total_sq.sum(), loss_t] + ([] if mask is None else [mask.sum()])
             if weights_ok is not None:
                 reads.append(weights_ok)
@@ -629,9 +627,11 @@ class PrivateGradient:
                 layers[idx] = plan.rule(plan.module, caps, k)
             else:
                 adopt = tuple(ln for ln, j, _ in plan.adoptable if not captures[j])
-                layers[idx] = fallback_rule(
-                    plan.module, caps, k, chunk_size=self.fallback_chunk_size, adopt=adopt
-                )
+                try:  # a refusal names the module, not only its class
+                    layers[idx] = fallback_rule(plan.module, caps, k, adopt=adopt,
+                                                chunk_size=self.fallback_chunk_size)
+                except ValueError as err:
+                    raise ValueError(f"module {plan.name or '<root>'!r}: {err}") from None
         return layers
 
     def _squared_norms(self, layers: dict[int, LayerGrads], n: int) -> dict[str, torch.Tensor]:
