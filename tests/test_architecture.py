@@ -94,15 +94,15 @@ def test_lower_layers_do_not_import_upper_ones(owner: str, forbidden: tuple[str,
 
 #: Every module and package directly under src/dpfy, by layer (docs/architecture.md, section
 #: 2); "" is the package root (``dpfy/__init__.py``, the public surface). ``config`` is the run
-#: configuration the pipelines and the command line share.
+#: configuration that the recipes, the pipelines and the command line share.
 LAYERS: dict[str, tuple[str, ...]] = {
     "ground": ("_validate", "events", "randomness", "_philox", "datasets", "models"),
     "accounting": ("accounting",),
     "sampling": ("sampling",),
     "correlated": ("correlated",),
     "ledger": ("ledger",),
-    "releases": ("queries", "training", "features", "fed"),
-    "pipelines": ("planning", "runs", "run_accounting", "report", "audit", "hf", "config"),
+    "releases": ("queries", "training", "features", "fed", "config"),
+    "pipelines": ("planning", "runs", "run_accounting", "report", "audit", "hf"),
     "interface": ("cli", "cli_options", ""),
 }
 #: The layers each layer may import besides its own (releases reach accounting only through

@@ -26,10 +26,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dpfy._validate import MAX_SCALE, check_int, check_positive, check_range, check_seed
-from dpfy.run_accounting import MECHANISMS, _check_budget
+from dpfy._validate import (
+    MAX_EPSILON,
+    MAX_SCALE,
+    check_int,
+    check_positive,
+    check_range,
+    check_seed,
+)
 
-__all__ = ["RunConfig", "TRAIN_UNITS"]
+__all__ = [
+    "MECHANISMS",
+    "RunConfig",
+    "TRAIN_UNITS",
+    "check_budget",
+    "check_canary_counts",
+    "default_guesses",
+]
+
+#: Noise mechanisms of a run: DP-SGD, or correlated DP-FTRL noise (image datasets).
+MECHANISMS = ("dpsgd", "bandmf", "blt", "tree", "tree-efficient")
 
 #: Units of privacy of ``dpfy train``, per kind of dataset.
 TRAIN_UNITS = {"images": ("example", "user"), "text": ("example", "movie")}
@@ -115,7 +131,7 @@ class RunConfig:
                 )
         self._check_unit()
         self._check_execution()
-        _check_budget(self.target_epsilon, self.delta)
+        check_budget(self.target_epsilon, self.delta)
         for name, count in (("epochs", self.epochs), ("batch_size", self.batch_size),
                             ("train_limit", self.train_limit)):
             if count is not None:
@@ -220,7 +236,6 @@ class RunConfig:
         Raises:
           ValueError: the audit's options do not fit this run.
         """
-        from dpfy.audit.onerun import check_canary_counts
         from dpfy.datasets import TRAIN_SIZES
 
         if self.audit_canaries is None:
@@ -307,3 +322,30 @@ def _toml_value(value: Any) -> str:
         return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
     text = str(value).replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'
+
+
+def check_budget(target_epsilon: float, delta: float) -> None:
+    """A target epsilon in (0, MAX_EPSILON] (finite) and a delta in (0, 1)."""
+    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+
+
+def check_canary_counts(canaries: int, guesses: int | None, dataset_size: int) -> int:
+    """Checks ``canaries`` (in [2, dataset_size]) and ``guesses`` (in [2, canaries]); returns
+    the guesses to use (default :func:`default_guesses`)."""
+    check_int("dataset_size", dataset_size)
+    check_int("audit_canaries", canaries, 2, max(2, dataset_size))
+    if canaries > dataset_size:
+        raise ValueError(
+            f"audit_canaries must be in [2, {dataset_size}] (at most the training set), got "
+            f"audit_canaries={canaries}"
+        )
+    if guesses is None:
+        return default_guesses(canaries)
+    check_int("audit_guesses", guesses, 2, canaries)
+    return guesses
+
+
+def default_guesses(canaries: int) -> int:
+    """A fifth of the canaries (even, at least 2): a weak attack is surer on its extremes."""
+    return max(2, 2 * (canaries // 10))

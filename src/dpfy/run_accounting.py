@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from dpfy._validate import (
     MAX_COUNT,
-    MAX_EPSILON,
     check_int,
     check_output_path,
     check_positive,
     check_range,
     check_seed,
 )
+from dpfy.config import MECHANISMS, check_budget
 
 if TYPE_CHECKING:
     from dpfy.accounting import Accountant, PrivacyResult
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from dpfy.sampling import Sampler
 
 __all__ = [
-    "MECHANISMS",
     "MechanismRow",
     "RunAccounting",
     "account_run",
@@ -41,11 +40,6 @@ __all__ = [
     "plan_with_figures",
 ]
 
-
-def _check_budget(target_epsilon: float, delta: float) -> None:
-    """A target epsilon in (0, MAX_EPSILON] (finite) and a delta in (0, 1)."""
-    check_positive("target_epsilon", target_epsilon, MAX_EPSILON)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
 
 # ---------------------------------------------------------------------------------------------
 # plan and account a run before it runs
@@ -197,7 +191,7 @@ def calibrate_run(
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
-    _check_budget(target_epsilon, delta)
+    check_budget(target_epsilon, delta)
     _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
@@ -371,7 +365,6 @@ def _accountant(
 # ---------------------------------------------------------------------------------------------
 
 #: Mechanisms of ``dpfy train --mechanism`` (``dpsgd``: independent noise per step).
-MECHANISMS = ("dpsgd", "bandmf", "blt", "tree", "tree-efficient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +414,7 @@ def compare_mechanisms(
     from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
     from dpfy.sampling import SampleSpec, spec_event
 
-    _check_budget(target_epsilon, delta)
+    check_budget(target_epsilon, delta)
     check_int("dataset_size", dataset_size)
     check_int("batch_size", batch_size, high=dataset_size)
     check_int("epochs", epochs)

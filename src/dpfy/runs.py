@@ -61,7 +61,6 @@ __all__ = [
     "ReportedRun",
     "RunAccounting",
     "TrainedRun",
-    "MECHANISMS",
     "account_run",
     "audit_and_report",
     "compare_mechanisms",
@@ -86,11 +85,9 @@ FEATURE_METHODS = {
 FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
 # Accounting a planned run lives in its own module; re-exported here for the CLI and users.
-from dpfy.config import RunConfig  # noqa: E402
+from dpfy.config import RunConfig, check_budget  # noqa: E402
 from dpfy.run_accounting import (  # noqa: E402
-    MECHANISMS,
     RunAccounting,
-    _check_budget,
     account_run,
     calibrate_run,
     compare_mechanisms,
@@ -357,7 +354,7 @@ def features_and_report(
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
     """
-    _check_budget(target_epsilon, delta)
+    check_budget(target_epsilon, delta)
     if seed is not None:  # None: a secure run
         check_seed("seed", seed)
     if limit is not None:

@@ -53,9 +53,7 @@ __all__ = [
     "Canaries",
     "WhiteBoxScores",
     "black_box_scores",
-    "check_canary_counts",
     "count_correct",
-    "default_guesses",
     "make_canaries",
     "one_run_section",
 ]
@@ -67,27 +65,6 @@ MEANING = (
     "expected to give; it is not evidence that the claim is loose. A bound above the claim "
     "would show, at the stated confidence, that the run leaks more than the ledger declares."
 )
-
-
-def check_canary_counts(canaries: int, guesses: int | None, dataset_size: int) -> int:
-    """Checks ``canaries`` (in [2, dataset_size]) and ``guesses`` (in [2, canaries]); returns
-    the guesses to use (default :func:`default_guesses`)."""
-    check_int("dataset_size", dataset_size)
-    check_int("audit_canaries", canaries, 2, max(2, dataset_size))
-    if canaries > dataset_size:
-        raise ValueError(
-            f"audit_canaries must be in [2, {dataset_size}] (at most the training set), got "
-            f"audit_canaries={canaries}"
-        )
-    if guesses is None:
-        return default_guesses(canaries)
-    check_int("audit_guesses", guesses, 2, canaries)
-    return guesses
-
-
-def default_guesses(canaries: int) -> int:
-    """A fifth of the canaries (even, at least 2): a weak attack is surer on its extremes."""
-    return max(2, 2 * (canaries // 10))
 
 
 @dataclasses.dataclass(frozen=True)
