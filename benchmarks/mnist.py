@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dpfy.training.recipes import train_image_classifier
+from dpfy.config import RunConfig
+from dpfy.training.recipes import ImageRecipe, RunHooks, train_image_classifier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -81,21 +82,28 @@ def main(argv: list[str] | None = None) -> int:
                 cfg[key] = value
         out_dir = None if args.out_dir is None else Path(args.out_dir) / dataset
         start = time.perf_counter()
+        opt = {k: cfg.pop(k) for k in ("epochs", "batch_size", "learning_rate", "clip_norm")
+               if k in cfg}
         summary = train_image_classifier(
-            dataset,
-            target_epsilon=args.target_epsilon,
-            delta=args.delta,
-            sampler=args.sampler,
-            momentum=args.momentum,
-            ema_decay=args.ema or None,
-            model=args.model,
-            max_physical_batch_size=args.physical_batch,
-            accounting="pld",
-            threads=args.threads,
-            seed=args.seed,
-            out_dir=out_dir,
-            callbacks=(_progress(dataset),),
-            **cfg,
+            RunConfig(
+                dataset=dataset,
+                target_epsilon=args.target_epsilon,
+                delta=args.delta,
+                sampler=args.sampler,
+                threads=args.threads,
+                seed=args.seed,
+                out=None if out_dir is None else str(out_dir),
+                **opt,
+            ),
+            ImageRecipe(
+                momentum=args.momentum,
+                ema_decay=args.ema or None,
+                model=args.model,
+                max_physical_batch_size=args.physical_batch,
+                accounting="pld",
+                **cfg,
+            ),
+            RunHooks(callbacks=(_progress(dataset),)),
         )
         total = time.perf_counter() - start
         run = summary.to_dict(include_history=True)

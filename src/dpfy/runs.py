@@ -24,7 +24,7 @@ import math
 import os
 import shlex
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -167,54 +167,26 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
     text = c.text
     out_dir = _new_run_dir(c.out, dataset)
 
-    options: dict[str, Any] = {
-        "epochs": c.epochs,
-        "batch_size": c.batch_size,
-        "learning_rate": c.learning_rate,
-        "clip_norm": c.clip_norm,
-        "train_limit": c.train_limit,
-        "threads": c.threads,
-        "precision": precision,
-        "workers": workers if workers > 1 else None,
-        "shard": True if shard else None,
-    }
     text_options = {"model": c.model or "minilm", "lora": lora,
                     "max_length": c.max_length} if text else {}
-    options.update(text_options)
-    options["test_limit"] = c.test_limit
-    unit_options: dict[str, Any] = {}
-    if unit != "example":
-        unit_options = {"unit": unit, "max_examples_per_user": c.cap,
-                        "user_reduction": c.user_reduction}
-        if not text:
-            unit_options["num_users"] = c.users
-    options.update(unit_options)
-    if mechanism != "dpsgd":
-        options["mechanism"] = mechanism
-    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
-    if shard:  # the final weights are released: an FSDP2 model cannot be copied for an EMA
-        options["ema_decay"] = None
-    from dpfy.training import recipes
-    from dpfy.training import text as text_recipe
-
-    train_fn: Callable[..., Any] = (
-        text_recipe.train_text_classifier if text else recipes.train_image_classifier
-    )
     canaries = tracker = None
     if audit_canaries is not None:
         canaries, tracker = _audit_setup(dataset, audit_canaries, seed, 0.9)
-        options["extra_train"] = canaries.training_rows()
-        options["step_observer"] = tracker
-    summary = train_fn(
-        dataset,
-        target_epsilon=target_epsilon,
-        delta=delta,
-        sampler=sampler,
-        seed=seed,
-        out_dir=out_dir,
-        progress=progress,
-        **options,
-    )
+    if text:
+        summary = _train_text(c, out_dir, progress)
+    else:
+        from dpfy.training import recipes
+
+        summary = recipes.train_image_classifier(
+            c.replace(out=str(out_dir)),
+            # the final weights are released: an FSDP2 model cannot be copied for an EMA
+            recipes.ImageRecipe(ema_decay=None) if shard else None,
+            recipes.RunHooks(
+                progress=progress,
+                extra_train=None if canaries is None else canaries.training_rows(),
+                step_observer=tracker,
+            ),
+        )
     accuracy_by_step = [
         (int(e.steps), float(e.test_accuracy))
         for e in summary.history.epochs
@@ -267,6 +239,26 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
         )
     return TrainedRun(
         out_dir, ledger_path, report, summary.test_accuracy, summary.seconds, summary
+    )
+
+
+def _train_text(c: RunConfig, out_dir: Path, progress: bool) -> Any:
+    """The text recipe's run for ``c`` (None fields take the recipe's defaults)."""
+    from dpfy.training import text as text_recipe
+
+    options: dict[str, Any] = {
+        "epochs": c.epochs, "batch_size": c.batch_size, "learning_rate": c.learning_rate,
+        "clip_norm": c.clip_norm, "train_limit": c.train_limit, "threads": c.threads,
+        "precision": c.precision, "model": c.model or "minilm", "lora": c.lora,
+        "max_length": c.max_length, "test_limit": c.test_limit,
+    }
+    if c.unit != "example":
+        options.update(unit=c.unit, max_examples_per_user=c.cap,
+                       user_reduction=c.user_reduction)
+    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
+    return text_recipe.train_text_classifier(
+        c.dataset, target_epsilon=c.target_epsilon, delta=c.delta, sampler=c.sampler_kind,
+        seed=c.seed, out_dir=out_dir, progress=progress, **options,
     )
 
 

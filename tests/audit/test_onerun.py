@@ -3,6 +3,7 @@ analyses, the Audit section, and bad input refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -25,9 +26,13 @@ from dpfy.training import recipes
 def _quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe pads every batch to 1024 rows and draws figures: same run, less waiting
     (the test split is cut by ``test_limit`` in ``_train``)."""
-    monkeypatch.setattr(recipes, "train_image_classifier",
-                        functools.partial(recipes.train_image_classifier,
-                                          max_physical_batch_size=64))
+    real = recipes.train_image_classifier
+
+    def small_chunks(config, recipe=None, hooks=None):  # type: ignore[no-untyped-def]
+        recipe = recipes.ImageRecipe() if recipe is None else recipe
+        return real(config, dataclasses.replace(recipe, max_physical_batch_size=64), hooks)
+
+    monkeypatch.setattr(recipes, "train_image_classifier", small_chunks)
     monkeypatch.setattr(runs, "_report_files",
                         functools.partial(runs._report_files, figures=False))
     torch.set_num_threads(1)

@@ -29,6 +29,7 @@ from torch import nn
 
 from dpfy import datasets
 from dpfy._validate import check_int
+from dpfy.config import RunConfig
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.correlated.plan import STRATEGIES, CorrelatedPlan, make_plan
 from dpfy.ledger import Ledger, SampleSpec
@@ -43,7 +44,9 @@ from dpfy.training.sharded import full_state_dict, shard_model
 from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
 
 __all__ = [
+    "ImageRecipe",
     "MODELS",
+    "RunHooks",
     "TrainResultSummary",
     "make_model",
     "run_randomness",
@@ -139,42 +142,65 @@ class TrainResultSummary:
         return out
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ImageRecipe:
+    """The image recipe's own knobs, and its defaults for the RunConfig fields left ``None``.
+
+    Attributes:
+      epochs, batch_size, learning_rate, clip_norm: used where the RunConfig leaves them None
+        (expected batch size; SGD step size; per-example clip norm C).
+      momentum: SGD momentum (post-processing of the noisy gradient).
+      model: ``"tanh_cnn"`` or ``"gn_cnn"``.
+      ema_decay: EMA of the weights (the EMA model is released), or None.
+      max_physical_batch_size: rows per forward/backward pass.
+      noise_multiplier: fixed z instead of calibration (the guard still uses the target).
+      accounting: accountant for calibration, the guard and the final statement; default: the
+        sampler kind's ``default_accountant`` (``"gaussian"`` with correlated noise).
+      band, buffers: BandMF diagonals and BLT buffers of a correlated ``mechanism``.
+    """
+
+    epochs: int = 10
+    batch_size: int = 1024
+    learning_rate: float = 2.0
+    clip_norm: float = 0.1
+    momentum: float = 0.9
+    model: str = "tanh_cnn"
+    ema_decay: float | None = 0.99
+    max_physical_batch_size: int = 1024
+    noise_multiplier: float | None = None
+    accounting: str | None = None
+    band: int = 16
+    buffers: int = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RunHooks:
+    """What a caller plugs into a recipe run (not part of its configuration).
+
+    Attributes:
+      progress: show a progress bar (loss, accuracy, epsilon spent).
+      callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
+      distributed: this process's place in a run started elsewhere (``torchrun``, or a helper
+        rank of ``RunConfig.workers``; the RunConfig then names the world size as ``workers``
+        when it shards); only rank 0 writes ``out``.
+      extra_train: ``(images, labels)`` appended to the training set (one process, example
+        level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`): ordinary
+        training examples, sampled, clipped and counted in N like the rest.
+      step_observer: ``step_observer(model)`` is called once with the freshly initialised
+        model and returns a callback added to ``callbacks`` (the white-box audit's view).
+    """
+
+    progress: bool = False
+    callbacks: Sequence[Callable[[ProgressInfo], None]] = ()
+    distributed: Distributed | None = None
+    extra_train: tuple[torch.Tensor, torch.Tensor] | None = None
+    step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None
+
+
 def train_image_classifier(
-    dataset: str = "mnist",
-    *,
-    target_epsilon: float | None = 3.0,
-    delta: float = 1e-5,
-    noise_multiplier: float | None = None,
-    sampler: str = "poisson",
-    epochs: int = 10,
-    batch_size: int = 1024,
-    learning_rate: float = 2.0,
-    momentum: float = 0.9,
-    clip_norm: float = 0.1,
-    model: str = "tanh_cnn",
-    ema_decay: float | None = 0.99,
-    max_physical_batch_size: int = 1024,
-    accounting: str | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    progress: bool = False,
-    seed: int | None = None,
-    threads: int | None = None,
-    train_limit: int | None = None,
-    test_limit: int | None = None,
-    callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
-    precision: str = "fp32",
-    unit: str = "example",
-    num_users: int | None = None,
-    max_examples_per_user: int | None = None,
-    user_reduction: str = "sum",
-    workers: int = 1,
-    distributed: Distributed | None = None,
-    shard: bool = False,
-    mechanism: str = "dpsgd",
-    band: int = 16,
-    buffers: int = 4,
-    extra_train: tuple[torch.Tensor, torch.Tensor] | None = None,
-    step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None,
+    config: RunConfig,
+    recipe: ImageRecipe | None = None,
+    hooks: RunHooks | None = None,
 ) -> TrainResultSummary:
     """Train a small CNN with DP-SGD on MNIST / Fashion-MNIST; write model and ledger.
 
@@ -183,62 +209,52 @@ def train_image_classifier(
     add-or-remove (Poisson, Balls-and-Bins).
 
     Args:
-      dataset: ``"mnist"`` or ``"fashion-mnist"`` (see :mod:`dpfy.datasets`).
-      target_epsilon: budget; the noise multiplier is calibrated to it (and the guard armed).
-      delta: target delta.
-      noise_multiplier: fixed z instead of calibration (the guard still uses the target).
-      sampler: ``"poisson"`` or ``"balls_and_bins"`` (any :func:`dpfy.sampling.make_sampler`
-        kind works; shuffle runs get their honest accounting).
-      epochs, batch_size: expected batch size B (Poisson rate B / N) and epochs.
-      learning_rate, momentum: SGD with momentum (post-processing of the noisy gradient).
-      clip_norm: per-example clip norm C.
-      model: ``"tanh_cnn"`` or ``"gn_cnn"``.
-      ema_decay: EMA of the weights (the EMA model is released), or None.
-      max_physical_batch_size: rows per forward/backward pass.
-      accounting: accountant for calibration, the guard and the final statement; default: the
-        sampler kind's ``default_accountant`` (:mod:`dpfy.sampling.kinds`: ``"pld"`` for
-        Poisson, ``"random_allocation"`` for Balls-and-Bins, ``"auto"`` otherwise).
-      out_dir: directory for ``model.pt``, ``ledger.jsonl`` and ``summary.json``.
-      progress: show a progress bar (loss, accuracy, epsilon spent).
-      seed: None (default): sampling and noise come from the secure generator
-        (``Randomness.secure_mode()``, docs/randomness.md), a DP release. An int runs a
-        seeded experiment instead: sampling, noise and initialisation are reproducible from
-        it, so the released model is NOT differentially private against anyone who knows the
-        seed; the ledger records which mode ran (``sampling_randomness``,
-        ``noise_randomness``).
-      threads: ``torch.set_num_threads`` for the run (None: leave as is).
-      train_limit: use only the first ``train_limit`` training images (smoke tests).
-      test_limit: evaluate on the first ``test_limit`` test images only (smoke tests).
-      callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
-      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward (clipping and
-        noise stay fp32; :mod:`dpfy.training.precision`).
-      unit: ``"example"`` or a user-level unit name (``"user"``); then ``batch_size`` is the
-        expected number of users per batch and ``clip_norm`` bounds each user's gradient.
-      num_users: synthetic users (needed with a user-level ``unit``).
-      max_examples_per_user, user_reduction: the cap and ``"sum"``/``"mean"``
-        (:class:`dpfy.training.users.UserLevelTrainer`).
-      workers: data-parallel processes on this machine (:mod:`dpfy.training.distributed`):
-        this process is rank 0 (it samples, draws the noise, writes ``out_dir``) and
-        ``workers - 1`` helpers are spawned; ``max_physical_batch_size`` must be a multiple.
-      distributed: this process's place in a run started elsewhere (``torchrun``); only
-        rank 0 should be given ``out_dir``.
-      shard: shard the model over the processes with FSDP2 (``fully_shard``; needs
-        ``workers > 1`` or ``distributed``; :mod:`dpfy.training.sharded`).
-      mechanism: ``"dpsgd"`` (independent noise) or a correlated-noise strategy
-        ``"bandmf"`` (``band`` diagonals), ``"blt"`` (``buffers`` buffers), ``"tree"`` or
-        ``"tree-efficient"`` (docs/architecture.md, 5.16): needs the ``cyclic`` or
-        ``deterministic`` sampler (or one epoch of ``shuffle``); accounted as one
-        ``MatrixMechanism`` (``"gaussian"``).
-      extra_train: ``(images, labels)`` appended to the training set (one process,
-        example-level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`). They
-        are ordinary training examples: sampled, clipped and counted in N like the rest.
-      step_observer: ``step_observer(model)`` is called once with the freshly initialised
-        model, before any step, and returns a callback added to ``callbacks`` (it sees the
-        trained parameters after every step: the white-box audit's view).
+      config: the run (:class:`dpfy.config.RunConfig`): dataset (``"mnist"`` or
+        ``"fashion-mnist"``), budget, sampler (any :func:`dpfy.sampling.make_sampler` kind;
+        shuffle runs get their honest accounting), optimisation, ``seed`` (None: sampling and
+        noise from the secure generator, a DP release; an int: a reproducible experiment that
+        is NOT differentially private against anyone who knows the seed), limits, precision,
+        unit of privacy (``"user"``: ``users`` synthetic users, ``batch_size`` users per
+        batch), ``workers`` (data-parallel processes on this machine; this one is rank 0 and
+        writes ``out``), ``shard`` (FSDP2) and ``mechanism`` (correlated noise needs the
+        ``cyclic`` or ``deterministic`` sampler, or one epoch of ``shuffle``; accounted as one
+        ``MatrixMechanism``). ``out`` receives ``model.pt``, ``ledger.jsonl`` and
+        ``summary.json``.
+      recipe: the recipe's own knobs and defaults (:class:`ImageRecipe`).
+      hooks: progress, callbacks, a distributed context, the one-run audit's extra training
+        rows and observer (:class:`RunHooks`).
 
     Returns:
       :class:`TrainResultSummary` (rank 0's).
     """
+    recipe = ImageRecipe() if recipe is None else recipe
+    hooks = RunHooks() if hooks is None else hooks
+    dataset, target_epsilon, delta, seed = (
+        config.dataset, config.target_epsilon, config.delta, config.seed
+    )
+    sampler, mechanism, unit, precision = (
+        config.sampler_kind, config.mechanism, config.unit, config.precision
+    )
+    epochs = recipe.epochs if config.epochs is None else config.epochs
+    batch_size = recipe.batch_size if config.batch_size is None else config.batch_size
+    learning_rate = (
+        recipe.learning_rate if config.learning_rate is None else config.learning_rate
+    )
+    clip_norm = recipe.clip_norm if config.clip_norm is None else config.clip_norm
+    momentum, model, ema_decay = recipe.momentum, recipe.model, recipe.ema_decay
+    max_physical_batch_size, accounting = recipe.max_physical_batch_size, recipe.accounting
+    noise_multiplier, band, buffers = recipe.noise_multiplier, recipe.band, recipe.buffers
+    out_dir, threads, train_limit, test_limit = (
+        config.out, config.threads, config.train_limit, config.test_limit
+    )
+    num_users, max_examples_per_user, user_reduction = (
+        config.users, config.cap, config.user_reduction
+    )
+    workers, shard = config.workers, config.shard
+    progress, callbacks, distributed = hooks.progress, hooks.callbacks, hooks.distributed
+    extra_train, step_observer = hooks.extra_train, hooks.step_observer
+    if distributed is not None:
+        workers = 1  # a rank of a run: the processes are already there
     checked_precision = check_precision(precision)
     if mechanism not in ("dpsgd", *STRATEGIES):
         raise ValueError(
@@ -274,24 +290,14 @@ def train_image_classifier(
             f"unit='example', got workers={workers}, unit={unit!r}"
         )
     if workers > 1:
-        if distributed is not None:
-            raise ValueError("give workers (local processes) or distributed, not both")
         per_process_batch(max_physical_batch_size, workers)  # refused before anything starts
         if out_dir is not None and (Path(out_dir) / "ledger.jsonl").exists():
             raise FileExistsError(f"{Path(out_dir) / 'ledger.jsonl'} exists: use a new out_dir")
-        options = dict(
-            dataset=dataset, target_epsilon=target_epsilon, delta=delta,
-            noise_multiplier=noise_multiplier, sampler=sampler, epochs=epochs,
-            batch_size=batch_size, learning_rate=learning_rate, momentum=momentum,
-            clip_norm=clip_norm, model=model, ema_decay=ema_decay,
-            max_physical_batch_size=max_physical_batch_size, accounting=accounting, seed=seed,
-            threads=threads or max(1, (os.cpu_count() or 1) // workers),
-            train_limit=train_limit, test_limit=test_limit, precision=precision, shard=shard,
-        )
+        config = config.replace(threads=threads or max(1, (os.cpu_count() or 1) // workers))
+        helper = config.replace(out=None)
         return cast(TrainResultSummary, run_local(
-            _worker, workers, (options,),
-            rank0_args=({**options, "out_dir": out_dir, "progress": progress,
-                         "callbacks": callbacks},),
+            _worker, workers, (helper, recipe),
+            rank0_args=(config, recipe, RunHooks(progress=progress, callbacks=callbacks)),
         ))
     if threads is not None:
         torch.set_num_threads(int(threads))
@@ -422,9 +428,16 @@ def train_image_classifier(
     return summary
 
 
-def _worker(distributed: Distributed, options: dict[str, Any]) -> TrainResultSummary:
-    """One rank of ``train_image_classifier(workers=...)``."""
-    return train_image_classifier(**options, distributed=distributed)
+def _worker(
+    distributed: Distributed,
+    config: RunConfig,
+    recipe: ImageRecipe,
+    hooks: RunHooks | None = None,
+) -> TrainResultSummary:
+    """One rank of a ``RunConfig.workers`` run of :func:`train_image_classifier`."""
+    hooks = RunHooks() if hooks is None else hooks
+    ranked = dataclasses.replace(hooks, distributed=distributed)
+    return train_image_classifier(config, recipe, ranked)
 
 
 def correlated_plan(
