@@ -72,6 +72,8 @@ def _lr(mode: str, args: argparse.Namespace) -> float | None:
 
 
 def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    from dpfy.config import RunConfig
+    from dpfy.training.recipes import RunHooks
     from dpfy.training.text import train_text_classifier
 
     mode, eps = _parse(config)
@@ -91,9 +93,13 @@ def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
     start = time.perf_counter()
     summary = train_text_classifier(
-        lora=mode == "lora", target_epsilon=eps, delta=DELTA, epochs=epochs, seed=args.seed,
-        threads=args.threads, train_limit=args.train_limit, test_limit=args.test_limit,
-        max_length=args.max_length, callbacks=[on_epoch], learning_rate=_lr(mode, args),
+        RunConfig(
+            dataset="rotten-tomatoes", lora=mode == "lora", target_epsilon=eps, delta=DELTA,
+            epochs=epochs, seed=args.seed, threads=args.threads,
+            train_limit=args.train_limit, test_limit=args.test_limit,
+            max_length=args.max_length, learning_rate=_lr(mode, args),
+        ),
+        hooks=RunHooks(callbacks=[on_epoch]),
     )
     return {
         "test_accuracy": summary.test_accuracy, "epsilon": summary.epsilon,

@@ -83,10 +83,11 @@ def test_bad_text_options_are_refused_before_anything_is_written(tmp_path, args,
 
 
 def test_text_recipe_refuses_unknown_dataset_and_model():
+    from dpfy.config import RunConfig
     from dpfy.training.text import make_text_model, train_text_classifier
 
     with pytest.raises(ValueError, match="dataset must be one of"):
-        train_text_classifier("imdb")
+        train_text_classifier(RunConfig(dataset="imdb"))
     with pytest.raises(ValueError, match="model must be one of"):
         make_text_model("bert-large")
 

@@ -244,22 +244,11 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
 
 def _train_text(c: RunConfig, out_dir: Path, progress: bool) -> Any:
     """The text recipe's run for ``c`` (None fields take the recipe's defaults)."""
+    from dpfy.training import recipes
     from dpfy.training import text as text_recipe
 
-    options: dict[str, Any] = {
-        "epochs": c.epochs, "batch_size": c.batch_size, "learning_rate": c.learning_rate,
-        "clip_norm": c.clip_norm, "train_limit": c.train_limit, "threads": c.threads,
-        "precision": c.precision, "model": c.model or "minilm", "lora": c.lora,
-        "max_length": c.max_length, "test_limit": c.test_limit,
-    }
-    if c.unit != "example":
-        options.update(unit=c.unit, max_examples_per_user=c.cap,
-                       user_reduction=c.user_reduction)
-    options = {k: v for k, v in options.items() if v is not None}  # None: the recipe's default
-    return text_recipe.train_text_classifier(
-        c.dataset, target_epsilon=c.target_epsilon, delta=c.delta, sampler=c.sampler_kind,
-        seed=c.seed, out_dir=out_dir, progress=progress, **options,
-    )
+    hooks = recipes.RunHooks(progress=progress)
+    return text_recipe.train_text_classifier(c.replace(out=str(out_dir)), None, hooks)
 
 
 @dataclasses.dataclass

@@ -49,9 +49,9 @@ the ledger) does not.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,6 +64,7 @@ from torch.utils.data import Dataset, default_collate
 
 from dpfy import datasets
 from dpfy._validate import check_int, check_range
+from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
 from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
@@ -71,7 +72,7 @@ from dpfy.training import users
 from dpfy.training.budget import spent
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
-from dpfy.training.recipes import TrainResultSummary, run_randomness
+from dpfy.training.recipes import RunHooks, TrainResultSummary, run_randomness
 from dpfy.training.trainer import PrivateTrainer, ProgressInfo
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ __all__ = [
     "make_text_model",
     "text_optimizer",
     "tokenize",
+    "TextRecipe",
     "train_text_classifier",
     "trim_padding",
     "truncated_fraction",
@@ -317,63 +319,61 @@ class _RunningEpsilon:
         self._progress.stop()
 
 
-def train_text_classifier(
-    dataset: str = "rotten-tomatoes",
-    *,
-    model: str = "minilm",
-    lora: bool = False,
-    target_epsilon: float = 8.0,
-    delta: float = 1e-5,
-    sampler: str = "poisson",
-    epochs: int | None = None,
-    batch_size: int | None = None,
-    learning_rate: float | None = None,
-    clip_norm: float | None = None,
-    head_learning_rate: float | None = None,
-    max_length: int = 64,
-    max_physical_batch_size: int = 64,
-    accounting: str | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    progress: bool = False,
-    seed: int | None = None,
-    threads: int | None = None,
-    train_limit: int | None = None,
-    test_limit: int | None = None,
-    callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
-    precision: str = "fp32",
-    unit: str = "example",
-    max_examples_per_user: int | None = None,
-    user_reduction: str = "sum",
-    clip_head_separately: bool | None = None,
-) -> TrainResultSummary:
-    """DP fine-tuning of MiniLM on the rotten-tomatoes snippets; write model and ledger.
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TextRecipe:
+    """The text recipe's own knobs (beyond :class:`dpfy.config.RunConfig`).
 
-    Args:
-      dataset: ``"rotten-tomatoes"``.
-      model: ``"minilm"``; lora: LoRA instead of full fine-tuning (module docstring).
-      target_epsilon, delta: the budget the noise is calibrated to (and the guard armed).
-      sampler: a :func:`dpfy.sampling.make_sampler` kind (default Poisson).
-      epochs, batch_size, learning_rate, clip_norm: None takes :data:`TEXT_DEFAULTS`.
-      head_learning_rate: Adam's rate for the head (None: :data:`TEXT_DEFAULTS`, 1e-2);
-        ``learning_rate`` is the encoder's (:func:`text_optimizer`).
-      max_length: tokens per snippet (truncation and padding), in [2, 512].
+    Attributes:
+      head_learning_rate: Adam's rate for the head (None: :data:`TEXT_DEFAULTS`, 1e-2); the
+        RunConfig's ``learning_rate`` is the encoder's (:func:`text_optimizer`).
       max_physical_batch_size: rows per forward/backward pass (memory bound).
       accounting: accountant of calibration, guard and statement (default: the sampler's).
-      out_dir: directory for ``model.pt`` (full: the state dict; LoRA: the trainable
-        tensors only), ``ledger.jsonl`` and ``summary.json``.
-      progress: a progress bar with the ledger's epsilon so far.
-      seed: None: secure sampling and noise (a DP release); an int: a seeded experiment (NOT
-        a DP release; the ledger records the mode).
-      threads: ``torch.set_num_threads`` for the run.
-      train_limit, test_limit: the first snippets of each split only (quick runs).
-      callbacks, precision: as in :func:`dpfy.training.recipes.train_image_classifier`.
-      unit: ``"example"`` (one snippet) or ``"movie"`` (all of one movie's snippets).
-      max_examples_per_user, user_reduction: with ``unit="movie"``: the cap on snippets per
-        movie and ``"sum"``/``"mean"`` (:class:`dpfy.training.users.UserLevelTrainer`).
       clip_head_separately: clip the head and the encoder (or its LoRA factors) as two groups
         at the privacy cost of one clip norm (:func:`dpfy.queries.separate_clipping`); None:
         :data:`TEXT_DEFAULTS` (full fine-tuning yes, LoRA no; module docstring).
     """
+
+    head_learning_rate: float | None = None
+    max_physical_batch_size: int = 64
+    accounting: str | None = None
+    clip_head_separately: bool | None = None
+
+
+def train_text_classifier(
+    config: RunConfig,
+    recipe: TextRecipe | None = None,
+    hooks: RunHooks | None = None,
+) -> TrainResultSummary:
+    """DP fine-tuning of MiniLM on the rotten-tomatoes snippets; write model and ledger.
+
+    Args:
+      config: the run (:class:`dpfy.config.RunConfig`): ``dataset`` (``"rotten-tomatoes"``),
+        ``model`` (``"minilm"``), ``lora`` (LoRA instead of full fine-tuning; module
+        docstring), the budget, the sampler, ``epochs``/``batch_size``/``learning_rate``/
+        ``clip_norm`` (None: :data:`TEXT_DEFAULTS`), ``max_length`` (tokens per snippet,
+        default 64), ``seed`` (None: secure sampling and noise, a DP release; an int: a
+        seeded experiment, NOT a DP release), limits, threads, precision, ``unit``
+        (``"example"``: one snippet; ``"movie"``: all of one movie's snippets, with ``cap``
+        and ``user_reduction``), and ``out`` (``model.pt`` -- full: the state dict; LoRA: the
+        trainable tensors only --, ``ledger.jsonl``, ``summary.json``).
+      recipe: the recipe's own knobs (:class:`TextRecipe`).
+      hooks: ``progress`` (a bar with the ledger's epsilon so far) and ``callbacks``
+        (:class:`dpfy.training.recipes.RunHooks`; the others are for the image recipe).
+    """
+    recipe = TextRecipe() if recipe is None else recipe
+    hooks = RunHooks() if hooks is None else hooks
+    dataset, model, lora = config.dataset, config.model or "minilm", config.lora
+    target_epsilon, delta, sampler = config.target_epsilon, config.delta, config.sampler_kind
+    epochs, batch_size = config.epochs, config.batch_size
+    learning_rate, clip_norm = config.learning_rate, config.clip_norm
+    head_learning_rate = recipe.head_learning_rate
+    max_length = 64 if config.max_length is None else config.max_length
+    max_physical_batch_size, accounting = recipe.max_physical_batch_size, recipe.accounting
+    out_dir, progress, seed, threads = config.out, hooks.progress, config.seed, config.threads
+    train_limit, test_limit, callbacks = config.train_limit, config.test_limit, hooks.callbacks
+    precision, unit = config.precision, config.unit
+    max_examples_per_user, user_reduction = config.cap, config.user_reduction
+    clip_head_separately = recipe.clip_head_separately
     if dataset not in TEXT_DATASETS:
         raise ValueError(
             f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got dataset={dataset!r}"
