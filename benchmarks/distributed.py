@@ -29,7 +29,7 @@ from torch import nn
 
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
-from dpfy.training import PrivateTrainer
+from dpfy.training import PrivateTrainer, TrainerOptions
 from dpfy.training.distributed import Distributed
 from dpfy.training.launch import run_local
 from dpfy.training.recipes import make_model
@@ -52,10 +52,21 @@ def _run(distributed: Distributed | None, cfg: dict[str, Any]) -> dict[str, floa
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     trainer = PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
-        x, y, PoissonSampler(n, batch / n, randomness=Randomness(1)),
-        clip_norm=1.0, epochs=1, delta=1e-5, noise_multiplier=1.0,
-        max_physical_batch_size=batch, randomness=Randomness(2), distributed=distributed,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        PoissonSampler(n, batch / n, randomness=Randomness(1)),
+        options=TrainerOptions(
+            clip_norm=1.0,
+            epochs=1,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            max_physical_batch_size=batch,
+            randomness=Randomness(2),
+            distributed=distributed,
+        ),
     )
     trainer.fit(max_steps=int(cfg["warmup"]))
     done = trainer.global_step_

@@ -44,7 +44,7 @@ from dpfy.correlated import Cyclic, make_plan
 from dpfy.randomness import Randomness
 from dpfy.sampling import make_sampler
 from dpfy.training.recipes import make_model
-from dpfy.training.trainer import PrivateTrainer
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 OUT = Path(__file__).resolve().parent / "results" / "dpftrl_mnist"
 CONFIGS = {  # name: (sampler, mechanism, accountant)
@@ -77,18 +77,19 @@ def run_one(name: str, seed: int, data: tuple, args: argparse.Namespace) -> dict
         x,
         y,
         sampler,
-        clip_norm=args.clip,
-        epochs=args.epochs,
-        delta=args.delta,
-        target_epsilon=args.epsilon,
-        # padded chunks sized to the batch (Poisson: B + 4 sqrt(B) + 1), so compute is equal
-        max_physical_batch_size=args.batch + (
+        options=TrainerOptions(
+            clip_norm=args.clip,
+            epochs=args.epochs,
+            delta=args.delta,
+            target_epsilon=args.epsilon,
+            max_physical_batch_size=args.batch + (
             int(4 * args.batch**0.5) + 1 if sampler_kind == "poisson" else 0),
-        accounting=method,
-        randomness=Randomness(2000 + seed),
-        ema_decay=0.99,
-        test_data=(xt, yt),
-        correlated=plan,
+            accounting=method,
+            randomness=Randomness(2000 + seed),
+            ema_decay=0.99,
+            test_data=(xt, yt),
+            correlated=plan,
+        ),
     )
     cpu0 = time.process_time()
     result = trainer.fit(max_steps=steps)  # Poisson: the same number of steps

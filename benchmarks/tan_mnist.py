@@ -57,7 +57,7 @@ from dpfy.accounting import tan
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
 from dpfy.training.recipes import make_model
-from dpfy.training.trainer import PrivateTrainer
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -117,14 +117,16 @@ def run_one(
         x,
         y,
         sampler,
-        clip_norm=clip,
-        epochs=max(1, math.ceil(cfg.steps / steps_per_epoch)),
-        delta=delta,
-        noise_multiplier=cfg.noise_multiplier,
-        max_physical_batch_size=physical,
-        randomness=Randomness(int(base.uniform(1)[0] * 2**62)),
-        test_data=(xt, yt),
-        callbacks=[clock],
+        options=TrainerOptions(
+            clip_norm=clip,
+            epochs=max(1, math.ceil(cfg.steps / steps_per_epoch)),
+            delta=delta,
+            noise_multiplier=cfg.noise_multiplier,
+            max_physical_batch_size=physical,
+            randomness=Randomness(int(base.uniform(1)[0] * 2**62)),
+            test_data=(xt, yt),
+            callbacks=[clock],
+        ),
     )
     cpu0 = time.process_time()
     result = trainer.fit(max_steps=cfg.steps)

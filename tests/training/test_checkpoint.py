@@ -17,7 +17,7 @@ from dpfy.training.checkpoint import (
     restore_ledger,
     save_checkpoint,
 )
-from dpfy.training.trainer import PrivateTrainer
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 N = 96
 
@@ -41,12 +41,26 @@ def _build(kind: str, seed: int, ledger: Ledger, **kw) -> PrivateTrainer:
     )
     x, y = _data()
     return PrivateTrainer(
-        model, opt, nn.CrossEntropyLoss(reduction="none"), x, y, sampler,
-        clip_norm=1.0, epochs=3, delta=1e-3, noise_multiplier=1.1, max_physical_batch_size=8,
-        ledger=ledger, randomness=Randomness(200 + seed), ema_decay=0.9, test_data=(x, y),
-        accounting="rdp" if kind == "poisson" else MonteCarloAccountant(samples=2000,
+        model,
+        opt,
+        nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        sampler,
+        options=TrainerOptions(
+            **kw,
+            clip_norm=1.0,
+            epochs=3,
+            delta=1e-3,
+            noise_multiplier=1.1,
+            max_physical_batch_size=8,
+            ledger=ledger,
+            randomness=Randomness(200 + seed),
+            ema_decay=0.9,
+            test_data=(x, y),
+            accounting="rdp" if kind == "poisson" else MonteCarloAccountant(samples=2000,
                                                                         progress=False),
-        **kw,
+        ),
     )
 
 
@@ -145,11 +159,23 @@ def test_a_secure_run_is_not_resumed_with_seeded_randomness(tmp_path):
         model = nn.Linear(5, 2)
         x, y = _data()
         return PrivateTrainer(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(
-                reduction="none"), x, y, PoissonSampler(N, 0.125, randomness=rng_factory()),
-            clip_norm=1.0, epochs=1, delta=1e-3, noise_multiplier=1.1,
-            max_physical_batch_size=32, ledger=ledger, randomness=rng_factory(),
-            accounting="rdp",
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(
+                reduction="none"),
+            x,
+            y,
+            PoissonSampler(N, 0.125, randomness=rng_factory()),
+            options=TrainerOptions(
+                clip_norm=1.0,
+                epochs=1,
+                delta=1e-3,
+                noise_multiplier=1.1,
+                max_physical_batch_size=32,
+                ledger=ledger,
+                randomness=rng_factory(),
+                accounting="rdp",
+            ),
         )
 
     path, ckpt = tmp_path / "run.jsonl", tmp_path / "c.pt"

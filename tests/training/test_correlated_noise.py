@@ -25,7 +25,7 @@ from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord, SampleRecord,
 from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import CyclicSampler, make_sampler
-from dpfy.training import PrivateTrainer
+from dpfy.training import PrivateTrainer, TrainerOptions
 
 STRATEGIES = ("bandmf", "blt", "tree", "tree-efficient")
 N, B, EPOCHS = 48, 12, 3  # 4 steps per epoch, 12 steps
@@ -51,7 +51,8 @@ def _trainer(
     return PrivateTrainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
         nn.CrossEntropyLoss(reduction="none"), x, y,
-        make_sampler(sampler_kind, N, B, randomness=Randomness(5)), **args,  # type: ignore[arg-type]
+        make_sampler(sampler_kind, N, B, randomness=Randomness(5)),
+        TrainerOptions(**args),  # type: ignore[arg-type]
     )
 
 

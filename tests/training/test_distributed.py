@@ -25,7 +25,7 @@ from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
-from dpfy.training import PhysicalBatcher, PrivateGradient, PrivateTrainer
+from dpfy.training import PhysicalBatcher, PrivateGradient, PrivateTrainer, TrainerOptions
 from dpfy.training.distributed import (
     Distributed,
     DistributedError,
@@ -55,11 +55,23 @@ def _trainer(model, ledger, dist=None, *, p=P, callbacks=(), loss_fn=None):
     sampler = PoissonSampler(N, 0.25, randomness=Randomness(1))
     params = model.module.parameters() if hasattr(model, "module") else model.parameters()
     return PrivateTrainer(
-        model, torch.optim.SGD(params, lr=0.5, momentum=0.9),
-        loss_fn or nn.CrossEntropyLoss(reduction="none"), x, y, sampler,
-        clip_norm=CLIP, epochs=2, delta=1e-5, noise_multiplier=Z,
-        max_physical_batch_size=p, ledger=ledger, randomness=Randomness(2),
-        callbacks=callbacks, distributed=dist,
+        model,
+        torch.optim.SGD(params, lr=0.5, momentum=0.9),
+        loss_fn or nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        sampler,
+        options=TrainerOptions(
+            clip_norm=CLIP,
+            epochs=2,
+            delta=1e-5,
+            noise_multiplier=Z,
+            max_physical_batch_size=p,
+            ledger=ledger,
+            randomness=Randomness(2),
+            callbacks=callbacks,
+            distributed=dist,
+        ),
     )
 
 

@@ -22,7 +22,7 @@ from dpfy.training.loader import (
     split_batch,
 )
 from dpfy.training.step import PrivateGradient
-from dpfy.training.trainer import PrivateTrainer
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 VOCAB, LENGTH = 11, 6
@@ -124,9 +124,20 @@ def _trained(x, y, data, **kw):
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
     sampler = PoissonSampler(len(x), 0.2, randomness=Randomness(1))
     PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), LOSS, *data, sampler,
-        clip_norm=0.5, epochs=1, delta=1e-5, noise_multiplier=1.0,
-        max_physical_batch_size=4, randomness=Randomness(2), **kw,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        LOSS,
+        *data,
+        sampler,
+        **kw,
+        options=TrainerOptions(
+            clip_norm=0.5,
+            epochs=1,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            max_physical_batch_size=4,
+            randomness=Randomness(2),
+        ),
     ).fit()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -145,10 +156,20 @@ def test_trainer_on_a_dict_dataset():
     model = Pooled()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), LOSS, data, None,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        LOSS,
+        data,
+        None,
         PoissonSampler(len(data), 0.2, randomness=Randomness(0)),
-        clip_norm=1.0, epochs=1, delta=1e-5, noise_multiplier=1.0,
-        max_physical_batch_size=4, randomness=Randomness(1),
+        options=TrainerOptions(
+            clip_norm=1.0,
+            epochs=1,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            max_physical_batch_size=4,
+            randomness=Randomness(1),
+        ),
     ).fit()
     assert result.steps == 5 and result.ledger.iteration == 5
     assert set(model.state_dict()) == set(before)
@@ -174,9 +195,18 @@ def test_refusals_name_the_reason():
         check_sampler(PoissonSampler(9, 0.5), 10)
     with pytest.raises(TypeError, match="IterableDataset"):
         PrivateTrainer(
-            nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), LOSS,
-            Stream(), None, PoissonSampler(3, 0.5), clip_norm=1.0, epochs=1, delta=1e-5,
-            noise_multiplier=1.0,
+            nn.Linear(2, 2),
+            torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1),
+            LOSS,
+            Stream(),
+            None,
+            PoissonSampler(3, 0.5),
+            options=TrainerOptions(
+                clip_norm=1.0,
+                epochs=1,
+                delta=1e-5,
+                noise_multiplier=1.0,
+            ),
         ).fit()
 
 

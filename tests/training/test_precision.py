@@ -273,7 +273,7 @@ def test_make_private_refuses_pure_bf16_and_bad_options_before_writing():
 
 def test_private_trainer_precision():
     from dpfy.sampling import PoissonSampler
-    from dpfy.training import PrivateTrainer
+    from dpfy.training import PrivateTrainer, TrainerOptions
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 6, generator=g)
@@ -281,18 +281,39 @@ def test_private_trainer_precision():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
     trainer = PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
-        x, y, PoissonSampler(64, 0.25, randomness=Randomness(0)), clip_norm=1.0, epochs=1,
-        delta=1e-5, noise_multiplier=1.0, randomness=Randomness(0), precision="bf16",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        PoissonSampler(64, 0.25, randomness=Randomness(0)),
+        options=TrainerOptions(
+            clip_norm=1.0,
+            epochs=1,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            randomness=Randomness(0),
+            precision="bf16",
+        ),
     )
     trainer.fit()
     assert trainer.private_gradient_.precision == "bf16"
     assert trainer.ledger.metadata["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())
     bad = PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), nn.CrossEntropyLoss(reduction="none"),
-        x, y, PoissonSampler(64, 0.25, randomness=Randomness(0)), clip_norm=1.0, epochs=1,
-        delta=1e-5, noise_multiplier=1.0, precision="fp8",
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        nn.CrossEntropyLoss(reduction="none"),
+        x,
+        y,
+        PoissonSampler(64, 0.25, randomness=Randomness(0)),
+        options=TrainerOptions(
+            clip_norm=1.0,
+            epochs=1,
+            delta=1e-5,
+            noise_multiplier=1.0,
+            precision="fp8",
+        ),
     )
     with pytest.raises(ValueError, match="precision must be one of"):
         bad.fit()

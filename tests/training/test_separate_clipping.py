@@ -13,7 +13,7 @@ from dpfy.queries import prefix_groups, separate_clipping
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
 from dpfy.training.step import PrivateGradient
-from dpfy.training.trainer import PrivateTrainer
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -88,9 +88,23 @@ def _fit(**kw):
     x, y = _data()
     model = _mlp()
     sampler = PoissonSampler(len(x), 16 / len(x), randomness=Randomness(1))
-    trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=0.3), LOSS, x, y,
-                             sampler, clip_norm=0.5, epochs=2, delta=1e-5, target_epsilon=4.0,
-                             max_physical_batch_size=8, randomness=Randomness(2), **kw)
+    trainer = PrivateTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        LOSS,
+        x,
+        y,
+        sampler,
+        options=TrainerOptions(
+            **kw,
+            clip_norm=0.5,
+            epochs=2,
+            delta=1e-5,
+            target_epsilon=4.0,
+            max_physical_batch_size=8,
+            randomness=Randomness(2),
+        ),
+    )
     return trainer, trainer.fit()
 
 

@@ -26,7 +26,7 @@ from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
-from dpfy.training import PhysicalBatcher, PrivateGradient, PrivateTrainer
+from dpfy.training import PhysicalBatcher, PrivateGradient, PrivateTrainer, TrainerOptions
 from dpfy.training.distributed import Distributed, DistributedError, ShardBatcher
 from dpfy.training.launch import spawn_workers
 from dpfy.training.sharded import rank_randomness, shard_rows
@@ -69,10 +69,23 @@ def _full(model: nn.Module) -> torch.Tensor:
 def _trainer(model, ledger, dist=None, *, z=Z, loss_fn=LOSS, callbacks=()):
     x, y = _data()
     return PrivateTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), loss_fn, x, y,
-        PoissonSampler(N, 0.25, randomness=Randomness(1)), clip_norm=CLIP, epochs=2,
-        delta=1e-5, noise_multiplier=z, max_physical_batch_size=P, ledger=ledger,
-        randomness=Randomness(2), callbacks=callbacks, distributed=dist,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        loss_fn,
+        x,
+        y,
+        PoissonSampler(N, 0.25, randomness=Randomness(1)),
+        options=TrainerOptions(
+            clip_norm=CLIP,
+            epochs=2,
+            delta=1e-5,
+            noise_multiplier=z,
+            max_physical_batch_size=P,
+            ledger=ledger,
+            randomness=Randomness(2),
+            callbacks=callbacks,
+            distributed=dist,
+        ),
     )
 
 

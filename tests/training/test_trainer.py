@@ -17,7 +17,12 @@ from dpfy.randomness import Randomness
 from dpfy.sampling import BallsAndBinsSampler, PoissonSampler
 from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.step import PrivateGradient
-from dpfy.training.trainer import BudgetExceededError, BudgetGuard, PrivateTrainer
+from dpfy.training.trainer import (
+    BudgetExceededError,
+    BudgetGuard,
+    PrivateTrainer,
+    TrainerOptions,
+)
 from dpfy.training.validate import UnsupportedModuleError
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -41,7 +46,7 @@ def _trainer(model, sampler, x, y, **kw):
     kw.setdefault("delta", 1e-5)
     kw.setdefault("max_physical_batch_size", 8)
     opt = kw.pop("optimizer", None) or torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
-    return PrivateTrainer(model, opt, LOSS, x, y, sampler, **kw)
+    return PrivateTrainer(model, opt, LOSS, x, y, sampler, TrainerOptions(**kw))
 
 
 # -- data path ----------------------------------------------------------------------------------

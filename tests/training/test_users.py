@@ -21,6 +21,7 @@ from dpfy.report import build_report
 from dpfy.sampling import make_sampler
 from dpfy.training.data import accumulate_logical_batch
 from dpfy.training.step import PrivateGradient
+from dpfy.training.trainer import TrainerOptions
 from dpfy.training.users import (
     UserBatcher,
     UserLevelTrainer,
@@ -76,10 +77,25 @@ def _trainer(model, x, y, ids, *, cap=None, reduction="sum", users_per_batch=3, 
     sampler = make_sampler("poisson", layout_users, users_per_batch, randomness=Randomness(1),
                            unit="user")
     return UserLevelTrainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS, x, y, sampler,
-        clip_norm=C, epochs=1, delta=1e-3, noise_multiplier=z, user_ids=ids,
-        max_examples_per_user=cap, reduction=reduction, layout_randomness=Randomness(3),
-        randomness=Randomness(2), max_physical_batch_size=physical, **kw,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        LOSS,
+        x,
+        y,
+        sampler,
+        user_ids=ids,
+        max_examples_per_user=cap,
+        reduction=reduction,
+        layout_randomness=Randomness(3),
+        **kw,
+        options=TrainerOptions(
+            clip_norm=C,
+            epochs=1,
+            delta=1e-3,
+            noise_multiplier=z,
+            randomness=Randomness(2),
+            max_physical_batch_size=physical,
+        ),
     )
 
 
@@ -216,9 +232,22 @@ def test_bad_user_ids_refused_before_anything_runs(ids, exc, needle):
     sampler = make_sampler("poisson", 9, 3, randomness=Randomness(1), unit="user")
     ledger = Ledger()
     with pytest.raises(exc, match=needle):
-        UserLevelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS, x, y,
-                         sampler, clip_norm=C, epochs=1, delta=1e-3, noise_multiplier=1.0,
-                         user_ids=ids, ledger=ledger)
+        UserLevelTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            LOSS,
+            x,
+            y,
+            sampler,
+            user_ids=ids,
+            options=TrainerOptions(
+                clip_norm=C,
+                epochs=1,
+                delta=1e-3,
+                noise_multiplier=1.0,
+                ledger=ledger,
+            ),
+        )
     assert ledger.iteration == 0 and not ledger.entries
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
@@ -238,7 +267,8 @@ def test_sampler_must_draw_the_users_with_their_unit():
     x, y, ids = _data()
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    common = dict(clip_norm=C, epochs=1, delta=1e-3, noise_multiplier=1.0, user_ids=ids)
+    options = TrainerOptions(clip_norm=C, epochs=1, delta=1e-3, noise_multiplier=1.0)
+    common = dict(options=options, user_ids=ids)
     with pytest.raises(ValueError, match="unit='user'"):
         UserLevelTrainer(model, opt, LOSS, x, y, make_sampler("poisson", 9, 3), **common)
     with pytest.raises(ValueError, match="9 users"):
@@ -290,11 +320,25 @@ def test_dataset_inputs_give_the_same_gradient_as_tensors():
     sums = []
     for data, targets in ((x, y), (TensorDataset(x, y), None)):
         sampler = make_sampler("poisson", 9, 3, randomness=Randomness(1), unit="user")
-        tr = UserLevelTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), LOSS, data,
-                              targets, sampler, clip_norm=C, epochs=1, delta=1e-3,
-                              noise_multiplier=1.0, user_ids=ids, max_examples_per_user=5,
-                              reduction="mean", layout_randomness=Randomness(3),
-                              max_physical_batch_size=10)
+        tr = UserLevelTrainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            LOSS,
+            data,
+            targets,
+            sampler,
+            user_ids=ids,
+            max_examples_per_user=5,
+            reduction="mean",
+            layout_randomness=Randomness(3),
+            options=TrainerOptions(
+                clip_norm=C,
+                epochs=1,
+                delta=1e-3,
+                noise_multiplier=1.0,
+                max_physical_batch_size=10,
+            ),
+        )
         tr._setup()
         accumulate_logical_batch(tr.private_gradient_, tr.batcher_, np.array([0, 3, 4, 8]),
                                  tr.loss_fn)

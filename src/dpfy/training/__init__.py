@@ -22,6 +22,7 @@ from dpfy.training.trainer import (
     History,
     PrivateTrainer,
     ProgressInfo,
+    TrainerOptions,
     TrainResult,
 )
 from dpfy.training.validate import (
@@ -49,6 +50,7 @@ __all__ += [
     "PrivateTrainer",
     "ProgressInfo",
     "TrainResult",
+    "TrainerOptions",
     "UnsupportedModuleError",
     "accumulate_logical_batch",
     "check_module",

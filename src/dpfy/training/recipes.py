@@ -41,7 +41,7 @@ from dpfy.training.distributed import Distributed, per_process_batch
 from dpfy.training.launch import run_local
 from dpfy.training.precision import check_precision
 from dpfy.training.sharded import full_state_dict, shard_model
-from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo
+from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo, TrainerOptions
 
 __all__ = [
     "ImageRecipe",
@@ -350,23 +350,25 @@ def train_image_classifier(
         x_train,
         y_train,
         batches,
-        clip_norm=clip_norm,
-        epochs=epochs,
-        delta=delta,
-        target_epsilon=target_epsilon,
-        noise_multiplier=noise_multiplier,
-        max_physical_batch_size=max_physical_batch_size,
-        accounting=accounting,
-        ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
-        randomness=noise_rng,
-        ema_decay=ema_decay,
-        test_data=(x_test, y_test),
-        progress=progress,
-        callbacks=callbacks,
-        precision=checked_precision,
         **user_args,
-        distributed=distributed,
-        correlated=plan,
+        options=TrainerOptions(
+            clip_norm=clip_norm,
+            epochs=epochs,
+            delta=delta,
+            target_epsilon=target_epsilon,
+            noise_multiplier=noise_multiplier,
+            max_physical_batch_size=max_physical_batch_size,
+            accounting=accounting,
+            ledger=Ledger(),
+            randomness=noise_rng,
+            ema_decay=ema_decay,
+            test_data=(x_test, y_test),
+            progress=progress,
+            callbacks=callbacks,
+            precision=checked_precision,
+            distributed=distributed,
+            correlated=plan,
+        ),
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.

@@ -73,7 +73,7 @@ from dpfy.training.budget import spent
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
 from dpfy.training.recipes import RunHooks, TrainResultSummary, run_randomness
-from dpfy.training.trainer import PrivateTrainer, ProgressInfo
+from dpfy.training.trainer import PrivateTrainer, ProgressInfo, TrainerOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -438,13 +438,28 @@ def train_text_classifier(
             )
         model_path = Path(out_dir) / "model.pt"
     trainer = trainer_cls(
-        net, optimizer, sequence_classification_loss, train_data, None, batches,
-        clip_norm=clip_norm, epochs=epochs, delta=delta, target_epsilon=target_epsilon,
-        max_physical_batch_size=max_physical_batch_size, accounting=accounting,
-        ledger=Ledger(),  # replaced by the run's file ledger once the run is known feasible
-        randomness=noise_rng, test_tokens=test_data, precision=checked_precision,
-        callbacks=callbacks, collate_fn=collate_trimmed,
-        clip_groups=("head.",) if clip_head_separately else (), **user_args,
+        net,
+        optimizer,
+        sequence_classification_loss,
+        train_data,
+        None,
+        batches,
+        test_tokens=test_data,
+        **user_args,
+        options=TrainerOptions(
+            clip_norm=clip_norm,
+            epochs=epochs,
+            delta=delta,
+            target_epsilon=target_epsilon,
+            max_physical_batch_size=max_physical_batch_size,
+            accounting=accounting,
+            ledger=Ledger(),
+            randomness=noise_rng,
+            precision=checked_precision,
+            callbacks=callbacks,
+            collate_fn=collate_trimmed,
+            clip_groups=("head.",) if clip_head_separately else (),
+        ),
     )
     trainer.calibrate()  # an unreachable target is refused before anything is written
     if out_dir is not None:

@@ -31,6 +31,7 @@ guarantee. Test accuracy is computed on the test data you pass, which is not pro
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 import warnings
@@ -85,6 +86,7 @@ __all__ = [
     "ProgressInfo",
     "StepRecord",
     "TrainResult",
+    "TrainerOptions",
 ]
 
 OnBudget = Literal["stop", "raise"]
@@ -99,6 +101,42 @@ _NEED_TARGET_OR_Z = (
 # --------------------------------------------------------------------------------------------
 # Trainer
 # --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerOptions:
+    """How a :class:`PrivateTrainer` runs: everything but the model, optimizer, loss, data and
+    sampler (see :class:`PrivateTrainer` for each field's meaning, units and range; checked
+    when the trainer is built or calibrated)."""
+
+    clip_norm: float
+    epochs: int
+    delta: float
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    max_physical_batch_size: int = 256
+    accounting: str = "pld"
+    monitor_accounting: str | None = None
+    ledger: Ledger | None = None
+    randomness: Randomness | None = None
+    ema_decay: float | None = None
+    test_data: tuple[torch.Tensor, torch.Tensor] | None = None
+    on_budget: OnBudget = "stop"
+    callbacks: Sequence[Callable[[ProgressInfo], None]] = ()
+    progress: bool = False
+    checkpoint_path: str | Path | None = None
+    checkpoint_every: int = 1
+    microbatch_size: int | None = None
+    validate: bool = True
+    device: torch.device | str | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    target_key: str = "labels"
+    forward: Callable[[nn.Module, Any], Any] | None = None
+    precision: Precision = "fp32"
+    loss_scale: float | None = None
+    distributed: Distributed | None = None
+    correlated: CorrelatedPlan | None = None
+    clip_groups: Sequence[str] = ()
 
 
 class PrivateTrainer:
@@ -117,6 +155,8 @@ class PrivateTrainer:
         ``model(**inputs)`` with its ``target_key`` entry as the targets. In-memory tensors
         stay the fast path.
       sampler: a :mod:`dpfy.sampling` sampler over ``len(inputs)`` examples.
+      options: a :class:`TrainerOptions`, one record of everything else; its fields:
+
       clip_norm: L2 clip norm C of each example's gradient.
       epochs: number of epochs (``sampler.steps_per_epoch`` steps each).
       delta: target delta.
@@ -173,7 +213,8 @@ class PrivateTrainer:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
         ...     nn.CrossEntropyLoss(reduction="none"), x, y,
         ...     PoissonSampler(len(x), 256 / len(x), randomness=Randomness(0)),
-        ...     clip_norm=1.0, epochs=3, delta=1e-5, target_epsilon=3.0)  # doctest: +SKIP
+        ...     TrainerOptions(clip_norm=1.0, epochs=3, delta=1e-5, target_epsilon=3.0),
+        ... )  # doctest: +SKIP
         >>> result = trainer.fit()  # doctest: +SKIP
         >>> result.privacy.epsilon <= 3.0  # doctest: +SKIP
         True
@@ -187,71 +228,45 @@ class PrivateTrainer:
         inputs: torch.Tensor | Dataset[Any],
         targets: torch.Tensor | None,
         sampler: Sampler,
-        *,
-        clip_norm: float,
-        epochs: int,
-        delta: float,
-        target_epsilon: float | None = None,
-        noise_multiplier: float | None = None,
-        max_physical_batch_size: int = 256,
-        accounting: str = "pld",
-        monitor_accounting: str | None = None,
-        ledger: Ledger | None = None,
-        randomness: Randomness | None = None,
-        ema_decay: float | None = None,
-        test_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-        on_budget: OnBudget = "stop",
-        callbacks: Sequence[Callable[[ProgressInfo], None]] = (),
-        progress: bool = False,
-        checkpoint_path: str | Path | None = None,
-        checkpoint_every: int = 1,
-        microbatch_size: int | None = None,
-        validate: bool = True,
-        device: torch.device | str | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        target_key: str = "labels",
-        forward: Callable[[nn.Module, Any], Any] | None = None,
-        precision: Precision = "fp32",
-        loss_scale: float | None = None,
-        distributed: Distributed | None = None,
-        correlated: CorrelatedPlan | None = None,
-        clip_groups: Sequence[str] = (),
+        options: TrainerOptions,
     ) -> None:
+        o = self.options = options
+        distributed, correlated = o.distributed, o.correlated
         self.distributed = distributed
         if distributed is not None:
             model, sampler = unwrap(model), cast("Sampler", SharedSampler(sampler, distributed))
         self.model = model
         self.correlated = correlated
-        self.clip_groups = tuple(clip_groups)
+        self.clip_groups = tuple(o.clip_groups)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.inputs = inputs
         self.targets = targets
         self.sampler = sampler
-        self.clip_norm = clip_norm
-        self.epochs = epochs
-        self.delta = delta
-        self.target_epsilon = target_epsilon
-        self.noise_multiplier = noise_multiplier
-        self.max_physical_batch_size = max_physical_batch_size
-        self.accounting = accounting
-        self.monitor_accounting = monitor_accounting
-        self.ledger = ledger if ledger is not None else Ledger()
-        self.randomness = randomness if randomness is not None else Randomness.secure_mode()
-        self.ema_decay = ema_decay
-        self.test_data = test_data
-        self.on_budget = on_budget
-        self.callbacks = tuple(callbacks)
-        self.progress = progress
-        self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
-        self.checkpoint_every = checkpoint_every
-        self.microbatch_size = microbatch_size
-        self.validate = validate
-        self.device = device
-        self.collate_fn = collate_fn
-        self.target_key = target_key
-        self.forward = forward
-        self.precision, self.loss_scale = precision, loss_scale
+        self.clip_norm = o.clip_norm
+        self.epochs = o.epochs
+        self.delta = o.delta
+        self.target_epsilon = o.target_epsilon
+        self.noise_multiplier = o.noise_multiplier
+        self.max_physical_batch_size = o.max_physical_batch_size
+        self.accounting = o.accounting
+        self.monitor_accounting = o.monitor_accounting
+        self.ledger = o.ledger if o.ledger is not None else Ledger()
+        self.randomness = o.randomness if o.randomness is not None else Randomness.secure_mode()
+        self.ema_decay = o.ema_decay
+        self.test_data = o.test_data
+        self.on_budget = o.on_budget
+        self.callbacks = tuple(o.callbacks)
+        self.progress = o.progress
+        self.checkpoint_path = None if o.checkpoint_path is None else Path(o.checkpoint_path)
+        self.checkpoint_every = o.checkpoint_every
+        self.microbatch_size = o.microbatch_size
+        self.validate = o.validate
+        self.device = o.device
+        self.collate_fn = o.collate_fn
+        self.target_key = o.target_key
+        self.forward = o.forward
+        self.precision, self.loss_scale = o.precision, o.loss_scale
         # run state (fitted attributes end in "_")
         self.noise_multiplier_: float | None = None
         self.history_ = History()
