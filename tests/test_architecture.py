@@ -249,3 +249,44 @@ def test_a_worked_example_of_the_architecture_document_runs(name: str, tmp_path:
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+#: Parameters a function or constructor may take (data classes excepted; ``self``/``cls`` not
+#: counted): options travel as one record (``RunConfig``, ``TrainerOptions``, ...).
+MAX_PARAMETERS = 12
+#: Functions still over the limit, each to shrink into a record; the test fails when one of
+#: them is fixed (take it off) or when any other function goes over.
+NOT_YET: set[str] = {
+    "training/private.py:make_private",
+    "hf/trainer.py:__init__",
+    "features/algorithms.py:dp_feature_covariance",
+    "features/algorithms.py:dp_adam",
+    "features/estimators.py:__init__",
+    "cli.py:calibrate",
+    "cli.py:epsilon",
+    "run_accounting.py:calibrate_run",
+}
+
+
+def _parameter_counts() -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs)
+            n += (a.vararg is not None) + (a.kwarg is not None)
+            if a.args and a.args[0].arg in ("self", "cls"):
+                n -= 1
+            key = f"{path.relative_to(SRC)}:{node.name}"
+            counts[key] = max(counts.get(key, 0), n)
+    return counts
+
+
+def test_no_function_takes_more_than_twelve_parameters() -> None:
+    over = {k: n for k, n in _parameter_counts().items() if n > MAX_PARAMETERS}
+    assert set(over) - NOT_YET == set(), f"over {MAX_PARAMETERS} parameters: {over}"
+    fixed = NOT_YET - set(over)
+    assert not fixed, f"now within the limit, take off NOT_YET: {sorted(fixed)}"
