@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 import dpfy
 from dpfy.randomness import Randomness
+from dpfy.training import PrivateOptions
 from dpfy.training.losses import causal_lm_loss
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
 
@@ -65,9 +66,19 @@ def _gpt2() -> nn.Module:
 def _first_chunk_matches_loop(model: nn.Module, forward) -> None:
     clip = 0.5
     private = dpfy.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), Tokens(), target_epsilon=4.0,
-        delta=1e-5, epochs=1, clip_norm=clip, expected_batch_size=6, max_physical_batch_size=4,
-        loss_fn=causal_lm_loss, randomness=Randomness(0),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Tokens(),
+        target_epsilon=4.0,
+        delta=1e-5,
+        epochs=1,
+        clip_norm=clip,
+        expected_batch_size=6,
+        loss_fn=causal_lm_loss,
+        randomness=Randomness(0),
+        options=PrivateOptions(
+            max_physical_batch_size=4,
+        ),
     )
     model, optimizer, criterion, loader = private
     batches = iter(loader)

@@ -15,6 +15,7 @@ from dpfy import accounting
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
+from dpfy.training import PrivateOptions
 from dpfy.training.budget import BudgetExceededError
 from dpfy.training.validate import UnsupportedModuleError
 
@@ -73,7 +74,14 @@ def test_virtual_batches_release_once_per_logical_batch_like_one_big_batch():
     for physical in (None, 4):
         data, model, opt = _setup()
         private = dpfy.make_private(
-            model, opt, data, randomness=Randomness(3), max_physical_batch_size=physical, **KW
+            model,
+            opt,
+            data,
+            randomness=Randomness(3),
+            **KW,
+            options=PrivateOptions(
+                max_physical_batch_size=physical,
+            ),
         )
         seen: list = []
         _run(private, seen=seen)
@@ -92,8 +100,14 @@ def test_dict_dataset_with_padding_tokens():
 
     data, model = Tokens(32), Pooled()
     private = dpfy.make_private(
-        model, torch.optim.SGD(model.parameters(), lr=0.5), data,
-        randomness=Randomness(0), max_physical_batch_size=4, **KW,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        data,
+        randomness=Randomness(0),
+        **KW,
+        options=PrivateOptions(
+            max_physical_batch_size=4,
+        ),
     )
     model, optimizer, criterion, loader = private
     for batch in loader:
@@ -110,8 +124,15 @@ def test_workers_give_the_same_batches_as_the_main_process():
     for workers in (0, 2):
         data, model, opt = _setup()
         private = dpfy.make_private(
-            model, opt, data, randomness=Randomness(5), num_workers=workers,
-            max_physical_batch_size=8, **KW,
+            model,
+            opt,
+            data,
+            randomness=Randomness(5),
+            **KW,
+            options=PrivateOptions(
+                num_workers=workers,
+                max_physical_batch_size=8,
+            ),
         )
         seen: list = []
         _run(private, seen=seen)
@@ -158,8 +179,14 @@ def test_bad_input_is_refused_before_anything_is_written(change, error, match):
     ledger = Ledger()
     with pytest.raises(error, match=match):
         dpfy.make_private(
-            args["model"], args["optimizer"], args["data"], ledger=ledger,
-            randomness=Randomness(0), **kw,
+            args["model"],
+            args["optimizer"],
+            args["data"],
+            randomness=Randomness(0),
+            **kw,
+            options=PrivateOptions(
+                ledger=ledger,
+            ),
         )
     assert ledger.entries == () and ledger.iteration == 0
 
@@ -167,8 +194,15 @@ def test_bad_input_is_refused_before_anything_is_written(change, error, match):
 def test_misuse_is_caught_and_the_guard_stops_past_the_budget():
     data, model, opt = _setup()
     private = dpfy.make_private(
-        model, opt, data, randomness=Randomness(0), max_physical_batch_size=4,
-        on_budget="raise", **KW,
+        model,
+        opt,
+        data,
+        randomness=Randomness(0),
+        **KW,
+        options=PrivateOptions(
+            max_physical_batch_size=4,
+            on_budget="raise",
+        ),
     )
     model, optimizer, criterion, loader = private
     it = iter(loader)
@@ -180,8 +214,15 @@ def test_misuse_is_caught_and_the_guard_stops_past_the_budget():
     it.close()
     data, model, opt = _setup()
     private = dpfy.make_private(
-        model, opt, data, randomness=Randomness(0), on_budget="raise",
-        sampler=PoissonSampler(96, 16 / 96, randomness=Randomness(1)), **{**KW, "epochs": 1},
+        model,
+        opt,
+        data,
+        randomness=Randomness(0),
+        sampler=PoissonSampler(96, 16 / 96, randomness=Randomness(1)),
+        **{**KW, "epochs": 1},
+        options=PrivateOptions(
+            on_budget="raise",
+        ),
     )
     _run(private)
     with pytest.raises(BudgetExceededError, match="budget guard"):

@@ -23,7 +23,7 @@ pytest.importorskip("peft")
 from dpfy.ledger import Ledger, SampleSpec  # noqa: E402
 from dpfy.queries import GaussianSumQuery, NoPrivacyQuery  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
-from dpfy.training import PrivateGradient  # noqa: E402
+from dpfy.training import PrivateGradient, PrivateOptions  # noqa: E402
 from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  # noqa: E402
 from dpfy.training.norms.reference import (  # noqa: E402
     clipped_sum_reference,
@@ -233,9 +233,19 @@ def _tiny_private(precision, dtype=torch.float32, **kw):
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     private = dpfy.make_private(
-        model, opt, TensorDataset(x, y), target_epsilon=4.0, delta=1e-5, epochs=1,
-        clip_norm=1.0, expected_batch_size=16, randomness=Randomness(0),
-        precision=precision, **kw,
+        model,
+        opt,
+        TensorDataset(x, y),
+        target_epsilon=4.0,
+        delta=1e-5,
+        epochs=1,
+        clip_norm=1.0,
+        expected_batch_size=16,
+        randomness=Randomness(0),
+        options=PrivateOptions(
+            **kw,
+            precision=precision,
+        ),
     )
     return private
 

@@ -13,6 +13,7 @@ from dpfy.training.private import (
     PrivateLoader,
     PrivateLoss,
     PrivateOptimizer,
+    PrivateOptions,
     make_private,
 )
 from dpfy.training.step import ChunkStats, MicrobatchMode, PrivateGradient, StepStats
@@ -47,6 +48,7 @@ __all__ += [
     "PrivateLoader",
     "PrivateLoss",
     "PrivateOptimizer",
+    "PrivateOptions",
     "PrivateTrainer",
     "ProgressInfo",
     "TrainResult",

@@ -29,6 +29,7 @@ epoch before a step that would pass ``target_epsilon`` (``on_budget="stop"``: a 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterator
@@ -67,6 +68,7 @@ __all__ = [
     "PrivateLoss",
     "PrivateCriterion",
     "PrivateOptimizer",
+    "PrivateOptions",
     "calibrate_to_budget",
     "make_private",
 ]
@@ -406,6 +408,45 @@ def _per_example(loss_fn: Any) -> Callable[[Any, Any], torch.Tensor]:
     return loss_fn  # type: ignore[no-any-return]
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PrivateOptions:
+    """The less common options of :func:`make_private` (one record; all have defaults).
+
+    Attributes:
+      max_physical_batch_size: rows per physical batch (virtual batches: one release per
+        logical batch). Default: one physical batch per logical batch.
+      max_batch_size: truncate logical batches to this size (fixed work per step; the extra
+        delta enters every epsilon, ``docs/architecture.md`` 5.10).
+      collate_fn: collates a list of items (default ``default_collate``).
+      ledger: where samples and releases are recorded (default: a new in-memory ledger).
+      accounting: accountant for calibration, the guard and ``epsilon()`` (default: the
+        sampler kind's ``default_accountant``).
+      num_workers: DataLoader worker processes reading rows.
+      device: where batches go (default: as collated).
+      on_budget: ``"stop"`` (end the epoch with a warning) or ``"raise"``.
+      validate: check the model's layers first.
+      loader_kwargs: extra ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``...).
+      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: run the forward inside
+        ``optimizer.autocast()``; norms, clipping, the clipped sum and the noise stay fp32 and
+        the parameters must be fp32 master weights (:mod:`dpfy.training.precision`).
+      loss_scale: fixed fp16 loss scale (default 2**8; a dynamic ``GradScaler`` would adapt
+        to a data-dependent overflow bit the noise does not cover, so none is used).
+    """
+
+    max_physical_batch_size: int | None = None
+    max_batch_size: int | None = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    ledger: Ledger | None = None
+    accounting: str | None = None
+    num_workers: int = 0
+    device: torch.device | str | None = None
+    on_budget: OnBudget = "stop"
+    validate: bool = True
+    loader_kwargs: dict[str, Any] | None = None
+    precision: Precision = "fp32"
+    loss_scale: float | None = None
+
+
 def make_private(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -417,20 +458,9 @@ def make_private(
     clip_norm: float,
     expected_batch_size: int | None = None,
     sampler: Any = "poisson",
-    max_physical_batch_size: int | None = None,
-    max_batch_size: int | None = None,
     loss_fn: Any = None,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
     randomness: Randomness | None = None,
-    ledger: Ledger | None = None,
-    accounting: str | None = None,
-    num_workers: int = 0,
-    device: torch.device | str | None = None,
-    on_budget: OnBudget = "stop",
-    validate: bool = True,
-    loader_kwargs: dict[str, Any] | None = None,
-    precision: Precision = "fp32",
-    loss_scale: float | None = None,
+    options: PrivateOptions | None = None,
 ) -> Private:
     """Make ``model``/``optimizer`` private on ``data``: ``(model, optimizer, criterion, loader)``.
 
@@ -451,29 +481,14 @@ def make_private(
         ``sampler`` is a kind name.
       sampler: a kind name (``"poisson"``, ``"balls_and_bins"``, ``"shuffle"``, ...) or a
         :mod:`dpfy.sampling` sampler over ``len(data)`` examples.
-      max_physical_batch_size: rows per physical batch (virtual batches: one release per
-        logical batch). Default: one physical batch per logical batch.
-      max_batch_size: truncate logical batches to this size (fixed work per step; the extra
-        delta enters every epsilon, ``docs/architecture.md`` 5.10).
       loss_fn: per-example loss ``loss_fn(outputs, targets) -> Tensor[B]``; an ``nn`` loss
         with a ``reduction`` is used with ``reduction="none"``. Default: cross-entropy.
-      collate_fn: collates a list of items (default ``default_collate``).
       randomness: noise randomness, and the seed of the sampler's own stream when ``sampler``
         is a kind name. Default: ``Randomness.secure_mode()``; pass ``Randomness(seed)`` for a
         reproducible experiment.
-      ledger: where samples and releases are recorded (default: a new in-memory ledger).
-      accounting: accountant for calibration, the guard and ``epsilon()`` (default: the
-        sampler kind's ``default_accountant``).
-      num_workers: DataLoader worker processes reading rows.
-      device: where batches go (default: as collated).
-      on_budget: ``"stop"`` (end the epoch with a warning) or ``"raise"``.
-      validate: check the model's layers first.
-      loader_kwargs: extra ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``...).
-      precision: ``"fp32"``, ``"bf16"`` or ``"fp16"``: run the forward inside
-        ``optimizer.autocast()``; norms, clipping, the clipped sum and the noise stay fp32 and
-        the parameters must be fp32 master weights (:mod:`dpfy.training.precision`).
-      loss_scale: fixed fp16 loss scale (default 2**8; a dynamic ``GradScaler`` would adapt
-        to a data-dependent overflow bit the noise does not cover, so none is used).
+      options: the rest (:class:`PrivateOptions`: physical batch size, truncation, collate,
+        ledger, accountant, loader workers and arguments, device, budget behaviour, layer
+        validation, precision and loss scale).
 
     Raises:
       TypeError, ValueError: a bad argument, named in the message.
@@ -482,6 +497,11 @@ def make_private(
     from dpfy.sampling import kind as sampler_kind
     from dpfy.sampling import make_sampler
 
+    o = PrivateOptions() if options is None else options
+    max_physical_batch_size, max_batch_size = o.max_physical_batch_size, o.max_batch_size
+    collate_fn, ledger, accounting = o.collate_fn, o.ledger, o.accounting
+    num_workers, device, on_budget, validate = o.num_workers, o.device, o.on_budget, o.validate
+    loader_kwargs, precision, loss_scale = o.loader_kwargs, o.precision, o.loss_scale
     check_range("target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     check_range("epochs", epochs, 1, None, integer=True)
