@@ -261,9 +261,6 @@ NOT_YET: set[str] = {
     "features/algorithms.py:dp_feature_covariance",
     "features/algorithms.py:dp_adam",
     "features/estimators.py:__init__",
-    "cli.py:calibrate",
-    "cli.py:epsilon",
-    "run_accounting.py:calibrate_run",
 }
 
 

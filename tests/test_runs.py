@@ -219,7 +219,9 @@ def test_each_command_makes_one_library_call():
     for function in _functions():
         calls = [
             ast.unparse(n.func) for n in ast.walk(function)
+            # a pipeline call (runs.f); building an option record (runs.SomeOptions) is parsing
             if isinstance(n, ast.Call) and ast.unparse(n.func).startswith("runs.")
+            and ast.unparse(n.func)[5].islower()
         ]
         assert len(calls) == (function.name in commands), (function.name, calls)
 

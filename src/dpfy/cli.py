@@ -20,6 +20,7 @@ import typer
 # The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
 # option parsers below refuse a bad value with the same rule before a command runs.
 from dpfy.cli_options import (
+    MONTE_CARLO_OPTIONS,
     SEEDED_HELP,
     TRAIN_OPTIONS,
     AsJson,
@@ -29,13 +30,10 @@ from dpfy.cli_options import (
     DatasetSize,
     Delta,
     Epochs,
-    ErrorProb,
     MaxBatch,
     Method,
     Sampler,
     SamplerName,
-    Samples,
-    Seed,
     Steps,
     TargetEpsilon,
     UsageProblem,
@@ -121,6 +119,7 @@ def _result_fields(res: Any) -> dict[str, Any]:
 
 
 @app.command()
+@with_options(MONTE_CARLO_OPTIONS)
 def epsilon(
     dataset_size: DatasetSize,
     batch_size: BatchSize,
@@ -135,10 +134,8 @@ def epsilon(
     sampler: Sampler = SamplerName.poisson,
     method: Method = "auto",
     max_batch_size: MaxBatch = None,
-    samples: Samples = None,
-    error_probability: ErrorProb = 1e-3,
-    seed: Seed = None,
     as_json: AsJson = False,
+    **monte_carlo: Any,
 ) -> None:
     """Epsilon spent by a training run, accounted for the sampler that actually runs."""
     from dpfy import runs
@@ -153,9 +150,7 @@ def epsilon(
         sampler=sampler.value,
         method=method,
         max_batch_size=max_batch_size,
-        samples=samples,
-        error_probability=error_probability,
-        seed=seed,
+        monte_carlo=runs.MonteCarloOptions(**monte_carlo),
     )
     payload = _run_fields(sampler, run)
     payload["noise_multiplier"] = noise_multiplier
@@ -186,6 +181,7 @@ def _run_fields(sampler: SamplerName, run: Any) -> dict[str, Any]:
 
 
 @app.command()
+@with_options(MONTE_CARLO_OPTIONS)
 def calibrate(
     target_epsilon: Annotated[
         float,
@@ -200,11 +196,9 @@ def calibrate(
     sampler: Sampler = SamplerName.poisson,
     method: Method = "auto",
     max_batch_size: MaxBatch = None,
-    samples: Samples = None,
-    error_probability: ErrorProb = 1e-3,
-    seed: Seed = None,
     compare_mechanisms: CompareMechanisms = False,
     as_json: AsJson = False,
+    **monte_carlo: Any,
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
     from dpfy import runs
@@ -221,9 +215,7 @@ def calibrate(
         sampler=sampler.value,
         method=method,
         max_batch_size=max_batch_size,
-        samples=samples,
-        error_probability=error_probability,
-        seed=seed,
+        monte_carlo=runs.MonteCarloOptions(**monte_carlo),
         compare_mechanisms=compare_mechanisms,
     )
     payload = _run_fields(sampler, run)
@@ -391,8 +383,15 @@ def plan(
 @with_options(TRAIN_OPTIONS)
 def train(
     ctx: typer.Context,
-    dataset: DatasetName | None = None,
-    config: Path | None = None,
+    dataset: Annotated[
+        DatasetName | None,
+        typer.Argument(help="Training data (offline packages); optional with --config."),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="A TOML file of the run's options (a run directory's "
+                     "run.toml); options given here override it."),
+    ] = None,
     **given: Any,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write

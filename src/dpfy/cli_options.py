@@ -279,27 +279,16 @@ def run_config(
 def _command_with_options(
     fn: Callable[..., None], options: dict[str, tuple[Any, Any]]
 ) -> Callable[..., None]:
-    """``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
-    ``options`` in its signature (what typer reads to build the command's options)."""
+    """``fn(..., **given)`` with one keyword parameter per entry of ``options`` in its
+    signature (what typer reads to build the command's options); ``fn``'s own parameters keep
+    their annotations."""
 
     @functools.wraps(fn)
     def command(**kwargs: Any) -> None:
         fn(**kwargs)
 
-    own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    hints = {
-        "ctx": typer.Context,
-        "dataset": Annotated[
-            DatasetName | None,
-            typer.Argument(help="Training data (offline packages); optional with --config."),
-        ],
-        "config": Annotated[
-            Path | None,
-            typer.Option("--config", help="A TOML file of the run's options (a run "
-                         "directory's run.toml); options given here override it."),
-        ],
-    }
-    params = [p.replace(annotation=hints[p.name]) for p in own]
+    own = inspect.signature(fn, eval_str=True).parameters.values()
+    params = [p for p in own if p.kind is not p.VAR_KEYWORD]
     params += [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                           annotation=annotation)
@@ -317,6 +306,15 @@ def with_options(
     """Decorator: ``fn(ctx, dataset, config, **given)`` with one keyword parameter per entry of
     ``options`` in its signature (what typer reads to build the command's options)."""
     return functools.partial(_command_with_options, options=options)
+
+
+#: The Monte Carlo accounting options of ``dpfy epsilon`` and ``dpfy calibrate``, one per field
+#: of :class:`dpfy.run_accounting.MonteCarloOptions`.
+MONTE_CARLO_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "samples": (Samples, None),
+    "error_probability": (ErrorProb, 1e-3),
+    "seed": (Seed, None),
+}
 
 
 #: ``dpfy train``'s options, one per field of :class:`dpfy.config.RunConfig` (the shown

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MechanismRow",
+    "MonteCarloOptions",
     "RunAccounting",
     "account_run",
     "calibrate_run",
@@ -127,21 +128,18 @@ def account_run(
     sampler: str = "poisson",
     method: str = "auto",
     max_batch_size: int | None = None,
-    samples: int | None = None,
-    error_probability: float = 1e-3,
-    seed: int | None = None,
+    monte_carlo: MonteCarloOptions | None = None,
 ) -> RunAccounting:
     """Epsilon spent by a run of ``epochs`` or ``steps`` (exactly one) with this sampler.
 
     ``method`` is an accountant name, or ``"all"`` for every method (the tightest in
-    ``result``). ``samples``, ``error_probability`` and ``seed`` configure Monte Carlo
-    accounting (Balls-and-Bins, Chua et al. 2025): given with ``method="auto"`` they select it.
+    ``result``). ``monte_carlo`` configures Monte Carlo accounting (Balls-and-Bins, Chua et al.
+    2025): given with ``method="auto"`` and a sample count or seed, it selects it.
     """
     from dpfy import accounting
 
     check_positive("noise_multiplier", noise_multiplier)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
@@ -151,7 +149,7 @@ def account_run(
         comparison = dict(accounting.compare(event, delta))
         result = accounting.epsilon(event, delta)
     else:
-        acc = _accountant(method, samples, error_probability, seed)
+        acc = _accountant(method, monte_carlo)
         result = accounting.epsilon(event, delta, method=acc)
     total = _total_steps(smp, epochs, steps)
     risk = _attack_risk(event, result)
@@ -179,9 +177,7 @@ def calibrate_run(
     sampler: str = "poisson",
     method: str = "auto",
     max_batch_size: int | None = None,
-    samples: int | None = None,
-    error_probability: float = 1e-3,
-    seed: int | None = None,
+    monte_carlo: MonteCarloOptions | None = None,
     compare_mechanisms: bool = False,
 ) -> RunAccounting:
     """The smallest noise multiplier whose epsilon stays at or below ``target_epsilon``
@@ -192,11 +188,10 @@ def calibrate_run(
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
 
     check_budget(target_epsilon, delta)
-    _check_monte_carlo(samples, error_probability, seed)
     smp, epochs, steps = _planned_sampler(
         sampler, dataset_size, batch_size, max_batch_size, epochs, steps
     )
-    acc = _accountant(method, samples, error_probability, seed)
+    acc = _accountant(method, monte_carlo)
 
     def make_event(z: float) -> Any:
         return smp.privacy_event(z, epochs=epochs, steps=steps)
@@ -328,12 +323,32 @@ def _attack_risk(event: Any, result: PrivacyResult) -> AttackRisk:
     return attack_risk(event, method=result.method)
 
 
-def _check_monte_carlo(samples: int | None, error_probability: float, seed: int | None) -> None:
-    if samples is not None:
-        check_int("samples", samples)
-    check_range("error_probability", error_probability, 0.0, 1.0, low_open=True, high_open=True)
-    if seed is not None:
-        check_seed("seed", seed)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MonteCarloOptions:
+    """Monte Carlo accounting of a planned run (Balls-and-Bins, Chua et al. 2025).
+
+    Attributes:
+      samples: Monte Carlo samples (None: the accountant's default).
+      error_probability: probability in (0, 1) that the reported bound is not an upper bound.
+      seed: seed of the Monte Carlo draws (None: fresh randomness).
+    """
+
+    samples: int | None = None
+    error_probability: float = 1e-3
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.samples is not None:
+            check_int("samples", self.samples)
+        check_range("error_probability", self.error_probability, 0.0, 1.0,
+                    low_open=True, high_open=True)
+        if self.seed is not None:
+            check_seed("seed", self.seed)
+
+    @property
+    def chosen(self) -> bool:
+        """Whether a sample count or a seed was given (``method="auto"`` then means MC)."""
+        return self.samples is not None or self.seed is not None
 
 
 def _total_steps(smp: Sampler | _FullBatchPlan, epochs: float | None, steps: int | None) -> int:
@@ -344,18 +359,17 @@ def _total_steps(smp: Sampler | _FullBatchPlan, epochs: float | None, steps: int
     return math.ceil(epochs * smp.steps_per_epoch - 1e-9)
 
 
-def _accountant(
-    method: str, samples: int | None, error_probability: float, seed: int | None
-) -> str | Accountant:
+def _accountant(method: str, monte_carlo: MonteCarloOptions | None) -> str | Accountant:
     """A method name, or a configured Monte Carlo accountant when MC options were given."""
-    if method == "monte_carlo" or (method == "auto" and (samples is not None or seed is not None)):
+    mc = MonteCarloOptions() if monte_carlo is None else monte_carlo
+    if method == "monte_carlo" or (method == "auto" and mc.chosen):
         from dpfy.accounting.balls_and_bins import MonteCarloAccountant
 
-        kwargs: dict[str, Any] = {"error_probability": error_probability}
-        if samples is not None:
-            kwargs["samples"] = samples
-        if seed is not None:
-            kwargs["seed"] = seed
+        kwargs: dict[str, Any] = {"error_probability": mc.error_probability}
+        if mc.samples is not None:
+            kwargs["samples"] = mc.samples
+        if mc.seed is not None:
+            kwargs["seed"] = mc.seed
         return cast("Accountant", MonteCarloAccountant(**kwargs))
     return method
 

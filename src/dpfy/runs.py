@@ -59,6 +59,7 @@ __all__ = [
     "FEATURE_DATASETS",
     "FEATURE_METHODS",
     "ReportedRun",
+    "MonteCarloOptions",
     "RunAccounting",
     "TrainedRun",
     "account_run",
@@ -87,6 +88,7 @@ FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 # Accounting a planned run lives in its own module; re-exported here for the CLI and users.
 from dpfy.config import RunConfig, check_budget  # noqa: E402
 from dpfy.run_accounting import (  # noqa: E402
+    MonteCarloOptions,
     RunAccounting,
     account_run,
     calibrate_run,
