@@ -138,9 +138,10 @@ def run_fc(data, eps, hp, seed):
     T = hp["steps"]
     ridge = hp["c"] * _noise_scale(eps, T + 1, data["xtr"].shape[1])
     return alg.dp_feature_covariance(
-        data["xtr"], data["ytr"], covariance_clip_norm=1.0, gradient_clip_norm=1.0,
-        noise_multiplier=_z(eps, T + 1), steps=T, learning_rate=hp["lr"], ridge=ridge,
-        l2=hp.get("l2", 0.0), num_classes=data["m"], covariance_stats=stats_of(data),
+        data["xtr"], data["ytr"],
+        preconditioner=alg.Preconditioner(clip_norm=1.0, ridge=ridge, stats=stats_of(data)),
+        gradient_clip_norm=1.0, noise_multiplier=_z(eps, T + 1), steps=T,
+        learning_rate=hp["lr"], l2=hp.get("l2", 0.0), num_classes=data["m"],
         randomness=Randomness(seed),
     )
 

@@ -120,7 +120,8 @@ def test_gradient_sum_sensitivity(loss):
             assert diff <= clip * (1 + 1e-9)
             worst = max(worst, diff)
     assert worst == pytest.approx(clip, rel=1e-9)
-    fc = alg.dp_feature_covariance(x, y, covariance_clip_norm=2.0, gradient_clip_norm=clip,
+    fc = alg.dp_feature_covariance(x, y, preconditioner=alg.Preconditioner(clip_norm=2.0),
+                                   gradient_clip_norm=clip,
                                    noise_multiplier=1.0, steps=2, loss=loss,
                                    randomness=Randomness(0))
     assert _recorded(fc.ledger) == pytest.approx({"covariance": 4.0, "gradient": clip})
@@ -146,7 +147,8 @@ def test_per_example_gradient_norm_is_exact():
 
 def test_ledger_records_before_release_and_counts_every_release():
     x, y = _data()
-    fc = alg.dp_feature_covariance(x, y, covariance_clip_norm=1.0, gradient_clip_norm=1.0,
+    fc = alg.dp_feature_covariance(x, y, preconditioner=alg.Preconditioner(clip_norm=1.0),
+                                   gradient_clip_norm=1.0,
                                    noise_multiplier=2.0, steps=5, randomness=Randomness(0))
     queries = [r for r in fc.ledger.entries if isinstance(r, SumQueryRecord)]
     assert len(queries) == 6
@@ -197,9 +199,9 @@ def test_feature_covariance_without_noise_reaches_the_logistic_optimum(loss):
     x, y = _data(n=400, d=5, m=3, scale=1.0)
     l2 = 2.0
     fitted = alg.dp_feature_covariance(
-        x, y, covariance_clip_norm=100.0, gradient_clip_norm=1e6, noise_multiplier=0.0,
-        steps=300, learning_rate=2.0, ridge=1.0, l2=l2, loss=loss,
-        covariance_dtype=F64,
+        x, y, preconditioner=alg.Preconditioner(clip_norm=100.0, ridge=1.0, dtype=F64),
+        gradient_clip_norm=1e6, noise_multiplier=0.0, steps=300, learning_rate=2.0, l2=l2,
+        loss=loss,
     )
     xn = x.numpy()
     if loss == "softmax":
@@ -270,13 +272,16 @@ def test_bad_arguments_raise():
 def test_shared_covariance_statistics_give_identical_runs():
     x, y = _data()
     stats = sufficient_statistics([(x, y)], clip_norm=1.0, num_classes=3)
-    for fn, kw in [
-        (alg.dp_feature_covariance, dict(covariance_clip_norm=1.0, gradient_clip_norm=1.0,
-                                         steps=3, covariance_dtype=F64)),
-        (alg.dp_newton, dict(clip_norm=1.0, steps=2, hessian_dtype=F64)),
-    ]:
-        a = fn(x, y, noise_multiplier=1.0, randomness=Randomness(4), **kw)
-        b = fn(x, y, noise_multiplier=1.0, randomness=Randomness(4), covariance_stats=stats, **kw)
+    fresh = alg.Preconditioner(clip_norm=1.0, dtype=F64)
+    shared = alg.Preconditioner(clip_norm=1.0, dtype=F64, stats=stats)
+    fc = [alg.dp_feature_covariance(x, y, preconditioner=p, gradient_clip_norm=1.0, steps=3,
+                                    noise_multiplier=1.0, randomness=Randomness(4))
+          for p in (fresh, shared)]
+    kw = dict(clip_norm=1.0, steps=2, hessian_dtype=F64)
+    newton = [alg.dp_newton(x, y, noise_multiplier=1.0, randomness=Randomness(4), **kw),
+              alg.dp_newton(x, y, noise_multiplier=1.0, randomness=Randomness(4),
+                            covariance_stats=stats, **kw)]
+    for a, b in (fc, newton):
         assert torch.allclose(a.weights, b.weights, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="clipped with clip_norm"):
         alg.dp_newton(x, y, clip_norm=2.0, noise_multiplier=1.0, covariance_stats=stats)

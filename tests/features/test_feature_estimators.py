@@ -158,7 +158,9 @@ def test_auto_ridge_is_matched_to_the_noise_and_public(cls, target, factor, rele
     real = getattr(est.alg, target)
 
     def spy(*args, **kwargs):
-        seen.append(kwargs["ridge"])
+        # DP-FC carries its ridge in the preconditioner record; DP-Newton as a keyword
+        seen.append(kwargs["preconditioner"].ridge if "preconditioner" in kwargs
+                    else kwargs["ridge"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(est.alg, target, spy)

@@ -45,8 +45,10 @@ from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness
 
 __all__ = [
+    "Adam",
     "HESSIAN_BOUND",
     "Fitted",
+    "Preconditioner",
     "PSDSolver",
     "clipped_gradient_sum",
     "dp_adam",
@@ -62,6 +64,33 @@ LOSSES = ("softmax", "sigmoid")
 #: Bound beta_H on the second derivative of the logistic loss, sigma'(z) <= 1/4.
 HESSIAN_BOUND = 0.25
 _F64 = torch.float64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preconditioner:
+    """The noisy feature covariance that preconditions DP-FC (Mehta et al., Alg. 4).
+
+    Attributes:
+      clip_norm: ``C_G``, the norm features are clipped to before ``G = sum_i x~_i x~_i^T``
+        (sensitivity ``C_G^2``).
+      ridge: ``lambda`` added to the preconditioner (sum units).
+      dtype: dtype of the covariance product (a preconditioner; float32 is ample).
+      stats: statistics of the same ``x`` clipped to ``clip_norm``; their covariance is used
+        instead of recomputing it (it is released by the fit, with its noise).
+    """
+
+    clip_norm: float
+    ridge: float = 1.0
+    dtype: torch.dtype = torch.float32
+    stats: SufficientStats | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Adam:
+    """Adam's constants for :func:`dp_adam` (Kingma & Ba 2015): ``betas`` and ``eps``."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
 
 
 @dataclass(frozen=True)
@@ -381,17 +410,14 @@ def dp_feature_covariance(
     x: ArrayOrTensor,
     y: ArrayOrTensor,
     *,
-    covariance_clip_norm: float,
+    preconditioner: Preconditioner,
     gradient_clip_norm: float,
     noise_multiplier: float | tuple[float, float],
     steps: int = 10,
     learning_rate: float = 1.0,
-    ridge: float = 1.0,
     l2: float = 0.0,
     loss: Loss = "softmax",
     num_classes: int | None = None,
-    covariance_dtype: torch.dtype = torch.float32,
-    covariance_stats: SufficientStats | None = None,
     ledger: Ledger | None = None,
     randomness: Randomness | None = None,
 ) -> Fitted:
@@ -403,17 +429,16 @@ def dp_feature_covariance(
 
     Args:
       x: features ``[n, d]``. y: class indices ``[n]`` or 0/1 matrix ``[n, m]``.
-      covariance_clip_norm: ``C_G``. gradient_clip_norm: ``C_g``.
+      preconditioner: ``C_G``, ``lambda`` and how the covariance is formed
+        (:class:`Preconditioner`). gradient_clip_norm: ``C_g``.
       noise_multiplier: ``sigma`` of every release, or ``(covariance, gradient)``.
       steps: ``T`` (one full-batch step = one epoch).
       learning_rate: ``eta``; with the covariance as preconditioner 1 to 4 is a natural range.
-      ridge: ``lambda`` added to the preconditioner (sum units).
       l2: L2 penalty of the objective ``sum_i loss_i + l2/2 ||w||^2`` (sum units).
       loss: ``"softmax"`` (multinomial logistic) or ``"sigmoid"`` (one-vs-rest logistic).
-      covariance_dtype: dtype of the covariance product (a preconditioner; float32 is ample).
-      covariance_stats: statistics of the same ``x`` clipped to ``covariance_clip_norm``; their
-        covariance is used instead of recomputing it (it is released here, with its noise).
     """
+    covariance_clip_norm, ridge = preconditioner.clip_norm, preconditioner.ridge
+    covariance_dtype, covariance_stats = preconditioner.dtype, preconditioner.stats
     check_range("covariance_clip_norm", covariance_clip_norm, 0.0, math.inf, low_open=True,
                 high_open=True)
     check_range("gradient_clip_norm", gradient_clip_norm, 0.0, math.inf, low_open=True,
@@ -463,9 +488,7 @@ def dp_adam(
     learning_rate: float = 0.1,
     l2: float = 0.0,
     loss: Loss = "softmax",
-    optimizer: Literal["adam", "sgd"] = "adam",
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    optimizer: Literal["adam", "sgd"] | Adam = "adam",
     num_classes: int | None = None,
     ledger: Ledger | None = None,
     randomness: Randomness | None = None,
@@ -481,8 +504,11 @@ def dp_adam(
     check_int("steps", steps, 0)
     check_range("learning_rate", learning_rate, 0.0, math.inf, low_open=True, high_open=True)
     check_range("l2", l2, 0.0, math.inf, high_open=True)
-    if optimizer not in ("adam", "sgd"):
-        raise ValueError(f"optimizer must be one of ('adam', 'sgd'), got optimizer={optimizer!r}")
+    if not isinstance(optimizer, Adam) and optimizer not in ("adam", "sgd"):
+        raise ValueError(
+            f"optimizer must be 'adam', 'sgd' or an Adam(betas, eps), got optimizer={optimizer!r}"
+        )
+    adam = optimizer if isinstance(optimizer, Adam) else Adam()
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got loss={loss!r}")
     x = _as_f64(x)
@@ -493,7 +519,7 @@ def dp_adam(
     w = torch.zeros(d, m, dtype=_F64)
     mom = torch.zeros_like(w)
     var = torch.zeros_like(w)
-    b1, b2 = betas
+    (b1, b2), eps = adam.betas, adam.eps
     for t in range(steps):
         sid = _full_batch(ledger, n, t)
         g = _release(clipped_gradient_sum(x, yy, w, clip_norm, loss), sensitivity=clip_norm,

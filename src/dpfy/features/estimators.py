@@ -567,11 +567,13 @@ class DPFeatureCovarianceClassifier(_DPFeatureClassifier):
             check_range("covariance_share", s, 0.0, 1.0, low_open=True, high_open=True)
             shares = [s] + [(1.0 - s) / t] * t
         z = self._noise_multipliers(shares)
+        ridge = _ridge(self.ridge, auto_ridge(z[0], self.covariance_clip_norm, x.shape[1]))
         return alg.dp_feature_covariance(
-            x, idx, covariance_clip_norm=self.covariance_clip_norm,
+            x, idx, preconditioner=alg.Preconditioner(
+                clip_norm=self.covariance_clip_norm, ridge=ridge
+            ),
             gradient_clip_norm=self.gradient_clip_norm, noise_multiplier=(z[0], z[-1]),
             steps=t, learning_rate=self.learning_rate,
-            ridge=_ridge(self.ridge, auto_ridge(z[0], self.covariance_clip_norm, x.shape[1])),
             l2=self.l2,
             loss=self.loss, num_classes=m, ledger=ledger, randomness=rng,
         )
