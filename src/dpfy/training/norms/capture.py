@@ -258,7 +258,8 @@ class LayerCapture:
             # the one from the rest of the model only. Without the views, an output computed
             # from another output of the same call (an LSTM cell's h' from its c') would carry
             # the path through that other output, counted a second time when the generic rule
-            # differentiates the whole call (docs/architecture.md, "Coverage").
+            # differentiates the whole call (docs/architecture.md, 4.2, "Rules, the generic
+            # method and the coverage check").
             leaves = [o.view_as(o) if _differentiable(o) else o for o in leaves]
             outs = [o for o in leaves if _differentiable(o)]
             calls.append(

@@ -186,12 +186,7 @@ class BagGrads:
         overwrite: bool = False,
     ) -> dict[str, torch.Tensor]:
         d = self.g.shape[-1]
-        if out is None:
-            table = self.g.new_zeros(self.num_embeddings, d)
-        else:
-            table = out["weight"]
-            if overwrite:
-                table.zero_()
+        table = _table(self.g, self.num_embeddings, out, overwrite)
         scale = weights["weight"].to(table.dtype)[self.unit] * self.coef.to(table.dtype)
         step = max(1, CHUNK_ELEMENTS // max(d, 1))
         for start in range(0, self.rows.shape[0], step):
@@ -255,13 +250,7 @@ class BagMaxGrads:
         *,
         overwrite: bool = False,
     ) -> dict[str, torch.Tensor]:
-        d = self.g.shape[-1]
-        if out is None:
-            table = self.g.new_zeros(self.num_embeddings, d)
-        else:
-            table = out["weight"]
-            if overwrite:
-                table.zero_()
+        table = _table(self.g, self.num_embeddings, out, overwrite)
         w = weights["weight"].to(table.dtype).reshape(-1, 1, 1)
         values = self.g.to(table.dtype) * w
         table.index_put_(
@@ -353,3 +342,16 @@ def embedding_bag_rule(
         torch.cat(coef_e),
         module.num_embeddings,
     )
+
+
+def _table(
+    g: torch.Tensor, num_embeddings: int, out: dict[str, torch.Tensor] | None, overwrite: bool
+) -> torch.Tensor:
+    """Where a weighted sum goes: a new zero table, or ``out["weight"]`` (cleared to
+    overwrite)."""
+    if out is None:
+        return g.new_zeros(num_embeddings, g.shape[-1])
+    table = out["weight"]
+    if overwrite:
+        table.zero_()
+    return table
