@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dpfy import accounting  # noqa: E402
-from dpfy.hf import DPTrainer  # noqa: E402
+from dpfy.hf import DPTrainer, PrivacyArguments  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.training.losses import sequence_classification_loss  # noqa: E402
@@ -61,8 +61,16 @@ def _args(out, **kw):
 
 def test_trains_writes_the_ledger_and_the_saved_card(tmp_path):
     args = _args(tmp_path, max_steps=3, learning_rate=1e-2, gradient_accumulation_steps=2)
-    trainer = DPTrainer(model=_bert(), args=args, train_dataset=Sentences(),
-                        target_epsilon=4.0, target_delta=1e-5, clip_norm=1.0)
+    trainer = DPTrainer(
+        model=_bert(),
+        args=args,
+        train_dataset=Sentences(),
+        privacy=PrivacyArguments(
+            target_epsilon=4.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+        ),
+    )
     start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     ledger = Ledger.load(tmp_path / "ledger.jsonl")
@@ -97,8 +105,16 @@ def test_noise_off_update_equals_per_example_clipped_reference(tmp_path, checkpo
     args = _args(tmp_path, optim="sgd", learning_rate=lr, max_steps=1, max_grad_norm=0.0,
                  lr_scheduler_type="constant", weight_decay=0.0, gradient_accumulation_steps=2,
                  gradient_checkpointing=checkpointing)
-    trainer = Capturing(model=_bert(), args=args, train_dataset=Sentences(),
-                        noise_multiplier=0.0, clip_norm=clip, randomness=Randomness(4))
+    trainer = Capturing(
+        model=_bert(),
+        args=args,
+        train_dataset=Sentences(),
+        privacy=PrivacyArguments(
+            noise_multiplier=0.0,
+            clip_norm=clip,
+            randomness=Randomness(4),
+        ),
+    )
     model = trainer.model
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer.train()

@@ -3,6 +3,7 @@ padded batches (-100 labels), refusals before any ledger write. Tiny models, no 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from dpfy import accounting  # noqa: E402
-from dpfy.hf import DPSFTTrainer, LogicalBatch  # noqa: E402
+from dpfy.hf import DPSFTTrainer, LogicalBatch, PrivacyArguments  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.training.losses import causal_lm_loss  # noqa: E402
@@ -88,6 +89,9 @@ def _config(out, **kw):
     return trl.SFTConfig(**{**base, **kw})
 
 
+PRIVACY = {f.name for f in dataclasses.fields(PrivacyArguments)}
+
+
 def _trainer(cls, out, data, config=None, **kw):
     ex = _example()
     tokenizer = ex.char_tokenizer(ex.LINES)
@@ -100,7 +104,9 @@ def _trainer(cls, out, data, config=None, **kw):
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"],
                            task_type="CAUSAL_LM")
     return cls(model=model, args=config or _config(out), train_dataset=data,
-               processing_class=tokenizer, peft_config=lora, **kw)
+               processing_class=tokenizer, peft_config=lora,
+               privacy=PrivacyArguments(**{k: v for k, v in kw.items() if k in PRIVACY}),
+               **{k: v for k, v in kw.items() if k not in PRIVACY})
 
 
 @pytest.mark.parametrize("kind", ["text", "prompt_completion"])

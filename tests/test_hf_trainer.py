@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from dpfy import accounting  # noqa: E402
-from dpfy.hf import DPTrainer, LogicalBatch  # noqa: E402
+from dpfy.hf import DPTrainer, LogicalBatch, PrivacyArguments  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.training.losses import causal_lm_loss  # noqa: E402
@@ -103,8 +103,16 @@ def test_noise_off_update_equals_per_example_clipped_reference(tmp_path):
     args = _args(tmp_path, optim="sgd", learning_rate=lr, max_steps=1, max_grad_norm=0.0,
                  lr_scheduler_type="constant", weight_decay=0.0, per_device_train_batch_size=3,
                  gradient_accumulation_steps=3)
-    trainer = Capturing(model=model, args=args, train_dataset=Ids(), noise_multiplier=0.0,
-                        clip_norm=clip, randomness=Randomness(2))
+    trainer = Capturing(
+        model=model,
+        args=args,
+        train_dataset=Ids(),
+        privacy=PrivacyArguments(
+            noise_multiplier=0.0,
+            clip_norm=clip,
+            randomness=Randomness(2),
+        ),
+    )
     trainer.train()
     (batch,) = trainer.seen
     assert isinstance(batch, LogicalBatch) and batch.num_rows > 0
@@ -150,17 +158,21 @@ class OwnSampler(DPTrainer):
     ],
 )
 def test_refusals_come_before_any_ledger_write(tmp_path, change, match):
+    privacy = PrivacyArguments(target_epsilon=change.get("target_epsilon", 4.0),
+                               randomness=Randomness(0))
     kw = dict(model=_gpt2(), args=_args(tmp_path, **change.get("args", {})),
-              train_dataset=change.get("train_dataset", Ids()), target_epsilon=4.0,
-              randomness=Randomness(0))
+              train_dataset=change.get("train_dataset", Ids()), privacy=privacy)
     if "compute_loss_func" in change:
         kw["compute_loss_func"] = change["compute_loss_func"]
-    if "target_epsilon" in change:
-        kw["target_epsilon"] = change["target_epsilon"]
     with pytest.raises((ValueError, TypeError), match=match):
         trainer = change.get("cls", DPTrainer)(**kw)
         trainer.train(**change.get("train", {}))
     assert not (tmp_path / "ledger.jsonl").exists()
+
+
+def test_privacy_arguments_outside_their_record_are_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"privacy=PrivacyArguments\(target_epsilon="):
+        DPTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=Ids(), target_epsilon=4.0)
 
 
 def test_import_dpfy_does_not_import_transformers():
@@ -181,8 +193,16 @@ def test_bf16_training_arguments_autocast_the_forward_and_keep_fp32(tmp_path):
         args = _args(tmp_path / str(bf16), optim="sgd", learning_rate=0.5, max_steps=1,
                      max_grad_norm=0.0, lr_scheduler_type="constant", weight_decay=0.0,
                      bf16=bf16)
-        trainer = DPTrainer(model=model, args=args, train_dataset=Ids(), noise_multiplier=0.0,
-                            clip_norm=0.1, randomness=Randomness(2))
+        trainer = DPTrainer(
+            model=model,
+            args=args,
+            train_dataset=Ids(),
+            privacy=PrivacyArguments(
+                noise_multiplier=0.0,
+                clip_norm=0.1,
+                randomness=Randomness(2),
+            ),
+        )
         trainer.train()
         assert dtypes == {torch.bfloat16 if bf16 else torch.float32}
         assert trainer.ledger.metadata["precision"] == ("bf16" if bf16 else "fp32")
@@ -196,12 +216,35 @@ def test_bf16_training_arguments_autocast_the_forward_and_keep_fp32(tmp_path):
 
 def test_fp16_training_arguments_refused_with_the_alternative(tmp_path):
     with pytest.raises(ValueError, match=r"fp16=True.*precision='fp16'"):
-        DPTrainer(model=_gpt2(), args=_args(tmp_path, fp16=True), train_dataset=Ids(),
-                  target_epsilon=4.0, randomness=Randomness(0))
+        DPTrainer(
+            model=_gpt2(),
+            args=_args(tmp_path, fp16=True),
+            train_dataset=Ids(),
+            privacy=PrivacyArguments(
+                target_epsilon=4.0,
+                randomness=Randomness(0),
+            ),
+        )
     with pytest.raises(ValueError, match=r"precision must be 'bf16'"):
-        DPTrainer(model=_gpt2(), args=_args(tmp_path, bf16=True), train_dataset=Ids(),
-                  target_epsilon=4.0, randomness=Randomness(0), precision="fp16")
-    trainer = DPTrainer(model=_gpt2(), args=_args(tmp_path), train_dataset=Ids(),
-                        target_epsilon=4.0, randomness=Randomness(0), precision="fp16")
+        DPTrainer(
+            model=_gpt2(),
+            args=_args(tmp_path, bf16=True),
+            train_dataset=Ids(),
+            privacy=PrivacyArguments(
+                target_epsilon=4.0,
+                randomness=Randomness(0),
+                precision="fp16",
+            ),
+        )
+    trainer = DPTrainer(
+        model=_gpt2(),
+        args=_args(tmp_path),
+        train_dataset=Ids(),
+        privacy=PrivacyArguments(
+            target_epsilon=4.0,
+            randomness=Randomness(0),
+            precision="fp16",
+        ),
+    )
     assert trainer._dp_gradient.loss_scale == 2.0**8
     assert not (tmp_path / "ledger.jsonl").exists()

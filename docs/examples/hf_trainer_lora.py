@@ -19,7 +19,7 @@ import peft
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-from dpfy.hf import DPTrainer
+from dpfy.hf import DPTrainer, PrivacyArguments
 
 
 class ToyTokens(torch.utils.data.Dataset):
@@ -62,10 +62,12 @@ def main(output_dir: str, randomness=None) -> DPTrainer:
         model=model,
         args=args,
         train_dataset=ToyTokens(),
-        target_epsilon=8.0,
-        target_delta=1e-5,
-        clip_norm=1.0,
-        randomness=randomness,  # default: the secure generator (a DP release)
+        privacy=PrivacyArguments(
+            target_epsilon=8.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+            randomness=randomness,
+        ),
     )
     trainer.train()  # ledger.jsonl, then privacy_report.md / .json
     trainer.save_model()  # adapter + README.md with a "Privacy" section

@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig  # noqa: E402
 
-from dpfy.hf import DPSFTTrainer  # noqa: E402
+from dpfy.hf import DPSFTTrainer, PrivacyArguments  # noqa: E402
 
 LINES = [
     "the cat sat on the mat",
@@ -86,10 +86,12 @@ def main(output_dir: str, randomness=None, steps: int = 4) -> DPSFTTrainer:
         peft_config=peft.LoraConfig(
             r=4, lora_alpha=8, target_modules=["c_attn"], task_type="CAUSAL_LM"
         ),
-        target_epsilon=8.0,
-        target_delta=1e-5,
-        clip_norm=1.0,
-        randomness=randomness,  # default: the secure generator (a DP release)
+        privacy=PrivacyArguments(
+            target_epsilon=8.0,
+            target_delta=1e-5,
+            clip_norm=1.0,
+            randomness=randomness,
+        ),
     )
     trainer.train()  # ledger.jsonl, then privacy_report.md / .json
     trainer.save_model()  # adapter + README.md with a "Privacy" section

@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from dpfy.hf.model_card import privacy_section, write_model_card
-from dpfy.hf.trainer import DPTrainer, DPTrainingMixin, LogicalBatch
+from dpfy.hf.trainer import DPTrainer, DPTrainingMixin, LogicalBatch, PrivacyArguments
 
 __all__ = [
     "DPSFTTrainer",
     "DPTrainer",
     "DPTrainingMixin",
     "LogicalBatch",
+    "PrivacyArguments",
     "privacy_section",
     "write_model_card",
 ]

@@ -62,6 +62,7 @@ of privacy and must stay off). :class:`dpfy.hf.sft.DPSFTTrainer` is that class f
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import warnings
@@ -93,7 +94,7 @@ from dpfy.training.precision import Precision, check_precision
 from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
-__all__ = ["DPTrainer", "DPTrainingMixin", "LogicalBatch"]
+__all__ = ["DPTrainer", "DPTrainingMixin", "LogicalBatch", "PrivacyArguments"]
 
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -173,10 +174,32 @@ class _LogicalLoader:
             warnings.warn(owner._dp_budget_message(), stacklevel=2)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PrivacyArguments:
+    """The privacy arguments of a :class:`DPTrainingMixin` trainer (``privacy=``), one record
+    beside the Trainer's own ``TrainingArguments`` (see :class:`DPTrainingMixin` for each)."""
+
+    target_epsilon: float | None = None
+    target_delta: float = 1e-5
+    clip_norm: float = 1.0
+    sampler: Any = "poisson"
+    expected_batch_size: int | None = None
+    max_physical_batch_size: int | None = None
+    per_example_loss: PerExampleLoss | None = None
+    randomness: Randomness | None = None
+    accounting: str | None = None
+    noise_multiplier: float | None = None
+    precision: Precision | None = None
+
+
+_PRIVACY_FIELDS = frozenset(f.name for f in dataclasses.fields(PrivacyArguments))
+
+
 class DPTrainingMixin:
     """DP-SGD for a ``transformers.Trainer`` subclass (see the module docstring).
 
-    Privacy arguments (keyword only; every other argument goes to the Trainer):
+    Privacy arguments (``privacy=PrivacyArguments(...)``; every other argument goes to the
+    Trainer):
       target_epsilon, target_delta: the budget; the noise multiplier is calibrated to it.
       clip_norm: L2 clip norm C of each example's gradient.
       sampler: a sampler kind (``"poisson"``, ``"balls_and_bins"``, ``"shuffle"``, ...) or a
@@ -205,17 +228,7 @@ class DPTrainingMixin:
         model: Any = None,
         args: TrainingArguments | None = None,
         *trainer_args: Any,
-        target_epsilon: float | None = None,
-        target_delta: float = 1e-5,
-        clip_norm: float = 1.0,
-        sampler: Any = "poisson",
-        expected_batch_size: int | None = None,
-        max_physical_batch_size: int | None = None,
-        per_example_loss: PerExampleLoss | None = None,
-        randomness: Randomness | None = None,
-        accounting: str | None = None,
-        noise_multiplier: float | None = None,
-        precision: Precision | None = None,
+        privacy: PrivacyArguments | None = None,
         **trainer_kwargs: Any,
     ) -> None:
         from dpfy._validate import check_range
@@ -223,6 +236,18 @@ class DPTrainingMixin:
         from dpfy.sampling import make_sampler
         from dpfy.training.private import _sampling_stream, calibrate_to_budget
 
+        misplaced = sorted(set(trainer_kwargs) & _PRIVACY_FIELDS)
+        if misplaced:
+            raise TypeError(
+                f"{', '.join(misplaced)}: privacy arguments go in one record, "
+                f"privacy=PrivacyArguments({misplaced[0]}=...)"
+            )
+        p = PrivacyArguments() if privacy is None else privacy
+        target_epsilon, target_delta, clip_norm = p.target_epsilon, p.target_delta, p.clip_norm
+        sampler, expected_batch_size = p.sampler, p.expected_batch_size
+        max_physical_batch_size, per_example_loss = p.max_physical_batch_size, p.per_example_loss
+        randomness, accounting, noise_multiplier = p.randomness, p.accounting, p.noise_multiplier
+        precision = p.precision
         if args is None:
             args = TrainingArguments()
         if not isinstance(args, TrainingArguments):
@@ -492,8 +517,9 @@ class DPTrainer(DPTrainingMixin, Trainer):
     Example (``docs/examples/hf_trainer_lora.py``)::
 
         trainer = DPTrainer(model=model, args=TrainingArguments(output_dir=out, ...),
-                            train_dataset=data, target_epsilon=8.0, target_delta=1e-5,
-                            clip_norm=1.0)
+                            train_dataset=data,
+                            privacy=PrivacyArguments(target_epsilon=8.0, target_delta=1e-5,
+                                                     clip_norm=1.0))
         trainer.train()          # out/ledger.jsonl, out/privacy_report.md
         trainer.save_model()     # out/README.md gets a "Privacy" section
     """
