@@ -75,11 +75,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -102,7 +100,14 @@ from dpfy.training.norms.capture import (
 )
 from dpfy.training.norms.coverage import TOLERANCE, CoverageGuard
 from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.registry import Capture, LayerGrads, MaterializedGrads, cross_term
+from dpfy.training.norms.registry import (
+    Capture,
+    LayerGrads,
+    MaterializedGrads,
+    OverwritingGrads,
+    cross_term,
+    overwrites,
+)
 from dpfy.training.precision import (
     DEFAULT_FP16_LOSS_SCALE,
     Precision,
@@ -587,8 +592,8 @@ class PrivateGradient:
             dst = {ln: acc[qn] for ln, qn in qnames.items()}
             # a tied parameter's buffer already written by another owner is added to
             first = not shared or covered.isdisjoint(qnames.values())
-            if fresh and first and _overwrites(type(lg)):
-                cast(_OverwritingGrads, lg).weighted_sum(local, dst, overwrite=True)
+            if fresh and first and overwrites(type(lg)):
+                cast(OverwritingGrads, lg).weighted_sum(local, dst, overwrite=True)
                 covered.update(qn for qn in qnames.values() if qn in sq)
                 continue
             if fresh:
@@ -814,27 +819,6 @@ def _flat_buffers(
         views[n] = flat[start : start + p.numel()].view(p.shape)
         start += p.numel()
     return flat, views
-
-
-class _OverwritingGrads(Protocol):
-    """LayerGrads whose ``weighted_sum`` also takes ``overwrite=`` (see the LayerGrads docs)."""
-
-    def weighted_sum(
-        self,
-        weights: dict[str, torch.Tensor],
-        out: dict[str, torch.Tensor] | None = None,
-        *,
-        overwrite: bool = False,
-    ) -> dict[str, torch.Tensor]: ...
-
-
-@functools.cache
-def _overwrites(kind: type[LayerGrads]) -> bool:
-    """Whether a LayerGrads type's ``weighted_sum`` takes ``overwrite=`` (see the protocol)."""
-    try:
-        return "overwrite" in inspect.signature(kind.weighted_sum).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

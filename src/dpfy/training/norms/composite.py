@@ -13,12 +13,11 @@ block by block.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from dpfy.training.norms.linear import LinearForm
-from dpfy.training.norms.registry import LayerGrads, MaterializedGrads
+from dpfy.training.norms.registry import LayerGrads, OverwritingGrads, overwrites
 
 __all__ = ["CompositeGrads", "Slot"]
 
@@ -32,10 +31,14 @@ class CompositeGrads:
 
     Args:
       parts: each part and where its parameters land (see :data:`Slot`); a part's slots name
-        exactly the parameters the part reports. A parameter may be
-        filled by several parts, as disjoint row blocks or (``rows=None``) as summands of
-        one parameter used by several maps.
+        exactly the parameters the part reports. A parameter may be filled by several parts
+        only as disjoint row blocks (its per-example squared norm is then the sum of theirs);
+        a whole parameter belongs to one part.
       shapes: the module-local parameter shapes (``{name: p.shape}``).
+
+    Raises:
+      KeyError: a slot names a parameter without a shape.
+      ValueError: a whole parameter is filled by more than one part.
     """
 
     __slots__ = ("parts", "shapes")
@@ -47,26 +50,20 @@ class CompositeGrads:
     ) -> None:
         self.parts = list(parts)
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
-        for _, slots in self.parts:
-            for name, _rows in slots.values():
-                if name not in self.shapes:
-                    raise KeyError(f"no shape given for parameter {name!r}")
+        slot_list = [slot for _, slots in self.parts for slot in slots.values()]
+        for name, rows in slot_list:
+            if name not in self.shapes:
+                raise KeyError(f"no shape given for parameter {name!r}")
+            if rows is None and sum(n == name for n, _ in slot_list) > 1:
+                # the norm of a sum is not the sum of norms: one part per whole parameter
+                raise ValueError(f"parameter {name!r} is filled whole by more than one part")
 
     def squared_norms(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
-        summed: dict[str, list[tuple[LayerGrads, str]]] = {}
         for part, slots in self.parts:
             sq = part.squared_norms()
-            for pname, (name, rows) in slots.items():
-                if rows is None and _whole_owners(self.parts, name) > 1:
-                    summed.setdefault(name, []).append((part, pname))
-                    continue
+            for pname, (name, _) in slots.items():  # row blocks: their norms add up
                 out[name] = out[name] + sq[pname] if name in out else sq[pname]
-        for name, owners in summed.items():  # one parameter, several maps: norm of the sum
-            total = sum(_dense(p, n) for p, n in owners)
-            flat = cast(torch.Tensor, total).flatten(1)
-            v = flat.square().sum(1)
-            out[name] = out[name] + v if name in out else v
         return out
 
     def zero_rows(self, rows: torch.Tensor) -> None:
@@ -98,40 +95,29 @@ class CompositeGrads:
     ) -> dict[str, torch.Tensor]:
         if out is None:
             ref = next(iter(weights.values()))
+            filled = {name for _, slots in self.parts for name, _ in slots.values()}
             res = {
                 name: torch.zeros(shape, dtype=ref.dtype, device=ref.device)
                 for name, shape in self.shapes.items()
-                if any(n == name for _, s in self.parts for n, _ in s.values())
+                if name in filled
             }
             overwrite = False
         else:
             res = out
-        written: set[tuple[str, int | None, int | None]] = set()
-        for part, slots in self.parts:
+        for part, slots in self.parts:  # each slot is written by exactly one part
             part_w = {pname: weights[name] for pname, (name, _) in slots.items()}
             dst = {
                 pname: res[name] if rows is None else res[name][rows]
                 for pname, (name, rows) in slots.items()
             }
-            keys = {
-                pname: (name, None if rows is None else rows.start,
-                        None if rows is None else rows.stop)
-                for pname, (name, rows) in slots.items()
-            }
-            fresh = [p for p, k in keys.items() if overwrite and k not in written]
-            written.update(keys.values())
-            if fresh and len(fresh) == len(keys) and _overwrites(part):
-                cast(Any, part).weighted_sum(part_w, dst, overwrite=True)
+            if overwrite and overwrites(type(part)):
+                cast(OverwritingGrads, part).weighted_sum(part_w, dst, overwrite=True)
                 continue
-            for p in fresh:  # first write of these blocks: clear the old contents
-                dst[p].zero_()
+            if overwrite:  # first write of these blocks: clear the old contents
+                for t in dst.values():
+                    t.zero_()
             part.weighted_sum(part_w, dst)
         return res
-
-
-def _overwrites(part: LayerGrads) -> bool:
-    """Whether ``part.weighted_sum`` takes ``overwrite=`` (the parts dpfy builds do)."""
-    return isinstance(part, LinearForm | MaterializedGrads | CompositeGrads)
 
 
 def _dense(part: LayerGrads, name: str) -> torch.Tensor:
@@ -143,7 +129,3 @@ def _dense(part: LayerGrads, name: str) -> torch.Tensor:
         )
     out: torch.Tensor = fn(name)
     return out
-
-
-def _whole_owners(parts: Sequence[tuple[LayerGrads, Mapping[str, Slot]]], name: str) -> int:
-    return sum(1 for _, s in parts for n, rows in s.values() if n == name and rows is None)

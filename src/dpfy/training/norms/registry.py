@@ -14,6 +14,8 @@ rows ``[j*k, (j+1)*k)`` whose gradients are summed before taking the norm (micro
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar, cast
 
@@ -34,6 +36,8 @@ __all__ = [
     "LayerGrads",
     "MaterializedGrads",
     "NormRule",
+    "OverwritingGrads",
+    "overwrites",
     "RuleFor",
     "register_norm_rule",
     "register_norm_rule_by_name",
@@ -89,6 +93,27 @@ class LayerGrads(Protocol):
         parameter its ``squared_norms`` reports; this saves zeroing the accumulator.
         """
         ...
+
+
+class OverwritingGrads(Protocol):
+    """LayerGrads whose ``weighted_sum`` also takes ``overwrite=`` (see :class:`LayerGrads`)."""
+
+    def weighted_sum(
+        self,
+        weights: dict[str, torch.Tensor],
+        out: dict[str, torch.Tensor] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+@functools.cache
+def overwrites(kind: type[LayerGrads]) -> bool:
+    """Whether a LayerGrads type's ``weighted_sum`` takes ``overwrite=`` (see the protocol)."""
+    try:
+        return "overwrite" in inspect.signature(kind.weighted_sum).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 NormRule = Callable[[nn.Module, list[Capture], int], LayerGrads]
