@@ -96,6 +96,7 @@ from dpfy.training.norms.capture import (
     ModulePlan,
     capture_layers,
     plan_modules,
+    reported_names,
     shared_parameters,
 )
 from dpfy.training.norms.coverage import TOLERANCE, CoverageGuard
@@ -299,11 +300,7 @@ class PrivateGradient:
         validate_module(model)
         self.plans_: list[ModulePlan] = plan_modules(model, fallback=fallback)
         self._shared = shared_parameters(self.plans_)
-        self._qnames = [
-            {ln: plan.qualified(ln) for ln in plan.param_names}
-            | {ln: self.plans_[j].qualified(own) for ln, j, own in plan.adoptable}
-            for plan in self.plans_
-        ]
+        self._qnames = [reported_names(plan, self.plans_) for plan in self.plans_]
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         check_master_weights(self._params.items())
         self.param_names_: tuple[str, ...] = tuple(self._params)
@@ -330,6 +327,7 @@ class PrivateGradient:
         self._coverage = CoverageGuard(
             model, self.plans_, self._qnames, self._params,
             every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
+            enabled=self._sharded is None,  # an FSDP2 rank holds shards of the gradients
         )
         self._reset()
 
@@ -448,7 +446,7 @@ class PrivateGradient:
 
     def _hooked(self) -> list[ModulePlan]:
         """The plans recorded in the next chunk (the coverage check may add ancestors)."""
-        return self.plans_ if self._sharded is not None else self._coverage.hooked()
+        return self._coverage.hooked()
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -494,7 +492,7 @@ class PrivateGradient:
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if seed == 1.0 else mask * seed
-        guard = self._coverage if self._coverage.due and self._sharded is None else None
+        guard = self._coverage if self._coverage.due else None
         guard = None if losses.device.type == "meta" else guard  # meta: no values to compare
         checked = guard.params if guard is not None else []
         captures, batch_grads = recorder.backward(losses, scale, checked)
@@ -526,6 +524,7 @@ class PrivateGradient:
             # The chunk's one host read (docs/devices.md): the norms' sum (finite iff every
             # term is), loss sum, real rows, weights' validity and coverage norms, together.
             reads = [total_sq.sum(), loss_t] + ([] if mask is None else [mask.sum()])
+            ok_at = len(reads)  # where the weights' validity lands in the read, if read
             if weights_ok is not None:
                 reads.append(weights_ok)
             if guard is not None:
@@ -534,7 +533,7 @@ class PrivateGradient:
             loss_sum = host[1]
             if mask is not None:
                 n_real = int(host[2])
-            if weights_ok is not None and not host[len(reads) - 1 - (guard is not None)]:
+            if weights_ok is not None and not host[ok_at]:
                 raise ValueError("weights must be 0 (padding row) or 1 (real row)")
             if guard is not None:
 

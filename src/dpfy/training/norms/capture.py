@@ -38,6 +38,7 @@ __all__ = [
     "ModulePlan",
     "LayerCapture",
     "plan_modules",
+    "reported_names",
     "shared_parameters",
     "capture_layers",
 ]
@@ -137,6 +138,13 @@ def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[Modul
             "allow the generic vmap(grad) rule (fallback='vmap')"
         )
     return [_with_adoptable(plan, plans) if plan.rule is None else plan for plan in plans]
+
+
+def reported_names(plan: ModulePlan, plans: list[ModulePlan]) -> dict[str, str]:
+    """Local -> model names of every parameter ``plan``'s layer may report: its own and, for
+    the generic rule, the descendants' it may adopt (named as their owners name them)."""
+    own = {local: plan.qualified(local) for local in plan.param_names}
+    return own | {local: plans[j].qualified(theirs) for local, j, theirs in plan.adoptable}
 
 
 def _within(name: str, top: str) -> bool:
@@ -248,9 +256,7 @@ class LayerCapture:
         ) -> Any:
             if not self.active:
                 return None
-            if not torch.is_grad_enabled():
-                _check_grad_mode(plan)
-                return None
+            _check_grad_mode(plan)  # raises when autograd is off in the step
             leaves, spec = tree_flatten(output)
             if not any(_differentiable(o) for o in leaves):
                 return None
@@ -278,9 +284,7 @@ class LayerCapture:
         ) -> Any:
             if not self.active:
                 return None
-            if not torch.is_grad_enabled():
-                _check_grad_mode(plan)
-                return None
+            _check_grad_mode(plan)  # raises when autograd is off in the step
             assert plan.recompute is not None
             redone = plan.recompute(module, args, kwargs, output)
             if redone is None:

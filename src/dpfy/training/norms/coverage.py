@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from dpfy.training.norms.capture import ModulePlan, watch_plans
+from dpfy.training.norms.capture import ModulePlan, reported_names, watch_plans
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads
 
@@ -164,6 +164,7 @@ class CoverageGuard:
       params: the trainable parameters by name.
       every: check every chunk (else the first one that has finite gradients).
       chunk_size: ``vmap`` chunk of the generic rule.
+      enabled: ``False`` turns the check off (an FSDP2-sharded model).
     """
 
     def __init__(
@@ -175,12 +176,13 @@ class CoverageGuard:
         *,
         every: bool,
         chunk_size: int,
+        enabled: bool = True,
     ) -> None:
         self.model, self.plans, self.qualified = model, plans, qualified
         self.names = list(params)
         self.params = list(params.values())
         self.every, self.chunk_size = every, chunk_size
-        self.due = True
+        self.due = enabled
         self.watch = watch_plans(model, plans)
 
     def hooked(self) -> list[ModulePlan]:
@@ -250,7 +252,7 @@ class CoverageGuard:
         captures to ``captures``) for the current chunk. An ancestor the generic rule cannot
         run on is skipped (the parameter is then refused).
         """
-        lost = {name for name, p in zip(self.names, self.params, strict=True)} - recorded
+        lost = set(self.names) - recorded
         order = sorted(range(len(self.watch)), key=lambda i: -self.watch[i].name.count("."))
         added = False
         for i in order:
@@ -273,9 +275,7 @@ class CoverageGuard:
             lost -= set(take.values())
             layers[len(self.plans)] = grads
             self.plans.append(plan)
-            self.qualified.append(
-                {ln: self.plans[j].qualified(own) for ln, j, own in plan.adoptable}
-            )
+            self.qualified.append(reported_names(plan, self.plans))
             captures.append(caps)
             added = True
         if added:
