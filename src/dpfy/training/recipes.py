@@ -28,10 +28,9 @@ import torch
 from torch import nn
 
 from dpfy import datasets
-from dpfy._validate import check_int
 from dpfy.config import RunConfig
 from dpfy.correlated import Cyclic, SingleEpoch
-from dpfy.correlated.plan import STRATEGIES, CorrelatedPlan, make_plan
+from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.ledger import Ledger, SampleSpec
 from dpfy.randomness import Randomness
 from dpfy.sampling import kind as sampler_kind
@@ -255,22 +254,13 @@ def train_image_classifier(
     extra_train, step_observer = hooks.extra_train, hooks.step_observer
     if distributed is not None:
         workers = 1  # a rank of a run: the processes are already there
+    # RunConfig checked the mechanism, the unit, the workers' range and the precision
     checked_precision = check_precision(precision)
-    if mechanism not in ("dpsgd", *STRATEGIES):
-        raise ValueError(
-            f"mechanism must be one of {{dpsgd, {', '.join(STRATEGIES)}}}, "
-            f"got mechanism={mechanism!r}"
-        )
-    if mechanism != "dpsgd" and unit != "example":
-        raise ValueError(
-            f"mechanism={mechanism!r} applies only to unit='example', got unit={unit!r}"
-        )
     if mechanism != "dpsgd" and (workers > 1 or distributed is not None):
         raise ValueError(
             f"mechanism={mechanism!r} (correlated noise) runs in one process: use workers=1, "
             f"got workers={workers}" + ("" if distributed is None else " and a distributed run")
         )
-    check_int("workers", workers, 1, 1024)
     if unit != "example" and (workers > 1 or distributed is not None):
         raise ValueError(
             f"unit={unit!r} (user-level DP) runs in one process: use workers=1, got "
