@@ -38,7 +38,7 @@ from dpfy._validate import (
 __all__ = [
     "MECHANISMS",
     "RunConfig",
-    "TRAIN_UNITS",
+    "IMAGE_UNITS",
     "check_budget",
     "check_canary_counts",
     "default_guesses",
@@ -47,8 +47,8 @@ __all__ = [
 #: Noise mechanisms of a run: DP-SGD, or correlated DP-FTRL noise (image datasets).
 MECHANISMS = ("dpsgd", "bandmf", "blt", "tree", "tree-efficient")
 
-#: Units of privacy of ``dpfy train``, per kind of dataset.
-TRAIN_UNITS = {"images": ("example", "user"), "text": ("example", "movie")}
+#: Units of privacy of ``dpfy train`` on the image datasets (text: ``training.text.TEXT_UNITS``).
+IMAGE_UNITS = ("example", "user")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,7 +166,9 @@ class RunConfig:
     def _check_unit(self) -> None:
         text, unit, users, cap = self.text, self.unit, self.users, self.cap
         reduction = self.user_reduction
-        allowed = TRAIN_UNITS["text" if text else "images"]
+        from dpfy.training.text import TEXT_UNITS
+
+        allowed = TEXT_UNITS if text else IMAGE_UNITS
         if unit not in allowed:
             raise ValueError(
                 f"unit must be one of {{{', '.join(allowed)}}} for dataset={self.dataset!r}, "

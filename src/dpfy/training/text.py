@@ -378,11 +378,7 @@ def train_text_classifier(
         raise ValueError(
             f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got dataset={dataset!r}"
         )
-    if model not in TEXT_MODELS:
-        raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
-    if unit not in TEXT_UNITS:
-        raise ValueError(f"unit must be one of {{{', '.join(TEXT_UNITS)}}}, got unit={unit!r}")
-    check_int("max_length", max_length, 2, 512)
+    # RunConfig checked the model, the unit (for a text dataset) and max_length
     defaults = TEXT_DEFAULTS["lora" if lora else "full"]
     epochs = int(epochs if epochs is not None else defaults["epochs"])
     batch_size = int(batch_size if batch_size is not None else defaults["batch_size"])
