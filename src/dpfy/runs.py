@@ -168,6 +168,7 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
     audit_guesses = c.audit_guess_count() if audit_canaries is not None else None
     text = c.text
     out_dir = _new_run_dir(c.out, dataset)
+    ran = c.replace(out=str(out_dir))  # the configuration that runs, as recorded
 
     text_options = {"model": c.model or "minilm", "lora": lora,
                     "max_length": c.max_length} if text else {}
@@ -175,12 +176,12 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
     if audit_canaries is not None:
         canaries, tracker = _audit_setup(dataset, audit_canaries, seed, 0.9)
     if text:
-        summary = _train_text(c, out_dir, progress)
+        summary = _train_text(ran, progress)
     else:
         from dpfy.training import recipes
 
         summary = recipes.train_image_classifier(
-            c.replace(out=str(out_dir)),
+            ran,
             # the final weights are released: an FSDP2 model cannot be copied for an EMA
             recipes.ImageRecipe(ema_decay=None) if shard else None,
             recipes.RunHooks(
@@ -211,13 +212,13 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
             if unit != "example" else {})},
     )
     # the configuration that ran, beside the model and in the ledger: `dpfy train --config`
-    (out_dir / "run.toml").write_text(c.replace(out=str(out_dir)).to_toml(), encoding="utf-8")
+    (out_dir / "run.toml").write_text(ran.to_toml(), encoding="utf-8")
     summary.ledger.record_metadata(
         delta=delta,
         target_epsilon=target_epsilon,
         accuracy_by_step=[list(x) for x in accuracy_by_step],
         train_command=command,
-        config=c.replace(out=str(out_dir)).to_dict(),
+        config=ran.to_dict(),
         **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
     )
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
@@ -244,13 +245,13 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
     )
 
 
-def _train_text(c: RunConfig, out_dir: Path, progress: bool) -> Any:
+def _train_text(c: RunConfig, progress: bool) -> Any:
     """The text recipe's run for ``c`` (None fields take the recipe's defaults)."""
     from dpfy.training import recipes
     from dpfy.training import text as text_recipe
 
     hooks = recipes.RunHooks(progress=progress)
-    return text_recipe.train_text_classifier(c.replace(out=str(out_dir)), None, hooks)
+    return text_recipe.train_text_classifier(c, None, hooks)
 
 
 @dataclasses.dataclass
