@@ -9,8 +9,11 @@ and arms the budget guard, then returns ``(model, optimizer, criterion, loader)`
   batch and ``loss.backward()`` of that batch (``PrivateGradient.open_chunk``).
 * ``loader`` yields fixed-shape physical batches (the collated items, a tensor, tuple or dict)
   of the dpfy sampler's logical batches, padded with weight-0 rows
-  (:mod:`dpfy.training.loader`); one ``for`` over it is one epoch. Before the first physical
-  batch of a logical batch it writes the sample record to the ledger.
+  (:mod:`dpfy.training.loader`); one ``for`` over it is one epoch, and at most ``epochs``
+  epochs run (the noise was calibrated to them): starting one more raises
+  :class:`~dpfy.training.budget.BudgetExceededError`, never an empty epoch. The sample record
+  of a logical batch is written to the ledger at its first ``loss.backward()``, so a batch
+  looked at and dropped (``next(iter(loader))``) leaves no trace and uses up no epoch.
 * ``criterion(outputs, targets)`` computes the per-example losses with ``loss_fn`` and
   returns a :class:`PrivateLoss`; its ``backward()`` adds the clipped per-example gradients
   of the real rows to the accumulator (padding rows have weight 0). It does not write
@@ -22,17 +25,20 @@ and arms the budget guard, then returns ``(model, optimizer, criterion, loader)`
   virtual batches: one release per logical batch, as Opacus' ``BatchMemoryManager``).
 
 ``optimizer.epsilon()`` (and ``.ledger``) read the ledger at any time; the guard ends an
-epoch before a step that would pass ``target_epsilon`` (``on_budget="stop"``: a warning;
-``"raise"``: :class:`~dpfy.training.budget.BudgetExceededError`).
+epoch before a step that would pass ``target_epsilon`` (``on_budget="stop"``: the epoch ends
+there with a warning, a clean stop, and the next epoch raises; ``"raise"``:
+:class:`~dpfy.training.budget.BudgetExceededError` in place of the refused step).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -112,9 +118,9 @@ class _Engine:
         ledger: Ledger,
         randomness: Randomness,
         noise_multiplier: float,
-        guard: BudgetGuard,
-        epochs: int,
-        delta: float,
+        guard: BudgetGuard | None,
+        epochs: int | None,
+        delta: float | None,
         accounting: str,
         on_budget: OnBudget,
         facts: dict[str, Any],
@@ -138,14 +144,51 @@ class _Engine:
         self.chunk: OpenChunk | None = None
         self.sample_id: int | None = None
         self.backwards = 0
+        self.released = False
         self.last_stats: StepStats | None = None
+        self._epoch_start: dict[str, Any] | None = None
 
     # -- loader side ------------------------------------------------------------------------
     def allowed_steps(self) -> int:
         spe = int(self.sampler.steps_per_epoch)
+        if self.guard is None:
+            return spe
         return self.guard.allowed_steps(
             self.ledger, lambda k: self.sampler.privacy_event(self.z, steps=k), spe
         )
+
+    def begin_epoch(self) -> tuple[int, int]:
+        """(epoch, logical batches it may run); past the plan or the budget: an error."""
+        if self.epochs is not None and self.epoch >= self.epochs:
+            raise BudgetExceededError(
+                f"the private loader was planned for epochs={self.epochs} (the noise multiplier "
+                f"{self.z:.4g} was calibrated to them) and all of them have run; epoch "
+                f"{self.epoch + 1} would release more than planned. Stop the loop after "
+                f"{self.epochs} epochs, or plan more epochs in make_private"
+            )
+        allowed = self.allowed_steps()
+        if allowed == 0:  # the budget is spent: an error, never an empty epoch
+            raise BudgetExceededError(self.budget_message())
+        epoch = self.epoch
+        self.epoch += 1
+        self._epoch_start = self.sampler.state_dict()  # where the sampler stands: see abandon
+        return epoch, allowed
+
+    def abandon(self, epoch: int, steps_before: int) -> None:
+        """An iteration ended early (``break``, or a batch looked at with ``next(iter(...))``).
+
+        The logical batch in hand is dropped when nothing of it was backpropagated (nothing
+        of it is in the ledger); an iteration that released nothing gives its epoch back, and
+        the sampler returns to the start of that epoch (a seeded one draws the same batches
+        again; nothing drawn and dropped was released).
+        """
+        self.close_chunk()
+        if self.sample_id is None:
+            self.info = None
+            if self.steps == steps_before and self.epoch == epoch + 1:
+                self.epoch = epoch
+                if self._epoch_start is not None:
+                    self.sampler.load_state_dict(self._epoch_start)
 
     def start_chunk(self, info: ChunkInfo, device: torch.device | None) -> None:
         self.close_chunk()
@@ -155,10 +198,8 @@ class _Engine:
                     "the previous logical batch was never released: call optimizer.step() "
                     "after loss.backward() of every physical batch"
                 )
-            if self.ledger.iteration == 0 and self.steps == 0:
-                self.ledger.record_metadata(**self.facts)
-            self.sample_id = self.ledger.record_sample(self.spec, epoch=info.epoch, step=self.steps)
             self.backwards = 0
+            self.released = False
         self.info = info
         self.weights = info.weights(device)
         # the physical batch's row count (padding rows included): a layer called once on a
@@ -171,6 +212,7 @@ class _Engine:
             self.chunk = None
 
     def budget_message(self) -> str:
+        assert self.guard is not None
         eps = self.guard.epsilon_after(self.ledger, self.sampler.privacy_event(self.z, steps=1))
         return self.guard._message(self.ledger, eps)
 
@@ -182,6 +224,12 @@ class _Engine:
                 "been backpropagated yet (one backward per batch)"
             )
         chunk, self.chunk = self.chunk, None
+        if self.sample_id is None:  # the batch is used: its sample record goes first
+            info = self.info
+            assert info is not None
+            if self.ledger.iteration == 0 and self.steps == 0:
+                self.ledger.record_metadata(**self.facts)
+            self.sample_id = self.ledger.record_sample(self.spec, epoch=info.epoch, step=self.steps)
         chunk.accumulate(losses, self.weights)
         self.backwards += 1
 
@@ -191,9 +239,9 @@ class _Engine:
             raise RuntimeError("optimizer.step() before the first batch of the private loader")
         if not info.last:
             return False  # inside a logical batch: keep accumulating
-        if self.sample_id is None:
+        if self.released:
             raise RuntimeError("optimizer.step() was already called for this logical batch")
-        if self.backwards != info.num_chunks:
+        if self.backwards != info.num_chunks or self.sample_id is None:
             raise RuntimeError(
                 f"optimizer.step() after loss.backward() of {self.backwards} of the "
                 f"{info.num_chunks} physical batches of this logical batch: call the private "
@@ -204,6 +252,7 @@ class _Engine:
             ledger=self.ledger, sample_id=self.sample_id, randomness=self.randomness
         )
         self.sample_id = None
+        self.released = True
         optimizer.step()
         self.steps += 1
         return True
@@ -212,9 +261,15 @@ class _Engine:
 class PrivateLoader:
     """Physical batches of the dpfy sampler's logical batches (see the module docstring).
 
-    Built by :func:`make_private`; each ``for`` over it is the next epoch. ``len()`` is the
-    number of logical batches per epoch. ``num_workers > 0`` reads rows in worker processes
-    (the sampler and its randomness stay in this process).
+    Built by :func:`make_private`; each ``for`` over it is the next epoch, up to the planned
+    ``epochs`` (one more raises :class:`~dpfy.training.budget.BudgetExceededError`). ``len()``
+    is the number of logical batches per epoch. ``num_workers > 0`` reads rows in worker
+    processes (the sampler and its randomness stay in this process).
+
+    An iteration left early costs nothing it did not use: ``next(iter(loader))`` hands out a
+    batch (for a look at its shapes) whose hooks and ledger record vanish with the iterator,
+    and the epoch is not used up; a new ``iter()`` first ends any earlier iteration still
+    suspended.
     """
 
     def __init__(
@@ -241,26 +296,58 @@ class PrivateLoader:
             num_workers=num_workers,
             **loader_kwargs,
         )
+        self._live: weakref.ref[Generator[Any, None, None]] | None = None
 
     @property
     def sampler(self) -> Any:
         return self._engine.sampler
 
+    @property
+    def max_physical_batch_size(self) -> int | None:
+        """Rows per physical batch (None: one physical batch per logical batch)."""
+        return self.batch_sampler.max_physical_batch_size
+
+    @max_physical_batch_size.setter
+    def max_physical_batch_size(self, value: int | None) -> None:
+        """Change the physical batch size between epochs (privacy is unchanged: one release
+        per logical batch whatever its cut)."""
+        if value is not None:
+            check_range("max_physical_batch_size", value, 1, None, integer=True)
+        live = self._live() if self._live is not None else None
+        started = (inspect.GEN_SUSPENDED, inspect.GEN_RUNNING)
+        if live is not None and inspect.getgeneratorstate(live) in started:
+            raise RuntimeError(
+                "max_physical_batch_size can change between epochs only, got a change while "
+                "an iteration over the loader is under way"
+            )
+        self.batch_sampler.max_physical_batch_size = None if value is None else int(value)
+        self._engine.facts["max_physical_batch_size"] = self.batch_sampler.max_physical_batch_size
+
     def __len__(self) -> int:
         return int(self._engine.sampler.steps_per_epoch)
 
     def __iter__(self) -> Iterator[Any]:
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            live.close()  # an earlier iteration left suspended
+        batches = self._epoch()
+        self._live = weakref.ref(batches)
+        return batches
+
+    def _epoch(self) -> Generator[Any, None, None]:
         engine = self._engine
-        epoch = engine.epoch
-        engine.epoch += 1
-        allowed = engine.allowed_steps()
+        epoch, allowed = engine.begin_epoch()
         self.batch_sampler.begin(epoch, allowed)
+        steps_before, finished = engine.steps, False
         try:
             for batch in self._loader:
                 engine.start_chunk(self.batch_sampler.infos.popleft(), self.device)
                 yield _to(batch, self.device)
+            finished = True
         finally:
             engine.close_chunk()
+            if not finished:
+                engine.abandon(epoch, steps_before)
         if allowed < int(engine.sampler.steps_per_epoch):
             message = engine.budget_message()
             if engine.on_budget == "raise":
@@ -360,6 +447,10 @@ class PrivateOptimizer(torch.optim.Optimizer):
         """Epsilon the ledger has spent so far at ``delta`` (default: the target delta)."""
         engine = self._engine
         d = engine.delta if delta is None else delta
+        if d is None:
+            raise ValueError(
+                "delta must be given: make_private had no target delta, got delta=None"
+            )
         return spent(engine.ledger, d, method or engine.accounting)
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
@@ -431,6 +522,10 @@ class PrivateOptions:
         the parameters must be fp32 master weights (:mod:`dpfy.training.precision`).
       loss_scale: fixed fp16 loss scale (default 2**8; a dynamic ``GradScaler`` would adapt
         to a data-dependent overflow bit the noise does not cover, so none is used).
+      noise_multiplier: use this noise multiplier z >= 0 instead of calibrating one; then
+        ``target_epsilon`` only arms the budget guard and may be None (no guard), and
+        ``epochs`` may be None (no planned end). z = 0 releases without noise and the ledger
+        says epsilon = infinity (debugging only).
     """
 
     max_physical_batch_size: int | None = None
@@ -445,6 +540,7 @@ class PrivateOptions:
     loader_kwargs: dict[str, Any] | None = None
     precision: Precision = "fp32"
     loss_scale: float | None = None
+    noise_multiplier: float | None = None
 
 
 def make_private(
@@ -452,9 +548,9 @@ def make_private(
     optimizer: torch.optim.Optimizer,
     data: Any,
     *,
-    target_epsilon: float,
-    delta: float,
-    epochs: int,
+    target_epsilon: float | None,
+    delta: float | None,
+    epochs: int | None,
     clip_norm: float,
     expected_batch_size: int | None = None,
     sampler: Any = "poisson",
@@ -473,9 +569,11 @@ def make_private(
       data: a map-style ``torch.utils.data.Dataset`` (items: tensors, tuples, dicts); one
         item is the unit of privacy. Not a ``DataLoader`` nor an ``IterableDataset``.
       target_epsilon: budget; the noise multiplier is calibrated to it over ``epochs`` and the
-        budget guard refuses any step past it.
-      delta: target delta in (0, 1).
-      epochs: planned epochs (passes over the loader).
+        budget guard refuses any step past it. None only with
+        ``options.noise_multiplier`` (then no guard).
+      delta: target delta in (0, 1); None only without ``target_epsilon``.
+      epochs: planned epochs (passes over the loader); one more is an error. None only with
+        ``options.noise_multiplier`` (then no planned end).
       clip_norm: L2 clip norm C of each example's gradient (Opacus' ``max_grad_norm``).
       expected_batch_size: (expected) logical batch size B (Poisson: q = B / N); needed when
         ``sampler`` is a kind name.
@@ -502,9 +600,26 @@ def make_private(
     collate_fn, ledger, accounting = o.collate_fn, o.ledger, o.accounting
     num_workers, device, on_budget, validate = o.num_workers, o.device, o.on_budget, o.validate
     loader_kwargs, precision, loss_scale = o.loader_kwargs, o.precision, o.loss_scale
-    check_range("target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True)
-    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    check_range("epochs", epochs, 1, None, integer=True)
+    given_z = o.noise_multiplier
+    if given_z is None:
+        for name, value in (("target_epsilon", target_epsilon), ("epochs", epochs)):
+            if value is None:
+                raise ValueError(
+                    f"{name} must be given to calibrate the noise multiplier, got {name}=None "
+                    "(or pass options=PrivateOptions(noise_multiplier=...))"
+                )
+    else:
+        check_range("noise_multiplier", given_z, 0.0, math.inf, high_open=True)
+    if target_epsilon is not None:
+        check_range(
+            "target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True
+        )
+        if delta is None:
+            raise ValueError("delta must be given with target_epsilon, got delta=None")
+    if delta is not None:
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if epochs is not None:
+        check_range("epochs", epochs, 1, None, integer=True)
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
     check_range("num_workers", num_workers, 0, None, integer=True)
     check_precision(precision)
@@ -562,15 +677,24 @@ def make_private(
     if validate:
         validate_module(model)
     method = accounting or sampler_kind(sampler.sample_spec().sampler).default_accountant
-    z = calibrate_to_budget(
-        sampler, float(target_epsilon), float(delta), method, epochs=int(epochs)
+    if given_z is None:
+        assert target_epsilon is not None and delta is not None and epochs is not None
+        z = calibrate_to_budget(
+            sampler, float(target_epsilon), float(delta), method, epochs=int(epochs)
+        )
+    else:
+        z = float(given_z)
+    guard = (
+        BudgetGuard(target_epsilon, delta, method=method)
+        if target_epsilon is not None and delta is not None and z > 0
+        else None
     )
-    guard = BudgetGuard(target_epsilon, delta, method=method)
     from dpfy.queries import GaussianSumQuery
+    from dpfy.queries.sum import NoPrivacyQuery
 
     pg = PrivateGradient(
         model,
-        GaussianSumQuery(clip_norm, z, name="gradient"),
+        NoPrivacyQuery(clip_norm) if z == 0 else GaussianSumQuery(clip_norm, z, name="gradient"),
         expected_batch_size=sampler.expected_batch_size,
         precision=precision,
         loss_scale=loss_scale,
@@ -579,17 +703,17 @@ def make_private(
         "trainer": "dpfy.make_private",
         "noise_multiplier": z,
         "clip_norm": float(clip_norm),
-        "epochs": int(epochs),
+        "epochs": None if epochs is None else int(epochs),
         "steps_per_epoch": int(sampler.steps_per_epoch),
         "expected_batch_size": float(sampler.expected_batch_size),
         "max_physical_batch_size": max_physical_batch_size,
         "sampler": repr(sampler),
-        "target_epsilon": float(target_epsilon),
-        "target_delta": float(delta),
+        "target_epsilon": None if target_epsilon is None else float(target_epsilon),
+        "target_delta": None if delta is None else float(delta),
         "accounting": method,
         "optimizer": type(optimizer).__name__,
         "secure_randomness": bool(rng.secure),
-        "calibrated": True,
+        "calibrated": given_z is None,
         "precision": pg.precision,
         "loss_scale": pg.loss_scale,
     }
@@ -600,8 +724,8 @@ def make_private(
         randomness=rng,
         noise_multiplier=z,
         guard=guard,
-        epochs=int(epochs),
-        delta=float(delta),
+        epochs=None if epochs is None else int(epochs),
+        delta=None if delta is None else float(delta),
         accounting=method,
         on_budget=on_budget,
         facts=facts,
