@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -43,14 +43,23 @@ class UnsupportedEventError(ValueError):
 class PrivacyResult:
     """An (epsilon, delta) statement and where it came from.
 
+    ``float(result)`` is the epsilon of a result of :func:`epsilon` (also in an f-string:
+    ``f"{result:.2f}"``). A result of :func:`delta` answers the other question (the delta at a
+    given epsilon), so ``float()`` refuses it rather than return a number that could be read as
+    either: read ``.delta`` or ``.epsilon`` by name.
+
     Attributes:
-      epsilon: the reported epsilon (for Monte Carlo: the upper confidence bound).
-      delta: the delta it holds at (including any extra delta, e.g. from truncation).
+      epsilon: the reported epsilon (for Monte Carlo: the upper confidence bound); for a
+        result of :func:`delta`, the epsilon it was asked at.
+      delta: the delta it holds at (including any extra delta, e.g. from truncation); for a
+        result of :func:`delta`, the computed delta.
       method: accountant name (``rdp``, ``pld``, ``gaussian``, ``monte_carlo``, ...).
       adjacency: the neighbouring relation (``add_or_remove``, ``replace_one``, ``zero_out``).
       provable: False when the figure holds only with probability 1 - error_probability.
       epsilon_estimate / epsilon_lower / error_probability: Monte Carlo and bound details.
       notes: assumptions a reader must know (e.g. "no amplification assumed").
+      solved_for: which of the two was computed: ``"epsilon"`` (by :func:`epsilon`) or
+        ``"delta"`` (by :func:`delta`).
     """
 
     epsilon: float
@@ -62,6 +71,21 @@ class PrivacyResult:
     epsilon_lower: float | None = None
     error_probability: float | None = None
     notes: tuple[str, ...] = ()
+    solved_for: Literal["epsilon", "delta"] = "epsilon"
+
+    def __float__(self) -> float:
+        """The epsilon of an epsilon result; a ``TypeError`` for a delta result."""
+        if self.solved_for != "epsilon":
+            raise TypeError(
+                "float() of a PrivacyResult is its epsilon, but this result is from "
+                f"accounting.delta(): delta={self.delta!r} at the given epsilon="
+                f"{self.epsilon!r}; read .delta or .epsilon by name"
+            )
+        return float(self.epsilon)
+
+    def __format__(self, spec: str) -> str:
+        """``f"{result:.2f}"`` formats the epsilon (as ``float(result)``); no spec: ``str``."""
+        return format(float(self), spec) if spec else str(self)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -455,7 +479,7 @@ def delta(
     event = _as_event(event)
     if contains_non_private(event):
         res = _infinite(event, _method_name(method), 1.0)
-        return dataclasses.replace(res, epsilon=float(epsilon))
+        return dataclasses.replace(res, epsilon=float(epsilon), solved_for="delta")
     mechanism = untruncated(event)
     accs = _resolve(mechanism, method)
     probability = event_truncation_probability(event)
@@ -472,7 +496,8 @@ def delta(
             if alt is not None and alt.delta < base.delta:
                 base = alt
         results.append(base)
-    return min(results, key=lambda r: (r.delta, not r.provable))
+    best = min(results, key=lambda r: (r.delta, not r.provable))
+    return dataclasses.replace(best, solved_for="delta")
 
 
 def compare(event: ev.Event | EventSource, delta: float) -> dict[str, PrivacyResult | str]:
