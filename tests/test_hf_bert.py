@@ -67,7 +67,7 @@ def test_trains_writes_the_ledger_and_the_saved_card(tmp_path):
         train_dataset=Sentences(),
         privacy=PrivacyArguments(
             target_epsilon=4.0,
-            target_delta=1e-5,
+            delta=1e-5,
             clip_norm=1.0,
         ),
     )

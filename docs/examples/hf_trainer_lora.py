@@ -64,7 +64,7 @@ def main(output_dir: str, randomness=None) -> DPTrainer:
         train_dataset=ToyTokens(),
         privacy=PrivacyArguments(
             target_epsilon=8.0,
-            target_delta=1e-5,
+            delta=1e-5,
             clip_norm=1.0,
             randomness=randomness,
         ),

@@ -88,7 +88,7 @@ def main(output_dir: str, randomness=None, steps: int = 4) -> DPSFTTrainer:
         ),
         privacy=PrivacyArguments(
             target_epsilon=8.0,
-            target_delta=1e-5,
+            delta=1e-5,
             clip_norm=1.0,
             randomness=randomness,
         ),

@@ -49,13 +49,13 @@ class DPSFTTrainer(DPTrainingMixin, SFTTrainer):
     Arguments: those of ``SFTTrainer`` (``model``, ``args`` as an ``SFTConfig``,
     ``train_dataset``, ``processing_class``, ``peft_config``, ...) plus the privacy ones of
     :class:`dpfy.hf.trainer.DPTrainingMixin` (``privacy=PrivacyArguments(target_epsilon=...,
-    target_delta=..., clip_norm=..., ...)``). Example::
+    delta=..., clip_norm=..., ...)``). Example::
 
         trainer = DPSFTTrainer(model=model, args=SFTConfig(output_dir=out, ...),
                                train_dataset=Dataset.from_dict({"text": lines}),
                                processing_class=tokenizer, peft_config=LoraConfig(...),
                                privacy=PrivacyArguments(target_epsilon=8.0,
-                                                        target_delta=1e-5, clip_norm=1.0))
+                                                        delta=1e-5, clip_norm=1.0))
         trainer.train()          # out/ledger.jsonl, out/privacy_report.md
         trainer.save_model()     # out/README.md gets a "Privacy" section
     """

@@ -26,7 +26,7 @@ Same arguments as ``Trainer`` plus the privacy ones; ``train()`` then runs DP-SG
   gradient: post-processing, it changes no privacy number (set it to 0 to disable). The
   optimizer, the learning-rate schedule, logging and evaluation are the Trainer's.
 * **Budget.** The noise multiplier is calibrated so the planned steps (``max_steps``, else
-  ``ceil(num_train_epochs * steps_per_epoch)``) meet ``target_epsilon`` at ``target_delta``;
+  ``ceil(num_train_epochs * steps_per_epoch)``) meet ``target_epsilon`` at ``delta``;
   the budget guard ends training before a step past the target (a warning).
 * **Outputs.** ``output_dir/ledger.jsonl`` (written ahead of every sample and release), and at
   the end of ``train()`` ``output_dir/privacy_report.md`` and ``.json``; ``save_model()`` adds a
@@ -180,7 +180,7 @@ class PrivacyArguments:
     beside the Trainer's own ``TrainingArguments`` (see :class:`DPTrainingMixin` for each)."""
 
     target_epsilon: float | None = None
-    target_delta: float = 1e-5
+    delta: float = 1e-5
     clip_norm: float = 1.0
     sampler: Any = "poisson"
     expected_batch_size: int | None = None
@@ -200,7 +200,8 @@ class DPTrainingMixin:
 
     Privacy arguments (``privacy=PrivacyArguments(...)``; every other argument goes to the
     Trainer):
-      target_epsilon, target_delta: the budget; the noise multiplier is calibrated to it.
+      target_epsilon, delta: the budget; the noise multiplier is calibrated to it (``delta``
+        is spelt as in :func:`dpfy.make_private` and the accounting functions).
       clip_norm: L2 clip norm C of each example's gradient.
       sampler: a sampler kind (``"poisson"``, ``"balls_and_bins"``, ``"shuffle"``, ...) or a
         :mod:`dpfy.sampling` sampler over the training set.
@@ -243,7 +244,7 @@ class DPTrainingMixin:
                 f"privacy=PrivacyArguments({misplaced[0]}=...)"
             )
         p = PrivacyArguments() if privacy is None else privacy
-        target_epsilon, target_delta, clip_norm = p.target_epsilon, p.target_delta, p.clip_norm
+        target_epsilon, delta, clip_norm = p.target_epsilon, p.delta, p.clip_norm
         sampler, expected_batch_size = p.sampler, p.expected_batch_size
         max_physical_batch_size, per_example_loss = p.max_physical_batch_size, p.per_example_loss
         randomness, accounting, noise_multiplier = p.randomness, p.accounting, p.noise_multiplier
@@ -257,7 +258,7 @@ class DPTrainingMixin:
         if target_epsilon is not None:
             check_range("target_epsilon", target_epsilon, 0.0, math.inf, low_open=True,
                         high_open=True)
-        check_range("target_delta", target_delta, 0.0, 1.0, low_open=True, high_open=True)
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
         check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
         if noise_multiplier is not None:
             check_range("noise_multiplier", noise_multiplier, 0.0, math.inf, high_open=True)
@@ -303,7 +304,7 @@ class DPTrainingMixin:
                 {"epochs": steps // spe} if steps % spe == 0 else {"steps": steps}
             )
             z = calibrate_to_budget(
-                sampler, float(target_epsilon), float(target_delta), method, **span
+                sampler, float(target_epsilon), float(delta), method, **span
             )
         else:
             z = float(noise_multiplier)
@@ -318,10 +319,10 @@ class DPTrainingMixin:
         self._dp_spec = sampler.sample_spec()
         self._dp_physical = int(physical)
         self._dp_z = z
-        self._dp_delta = float(target_delta)
+        self._dp_delta = float(delta)
         self._dp_method = method
         self._dp_guard = (
-            BudgetGuard(target_epsilon, target_delta, method=method)
+            BudgetGuard(target_epsilon, delta, method=method)
             if target_epsilon is not None and z > 0
             else None
         )
@@ -342,7 +343,7 @@ class DPTrainingMixin:
             "max_physical_batch_size": int(physical),
             "sampler": repr(sampler),
             "target_epsilon": None if target_epsilon is None else float(target_epsilon),
-            "target_delta": float(target_delta),
+            "target_delta": float(delta),
             "accounting": method,
             "optimizer": args.optim if isinstance(args.optim, str) else str(args.optim),
             "learning_rate": float(args.learning_rate),
@@ -372,7 +373,7 @@ class DPTrainingMixin:
         return Path(self.args.output_dir or ".") / "ledger.jsonl"
 
     def epsilon(self, delta: float | None = None, method: str | None = None) -> float:
-        """Epsilon the ledger has spent at ``delta`` (default: ``target_delta``)."""
+        """Epsilon the ledger has spent at ``delta`` (default: the ``delta`` of the budget)."""
         return spent(self.ledger, self._dp_delta if delta is None else delta,
                      method or self._dp_method)
 
@@ -518,7 +519,7 @@ class DPTrainer(DPTrainingMixin, Trainer):
 
         trainer = DPTrainer(model=model, args=TrainingArguments(output_dir=out, ...),
                             train_dataset=data,
-                            privacy=PrivacyArguments(target_epsilon=8.0, target_delta=1e-5,
+                            privacy=PrivacyArguments(target_epsilon=8.0, delta=1e-5,
                                                      clip_norm=1.0))
         trainer.train()          # out/ledger.jsonl, out/privacy_report.md
         trainer.save_model()     # out/README.md gets a "Privacy" section
