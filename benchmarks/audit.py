@@ -28,7 +28,8 @@ import torch
 from scipy.optimize import brentq
 
 from dpfy.accounting.gaussian import gaussian_epsilon
-from dpfy.audit import CanaryModel, canary_audit
+from dpfy.audit import canary_audit
+from dpfy.audit.canary import CanaryModel
 
 DELTA = 1e-5
 

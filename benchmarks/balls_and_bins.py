@@ -69,7 +69,7 @@ def _cpu_seconds() -> float:
 def _mc(z: float, t: int, epochs: int, samples: int | None, workers: int,
         error_probability: float):
     """Monte Carlo epsilon on a fresh process pool, with (wall, CPU) seconds."""
-    from dpfy.accounting.balls_and_bins import balls_and_bins_epsilon
+    from dpfy.accounting.monte_carlo.accountant import balls_and_bins_epsilon
 
     wall, cpu = time.perf_counter(), _cpu_seconds()
     with ProcessPoolExecutor(workers) as pool:

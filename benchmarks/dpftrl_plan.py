@@ -16,7 +16,7 @@ import numpy as np
 
 from dpfy import events as ev
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
-from dpfy.correlated import optimize_bandmf
+from dpfy.correlated.bandmf import optimize_bandmf
 from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
 
 

@@ -33,9 +33,10 @@ import torch
 from dpsgd_step import CLIP, LR, MODELS, Z, dpfy_step, measure, plain_step, write_json
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.queries import NoPrivacyQuery
+from dpfy.ledger import Ledger
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 from dpfy.training import PrivateGradient
 
 

@@ -51,9 +51,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 from dpfy.training import PrivateGradient
 from dpfy.training.recipes import make_model
 

@@ -45,17 +45,10 @@ import torch
 
 from dpfy import accounting
 from dpfy.datasets import load_fashion_mnist
-from dpfy.fed import (
-    CohortSampler,
-    DPFedAvg,
-    LocalTraining,
-    apply_delta,
-    client_update_query,
-    load_tensors,
-    local_update,
-    model_tensors,
-)
+from dpfy.fed import CohortSampler, DPFedAvg, client_update_query
 from dpfy.fed.budget import calibrate_rounds
+from dpfy.fed.client import apply_delta, load_tensors, local_update, model_tensors
+from dpfy.fed.simulation import LocalTraining
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.checkpoint import (

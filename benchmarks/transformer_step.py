@@ -41,9 +41,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from dpsgd_step import CLIP, LR, Z  # noqa: E402
 
-from dpfy.ledger import Ledger, SampleSpec  # noqa: E402
+from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.queries import GaussianSumQuery  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
+from dpfy.sampling import SampleSpec  # noqa: E402
 from dpfy.training import PrivateGradient  # noqa: E402
 from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  # noqa: E402
 

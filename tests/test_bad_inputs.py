@@ -215,9 +215,10 @@ def _poisson(z: float = 1.0):
 
 def _release(per_example, noise_std: float = 1.1):
     """Release through a GaussianSumQuery; the ledger must gain no entry when refused."""
-    from dpfy.ledger import Ledger, SampleSpec
+    from dpfy.ledger import Ledger
     from dpfy.queries import GaussianSumQuery
     from dpfy.randomness import Randomness
+    from dpfy.sampling import SampleSpec
 
     ledger = Ledger()
     sid = ledger.record_sample(SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01))
@@ -242,8 +243,8 @@ def _api_cases():
     from dpfy import accounting
     from dpfy import events as ev
     from dpfy.accounting.calibrate import calibrate_noise_multiplier
-    from dpfy.ledger import Ledger, SampleSpec
-    from dpfy.sampling import make_sampler
+    from dpfy.ledger import Ledger
+    from dpfy.sampling import SampleSpec, make_sampler
 
     def record_huge():
         ledger = Ledger()

@@ -269,12 +269,12 @@ def test_train_precision_bf16_is_recorded_and_repeated(tmp_path):
 
 def test_missing_optional_package_is_one_line(monkeypatch, capsys):
     # A capability whose extra is not installed: one line naming the package, no traceback.
-    from dpfy import cli, runs
+    from dpfy import cli, run_accounting
 
     def missing(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
 
-    monkeypatch.setattr(runs, "account_run", missing)
+    monkeypatch.setattr(run_accounting, "account_run", missing)
     code = cli.main(["epsilon", "-n", "1000", "-b", "10", "-z", "1", "--delta", "1e-5",
                      "--steps", "10"])
     err = capsys.readouterr().err

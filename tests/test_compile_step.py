@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.queries import NoPrivacyQuery
+from dpfy.ledger import Ledger
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 from dpfy.training.step import PrivateGradient
 
 STEPS = 3

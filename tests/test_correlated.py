@@ -9,22 +9,12 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
-from dpfy.correlated import (
-    BLT,
-    BandMF,
-    Cyclic,
-    MinSeparation,
-    SingleEpoch,
-    TreeAggregation,
-    optimize_bandmf,
-    prefix_sum_matrix,
-    sensitivity,
-    tree_sensitivity,
-)
-from dpfy.correlated.bandmf import BandMFNoise
+from dpfy.correlated import BLT, BandMF, Cyclic, MinSeparation, SingleEpoch, TreeAggregation
+from dpfy.correlated.bandmf import BandMFNoise, optimize_bandmf
 from dpfy.correlated.blt import BLTNoise
-from dpfy.correlated.tree import TreeNoise
-from dpfy.correlated.workload import toeplitz_inverse_coeffs, toeplitz_lower
+from dpfy.correlated.schemas import sensitivity
+from dpfy.correlated.tree import TreeNoise, tree_sensitivity
+from dpfy.correlated.workload import prefix_sum_matrix, toeplitz_inverse_coeffs, toeplitz_lower
 
 
 def _brute(c: np.ndarray, schema: object) -> float:
@@ -181,8 +171,7 @@ def test_stream_state_resumes_bit_for_bit(kind: str) -> None:
 
 
 def test_optimised_blt_is_near_the_full_toeplitz_optimum_with_four_buffers() -> None:
-    from dpfy.correlated import optimize_blt
-    from dpfy.correlated.blt import blt_loss
+    from dpfy.correlated.blt import blt_loss, optimize_blt
 
     steps = 64
     full = optimize_bandmf(steps, steps)  # a full-band Toeplitz strategy: the BLT's benchmark

@@ -41,11 +41,7 @@ def test_bad_arguments_are_refused():
         ev.EventBuilder().add("gaussian")  # type: ignore[arg-type]
 
 
-def test_untruncated_is_one_function_importable_from_events_and_accounting():
-    from dpfy import accounting
-    from dpfy.accounting import _api
-
-    assert accounting.untruncated is ev.untruncated is _api.untruncated
+def test_untruncated_removes_truncation_only():
     tp = ev.TruncatedPoisson(0.1, 1.0, 4, 100, 20)
     tbb = ev.TruncatedBallsAndBins(1.0, 10, 2, 100, 20)
     assert ev.untruncated(ev.Composed((tp, tbb))) == ev.Composed(

@@ -17,7 +17,8 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 from dpfy import accounting  # noqa: E402
-from dpfy.hf import DPSFTTrainer, LogicalBatch, PrivacyArguments  # noqa: E402
+from dpfy.hf import DPSFTTrainer, PrivacyArguments  # noqa: E402
+from dpfy.hf.trainer import LogicalBatch  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.training.losses import causal_lm_loss  # noqa: E402

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from dpfy import accounting  # noqa: E402
-from dpfy.hf import DPTrainer, LogicalBatch, PrivacyArguments  # noqa: E402
+from dpfy.hf import DPTrainer, PrivacyArguments  # noqa: E402
+from dpfy.hf.trainer import LogicalBatch  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.training.losses import causal_lm_loss  # noqa: E402

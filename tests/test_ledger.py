@@ -15,14 +15,10 @@ from hypothesis import strategies as st
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.ledger import (
-    Ledger,
-    LedgerFormatError,
-    LedgerTruncationWarning,
-    SampleSpec,
-    SumQueryRecord,
-    effective_noise_multiplier,
-)
+from dpfy.ledger import Ledger, LedgerFormatError
+from dpfy.ledger.ledger import LedgerTruncationWarning, effective_noise_multiplier
+from dpfy.ledger.records import SumQueryRecord
+from dpfy.sampling import SampleSpec
 
 POISSON = SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01)
 
@@ -247,7 +243,8 @@ def test_resume_after_a_complete_line_without_newline(tmp_path):
 
 _WRITER = """
 import sys
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
+from dpfy.sampling import SampleSpec
 ledger = Ledger(sys.argv[1])
 spec = SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01)
 for step in range(100000):

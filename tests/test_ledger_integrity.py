@@ -11,16 +11,10 @@ import warnings
 import pytest
 
 from dpfy import accounting
-from dpfy.ledger import (
-    Ledger,
-    LedgerFormatError,
-    LedgerIntegrityError,
-    LedgerLockedError,
-    LedgerTruncationWarning,
-    LedgerWriteError,
-    SampleSpec,
-    logfile,
-)
+from dpfy.ledger import Ledger, LedgerFormatError, LedgerIntegrityError, logfile
+from dpfy.ledger.ledger import LedgerTruncationWarning
+from dpfy.ledger.logfile import LedgerLockedError, LedgerWriteError
+from dpfy.sampling import SampleSpec
 
 POISSON = SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01)
 DELTA = 1e-5

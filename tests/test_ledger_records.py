@@ -10,20 +10,19 @@ from pathlib import Path
 import pytest
 
 from dpfy import accounting
-from dpfy.ledger import (
+from dpfy.ledger import Ledger, register_record
+from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.ledger.records import (
     EndRecord,
     HeaderRecord,
-    Ledger,
     MetadataRecord,
     NonPrivateRecord,
     ResumeRecord,
     SampleRecord,
-    SampleSpec,
     SumQueryRecord,
-    ledger_hyperparameters,
     record_from_dict,
-    register_record,
 )
+from dpfy.sampling import SampleSpec
 
 POISSON = SampleSpec("poisson", dataset_size=1000, sampling_rate=0.01)
 SRC = Path(__file__).resolve().parents[1] / "src" / "dpfy"
@@ -156,8 +155,8 @@ def test_replay_refuses_reused_ids_and_unknown_samples():
 
 
 def test_old_report_names_still_work():
-    from dpfy.report import ledger_hyperparameters as old_hyper
-    from dpfy.report import prefix_ledger
+    from dpfy.ledger.ledger import ledger_hyperparameters as old_hyper
+    from dpfy.report.statement import prefix_ledger
 
     ledger = _run()
     assert prefix_ledger(ledger, 2).entries == ledger.prefix(2).entries

@@ -17,27 +17,23 @@ from scipy import stats
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.ledger import Ledger, SampleSpec, SumQueryRecord
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import SumQueryRecord
 from dpfy.queries import (
     AdaptiveClipQuery,
-    AdaptiveNestedQuery,
-    AverageQuery,
     GaussianSumQuery,
-    Group,
     JointClipQuery,
     LedgerEntry,
     NestedQuery,
-    NoPrivacyQuery,
     QueryBase,
     clip_weights_from_norms,
-    dimension_adjusted_noise,
-    expand_weights,
-    gaussian_average_query,
-    per_example_norms,
-    proportional_noise,
-    split_clip_norm,
 )
+from dpfy.queries._tree import expand_weights, per_example_norms
+from dpfy.queries.adaptive import AdaptiveNestedQuery
+from dpfy.queries.nested import Group, dimension_adjusted_noise, proportional_noise, split_clip_norm
+from dpfy.queries.sum import AverageQuery, NoPrivacyQuery, gaussian_average_query
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 
 ALPHA = 1e-6
 SHAPES = {"a": (3, 2), "b": (4,), "c": (5,)}

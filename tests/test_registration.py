@@ -25,15 +25,9 @@ from dpfy.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.ledger import Ledger
 from dpfy.ledger.matrix import check_schema_spec
-from dpfy.sampling import (
-    BaseSampler,
-    SamplerKind,
-    SampleSpec,
-    kind_names,
-    kinds,
-    register_kind,
-    spec_event,
-)
+from dpfy.sampling import BaseSampler, SamplerKind, SampleSpec, kinds, register_kind
+from dpfy.sampling.kinds import kind_names
+from dpfy.sampling.spec import spec_event
 
 #: the module of the kind table (``dpfy.sampling.kinds`` the attribute is the function)
 kind_table = importlib.import_module("dpfy.sampling.kinds")

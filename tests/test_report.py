@@ -10,8 +10,10 @@ import pytest
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy.cli import main
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.report import REPORT_FIELDS, build_report, privacy_tier, write_report
+from dpfy.ledger import Ledger
+from dpfy.report import build_report, write_report
+from dpfy.report.statement import REPORT_FIELDS, privacy_tier
+from dpfy.sampling import SampleSpec
 
 N, Q, Z, C, STEPS = 10_000, 0.01, 1.1, 0.5, 200
 

@@ -18,18 +18,10 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
-from dpfy.sampling import (
-    SAMPLER_KINDS,
-    BaseSampler,
-    SamplerKind,
-    SampleSpec,
-    kind,
-    kinds,
-    make_sampler,
-    register_kind,
-    spec_event,
-    unregister_kind,
-)
+from dpfy.sampling import BaseSampler, SamplerKind, SampleSpec, kinds, make_sampler, register_kind
+from dpfy.sampling.factory import SAMPLER_KINDS
+from dpfy.sampling.kinds import kind, unregister_kind
+from dpfy.sampling.spec import spec_event
 
 # --- the worked example: a new sampler kind -------------------------------------------------
 

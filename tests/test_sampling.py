@@ -16,7 +16,6 @@ from dpfy.accounting.truncation import (
     truncated_epsilon,
     truncation_delta,
 )
-from dpfy.ledger import SampleSpec
 from dpfy.randomness import Randomness
 from dpfy.sampling import (
     BallsAndBinsSampler,
@@ -24,11 +23,12 @@ from dpfy.sampling import (
     FixedSizeSampler,
     PoissonSampler,
     Sampler,
+    SampleSpec,
     ShuffleSampler,
-    balls_and_bins_sizes,
     make_sampler,
-    pad_batch,
 )
+from dpfy.sampling.balls_and_bins import balls_and_bins_sizes
+from dpfy.sampling.base import pad_batch
 
 # Each chi-square test below fails with probability <= this under a correct sampler (seeds are
 # fixed, so the suite is deterministic; the rate says how unlucky a seed would have to be).

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 from dpfy.training.step import PrivateGradient
 
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from dpfy.cli import main
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.report import build_report
+from dpfy.sampling import SampleSpec
 
 
 def _dpfy(args: list[str]) -> tuple[int, str]:

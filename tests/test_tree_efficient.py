@@ -19,8 +19,9 @@ from dp_accounting.rdp import RdpAccountant
 from scipy.stats import norm
 
 from dpfy.accounting.gaussian import mu_of_event
-from dpfy.correlated import Cyclic, SingleEpoch, TreeAggregation, sensitivity
+from dpfy.correlated import Cyclic, SingleEpoch, TreeAggregation
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
+from dpfy.correlated.schemas import sensitivity
 from dpfy.correlated.tree_efficient import (
     EfficientTreeNoise,
     efficient_decoder_matrix,
@@ -178,7 +179,8 @@ def test_compare_mechanisms_row_has_the_trees_z_and_less_noise() -> None:
 
 
 def test_ledger_recomputes_the_full_trees_sensitivity() -> None:
-    from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord, SampleRecord
+    from dpfy.ledger import Ledger
+    from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord, SampleRecord
     from dpfy.sampling import CyclicSampler
 
     plan = CorrelatedPlan("tree-efficient", {}, 8, Cyclic(4))

@@ -8,7 +8,6 @@ from typing import Any
 
 from dpfy import events
 
-__all__ = ["events", "make_private", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -19,3 +18,9 @@ def __getattr__(name: str) -> Any:
 
         return make_private
     raise AttributeError(f"module 'dpfy' has no attribute {name!r}")
+
+__all__ = [
+    "events",
+    "make_private",
+    "__version__",
+]

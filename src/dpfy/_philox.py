@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PhiloxStream", "philox4x32", "philox4x32_reference", "philox_key"]
-
 _MASK = 0xFFFFFFFF
 #: Philox4x32 round multipliers and Weyl key increments (Salmon et al. 2011, Random123).
 M0, M1 = 0xD2511F53, 0xCD9E8D57

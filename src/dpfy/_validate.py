@@ -13,22 +13,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "MAX_COUNT",
-    "MAX_SEED",
-    "MAX_SCALE",
-    "MAX_EPSILON",
-    "check_range",
-    "check_count",
-    "check_finite_nonneg",
-    "check_int",
-    "check_positive",
-    "check_seed",
-    "check_real",
-    "check_output_path",
-    "check_input_file",
-]
-
 #: Largest count (sizes, steps, samples, limits) accepted anywhere: 2**53, the largest range
 #: in which every integer is an exact float, so no count overflows float arithmetic downstream.
 MAX_COUNT = 2**53

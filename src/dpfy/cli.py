@@ -17,8 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-# The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs: the
-# option parsers below refuse a bad value with the same rule before a command runs.
+# The option parsers (dpfy.cli_options) apply the argument rules every pipeline applies
+# (dpfy._validate): a bad value is refused with the same rule before a command runs.
 from dpfy.cli_options import (
     MONTE_CARLO_OPTIONS,
     SEEDED_HELP,
@@ -138,9 +138,9 @@ def epsilon(
     **monte_carlo: Any,
 ) -> None:
     """Epsilon spent by a training run, accounted for the sampler that actually runs."""
-    from dpfy import runs
+    from dpfy import run_accounting
 
-    run = runs.account_run(
+    run = run_accounting.account_run(
         dataset_size,
         batch_size,
         noise_multiplier,
@@ -150,7 +150,7 @@ def epsilon(
         sampler=sampler.value,
         method=method,
         max_batch_size=max_batch_size,
-        monte_carlo=runs.MonteCarloOptions(**monte_carlo),
+        monte_carlo=run_accounting.MonteCarloOptions(**monte_carlo),
     )
     payload = _run_fields(sampler, run)
     payload["noise_multiplier"] = noise_multiplier
@@ -201,11 +201,11 @@ def calibrate(
     **monte_carlo: Any,
 ) -> None:
     """Smallest noise multiplier whose epsilon stays at or below the target (safe side)."""
-    from dpfy import runs
+    from dpfy import run_accounting
 
     if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; calibrate with one method")
-    run = runs.calibrate_run(
+    run = run_accounting.calibrate_run(
         target_epsilon,
         dataset_size,
         batch_size,
@@ -215,7 +215,7 @@ def calibrate(
         sampler=sampler.value,
         method=method,
         max_batch_size=max_batch_size,
-        monte_carlo=runs.MonteCarloOptions(**monte_carlo),
+        monte_carlo=run_accounting.MonteCarloOptions(**monte_carlo),
         compare_mechanisms=compare_mechanisms,
     )
     payload = _run_fields(sampler, run)
@@ -350,9 +350,9 @@ def plan(
     as_json: AsJson = False,
 ) -> None:
     """Recommend (batch size, noise multiplier, steps) that meet the budget for the sampler."""
-    from dpfy import runs
+    from dpfy import run_accounting
 
-    result, figures, compared = runs.plan_and_compare(
+    result, figures, compared = run_accounting.plan_and_compare(
         dataset_size,
         target_epsilon,
         delta,

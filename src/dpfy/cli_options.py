@@ -23,8 +23,8 @@ import click
 import typer
 from click.core import ParameterSource
 
-# The argument rules every pipeline applies (dpfy._validate), re-exported by dpfy.runs.
-from dpfy import runs as _rules
+# The argument rules every pipeline applies (dpfy._validate).
+from dpfy import _validate as _rules
 
 if TYPE_CHECKING:
     from dpfy.config import RunConfig

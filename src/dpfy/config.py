@@ -36,12 +36,7 @@ from dpfy._validate import (
 )
 
 __all__ = [
-    "MECHANISMS",
     "RunConfig",
-    "IMAGE_UNITS",
-    "check_budget",
-    "check_canary_counts",
-    "default_guesses",
 ]
 
 #: Noise mechanisms of a run: DP-SGD, or correlated DP-FTRL noise (image datasets).

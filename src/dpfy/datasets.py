@@ -41,22 +41,14 @@ import numpy.typing as npt
 
 from dpfy._validate import check_int
 
+__all__ = [
+    "load",
+    "DatasetNotFoundError",
+]
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "DATASETS",
-    "TRAIN_SIZES",
-    "pixel_stats",
-    "DatasetNotFoundError",
-    "FASHION_MNIST_DIR",
-    "RottenTomatoes",
-    "load",
-    "load_fashion_mnist",
-    "load_mnist",
-    "read_idx",
-    "rotten_tomatoes",
-]
 
 Split = Literal["train", "test"]
 _SPLITS: tuple[Split, ...] = ("train", "test")

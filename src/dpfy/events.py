@@ -23,7 +23,7 @@ import enum
 import math
 from typing import Any, ClassVar
 
-from dpfy._validate import check_int, check_range  # noqa: F401  (re-exported for old imports
+from dpfy._validate import check_int, check_range
 
 __all__ = [
     "Adjacency",

@@ -43,9 +43,13 @@ from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 from dpfy.accounting import roots, tan
 from dpfy.accounting.calibrate import CalibrationError, calibrate_noise_multiplier
-from dpfy.sampling import SampleSpec, spec_event
+from dpfy.sampling import SampleSpec
+from dpfy.sampling.spec import spec_event
 
-__all__ = ["DEFAULT_MAX_STEPS", "PlanOption", "Plan", "plan"]
+__all__ = [
+    "plan",
+    "Plan",
+]
 
 #: Step cap when the caller gives none (TAN's CIFAR-10 reference uses 2,500, ImageNet 72,000).
 DEFAULT_MAX_STEPS = 10_000
@@ -270,7 +274,8 @@ def _sampler_event(
     """``z -> event`` of ``steps`` steps of ``sampler`` (through :func:`spec_event`; batch N if
     the kind has no sampler class, e.g. full batch)."""
     from dpfy.randomness import Randomness
-    from dpfy.sampling import kind, make_sampler
+    from dpfy.sampling import make_sampler
+    from dpfy.sampling.kinds import kind
 
     row = kind(sampler)
     if row.sampler is None:
@@ -285,7 +290,7 @@ def _for_sampler(
 ) -> list[PlanOption]:
     """The options re-calibrated for ``sampler``: same steps (and batch, or N for a kind that
     samples nothing), ``z`` calibrated with the kind's accountant and verified."""
-    from dpfy.sampling import kind
+    from dpfy.sampling.kinds import kind
 
     row = kind(sampler)
     out: list[PlanOption] = []
@@ -363,7 +368,7 @@ def plan(
     if max_examples_processed is not None:
         check_int("max_examples_processed", max_examples_processed)
     check_int("runner_ups", runner_ups, 0)
-    from dpfy.sampling import kind
+    from dpfy.sampling.kinds import kind
 
     sampler = kind(sampler).name  # raises a ValueError listing the kinds
     n = int(dataset_size)

@@ -49,7 +49,9 @@ import numpy as np
 
 from dpfy._philox import PhiloxStream, philox_key
 
-__all__ = ["Randomness", "SECURE_DESCRIPTION"]
+__all__ = [
+    "Randomness",
+]
 
 _TWO_POW_53 = float(2**53)
 _TWO_PI = 2.0 * math.pi

@@ -2,7 +2,7 @@
 
 Library pipelines that account a planned run for the sampler that will really run (never a
 ledger: nothing has run yet), calibrate its noise to a target, and recommend a plan with
-figures. :mod:`dpfy.runs` re-exports them; the CLI calls them through it. Bad input raises a
+figures; the CLI calls them as it calls :mod:`dpfy.runs`. Bad input raises a
 ``ValueError`` with a one-line message naming the parameter.
 """
 
@@ -24,22 +24,17 @@ from dpfy._validate import (
 )
 from dpfy.config import MECHANISMS, check_budget
 
+__all__ = [
+    "account_run",
+    "calibrate_run",
+    "MonteCarloOptions",
+]
+
 if TYPE_CHECKING:
     from dpfy.accounting import Accountant, PrivacyResult
     from dpfy.accounting.risk import AttackRisk
     from dpfy.planning import Plan
     from dpfy.sampling import Sampler
-
-__all__ = [
-    "MechanismRow",
-    "MonteCarloOptions",
-    "RunAccounting",
-    "account_run",
-    "calibrate_run",
-    "compare_mechanisms",
-    "plan_and_compare",
-    "plan_with_figures",
-]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +239,7 @@ class _FullBatchPlan:
     def of(
         cls, kind: str, dataset_size: int, batch_size: int, max_batch_size: int | None
     ) -> _FullBatchPlan:
-        from dpfy.sampling import kind as sampler_kind
+        from dpfy.sampling.kinds import kind as sampler_kind
 
         name = sampler_kind(kind).name
         check_int("dataset_size", dataset_size)
@@ -264,8 +259,9 @@ class _FullBatchPlan:
         self, noise_multiplier: float, *, epochs: float | None = None, steps: int | None = None
     ) -> Any:
         """The row's event for the releases of ``epochs`` (rounded up) or ``steps``."""
-        from dpfy.sampling import SampleSpec, spec_event
+        from dpfy.sampling import SampleSpec
         from dpfy.sampling.base import epochs_and_steps
+        from dpfy.sampling.spec import spec_event
 
         _, total = epochs_and_steps(epochs, steps, self.steps_per_epoch)
         spec = SampleSpec(
@@ -287,8 +283,8 @@ def _planned_sampler(
     A kind without a sampler class (``full_batch``) is planned from its row alone.
     """
     from dpfy.randomness import Randomness
-    from dpfy.sampling import kind as sampler_kind
     from dpfy.sampling import make_sampler
+    from dpfy.sampling.kinds import kind as sampler_kind
 
     smp: Sampler | _FullBatchPlan
     if sampler_kind(kind).sampler is None:
@@ -363,7 +359,7 @@ def _accountant(method: str, monte_carlo: MonteCarloOptions | None) -> str | Acc
     """A method name, or a configured Monte Carlo accountant when MC options were given."""
     mc = MonteCarloOptions() if monte_carlo is None else monte_carlo
     if method == "monte_carlo" or (method == "auto" and mc.chosen):
-        from dpfy.accounting.balls_and_bins import MonteCarloAccountant
+        from dpfy.accounting.monte_carlo.accountant import MonteCarloAccountant
 
         kwargs: dict[str, Any] = {"error_probability": mc.error_probability}
         if mc.samples is not None:
@@ -426,7 +422,8 @@ def compare_mechanisms(
     from dpfy.correlated import Cyclic, make_plan
     from dpfy.correlated.tree_efficient import prefix_variances
     from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
-    from dpfy.sampling import SampleSpec, spec_event
+    from dpfy.sampling import SampleSpec
+    from dpfy.sampling.spec import spec_event
 
     check_budget(target_epsilon, delta)
     check_int("dataset_size", dataset_size)

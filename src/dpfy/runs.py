@@ -7,9 +7,8 @@ These are what the ``dpfy`` command runs, callable from Python without it:
 * :func:`features_and_report` — a DP linear classifier on pretrained features (Mehta et al.
   2023), then its report (``dpfy features``);
 * :func:`report_ledger` — re-account any ledger file and write its report (``dpfy report``);
-* :func:`plan_with_figures`, :func:`account_run`, :func:`calibrate_run` — the privacy of a
-  run before it runs (``dpfy plan`` / ``epsilon`` / ``calibrate``), from
-  :mod:`dpfy.run_accounting`, re-exported here.
+* the privacy of a run before it runs (``dpfy plan`` / ``epsilon`` / ``calibrate``) is
+  :mod:`dpfy.run_accounting`'s.
 
 Every statement is accounted from the ledger, never from numbers the training code computed.
 Arguments are checked here, once, before anything is computed or written: bad input raises
@@ -29,13 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpfy._validate import (
-    MAX_COUNT,
-    MAX_EPSILON,
-    MAX_SCALE,
     check_input_file,
     check_int,
     check_output_path,
-    check_positive,
     check_range,
     check_seed,
 )
@@ -46,32 +41,6 @@ if TYPE_CHECKING:
     from dpfy.ledger import Ledger
     from dpfy.report import PrivacyReport
 
-__all__ = [
-    # the argument rules of dpfy._validate, for the command's option parsers
-    "MAX_COUNT",
-    "MAX_EPSILON",
-    "MAX_SCALE",
-    "check_int",
-    "check_output_path",
-    "check_positive",
-    "check_range",
-    "check_seed",
-    "FEATURE_DATASETS",
-    "FEATURE_METHODS",
-    "ReportedRun",
-    "MonteCarloOptions",
-    "RunAccounting",
-    "TrainedRun",
-    "account_run",
-    "audit_and_report",
-    "compare_mechanisms",
-    "plan_and_compare",
-    "calibrate_run",
-    "features_and_report",
-    "plan_with_figures",
-    "report_ledger",
-    "train_and_report",
-]
 
 #: Datasets whose pretrained features :func:`features_and_report` extracts itself.
 FEATURE_DATASETS = ("fashion-mnist", "mnist", "rotten-tomatoes")
@@ -85,17 +54,12 @@ FEATURE_METHODS = {
 
 FeatureData = tuple["np.ndarray", "np.ndarray", "np.ndarray", "np.ndarray"]
 
-# Accounting a planned run lives in its own module; re-exported here for the CLI and users.
 from dpfy.config import RunConfig, check_budget  # noqa: E402
-from dpfy.run_accounting import (  # noqa: E402
-    MonteCarloOptions,
-    RunAccounting,
-    account_run,
-    calibrate_run,
-    compare_mechanisms,
-    plan_and_compare,
-    plan_with_figures,
-)
+
+__all__ = [
+    "train_and_report",
+    "report_ledger",
+]
 
 
 @dataclasses.dataclass(frozen=True)

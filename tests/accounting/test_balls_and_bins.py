@@ -12,20 +12,17 @@ from scipy import special
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.accounting.balls_and_bins import (
-    Epoch,
+from dpfy.accounting.gaussian import gaussian_delta, gaussian_epsilon
+from dpfy.accounting.monte_carlo.accountant import (
     MonteCarloAccountant,
     balls_and_bins_delta,
     balls_and_bins_epsilon,
-    block_log_sums,
-    default_orders,
-    epochs_of_event,
-    kl_upper_bound,
-    lower_bound_delta,
-    lower_bound_epsilon,
     monte_carlo_delta,
 )
-from dpfy.accounting.gaussian import gaussian_delta, gaussian_epsilon
+from dpfy.accounting.monte_carlo.confidence import kl_upper_bound
+from dpfy.accounting.monte_carlo.epochs import Epoch, epochs_of_event
+from dpfy.accounting.monte_carlo.lower_bound import lower_bound_delta, lower_bound_epsilon
+from dpfy.accounting.monte_carlo.order_statistics import block_log_sums, default_orders
 
 # Statistical checks use an error probability of 1e-6 (two-sided intervals: 2e-6 per check);
 # seeds are fixed, so the suite is deterministic.
@@ -225,7 +222,7 @@ def test_conditional_matches_plain_and_bounds_it():
 
 
 def test_conditional_tail_bounds_dominate_empirical_tails():
-    from dpfy.accounting.balls_and_bins import _SumTails
+    from dpfy.accounting.monte_carlo.sum_tails import SumTails as _SumTails
 
     z, n_terms = 0.8, 50
     rng = np.random.default_rng(0)
@@ -308,7 +305,7 @@ def test_tilted_agrees_with_plain_and_bounds_both_directions():
 
 
 def test_add_direction_moments_match_sampling():
-    from dpfy.accounting.balls_and_bins import _add_log_mgf
+    from dpfy.accounting.monte_carlo.tilted import add_log_mgf as _add_log_mgf
 
     rng = np.random.default_rng(0)
     z, t = 0.8, 20

@@ -15,7 +15,12 @@ from scipy import stats
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.accounting.group import group2_rdp_epsilon, group_delta_factor, group_privacy
+from dpfy.accounting.group import (
+    group2_rdp_epsilon,
+    group_delta_factor,
+    group_epsilon,
+    group_privacy,
+)
 
 
 def test_closed_form_and_the_familiar_looser_bound():
@@ -36,7 +41,7 @@ def test_closed_form_and_the_familiar_looser_bound():
 def test_gaussian_group_of_two_is_above_the_exact_doubled_sensitivity(z):
     delta = 1e-5
     exact = accounting.epsilon(ev.Gaussian(z / 2), delta, "gaussian").epsilon
-    group = accounting.group_epsilon(ev.Gaussian(z), delta, 2, "gaussian")
+    group = group_epsilon(ev.Gaussian(z), delta, 2, "gaussian")
     assert group.delta <= delta
     assert exact <= group.epsilon <= 3.0 * exact  # valid, and not absurdly loose
     via_rdp = group2_rdp_epsilon(ev.Gaussian(z), delta)
@@ -52,7 +57,7 @@ def _hockey_stick(p_pdf, q_pdf, eps: float) -> float:
 @pytest.mark.parametrize(("q", "z", "delta"), [(0.3, 1.0, 1e-3), (0.05, 0.8, 1e-5)])
 def test_subsampled_step_two_units_apart_is_covered(q, z, delta):
     event = ev.PoissonSampled(q, ev.Gaussian(z))
-    group = accounting.group_epsilon(event, delta, 2, "pld")
+    group = group_epsilon(event, delta, 2, "pld")
     assert group.delta <= delta and math.isfinite(group.epsilon)
 
     def mix(x):  # two units added, each sampled with probability q
@@ -69,11 +74,11 @@ def test_subsampled_step_two_units_apart_is_covered(q, z, delta):
 
 def test_example_level_route_is_reported_and_refuses_bad_input():
     event = ev.SelfComposed(ev.PoissonSampled(0.1, ev.Gaussian(1.0)), 50)
-    g = accounting.group_epsilon(event, 1e-5, 2, "pld")
+    g = group_epsilon(event, 1e-5, 2, "pld")
     unit = accounting.epsilon(event, 1e-5, "pld").epsilon
     assert g.epsilon > unit and g.route in ("approximate-dp", "rdp")
     if g.route == "approximate-dp":
         assert g.delta_unit * (1 + math.exp(g.epsilon_unit)) <= 1e-5 * (1 + 1e-12)
         assert g.epsilon == pytest.approx(2 * g.epsilon_unit)
     with pytest.raises(ValueError, match="delta"):
-        accounting.group_epsilon(event, 0.0, 2)
+        group_epsilon(event, 0.0, 2)

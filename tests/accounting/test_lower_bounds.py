@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from dpfy import events as ev
-from dpfy.accounting.balls_and_bins import Epoch, lower_bound_delta, lower_bound_epsilon
 from dpfy.accounting.gaussian import gaussian_delta
 from dpfy.accounting.lower_bounds import MaxBitPair, binomial_logpmf, max_bit_lower_delta
+from dpfy.accounting.monte_carlo.epochs import Epoch
+from dpfy.accounting.monte_carlo.lower_bound import lower_bound_delta, lower_bound_epsilon
 from dpfy.accounting.shuffle import shuffle_lower_bound_delta, shuffle_lower_bound_epsilon
 
 # (epochs, epsilon, delta recorded from the former Balls-and-Bins implementation)

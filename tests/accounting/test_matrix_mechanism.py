@@ -13,7 +13,8 @@ from dp_accounting.rdp import RdpAccountant
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy.accounting.gaussian import gaussian_epsilon, mu_of_event
-from dpfy.correlated import MinSeparation, SingleEpoch, TreeAggregation, sensitivity
+from dpfy.correlated import MinSeparation, SingleEpoch, TreeAggregation
+from dpfy.correlated.schemas import sensitivity
 
 
 def _event(c: np.ndarray, schema: MinSeparation | SingleEpoch, z: float, name: str) -> ev.Event:

@@ -1,6 +1,5 @@
-"""The Monte Carlo package's seams: every method builds a LossEstimator, the former
-``balls_and_bins`` module still exports its names, and the core imports neither torch nor the
-ledger."""
+"""The Monte Carlo package's seams: every method builds a LossEstimator, and the core imports
+neither torch nor the ledger."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ import sys
 
 import pytest
 
-from dpfy.accounting import balls_and_bins
-from dpfy.accounting import monte_carlo as mc
 from dpfy.accounting.monte_carlo.base import DIRECTIONS, LossEstimator
 from dpfy.accounting.monte_carlo.epochs import Epoch
 from dpfy.accounting.monte_carlo.methods import build_estimator
@@ -43,23 +40,9 @@ def test_every_method_builds_a_loss_estimator(method, epochs, expected):
     assert est.top() >= 0.5
 
 
-def test_former_module_exports_every_name():
-    names = [
-        "Epoch", "MonteCarloEstimate", "MonteCarloAccountant", "epochs_of_event",
-        "kl_upper_bound", "lower_bound_delta", "lower_bound_epsilon", "monte_carlo_delta",
-        "monte_carlo_epsilon", "balls_and_bins_delta", "balls_and_bins_epsilon",
-        "default_orders", "default_samples", "block_log_sums",
-    ]
-    assert sorted(balls_and_bins.__all__) == sorted(names)
-    for name in names:
-        assert getattr(balls_and_bins, name) is getattr(mc, name)
-    for name in ("_SumTails", "_add_log_mgf", "Method", "NO_AMPLIFICATION_NOTE"):
-        assert hasattr(balls_and_bins, name)
-
-
 def test_accounting_imports_neither_torch_nor_the_ledger():
     code = (
-        "import sys, dpfy.accounting.balls_and_bins, dpfy.accounting.shuffle; "
+        "import sys, dpfy.accounting, dpfy.accounting.monte_carlo, dpfy.accounting.shuffle; "
         "bad = [m for m in ('torch', 'dpfy.ledger') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -18,8 +18,8 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy.accounting import gaussian as gauss
 from dpfy.accounting import random_allocation as ra
-from dpfy.accounting.balls_and_bins import MonteCarloAccountant
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.accounting.monte_carlo.accountant import MonteCarloAccountant
 
 VECTORS = json.loads(
     (pathlib.Path(__file__).parent / "vectors" / "random_allocation.json").read_text()

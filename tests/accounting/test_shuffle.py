@@ -102,7 +102,7 @@ def test_epoch_samplers_state_zero_out_and_refuse_add_or_remove():
 
     from dpfy import accounting
     from dpfy import events as ev
-    from dpfy.ledger import SampleSpec
+    from dpfy.sampling import SampleSpec
 
     for cls in (ev.Shuffled, ev.Deterministic):
         res = accounting.epsilon(cls(1.0, 100, 2), 1e-5)

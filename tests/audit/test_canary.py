@@ -7,7 +7,8 @@ import torch
 from scipy.optimize import brentq
 
 from dpfy.accounting.gaussian import gaussian_epsilon
-from dpfy.audit import CanaryModel, canary_audit, canary_scores, one_run_audit
+from dpfy.audit import canary_audit, one_run_audit
+from dpfy.audit.canary import CanaryModel, canary_scores
 
 torch.set_num_threads(1)
 DELTA = 1e-5

@@ -14,7 +14,8 @@ from scipy.optimize import brentq
 from torch import nn
 
 from dpfy.accounting.gaussian import gaussian_epsilon
-from dpfy.audit import CanaryModel, canary_audit
+from dpfy.audit import canary_audit
+from dpfy.audit.canary import CanaryModel
 from dpfy.audit.replay import replay_release, sampler_check
 from dpfy.queries import GaussianSumQuery
 from dpfy.queries.base import QueryBase

@@ -12,13 +12,8 @@ import torch
 from torch import nn
 
 from dpfy.audit.replay import replay_release, sampler_check
-from dpfy.queries import (
-    AdaptiveClipQuery,
-    AdaptiveNestedQuery,
-    GaussianSumQuery,
-    JointClipQuery,
-    NestedQuery,
-)
+from dpfy.queries import AdaptiveClipQuery, GaussianSumQuery, JointClipQuery, NestedQuery
+from dpfy.queries.adaptive import AdaptiveNestedQuery
 from dpfy.sampling import kinds
 from dpfy.training.norms.registry import registered_types
 

@@ -10,8 +10,9 @@ import torch
 
 from dpfy import runs
 from dpfy.cli import main
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.report.statement import PrivacyReport
+from dpfy.sampling import SampleSpec
 
 torch.set_num_threads(1)
 

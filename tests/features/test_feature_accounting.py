@@ -14,8 +14,9 @@ from dpfy import events as ev
 from dpfy.features import accounting as acc
 from dpfy.features import algorithms as alg
 from dpfy.features import estimators as est
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 
 
 def _delta_by_quadrature(mu: float, eps: float) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from dpfy.features import algorithms as alg
 from dpfy.features.stats import clip_rows, label_matrix, sufficient_statistics
-from dpfy.ledger import SumQueryRecord
+from dpfy.ledger.records import SumQueryRecord
 from dpfy.randomness import Randomness
 
 F64 = torch.float64

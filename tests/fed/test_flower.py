@@ -25,9 +25,11 @@ from flwr.simulation import run_simulation  # noqa: E402
 
 from dpfy import accounting, runs  # noqa: E402
 from dpfy import events as ev  # noqa: E402
-from dpfy.fed import CohortSampler, DPFedAvg, LocalTraining, client_update_query  # noqa: E402
+from dpfy.fed import CohortSampler, DPFedAvg, client_update_query  # noqa: E402
 from dpfy.fed.flower import DPStrategy, make_client_app  # noqa: E402
-from dpfy.ledger import Ledger, SumQueryRecord  # noqa: E402
+from dpfy.fed.simulation import LocalTraining  # noqa: E402
+from dpfy.ledger import Ledger  # noqa: E402
+from dpfy.ledger.records import SumQueryRecord  # noqa: E402
 
 NUM_CLIENTS = 10
 LOG_LEVEL = logging.WARNING

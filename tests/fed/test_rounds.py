@@ -17,16 +17,11 @@ import torch
 
 from dpfy import accounting
 from dpfy import events as ev
-from dpfy.fed import (
-    CohortSampler,
-    DPFedAvg,
-    LocalTraining,
-    client_update_query,
-    clip_update,
-    local_update,
-    run_in_process,
-)
-from dpfy.ledger import Ledger, SumQueryRecord
+from dpfy.fed import CohortSampler, DPFedAvg, client_update_query, run_in_process
+from dpfy.fed.client import clip_update, local_update
+from dpfy.fed.simulation import LocalTraining
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import SumQueryRecord
 from dpfy.randomness import Randomness
 from dpfy.report import build_report
 

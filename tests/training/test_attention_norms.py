@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from dpfy.queries import NoPrivacyQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.training import PrivateGradient
 from dpfy.training.norms.attention import attention_rule, recompute_attention
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients

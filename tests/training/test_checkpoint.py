@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.accounting.balls_and_bins import MonteCarloAccountant
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.accounting.monte_carlo.accountant import MonteCarloAccountant
+from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
-from dpfy.sampling import BallsAndBinsSampler, PoissonSampler
+from dpfy.sampling import BallsAndBinsSampler, PoissonSampler, SampleSpec
 from dpfy.training.checkpoint import (
     CheckpointMismatchError,
     ledger_state,

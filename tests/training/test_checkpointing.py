@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from dpfy.queries import NoPrivacyQuery  # noqa: E402
+from dpfy.queries.sum import NoPrivacyQuery  # noqa: E402
 from dpfy.training import PrivateGradient  # noqa: E402
 from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  # noqa: E402
 from dpfy.training.norms.reference import (  # noqa: E402

@@ -17,14 +17,16 @@ import torch
 from torch import nn
 
 from dpfy import accounting
-from dpfy.correlated import BandMF, Cyclic, SingleEpoch, make_plan, sensitivity
+from dpfy.correlated import BandMF, Cyclic, SingleEpoch, make_plan
 from dpfy.correlated.plan import CorrelatedPlan
+from dpfy.correlated.schemas import sensitivity
 from dpfy.correlated.tree import TreeAggregation
 from dpfy.correlated.tree_efficient import efficient_decoder_matrix
-from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord, SampleRecord, SampleSpec
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord, SampleRecord
 from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.randomness import Randomness
-from dpfy.sampling import CyclicSampler, make_sampler
+from dpfy.sampling import CyclicSampler, SampleSpec, make_sampler
 from dpfy.training import PrivateTrainer, TrainerOptions
 
 STRATEGIES = ("bandmf", "blt", "tree", "tree-efficient")

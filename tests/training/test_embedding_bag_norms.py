@@ -6,11 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.queries import NoPrivacyQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.training import PrivateGradient
-from dpfy.training.norms import capture_layers, norm_rule_for, plan_modules
+from dpfy.training.norms.capture import capture_layers, plan_modules
 from dpfy.training.norms.embedding_bag import BagGrads, BagMaxGrads
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
+from dpfy.training.norms.registry import norm_rule_for
 
 V, D = 7, 3
 # Rows are bags; -1 marks no entry (offsets layouts), read as index 0 by the 2-D layout.

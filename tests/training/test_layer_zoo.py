@@ -23,8 +23,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from dpfy.accounting import epsilon
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
+from dpfy.ledger import Ledger
+from dpfy.queries import GaussianSumQuery
+from dpfy.queries.sum import NoPrivacyQuery
+from dpfy.sampling import SampleSpec
 from dpfy.training import PrivateGradient, check_module
 from dpfy.training.norms.coverage import CoverageError
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients

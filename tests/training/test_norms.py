@@ -6,17 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.queries import NoPrivacyQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.training import PrivateGradient
-from dpfy.training.norms import (
-    LinearForm,
-    capture_layers,
-    choose_mode,
-    norm_rule_for,
-    plan_modules,
-    registered_types,
-)
+from dpfy.training.norms import LinearForm
+from dpfy.training.norms.capture import capture_layers, plan_modules
+from dpfy.training.norms.linear import choose_mode
 from dpfy.training.norms.reference import per_example_gradients
+from dpfy.training.norms.registry import norm_rule_for, registered_types
 
 
 def _norms_and_sum(model, x, y, loss_fn, group_size=1):

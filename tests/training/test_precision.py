@@ -20,9 +20,11 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from dpfy.ledger import Ledger, SampleSpec  # noqa: E402
-from dpfy.queries import GaussianSumQuery, NoPrivacyQuery  # noqa: E402
+from dpfy.ledger import Ledger  # noqa: E402
+from dpfy.queries import GaussianSumQuery  # noqa: E402
+from dpfy.queries.sum import NoPrivacyQuery  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
+from dpfy.sampling import SampleSpec  # noqa: E402
 from dpfy.training import PrivateGradient, PrivateOptions  # noqa: E402
 from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  # noqa: E402
 from dpfy.training.norms.reference import (  # noqa: E402

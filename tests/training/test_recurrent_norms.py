@@ -13,11 +13,10 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from dpfy.queries import NoPrivacyQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.training import PrivateGradient
-from dpfy.training.norms import Capture, norm_rule_for
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
-from dpfy.training.norms.registry import recompute_for
+from dpfy.training.norms.registry import Capture, norm_rule_for, recompute_for
 
 B, T, D_IN = 4, 5, 3
 LENGTHS = {

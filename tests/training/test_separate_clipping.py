@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dpfy import accounting
-from dpfy.queries import prefix_groups, separate_clipping
+from dpfy.queries.nested import prefix_groups, separate_clipping
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
 from dpfy.training.step import PrivateGradient

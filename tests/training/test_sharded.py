@@ -23,10 +23,12 @@ from torch import nn
 
 from dpfy import accounting
 from dpfy.ledger import Ledger
-from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
+from dpfy.queries import GaussianSumQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import PoissonSampler
-from dpfy.training import PhysicalBatcher, PrivateGradient, PrivateTrainer, TrainerOptions
+from dpfy.training import PrivateGradient, PrivateTrainer, TrainerOptions
+from dpfy.training.data import PhysicalBatcher
 from dpfy.training.distributed import Distributed, DistributedError, ShardBatcher
 from dpfy.training.launch import spawn_workers
 from dpfy.training.sharded import rank_randomness, shard_rows

@@ -8,15 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.queries import (
-    AdaptiveClipQuery,
-    GaussianSumQuery,
-    NestedQuery,
-    NoPrivacyQuery,
-    gaussian_average_query,
-)
+from dpfy.ledger import Ledger
+from dpfy.queries import AdaptiveClipQuery, GaussianSumQuery, NestedQuery
+from dpfy.queries.sum import NoPrivacyQuery, gaussian_average_query
 from dpfy.randomness import Randomness
+from dpfy.sampling import SampleSpec
 from dpfy.training import PrivateGradient
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
 

@@ -10,19 +10,16 @@ import torch
 from torch import nn
 
 from dpfy import accounting
-from dpfy.accounting.balls_and_bins import MonteCarloAccountant
-from dpfy.ledger import Ledger, SampleSpec
-from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
+from dpfy.accounting.monte_carlo.accountant import MonteCarloAccountant
+from dpfy.ledger import Ledger
+from dpfy.queries import GaussianSumQuery
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
-from dpfy.sampling import BallsAndBinsSampler, PoissonSampler
+from dpfy.sampling import BallsAndBinsSampler, PoissonSampler, SampleSpec
+from dpfy.training import BudgetExceededError, BudgetGuard
 from dpfy.training.data import PhysicalBatcher, accumulate_logical_batch
 from dpfy.training.step import PrivateGradient
-from dpfy.training.trainer import (
-    BudgetExceededError,
-    BudgetGuard,
-    PrivateTrainer,
-    TrainerOptions,
-)
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 from dpfy.training.validate import UnsupportedModuleError
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -294,7 +291,7 @@ def test_query_noise_std_matches_gaussian_sum_query():
 
 def test_guard_merges_repetitions_of_one_mechanism():
     from dpfy import events as ev
-    from dpfy.training.trainer import _compose
+    from dpfy.training.budget import _compose
 
     step = ev.PoissonSampled(0.1, ev.Gaussian(1.0))
     assert _compose(ev.SelfComposed(step, 3), ev.SelfComposed(step, 2)) == ev.SelfComposed(step, 5)

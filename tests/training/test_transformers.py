@@ -14,18 +14,19 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from dpfy.queries import NoPrivacyQuery  # noqa: E402
+from dpfy.queries.sum import NoPrivacyQuery  # noqa: E402
 from dpfy.training import PrivateGradient  # noqa: E402
 from dpfy.training.losses import (  # noqa: E402
     causal_lm_loss,
     sequence_classification_loss,
     token_classification_loss,
 )
-from dpfy.training.norms import plan_modules, register_unsupported  # noqa: E402
+from dpfy.training.norms.capture import plan_modules  # noqa: E402
 from dpfy.training.norms.reference import (  # noqa: E402
     clipped_sum_reference,
     per_example_gradients,
 )
+from dpfy.training.norms.registry import register_unsupported  # noqa: E402
 
 B, T, V = 4, 10, 64
 LENGTHS = [10, 7, 4, 9]  # real tokens per example; the rest is right padding
@@ -150,7 +151,7 @@ def test_forced_modes_match_loop(mode, lora, monkeypatch):
 
 
 def test_choose_mode_by_cost_and_memory():
-    from dpfy.training.norms import choose_mode
+    from dpfy.training.norms.linear import choose_mode
 
     assert choose_mode(8, 1, 16, 768, 768, 4) == "ghost"  # short sequence, wide layer
     assert choose_mode(8, 1, 1024, 768, 768, 4) == "materialize"  # long sequence

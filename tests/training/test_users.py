@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, ledger_hyperparameters
-from dpfy.queries import NoPrivacyQuery
+from dpfy.ledger import Ledger
+from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
 from dpfy.report import build_report
 from dpfy.sampling import make_sampler

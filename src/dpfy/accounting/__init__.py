@@ -6,12 +6,13 @@ Each accounting method lives in its own module and registers itself here.
 """
 
 from dpfy.accounting import (
-    balls_and_bins,  # noqa: F401  (registers the 'monte_carlo' accountant)
     gaussian,  # noqa: F401  (registers the 'gaussian' accountant)
+    monte_carlo,  # noqa: F401  (registers the 'monte_carlo' accountant)
     pld,  # noqa: F401  (registers the 'pld' accountant)
     random_allocation,  # noqa: F401  (registers the 'random_allocation' accountant)
     rdp,  # noqa: F401  (registers the 'rdp' accountant)
     shuffle,  # noqa: F401  (registers the 'shuffle' accountant)
+    tuning,  # noqa: F401  (registers the 'rdp_tuning' accountant: RepeatAndSelect)
 )
 from dpfy.accounting._api import (
     Accountant,
@@ -22,31 +23,26 @@ from dpfy.accounting._api import (
     UnsupportedEventError,
     accountants,
     compare,
-    contains_non_private,
     delta,
     epsilon,
     register_accountant,
-    untruncated,
 )
-from dpfy.accounting.group import GroupPrivacy, group_epsilon, group_privacy
+from dpfy.accounting.calibrate import calibrate_noise_multiplier
+from dpfy.accounting.group import GroupPrivacy, group_privacy
 
 __all__ = [
     "Accountant",
     "CalibrationSearch",
     "EventSource",
     "GroupPrivacy",
-    "group_epsilon",
-    "group_privacy",
     "PrivacyResult",
     "SearchesForCalibration",
     "UnsupportedEventError",
     "accountants",
+    "calibrate_noise_multiplier",
     "compare",
-    "contains_non_private",
     "delta",
     "epsilon",
+    "group_privacy",
     "register_accountant",
-    "untruncated",
 ]
-
-from dpfy.accounting import tuning  # noqa: E402,F401  (registers "rdp_tuning": RepeatAndSelect)

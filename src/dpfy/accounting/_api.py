@@ -16,24 +16,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from dpfy import events as ev
 from dpfy._validate import check_range
 
-__all__ = [
-    "PrivacyResult",
-    "Accountant",
-    "CalibrationSearch",
-    "SearchesForCalibration",
-    "EventSource",
-    "UnsupportedEventError",
-    "register_accountant",
-    "accountants",
-    "epsilon",
-    "delta",
-    "compare",
-    "contains",
-    "contains_non_private",
-    "first_unsupported",
-    "untruncated",
-]
-
 
 class UnsupportedEventError(ValueError):
     """The chosen accounting method's assumptions do not hold for (part of) the event."""
@@ -376,10 +358,6 @@ def _method_name(method: str | Accountant) -> str:
     return method.name
 
 
-# ``untruncated`` lives with the events (dpfy.events); re-exported here for old imports.
-untruncated = ev.untruncated
-
-
 def _truncation_note(probability: float) -> str:
     return (
         f"batches truncated to a maximum size: P(some batch over-full) <= {probability:.3g}, "
@@ -435,7 +413,7 @@ def epsilon(
     event = _as_event(event)
     if contains_non_private(event):
         return _infinite(event, _method_name(method), float(delta))
-    mechanism, notes, settled = _numerically_safe(untruncated(event), method, float(delta))
+    mechanism, notes, settled = _numerically_safe(ev.untruncated(event), method, float(delta))
     if settled is not None:
         return settled
     accs = _resolve(mechanism, method)
@@ -480,7 +458,7 @@ def delta(
     if contains_non_private(event):
         res = _infinite(event, _method_name(method), 1.0)
         return dataclasses.replace(res, epsilon=float(epsilon), solved_for="delta")
-    mechanism = untruncated(event)
+    mechanism = ev.untruncated(event)
     accs = _resolve(mechanism, method)
     probability = event_truncation_probability(event)
     results = []
@@ -508,7 +486,7 @@ def compare(event: ev.Event | EventSource, delta: float) -> dict[str, PrivacyRes
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     event = _as_event(event)
     out: dict[str, PrivacyResult | str] = {}
-    mechanism = untruncated(event)
+    mechanism = ev.untruncated(event)
     for name, acc in _ACCOUNTANTS.items():
         reason = acc.unsupported(mechanism)
         out[name] = reason if reason is not None else epsilon(event, delta, method=name)

@@ -30,13 +30,6 @@ from dpfy import events as ev
 from dpfy._validate import MAX_EPSILON, check_int, check_positive, check_range
 from dpfy.accounting import _api
 
-__all__ = [
-    "CalibrationError",
-    "calibrate_noise_multiplier",
-    "calibrate_steps",
-    "calibrate_sampling_rate",
-]
-
 _COARSE_PLD_TOLERANCE = 3e-2  # PLD tolerance while the search is far from the target
 _COARSE_RTOL = 1e-2  # parameter resolution of the coarse phase
 _MAX_EVALUATIONS = 200  # per phase; secant + bisection needs far fewer
@@ -76,7 +69,7 @@ class _Evaluator:
 
     def __call__(self, x: float, coarse: bool) -> float:
         event = self.make_event(x)
-        if self._search is not None and (coarse or _api.untruncated(event) == event):
+        if self._search is not None and (coarse or ev.untruncated(event) == event):
             # truncation is added centrally: a fine value of a truncated event is the API's
             eps = self._search(event, coarse)
             if eps is not None:
@@ -95,7 +88,7 @@ def _methods(
     make_event: Callable[[_P], ev.Event], x0: _P, method: str | _api.Accountant
 ) -> list[str | _api.Accountant]:
     """Methods to calibrate with: ``auto`` means every auto accountant supporting x0."""
-    event = _api.untruncated(make_event(x0))
+    event = ev.untruncated(make_event(x0))
     if not isinstance(method, str) or method != "auto":
         _api._resolve(event, method)  # raises a clear error for bad or unsupported methods
         return [method]

@@ -41,19 +41,6 @@ from dpfy.accounting._api import (
     register_accountant,
 )
 
-__all__ = [
-    "gaussian_delta",
-    "gaussian_epsilon",
-    "gaussian_log_delta",
-    "mu_of_event",
-    "zcdp_rho",
-    "zcdp_epsilon",
-    "zcdp_delta",
-    "unsupported_reason",
-    "GaussianAccountant",
-    "SHUFFLE_NOTE",
-]
-
 #: Note attached to every result that accounts a Shuffled event with this method.
 SHUFFLE_NOTE = "no amplification by shuffling assumed; upper bound"
 

@@ -37,9 +37,8 @@ from collections.abc import Callable
 
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range
-from dpfy.accounting._api import Accountant, EventSource, _as_event, epsilon, untruncated
-
-__all__ = ["GroupPrivacy", "group_delta_factor", "group_epsilon", "group_privacy"]
+from dpfy.accounting._api import Accountant, EventSource, _as_event, epsilon
+from dpfy.events import untruncated
 
 
 def group_delta_factor(epsilon_unit: float, k: int) -> float:

@@ -34,8 +34,6 @@ from scipy import special
 
 from dpfy.accounting import roots
 
-__all__ = ["MaxBitPair", "max_bit_lower_delta", "epsilon_from_lower_delta"]
-
 FloatArray = npt.NDArray[np.float64]
 
 

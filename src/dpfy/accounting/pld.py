@@ -64,26 +64,10 @@ from dpfy.accounting._api import (
     contains_non_private,
     register_accountant,
 )
-from dpfy.accounting.pld_events import MIN_NOISE_MULTIPLIER, Mech, flatten, step_pmfs
+from dpfy.accounting.pld_events import Mech, flatten, step_pmfs
 from dpfy.accounting.pld_events import loss_std as _mech_loss_std
 from dpfy.accounting.pld_events import max_interval as _max_interval
 from dpfy.accounting.pld_events import unsupported as _unsupported
-
-__all__ = [
-    "DEFAULT_TOLERANCE",
-    "MIN_NOISE_MULTIPLIER",
-    "MAX_GRID_SIZE",
-    "DiscretePLD",
-    "poisson_gaussian_pmf",
-    "compose",
-    "coarsen",
-    "pld_epsilon",
-    "pld_delta",
-    "epsilon_with_interval",
-    "first_interval",
-    "composed_plds",
-    "PLDAccountant",
-]
 
 DEFAULT_TOLERANCE = 2.5e-4
 """Default target relative error of epsilon (estimated from the last two grid refinements).

@@ -73,18 +73,6 @@ from dpfy import events as ev
 if TYPE_CHECKING:
     from dpfy.accounting.pld import DiscretePLD
 
-__all__ = [
-    "MIN_NOISE_MULTIPLIER",
-    "TRUNCATED_MAX_INTERVAL",
-    "Mech",
-    "max_interval",
-    "flatten",
-    "unsupported",
-    "step_pmfs",
-    "truncation_weights",
-    "symmetrised",
-    "mixture",
-]
 
 #: Finest-needed loss grid interval for runs with truncated steps (2^-14 ~ 6.1e-5): at most
 #: 0.37x the squared-interval error of dp_accounting's default 1e-4 grid, so the figure is

@@ -72,21 +72,8 @@ from dpfy.accounting._api import (
     UnsupportedEventError,
     contains_non_private,
     register_accountant,
-    untruncated,
 )
 from dpfy.accounting.pld import DiscretePLD, compose
-
-__all__ = [
-    "DEFAULT_TOLERANCE",
-    "AllocationBounds",
-    "allocation_sum",
-    "allocation_plds",
-    "allocation_epsilon",
-    "allocation_delta",
-    "epsilon_upper",
-    "upper_plds",
-    "RandomAllocationAccountant",
-]
 
 DEFAULT_TOLERANCE = 2e-3
 """Target relative gap between two successive grid levels of the upper bound."""
@@ -764,7 +751,7 @@ class _AllocationSearch:
     tolerance: float
 
     def __call__(self, event: ev.Event, coarse: bool) -> float | None:
-        if untruncated(event) != event:
+        if ev.untruncated(event) != event:
             return None
         if contains_non_private(event):
             return math.inf

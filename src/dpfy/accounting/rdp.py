@@ -43,25 +43,7 @@ from dpfy.accounting._api import (
     contains,
     contains_non_private,
     register_accountant,
-    untruncated,
 )
-
-__all__ = [
-    "DEFAULT_ORDERS",
-    "rdp_poisson_gaussian",
-    "rdp_gaussian",
-    "rdp_laplace",
-    "rdp_zcdp",
-    "rdp_sampled_without_replacement_gaussian",
-    "epsilon_from_rdp",
-    "delta_from_rdp",
-    "epsilon_of_event",
-    "delta_of_event",
-    "epsilon_poisson_gaussian",
-    "rdp_of_event",
-    "unsupported_reason",
-    "RdpAccountant",
-]
 
 #: Dense order grid: quarter steps up to 10 (27 fractional orders), every integer to 64, then a
 #: geometric-ish tail to 1024 (large orders matter for small epsilon / many steps).
@@ -876,7 +858,7 @@ class _RdpSearch:
         self._order: float | None = None
 
     def __call__(self, event: ev.Event, coarse: bool) -> float | None:
-        if untruncated(event) != event:
+        if ev.untruncated(event) != event:
             return None
         if coarse:
             orders = np.array(_COARSE_ORDERS)

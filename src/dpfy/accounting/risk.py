@@ -51,15 +51,6 @@ from dpfy.accounting._api import (
 )
 from dpfy.accounting._api import epsilon as _epsilon
 
-__all__ = [
-    "FPRS",
-    "AttackRisk",
-    "attack_curve",
-    "attack_risk",
-    "tpr_from_epsilon_delta",
-    "tpr_from_pld",
-]
-
 #: The false-positive rates a report shows (the low-FPR regime matters most, Carlini et al.
 #: 2022, "Membership inference attacks from first principles").
 FPRS = (1e-3, 1e-2, 0.1)

@@ -32,15 +32,6 @@ import numpy.typing as npt
 from scipy import optimize
 from scipy.optimize import elementwise
 
-__all__ = [
-    "Side",
-    "safe_root",
-    "safe_log_root",
-    "smallest_true",
-    "largest_true",
-    "smallest_true_array",
-]
-
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 

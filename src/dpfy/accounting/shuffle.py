@@ -47,13 +47,6 @@ from dpfy.accounting.lower_bounds import (
     max_bit_lower_delta,
 )
 
-__all__ = [
-    "ShuffleAccountant",
-    "no_amplification_mu",
-    "shuffle_lower_bound_delta",
-    "shuffle_lower_bound_epsilon",
-]
-
 UPPER_NOTE = (
     "upper bound without amplification: each example is in one batch per epoch (exact Gaussian "
     "composition, mu = sqrt(epochs)/z); assumes the other examples' batches do not depend on "

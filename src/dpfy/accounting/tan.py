@@ -53,27 +53,6 @@ from dpfy import events as ev
 from dpfy._validate import check_int, check_range
 from dpfy.accounting import rdp as _rdp
 
-__all__ = [
-    "CONSTANT_PRIVACY_NOISE_MULTIPLIER",
-    "PRIVACY_WALL_NOISE_MULTIPLIER",
-    "Regime",
-    "TanConfig",
-    "BatchScalingFit",
-    "eta_step",
-    "eta",
-    "total_amount_of_noise",
-    "epsilon_tan",
-    "epsilon_tan_from_eta",
-    "eta_for_epsilon",
-    "noise_multiplier_for_eta",
-    "regime",
-    "simulate_small_batch",
-    "constant_tan_family",
-    "fit_batch_scaling",
-    "privacy_wall_curve",
-    "ratio_table",
-]
-
 #: ``z >= 2``: epsilon depends (almost) only on ``eta`` (TAN Sec. 3.2, Fig. 2-3).
 CONSTANT_PRIVACY_NOISE_MULTIPLIER = 2.0
 #: ``z < 0.5``: at constant ``eta`` the true epsilon explodes (TAN Fig. 2, "privacy wall").

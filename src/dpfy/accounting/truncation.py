@@ -36,13 +36,6 @@ from collections.abc import Callable
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range
 
-__all__ = [
-    "truncation_delta",
-    "event_truncation_probability",
-    "truncated_delta",
-    "truncated_epsilon",
-]
-
 
 def truncation_delta(
     sampling_rate: float, dataset_size: int, max_batch_size: int, steps: int

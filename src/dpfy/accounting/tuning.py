@@ -57,22 +57,6 @@ from dpfy.accounting._api import (
     epsilon as _epsilon,
 )
 
-__all__ = [
-    "truncated_negative_binomial_mean",
-    "truncated_negative_binomial_gamma",
-    "rdp_repeat_and_select",
-    "RdpTuningAccountant",
-    "sequential_composition",
-    "all_runs",
-    "random_trials",
-    "with_tuning",
-    "coverage",
-    "draw_number_of_trials",
-    "TuningOption",
-    "compare_tuning",
-]
-
-
 # --------------------------------------------------------------------------------------------
 # The distribution of the number of trials
 # --------------------------------------------------------------------------------------------

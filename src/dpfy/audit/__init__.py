@@ -23,16 +23,7 @@ this attack did not find one. Modules:
   section of the report.
 """
 
-from dpfy.audit.canary import (
-    CanaryAudit,
-    CanaryModel,
-    CanaryScores,
-    OneRunAudit,
-    canary_audit,
-    canary_scores,
-    one_run_audit,
-)
-from dpfy.audit.fdp import OneRunGdpBound, gdp_rejects, one_run_gdp_bound, one_run_gdp_ceiling
+from dpfy.audit.canary import CanaryAudit, OneRunAudit, canary_audit, one_run_audit
 from dpfy.audit.selftests import (
     SelfTest,
     correlated_selftest,
@@ -40,38 +31,15 @@ from dpfy.audit.selftests import (
     federated_selftest,
     sharded_selftest,
 )
-from dpfy.audit.stats import (
-    ThresholdBound,
-    clopper_pearson,
-    gdp_mu_lower,
-    one_run_ceiling,
-    one_run_epsilon,
-    one_run_p_value,
-    threshold_epsilon_bound,
-)
 
 __all__ = [
-    "CanaryAudit",
-    "CanaryModel",
-    "CanaryScores",
-    "OneRunAudit",
-    "OneRunGdpBound",
-    "SelfTest",
-    "ThresholdBound",
     "canary_audit",
-    "canary_scores",
-    "clopper_pearson",
+    "CanaryAudit",
+    "one_run_audit",
+    "OneRunAudit",
+    "SelfTest",
     "correlated_selftest",
     "distributed_selftest",
-    "federated_selftest",
-    "gdp_mu_lower",
-    "gdp_rejects",
-    "one_run_audit",
-    "one_run_ceiling",
-    "one_run_epsilon",
-    "one_run_gdp_bound",
-    "one_run_gdp_ceiling",
-    "one_run_p_value",
     "sharded_selftest",
-    "threshold_epsilon_bound",
+    "federated_selftest",
 ]

@@ -42,20 +42,11 @@ from dpfy.audit.stats import (
     one_run_epsilon,
     threshold_epsilon_bound,
 )
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.queries import GaussianSumQuery
 from dpfy.randomness import Randomness
+from dpfy.sampling.spec import SampleSpec
 from dpfy.training import PrivateGradient
-
-__all__ = [
-    "CanaryModel",
-    "CanaryScores",
-    "CanaryAudit",
-    "OneRunAudit",
-    "canary_scores",
-    "canary_audit",
-    "one_run_audit",
-]
 
 #: ``progress(done, total)`` after each release.
 Progress = Callable[[int, int], None]

@@ -44,13 +44,6 @@ from scipy import special
 
 from dpfy._validate import check_int, check_range
 
-__all__ = [
-    "OneRunGdpBound",
-    "gdp_rejects",
-    "one_run_gdp_bound",
-    "one_run_gdp_ceiling",
-]
-
 _MU_MAX = 64.0  # above this every realistic count is consistent with mu (F is ~0)
 
 

@@ -49,15 +49,6 @@ from dpfy.audit.stats import one_run_ceiling, one_run_epsilon
 from dpfy.randomness import Randomness
 from dpfy.training.history import ProgressInfo
 
-__all__ = [
-    "Canaries",
-    "WhiteBoxScores",
-    "black_box_scores",
-    "count_correct",
-    "make_canaries",
-    "one_run_section",
-]
-
 MEANING = (
     "A one-run audit measures a lower bound from a single training run. Its ceiling (every "
     "guess right) is small, and against a run with real noise the attack guesses little "

@@ -38,14 +38,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.ledger.records import SumQueryRecord
 from dpfy.randomness import Randomness
 from dpfy.sampling import make_sampler
+from dpfy.sampling.spec import SampleSpec
 from dpfy.training import PrivateGradient
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
-
-__all__ = ["ReplayResult", "replay_release", "sampler_check"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

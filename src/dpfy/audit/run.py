@@ -39,12 +39,10 @@ from dpfy.audit.selftests import (
     federated_selftest,
     sharded_selftest,
 )
-from dpfy.ledger import Ledger, MatrixRunRecord
-from dpfy.ledger.records import SumQueryRecord
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import MatrixRunRecord, SumQueryRecord
 from dpfy.queries import GaussianSumQuery
 from dpfy.report.statement import PrivacyReport
-
-__all__ = ["AuditMethod", "audit_run", "METHODS", "write_section"]
 
 AuditMethod = Literal["canary", "one-run"]
 METHODS: tuple[str, ...] = ("canary", "one-run")

@@ -45,22 +45,16 @@ from dpfy._validate import check_int, check_range
 from dpfy.correlated import Cyclic
 from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.fed import CohortSampler, DPFedAvg, client_update_query
-from dpfy.ledger import Ledger, MatrixStepRecord, SampleSpec, SumQueryRecord
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import MatrixStepRecord, SumQueryRecord
 from dpfy.queries import GaussianSumQuery
 from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.randomness import Randomness
 from dpfy.sampling import CyclicSampler
+from dpfy.sampling.spec import SampleSpec
 from dpfy.training import PrivateGradient
 from dpfy.training.distributed import Distributed, GradientReducer
 from dpfy.training.launch import run_local
-
-__all__ = [
-    "SelfTest",
-    "correlated_selftest",
-    "distributed_selftest",
-    "federated_selftest",
-    "sharded_selftest",
-]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,16 +37,6 @@ from scipy import stats
 
 from dpfy._validate import check_int, check_range
 
-__all__ = [
-    "ThresholdBound",
-    "clopper_pearson",
-    "threshold_epsilon_bound",
-    "gdp_mu_lower",
-    "one_run_p_value",
-    "one_run_epsilon",
-    "one_run_ceiling",
-]
-
 Selection = Literal["split", "grid"]
 Orientation = Literal["above", "below"]
 

@@ -17,25 +17,19 @@ NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_arch
 
 from __future__ import annotations
 
-from dpfy.correlated.bandmf import BandMF, optimize_bandmf
-from dpfy.correlated.blt import BLT, optimize_blt
+from dpfy.correlated.bandmf import BandMF
+from dpfy.correlated.blt import BLT
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
-from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch, sensitivity
-from dpfy.correlated.tree import TreeAggregation, tree_sensitivity
-from dpfy.correlated.workload import prefix_sum_matrix
+from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch
+from dpfy.correlated.tree import TreeAggregation
 
 __all__ = [
-    "BLT",
-    "BandMF",
+    "make_plan",
     "CorrelatedPlan",
     "Cyclic",
-    "MinSeparation",
     "SingleEpoch",
+    "MinSeparation",
+    "BandMF",
+    "BLT",
     "TreeAggregation",
-    "make_plan",
-    "optimize_bandmf",
-    "optimize_blt",
-    "prefix_sum_matrix",
-    "sensitivity",
-    "tree_sensitivity",
 ]

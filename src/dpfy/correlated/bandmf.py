@@ -27,8 +27,6 @@ from scipy.special import gammaln
 from dpfy._validate import check_finite_nonneg, check_int
 from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs, toeplitz_lower
 
-__all__ = ["BandMF", "BandMFNoise", "optimize_bandmf"]
-
 Objective = Literal["total", "max"]
 
 

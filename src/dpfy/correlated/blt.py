@@ -28,8 +28,6 @@ from scipy.signal import lfilter
 from dpfy._validate import check_finite_nonneg, check_int
 from dpfy.correlated.workload import prefix_error_total, toeplitz_lower
 
-__all__ = ["BLT", "BLTNoise", "blt_loss", "optimize_blt"]
-
 
 class BLT:
     """A BLT strategy given by its inverse's buffer weights and decays.

@@ -49,16 +49,6 @@ from dpfy.correlated.tree import TreeAggregation
 from dpfy.correlated.tree_efficient import efficient_noise_map
 from dpfy.correlated.workload import toeplitz_inverse_coeffs, toeplitz_lower
 
-__all__ = [
-    "STRATEGIES",
-    "CorrelatedPlan",
-    "StrategyName",
-    "TREES",
-    "make_plan",
-    "schema_from_dict",
-    "schema_name",
-]
-
 StrategyName = Literal["bandmf", "blt", "tree", "tree-efficient"]
 #: The strategies a training run can stream.
 STRATEGIES: tuple[str, ...] = ("bandmf", "blt", "tree", "tree-efficient")

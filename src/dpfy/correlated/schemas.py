@@ -29,15 +29,6 @@ import numpy as np
 
 from dpfy._validate import check_int
 
-__all__ = [
-    "Cyclic",
-    "MAX_BRUTE_FORCE_STEPS",
-    "MinSeparation",
-    "Schema",
-    "SingleEpoch",
-    "sensitivity",
-]
-
 #: Largest number of steps for which sensitivity falls back to searching every pattern.
 MAX_BRUTE_FORCE_STEPS = 20
 

@@ -20,8 +20,6 @@ import numpy as np
 
 from dpfy._validate import check_finite_nonneg, check_int
 
-__all__ = ["TreeAggregation", "TreeNoise", "tree_sensitivity"]
-
 
 def tree_sensitivity(steps: int) -> float:
     """Closed-form single-epoch sensitivity of tree aggregation: ``sqrt(floor(log2 T) + 1)``."""

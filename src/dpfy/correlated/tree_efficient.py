@@ -57,14 +57,6 @@ import numpy as np
 from dpfy._validate import check_finite_nonneg, check_int
 from dpfy.correlated.tree import TreeAggregation
 
-__all__ = [
-    "EfficientTreeNoise",
-    "efficient_decoder_matrix",
-    "efficient_noise_map",
-    "level_variances",
-    "prefix_variances",
-]
-
 
 def level_variances(levels: int) -> np.ndarray:
     """``v_0..v_{levels-1}``: variance of a level-``l`` node's estimate per unit ``sigma^2``.

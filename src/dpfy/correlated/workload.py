@@ -13,13 +13,6 @@ from scipy.signal import lfilter
 
 from dpfy._validate import check_int
 
-__all__ = [
-    "prefix_sum_matrix",
-    "toeplitz_lower",
-    "toeplitz_inverse_coeffs",
-    "prefix_error_total",
-]
-
 
 def prefix_sum_matrix(steps: int) -> np.ndarray:
     """The workload ``A``: ``(A x)_t = x_0 + ... + x_t`` (lower-triangular ones, square)."""

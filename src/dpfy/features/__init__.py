@@ -7,47 +7,18 @@ scikit-learn-style estimators in :mod:`dpfy.features.estimators` and feature ext
 in :mod:`dpfy.features.extract` (imported on demand; it needs the ``features`` extra).
 """
 
-from dpfy.features.accounting import (
-    GDPFigures,
-    gdp_delta,
-    gdp_epsilon,
-    gdp_figures,
-    mu_for_target,
-    noise_multipliers,
-    paper_zcdp_rho,
-)
-from dpfy.features.algorithms import (
-    Fitted,
-    dp_adam,
-    dp_feature_covariance,
-    dp_least_squares,
-    dp_newton,
-)
+from dpfy.features.accounting import gdp_figures
 from dpfy.features.estimators import (
     DPAdamClassifier,
     DPFeatureCovarianceClassifier,
     DPLeastSquaresClassifier,
     DPNewtonClassifier,
 )
-from dpfy.features.stats import SufficientStats, sufficient_statistics
 
 __all__ = [
-    "DPAdamClassifier",
-    "DPFeatureCovarianceClassifier",
     "DPLeastSquaresClassifier",
     "DPNewtonClassifier",
-    "Fitted",
-    "GDPFigures",
-    "SufficientStats",
-    "dp_adam",
-    "dp_feature_covariance",
-    "dp_least_squares",
-    "dp_newton",
-    "gdp_delta",
-    "gdp_epsilon",
+    "DPFeatureCovarianceClassifier",
+    "DPAdamClassifier",
     "gdp_figures",
-    "mu_for_target",
-    "noise_multipliers",
-    "paper_zcdp_rho",
-    "sufficient_statistics",
 ]

@@ -37,23 +37,14 @@ import numpy.typing as npt
 
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range
-from dpfy.accounting import PrivacyResult, gaussian, roots
-from dpfy.accounting import epsilon as _account
-from dpfy.accounting._api import first_unsupported
-from dpfy.ledger import Ledger, NonPrivateRecord, SumQueryRecord
 
-__all__ = [
-    "PrivacyResult",
-    "ledger_statement",
-    "GDPFigures",
-    "gdp_figures",
-    "gdp_delta",
-    "gdp_epsilon",
-    "mu_for_target",
-    "noise_multipliers",
-    "paper_zcdp_rho",
-    "zcdp_epsilon",
-]
+# PrivacyResult is re-exported on purpose: the estimators reach dpfy.accounting through this module.
+from dpfy.accounting import PrivacyResult as PrivacyResult
+from dpfy.accounting import epsilon as _account
+from dpfy.accounting import gaussian, roots
+from dpfy.accounting._api import first_unsupported
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import NonPrivateRecord, SumQueryRecord
 
 
 def gdp_delta(mu: float, epsilon: float) -> float:
@@ -156,8 +147,8 @@ def ledger_statement(ledger: Ledger, delta: float) -> PrivacyResult:
     """The (epsilon, delta) statement of a fitted model: its ledger accounted by the exact
     Gaussian accountant (GDP composition, Dong, Roth, Su 2019), as any ledger is.
 
-    ``PrivacyResult`` is listed in this module's ``__all__`` as the type of this result, so
-    the estimators need no import of :mod:`dpfy.accounting` of their own.
+    The estimators import ``PrivacyResult``, the type of this result, from this module: the
+    features reach :mod:`dpfy.accounting` through this one module.
     """
     return _account(ledger, delta, method="gaussian")
 

@@ -41,23 +41,9 @@ from dpfy.features.stats import (
     label_matrix,
     sufficient_statistics,
 )
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
-
-__all__ = [
-    "Adam",
-    "HESSIAN_BOUND",
-    "Fitted",
-    "Preconditioner",
-    "PSDSolver",
-    "clipped_gradient_sum",
-    "dp_adam",
-    "dp_feature_covariance",
-    "dp_least_squares",
-    "dp_newton",
-    "newton_statistics",
-    "residuals",
-]
+from dpfy.sampling.spec import SampleSpec
 
 Loss = Literal["softmax", "sigmoid"]
 LOSSES = ("softmax", "sigmoid")

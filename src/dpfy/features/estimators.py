@@ -56,14 +56,6 @@ from dpfy.features.stats import ArrayOrTensor, SufficientStats, clip_rows
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 
-__all__ = [
-    "DPAdamClassifier",
-    "DPFeatureCovarianceClassifier",
-    "DPLeastSquaresClassifier",
-    "DPNewtonClassifier",
-    "auto_ridge",
-]
-
 #: ``ridge="auto"``: the ridge is this multiple of the public noise scale (see :func:`auto_ridge`).
 #: ``c = 1`` was chosen on validation splits of both datasets of benchmarks/features.py (MiniLM
 #: text embeddings, 384-d; EfficientNet image features, 1280-d) at most epsilons for DP-LS and

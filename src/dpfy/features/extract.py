@@ -43,14 +43,6 @@ if TYPE_CHECKING:
 
     from dpfy.datasets import Split
 
-__all__ = [
-    "SentenceEncoder",
-    "cache_dir",
-    "extract_image_shard",
-    "image_features",
-    "rotten_tomatoes_snippets",
-    "text_features",
-]
 
 IMAGE_DATASETS = ("mnist", "fashion-mnist")
 _SPLITS: tuple[Split, ...] = ("train", "test")

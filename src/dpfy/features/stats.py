@@ -29,14 +29,6 @@ import torch
 
 from dpfy._validate import check_int, check_range
 
-__all__ = [
-    "Batch",
-    "SufficientStats",
-    "clip_rows",
-    "label_matrix",
-    "sufficient_statistics",
-]
-
 #: Features ``[b, d]`` or labels as NumPy (possibly memory-mapped), nested sequences or torch.
 ArrayOrTensor = npt.ArrayLike | torch.Tensor
 #: One chunk ``(x, y)`` of :func:`sufficient_statistics`.

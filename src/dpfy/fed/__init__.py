@@ -13,23 +13,13 @@ The unit of privacy is one client. Modules, one concept each:
   extra; not imported here, so ``dpfy.fed`` works without Flower).
 """
 
-from dpfy.fed.client import apply_delta, clip_update, load_tensors, local_update, model_tensors
-from dpfy.fed.cohort import CLIENT_UNIT, CohortSampler
-from dpfy.fed.server import TRUST_MODELS, DPFedAvg, Round, client_update_query
-from dpfy.fed.simulation import LocalTraining, run_in_process
+from dpfy.fed.cohort import CohortSampler
+from dpfy.fed.server import DPFedAvg, client_update_query
+from dpfy.fed.simulation import run_in_process
 
 __all__ = [
-    "CLIENT_UNIT",
-    "CohortSampler",
     "DPFedAvg",
-    "Round",
-    "TRUST_MODELS",
+    "CohortSampler",
     "client_update_query",
-    "LocalTraining",
     "run_in_process",
-    "local_update",
-    "clip_update",
-    "model_tensors",
-    "load_tensors",
-    "apply_delta",
 ]

@@ -11,9 +11,7 @@ from __future__ import annotations
 from dpfy._validate import check_int
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.fed.cohort import CohortSampler
-from dpfy.sampling import spec_event
-
-__all__ = ["calibrate_rounds"]
+from dpfy.sampling.spec import spec_event
 
 
 def calibrate_rounds(

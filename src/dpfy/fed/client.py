@@ -21,8 +21,6 @@ from torch import nn
 
 from dpfy._validate import check_int, check_range
 
-__all__ = ["local_update", "clip_update", "model_tensors", "load_tensors", "apply_delta"]
-
 Tensors = dict[str, torch.Tensor]
 
 

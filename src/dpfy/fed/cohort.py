@@ -29,8 +29,6 @@ from dpfy.sampling import SampleSpec
 from dpfy.sampling.fixed_size import FixedSizeSampler
 from dpfy.sampling.poisson import PoissonSampler
 
-__all__ = ["CohortSampler", "CohortKind", "CLIENT_UNIT"]
-
 #: The unit of privacy every federated ledger records.
 CLIENT_UNIT = "client"
 

@@ -72,8 +72,6 @@ from dpfy.training.checkpoint import (
     save_checkpoint,
 )
 
-__all__ = ["DPStrategy", "make_client_app", "CLIP_NORM_KEY", "CLIPPING_KEY", "UNCLIPPED_KEY"]
-
 #: Config keys the server sends and the metric key the client answers with.
 CLIP_NORM_KEY = "dpfy-clip-norm"
 CLIPPING_KEY = "dpfy-clipping"

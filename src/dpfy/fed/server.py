@@ -52,15 +52,6 @@ from dpfy.queries import AdaptiveClipQuery, GaussianSumQuery
 from dpfy.queries._tree import clip_weights_from_norms
 from dpfy.randomness import Randomness
 
-__all__ = [
-    "ClippingSite",
-    "DPFedAvg",
-    "Round",
-    "TRUST_MODELS",
-    "FED_DP_SETTING",
-    "client_update_query",
-]
-
 ClippingSite = Literal["server", "client"]
 
 #: What the report states about who sees what, per clipping site.

@@ -19,8 +19,6 @@ from dpfy._validate import check_int, check_range
 from dpfy.fed.client import apply_delta, clip_update, load_tensors, local_update, model_tensors
 from dpfy.fed.server import DPFedAvg
 
-__all__ = ["LocalTraining", "run_in_process"]
-
 ClientData = tuple[torch.Tensor, torch.Tensor]
 
 

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpfy.hf.model_card import privacy_section, write_model_card
-from dpfy.hf.trainer import DPTrainer, DPTrainingMixin, LogicalBatch, PrivacyArguments
-
-__all__ = [
-    "DPSFTTrainer",
-    "DPTrainer",
-    "DPTrainingMixin",
-    "LogicalBatch",
-    "PrivacyArguments",
-    "privacy_section",
-    "write_model_card",
-]
+from dpfy.hf.model_card import write_model_card
+from dpfy.hf.trainer import DPTrainer, PrivacyArguments
 
 
 def __getattr__(name: str) -> Any:
@@ -31,3 +21,10 @@ def __getattr__(name: str) -> Any:
 
         return DPSFTTrainer
     raise AttributeError(f"module 'dpfy.hf' has no attribute {name!r}")
+
+__all__ = [
+    "DPTrainer",
+    "DPSFTTrainer",
+    "PrivacyArguments",
+    "write_model_card",
+]

@@ -19,8 +19,6 @@ from typing import Any
 from dpfy.ledger import Ledger
 from dpfy.report import PrivacyReport, build_report
 
-__all__ = ["privacy_section", "write_model_card"]
-
 _SECTION = re.compile(r"^## Privacy\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
 
 

@@ -40,8 +40,6 @@ from trl.trainer.sft_trainer import SFTTrainer
 
 from dpfy.hf.trainer import DPTrainingMixin
 
-__all__ = ["DPSFTTrainer"]
-
 
 class DPSFTTrainer(DPTrainingMixin, SFTTrainer):
     """TRL ``SFTTrainer`` with DP-SGD, a ledger and a privacy report (module docstring).

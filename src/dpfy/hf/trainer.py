@@ -94,8 +94,6 @@ from dpfy.training.precision import Precision, check_precision
 from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
-__all__ = ["DPTrainer", "DPTrainingMixin", "LogicalBatch", "PrivacyArguments"]
-
 PerExampleLoss = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -233,8 +231,8 @@ class DPTrainingMixin:
         **trainer_kwargs: Any,
     ) -> None:
         from dpfy._validate import check_range
-        from dpfy.sampling import kind as sampler_kind
         from dpfy.sampling import make_sampler
+        from dpfy.sampling.kinds import kind as sampler_kind
         from dpfy.training.private import _sampling_stream, calibrate_to_budget
 
         misplaced = sorted(set(trainer_kwargs) & _PRIVACY_FIELDS)
@@ -308,7 +306,8 @@ class DPTrainingMixin:
             )
         else:
             z = float(noise_multiplier)
-        from dpfy.queries import GaussianSumQuery, NoPrivacyQuery
+        from dpfy.queries import GaussianSumQuery
+        from dpfy.queries.sum import NoPrivacyQuery
 
         query = NoPrivacyQuery(clip_norm) if z == 0 else GaussianSumQuery(clip_norm, z)
         self._dp_gradient = PrivateGradient(

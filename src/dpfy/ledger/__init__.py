@@ -14,50 +14,14 @@ turns it into a number. See ``docs/architecture.md`` and ``docs/ledger.md``.
 """
 
 from dpfy.ledger.chain import LedgerFormatError, LedgerIntegrityError, Verification
-from dpfy.ledger.ledger import (
-    Ledger,
-    LedgerTruncationWarning,
-    effective_noise_multiplier,
-    ledger_hyperparameters,
-)
-from dpfy.ledger.logfile import LedgerLockedError, LedgerWriteError
-from dpfy.ledger.records import (
-    EndRecord,
-    HeaderRecord,
-    MatrixRunRecord,
-    MatrixStepRecord,
-    MetadataRecord,
-    NonPrivateRecord,
-    Record,
-    ResumeRecord,
-    SampleRecord,
-    SumQueryRecord,
-    record_from_dict,
-    register_record,
-)
-from dpfy.sampling.spec import SampleSpec
+from dpfy.ledger.ledger import Ledger
+from dpfy.ledger.records import Record, register_record
 
 __all__ = [
-    "SampleSpec",
-    "SampleRecord",
-    "SumQueryRecord",
-    "NonPrivateRecord",
-    "MetadataRecord",
-    "MatrixRunRecord",
-    "MatrixStepRecord",
-    "HeaderRecord",
-    "ResumeRecord",
-    "EndRecord",
-    "Record",
-    "record_from_dict",
-    "register_record",
     "Ledger",
-    "ledger_hyperparameters",
+    "Verification",
     "LedgerFormatError",
     "LedgerIntegrityError",
-    "LedgerLockedError",
-    "LedgerWriteError",
-    "LedgerTruncationWarning",
-    "Verification",
-    "effective_noise_multiplier",
+    "register_record",
+    "Record",
 ]

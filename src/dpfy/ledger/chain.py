@@ -18,20 +18,6 @@ import hashlib
 import secrets
 from typing import Any
 
-__all__ = [
-    "BROKEN",
-    "IN_MEMORY",
-    "OPEN",
-    "UNVERIFIED",
-    "VERIFIED",
-    "ChainChecker",
-    "LedgerFormatError",
-    "LedgerIntegrityError",
-    "Verification",
-    "line_hash",
-    "new_run_id",
-]
-
 VERIFIED = "verified"
 OPEN = "verified, open or crash-cut"
 BROKEN = "broken"

@@ -86,21 +86,12 @@ from dpfy.ledger.records import (
 from dpfy.sampling.kinds import kind
 from dpfy.sampling.spec import SampleSpec, spec_event
 
-__all__ = [
-    "Ledger",
-    "LedgerTruncationWarning",
-    "effective_noise_multiplier",
-    "ledger_hyperparameters",
-]
-
 # Two noise multipliers closer than this (relative) are folded into one run, keeping the smaller.
 _Z_RTOL = 1e-12
 
 
 class LedgerTruncationWarning(UserWarning):
     """A ledger's last line was cut short by a crash; it was read back and counted."""
-
-
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,15 +14,6 @@ import re
 
 from dpfy.ledger.records import ResumeRecord, SumQueryRecord, record_from_dict
 
-__all__ = [
-    "MAX_NESTING",
-    "check_nesting",
-    "int_field",
-    "is_resume_after_truncation",
-    "recover_sum_query",
-]
-
-
 #: Deepest JSON nesting a ledger line may have (records nest 3 deep; metadata a little more).
 MAX_NESTING = 32
 

@@ -22,8 +22,6 @@ import errno
 import os
 import sys
 
-__all__ = ["AppendFile", "LedgerLockedError", "LedgerWriteError", "write_fully"]
-
 
 class LedgerLockedError(RuntimeError):
     """Another writer holds the ledger file's lock."""

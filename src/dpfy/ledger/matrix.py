@@ -34,8 +34,6 @@ from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord, SampleRecord
 from dpfy.sampling.kinds import kind, kind_names
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["check_schema_spec", "matrix_event"]
-
 _RTOL = 1e-9
 
 

@@ -19,26 +19,6 @@ from dpfy._validate import check_count, check_finite_nonneg, check_range, check_
 from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = [
-    "FORMAT",
-    "VERSION",
-    "SampleSpec",
-    "SampleRecord",
-    "SumQueryRecord",
-    "NonPrivateRecord",
-    "MetadataRecord",
-    "MatrixRunRecord",
-    "MatrixStepRecord",
-    "HeaderRecord",
-    "ResumeRecord",
-    "EndRecord",
-    "Record",
-    "Marker",
-    "AnyRecord",
-    "record_from_dict",
-    "register_record",
-]
-
 FORMAT = "dpfy-ledger"
 #: Version 2 adds the hash chain (``"prev"`` on every line after the header), the header's
 #: ``run_id`` and the end record (``docs/ledger.md``); version 1 files are still read.

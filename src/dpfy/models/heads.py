@@ -18,8 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MeanPooledClassifier", "mean_pool"]
-
 
 def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``hidden`` [B, T, d] over the tokens where ``attention_mask`` [B, T] is 1.

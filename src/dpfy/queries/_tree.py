@@ -13,22 +13,6 @@ from typing import Any, TypeAlias
 
 import torch
 
-__all__ = [
-    "Tensors",
-    "Norms",
-    "Weights",
-    "flatten",
-    "unflatten_like",
-    "per_example_norms",
-    "clip_weights_from_norms",
-    "expand_weights",
-    "check_mask",
-    "check_partition",
-    "flat_norm",
-    "group_norms",
-    "weighted_sum",
-]
-
 Tensors: TypeAlias = Mapping[str, Any]  # name -> torch.Tensor, possibly nested dicts of them
 Norms: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 Weights: TypeAlias = torch.Tensor | dict[str, torch.Tensor]

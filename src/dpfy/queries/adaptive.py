@@ -39,8 +39,6 @@ from dpfy.queries.base import LedgerEntry, QueryBase
 from dpfy.queries.nested import check_clip_norms
 from dpfy.randomness import Randomness
 
-__all__ = ["AdaptiveClipQuery", "AdaptiveNestedQuery"]
-
 #: Add/remove sensitivity of a centred count ``sum_i (1[norm_i <= C] - 1/2)``.
 _COUNT_BOUND = 0.5
 

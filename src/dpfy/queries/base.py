@@ -50,15 +50,6 @@ from dpfy.queries._tree import (
 )
 from dpfy.randomness import Randomness
 
-__all__ = [
-    "Query",
-    "QueryBase",
-    "LedgerEntry",
-    "ReleasesClippedSums",
-    "check_per_example",
-    "check_release_args",
-]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LedgerEntry:

@@ -40,8 +40,9 @@ from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.correlated.plan import CorrelatedPlan
 from dpfy.correlated.tree_efficient import level_variances
-from dpfy.ledger import Ledger, MatrixRunRecord, MatrixStepRecord
+from dpfy.ledger import Ledger
 from dpfy.ledger.matrix import check_schema_spec
+from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord
 from dpfy.queries._tree import (
     Norms,
     Tensors,
@@ -62,8 +63,6 @@ from dpfy.randomness import (
     _flat_span,  # the same flat-buffer test as the fused noise path
 )
 from dpfy.sampling.spec import SampleSpec
-
-__all__ = ["CorrelatedNoiseQuery", "NoiseStream", "correlated_event", "correlated_query"]
 
 #: Values per chunk of the BLT update: its d + 2 slices stay in cache between the two passes.
 _CHUNK = 1 << 17

@@ -18,8 +18,6 @@ from dpfy._validate import check_range
 from dpfy.queries._tree import Norms, check_partition, clip_weights_from_norms, group_norms
 from dpfy.queries.base import LedgerEntry, QueryBase
 
-__all__ = ["JointClipQuery"]
-
 
 class JointClipQuery(QueryBase):
     """Joint clipping of all groups to one ``clip_norm`` in units of per-group scales.

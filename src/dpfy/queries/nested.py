@@ -19,20 +19,9 @@ from typing import Literal
 import torch
 
 from dpfy._validate import check_int, check_range
-from dpfy.ledger import effective_noise_multiplier
+from dpfy.ledger.ledger import effective_noise_multiplier
 from dpfy.queries._tree import Norms, check_partition, clip_weights_from_norms, group_norms
 from dpfy.queries.base import LedgerEntry, QueryBase
-
-__all__ = [
-    "Group",
-    "NestedQuery",
-    "prefix_groups",
-    "separate_clipping",
-    "proportional_noise",
-    "dimension_adjusted_noise",
-    "split_clip_norm",
-    "check_clip_norms",
-]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

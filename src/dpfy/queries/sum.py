@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 
 from dpfy._validate import check_range
-from dpfy.ledger import Ledger, effective_noise_multiplier
+from dpfy.ledger import Ledger
+from dpfy.ledger.ledger import effective_noise_multiplier
 from dpfy.queries._tree import (
     Norms,
     Tensors,
@@ -30,14 +31,6 @@ from dpfy.queries._tree import (
 )
 from dpfy.queries.base import LedgerEntry, Query, QueryBase, ReleasesClippedSums
 from dpfy.randomness import Randomness
-
-__all__ = [
-    "ClippedUnit",
-    "GaussianSumQuery",
-    "AverageQuery",
-    "gaussian_average_query",
-    "NoPrivacyQuery",
-]
 
 #: What one clipped contribution is: one ``"example"`` (one unit of privacy adds or removes
 #: it: sensitivity C), or a ``"microbatch_average"`` of several rows (adding or removing one

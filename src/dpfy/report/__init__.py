@@ -10,24 +10,11 @@
 Matplotlib is imported only when a figure is drawn.
 """
 
-from dpfy.report.statement import (
-    REPORT_FIELDS,
-    PrivacyReport,
-    build_report,
-    epsilon_history,
-    ledger_hyperparameters,
-    prefix_ledger,
-    privacy_tier,
-)
+from dpfy.report.statement import PrivacyReport, build_report
 from dpfy.report.write import write_report
 
 __all__ = [
-    "REPORT_FIELDS",
     "PrivacyReport",
     "build_report",
-    "epsilon_history",
-    "ledger_hyperparameters",
-    "prefix_ledger",
-    "privacy_tier",
     "write_report",
 ]

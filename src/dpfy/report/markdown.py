@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from dpfy.report.statement import PrivacyReport
 
-__all__ = ["to_markdown"]
-
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):

@@ -12,8 +12,6 @@ from pathlib import Path
 
 from dpfy.report import _figures
 
-__all__ = ["epsilon_over_training", "epsilon_vs_delta", "accountant_comparison"]
-
 
 def epsilon_over_training(
     steps: Sequence[int],

@@ -24,8 +24,6 @@ from dpfy.report import _figures
 if TYPE_CHECKING:
     from dpfy.planning import Plan
 
-__all__ = ["privacy_wall", "batch_scaling", "plan_options"]
-
 
 def privacy_wall(
     path: str | Path,

@@ -26,22 +26,14 @@ from typing import Any
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_range
+from dpfy.accounting.group import group_epsilon
 from dpfy.accounting.risk import AttackRisk, attack_risk
-from dpfy.ledger import Ledger, NonPrivateRecord, ledger_hyperparameters
+from dpfy.ledger import Ledger
+from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.ledger.records import NonPrivateRecord
 from dpfy.report.markdown import to_markdown
-from dpfy.sampling import column as sampler_column
-from dpfy.sampling import kind as sampler_kind
-
-__all__ = [
-    "PrivacyReport",
-    "build_report",
-    "privacy_tier",
-    "release_headline",
-    "REPORT_FIELDS",
-    "ledger_hyperparameters",
-    "prefix_ledger",
-    "epsilon_history",
-]
+from dpfy.sampling.kinds import column as sampler_column
+from dpfy.sampling.kinds import kind as sampler_kind
 
 # Ledger operations that used to live here (ledger_hyperparameters too, imported above).
 prefix_ledger = Ledger.prefix  # prefix_ledger(ledger, num_samples=None, *, path=None)
@@ -381,7 +373,7 @@ def _user_level(
             ),
         }
     elif math.isfinite(result.epsilon) and result.provable:
-        group = accounting.group_epsilon(ledger, delta, 2, result.method)
+        group = group_epsilon(ledger, delta, 2, result.method)
         why = (
             f"group privacy of size 2 (NOT the {unit}-level statement): adding or removing "
             f"one example changes one {unit}'s data, i.e. removes that {unit} and adds it back "

@@ -19,8 +19,6 @@ from dpfy.accounting.risk import attack_curve
 from dpfy.ledger import Ledger
 from dpfy.report.statement import PrivacyReport, epsilon_history
 
-__all__ = ["write_report"]
-
 
 def write_report(
     report: PrivacyReport,

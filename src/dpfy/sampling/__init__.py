@@ -40,64 +40,34 @@ Example:
 
 from __future__ import annotations
 
-from dpfy.sampling.base import (
-    BaseSampler,
-    FixedBatchEpochSampler,
-    Sampler,
-    check_unit,
-    epochs_and_steps,
-    pad_batch,
-)
-from dpfy.sampling.kinds import (
-    EventMap,
-    SamplerClass,
-    SamplerKind,
-    column,
-    kind,
-    kind_names,
-    kinds,
-    register_kind,
-    unregister_kind,
-)
-from dpfy.sampling.spec import SampleSpec, spec_event
+from dpfy.sampling.base import BaseSampler, Sampler
+from dpfy.sampling.kinds import SamplerKind, kinds, register_kind
+from dpfy.sampling.spec import SampleSpec
 
 # The built-in kinds, in table order: each module registers its row on import.
 # isort: off
 from dpfy.sampling.poisson import PoissonSampler
-from dpfy.sampling.balls_and_bins import BallsAndBinsSampler, balls_and_bins_sizes
+from dpfy.sampling.balls_and_bins import BallsAndBinsSampler
 from dpfy.sampling.shuffle import ShuffleSampler
 from dpfy.sampling.deterministic import DeterministicSampler
 from dpfy.sampling.fixed_size import FixedSizeSampler
 from dpfy.sampling import full_batch as _full_batch  # noqa: F401  (registers "full_batch")
 from dpfy.sampling.cyclic import CyclicSampler
 # isort: on
-from dpfy.sampling.factory import SAMPLER_KINDS, make_sampler
+from dpfy.sampling.factory import make_sampler
 
 __all__ = [
     "Sampler",
     "BaseSampler",
-    "FixedBatchEpochSampler",
+    "SamplerKind",
+    "SampleSpec",
     "PoissonSampler",
-    "BallsAndBinsSampler",
     "ShuffleSampler",
-    "DeterministicSampler",
+    "BallsAndBinsSampler",
     "FixedSizeSampler",
     "CyclicSampler",
-    "SAMPLER_KINDS",
+    "DeterministicSampler",
     "make_sampler",
-    "pad_batch",
-    "balls_and_bins_sizes",
-    "epochs_and_steps",
-    "check_unit",
-    "SampleSpec",
-    "spec_event",
-    "SamplerKind",
-    "SamplerClass",
-    "EventMap",
     "register_kind",
-    "unregister_kind",
-    "kind",
     "kinds",
-    "kind_names",
-    "column",
 ]

@@ -17,8 +17,6 @@ from dpfy.sampling.base import BaseSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["BallsAndBinsSampler", "balls_and_bins_sizes", "BALLS_AND_BINS"]
-
 
 def balls_and_bins_sizes(dataset_size: int, steps: int, randomness: Randomness) -> np.ndarray:
     """Batch sizes of one Balls-and-Bins epoch: N balls thrown into T bins (Chua et al. 2025).

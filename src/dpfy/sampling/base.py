@@ -33,15 +33,6 @@ from dpfy.randomness import Randomness
 from dpfy.sampling.kinds import kind
 from dpfy.sampling.spec import SampleSpec, spec_event
 
-__all__ = [
-    "Sampler",
-    "BaseSampler",
-    "FixedBatchEpochSampler",
-    "pad_batch",
-    "epochs_and_steps",
-    "check_unit",
-]
-
 
 @runtime_checkable
 class Sampler(Protocol):

@@ -23,8 +23,6 @@ from dpfy.sampling.base import FixedBatchEpochSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["CyclicSampler", "CYCLIC"]
-
 
 class CyclicSampler(FixedBatchEpochSampler):
     """One permutation for the whole run, cut into batches of ``batch_size`` every epoch."""

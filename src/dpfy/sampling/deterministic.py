@@ -14,8 +14,6 @@ from dpfy.sampling.base import FixedBatchEpochSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["DeterministicSampler", "DETERMINISTIC"]
-
 
 class DeterministicSampler(FixedBatchEpochSampler):
     """Fixed order ``0..N-1`` cut into batches of B: no randomness, no amplification."""

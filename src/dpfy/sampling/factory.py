@@ -13,9 +13,6 @@ from dpfy.randomness import Randomness
 from dpfy.sampling.base import BaseSampler, Sampler, check_unit
 from dpfy.sampling.kinds import SamplerClass, column, kinds
 
-__all__ = ["SAMPLER_KINDS", "make_sampler"]
-
-
 #: Kind name -> sampler class, for every registered kind with a sampler (a live view).
 SAMPLER_KINDS: Mapping[str, SamplerClass] = column("sampler")
 

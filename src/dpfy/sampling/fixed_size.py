@@ -18,8 +18,6 @@ from dpfy.sampling.base import BaseSampler, _no_truncation
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["FixedSizeSampler", "FIXED_SIZE"]
-
 
 class FixedSizeSampler(BaseSampler):
     """``batch_size`` distinct examples drawn uniformly without replacement, independently per step.

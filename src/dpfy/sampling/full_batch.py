@@ -10,8 +10,6 @@ from dpfy import events as ev
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["FULL_BATCH"]
-
 
 def full_batch_event(spec: SampleSpec, noise_multiplier: float, count: int) -> ev.Event:
     """``count`` Gaussian releases on the whole dataset."""

@@ -26,17 +26,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from dpfy.sampling.base import Sampler
     from dpfy.sampling.spec import SampleSpec
 
-__all__ = [
-    "SamplerKind",
-    "SamplerClass",
-    "EventMap",
-    "register_kind",
-    "unregister_kind",
-    "kind",
-    "kinds",
-    "kind_names",
-    "column",
-]
 
 #: ``(spec, noise_multiplier, count) -> event``: ``count`` steps, or epochs for an epoch kind.
 EventMap = Callable[["SampleSpec", float, int], ev.Event]

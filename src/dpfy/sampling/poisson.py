@@ -17,8 +17,6 @@ from dpfy.sampling.base import BaseSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["PoissonSampler", "POISSON"]
-
 
 class PoissonSampler(BaseSampler):
     """Poisson sampling: each example joins each batch independently with ``sampling_rate``.

@@ -16,8 +16,6 @@ from dpfy.sampling.base import FixedBatchEpochSampler
 from dpfy.sampling.kinds import SamplerKind, register_kind
 from dpfy.sampling.spec import SampleSpec
 
-__all__ = ["ShuffleSampler", "SHUFFLE"]
-
 
 class ShuffleSampler(FixedBatchEpochSampler):
     """Shuffle each epoch, cut into batches of ``batch_size`` (remainder dropped by default).

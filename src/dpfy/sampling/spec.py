@@ -18,8 +18,6 @@ from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_real
 from dpfy.sampling.kinds import kind, kind_names, kinds
 
-__all__ = ["SampleSpec", "spec_event"]
-
 _POSITIVE_INTS = ("dataset_size", "batch_size", "steps_per_epoch", "max_batch_size")
 
 

@@ -4,28 +4,18 @@ The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chun
 ``release`` once per logical step); per-layer norm rules live in :mod:`dpfy.training.norms`.
 """
 
+from dpfy.training.budget import BudgetExceededError, BudgetGuard
 from dpfy.training.checkpoint import load_checkpoint, save_checkpoint
-from dpfy.training.chunk import OpenChunk
-from dpfy.training.data import PhysicalBatch, PhysicalBatcher, accumulate_logical_batch
-from dpfy.training.loader import DatasetBatcher, PrivateBatchSampler
+from dpfy.training.history import TrainResult
 from dpfy.training.private import (
     PrivateCriterion,
     PrivateLoader,
-    PrivateLoss,
     PrivateOptimizer,
     PrivateOptions,
     make_private,
 )
-from dpfy.training.step import ChunkStats, MicrobatchMode, PrivateGradient, StepStats
-from dpfy.training.trainer import (
-    BudgetExceededError,
-    BudgetGuard,
-    History,
-    PrivateTrainer,
-    ProgressInfo,
-    TrainerOptions,
-    TrainResult,
-)
+from dpfy.training.step import PrivateGradient
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 from dpfy.training.validate import (
     ModuleIssue,
     UnsupportedModuleError,
@@ -34,31 +24,23 @@ from dpfy.training.validate import (
     validate_module,
 )
 
-__all__ = ["ChunkStats", "MicrobatchMode", "OpenChunk", "PrivateGradient", "StepStats"]
-__all__ += [
-    "BudgetExceededError",
-    "BudgetGuard",
-    "DatasetBatcher",
-    "History",
-    "ModuleIssue",
-    "PhysicalBatch",
-    "PhysicalBatcher",
-    "PrivateBatchSampler",
-    "PrivateCriterion",
-    "PrivateLoader",
-    "PrivateLoss",
-    "PrivateOptimizer",
-    "PrivateOptions",
-    "PrivateTrainer",
-    "ProgressInfo",
-    "TrainResult",
-    "TrainerOptions",
-    "UnsupportedModuleError",
-    "accumulate_logical_batch",
-    "check_module",
-    "fix_module",
-    "load_checkpoint",
+__all__ = [
     "make_private",
-    "save_checkpoint",
+    "PrivateOptions",
+    "PrivateLoader",
+    "PrivateOptimizer",
+    "PrivateCriterion",
+    "PrivateGradient",
+    "PrivateTrainer",
+    "TrainerOptions",
+    "TrainResult",
+    "BudgetGuard",
+    "BudgetExceededError",
+    "check_module",
     "validate_module",
+    "fix_module",
+    "UnsupportedModuleError",
+    "ModuleIssue",
+    "save_checkpoint",
+    "load_checkpoint",
 ]

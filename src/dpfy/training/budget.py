@@ -21,8 +21,6 @@ from dpfy._validate import check_range
 from dpfy.accounting.roots import largest_true
 from dpfy.ledger import Ledger
 
-__all__ = ["BudgetExceededError", "BudgetGuard", "spent", "statement"]
-
 
 class BudgetExceededError(RuntimeError):
     """A step was refused because the ledger's epsilon would pass the target."""

@@ -40,17 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dpfy.ledger import Ledger, record_from_dict
-
-__all__ = [
-    "CheckpointMismatchError",
-    "check_randomness_modes",
-    "ledger_state",
-    "load_checkpoint",
-    "randomness_mode",
-    "restore_ledger",
-    "save_checkpoint",
-]
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import record_from_dict
 
 FORMAT = "dpfy-checkpoint"
 VERSION = 2

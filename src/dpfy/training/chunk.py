@@ -19,8 +19,6 @@ from dpfy.training.precision import check_loss_scale
 if TYPE_CHECKING:
     from dpfy.training.step import ChunkStats, PrivateGradient
 
-__all__ = ["OpenChunk"]
-
 
 class OpenChunk:
     """One physical chunk whose forward pass the caller runs (see ``PrivateGradient.open_chunk``).

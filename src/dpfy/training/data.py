@@ -26,8 +26,6 @@ import torch
 
 from dpfy._validate import check_int
 
-__all__ = ["Batcher", "PhysicalBatch", "PhysicalBatcher", "accumulate_logical_batch"]
-
 
 @dataclasses.dataclass(frozen=True)
 class PhysicalBatch:

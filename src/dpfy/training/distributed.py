@@ -66,19 +66,6 @@ if TYPE_CHECKING:
     from dpfy.sampling import Sampler, SampleSpec
     from dpfy.training.data import Batcher, PhysicalBatch
 
-__all__ = [
-    "DEFAULT_TIMEOUT",
-    "START_TIMEOUT",
-    "GradientReducer",
-    "Distributed",
-    "DistributedError",
-    "SharedSampler",
-    "ShardBatcher",
-    "init_process_group",
-    "from_env",
-    "per_process_batch",
-    "unwrap",
-]
 
 #: Default collective timeout in seconds: long enough for rank 0's end-of-epoch evaluation
 #: while the others wait for the next batch, short enough that a dead rank is noticed at once.

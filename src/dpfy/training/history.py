@@ -13,10 +13,6 @@ from torch import nn
 
 from dpfy.ledger import Ledger
 
-__all__ = ["EpochRecord", "History", "ProgressInfo", "StepRecord", "TrainResult"]
-
-
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepRecord:

@@ -35,8 +35,6 @@ from dpfy.training.distributed import (
     init_process_group,
 )
 
-__all__ = ["WorkerExit", "free_port", "run_local", "spawn_workers"]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WorkerExit:

@@ -36,17 +36,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from dpfy._validate import check_range
 from dpfy.training.data import PhysicalBatch
 
-__all__ = [
-    "REFUSAL",
-    "ChunkInfo",
-    "DatasetBatcher",
-    "PrivateBatchSampler",
-    "check_dataset",
-    "check_sampler",
-    "chunk_rows",
-    "split_batch",
-]
-
 #: Why dpfy builds the loader itself (part of every refusal of a foreign data pipeline).
 REFUSAL = "the sampler decides the accounting: pass the dataset, dpfy builds the loader"
 

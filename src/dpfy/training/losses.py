@@ -25,8 +25,6 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_lm_loss", "token_classification_loss", "sequence_classification_loss"]
-
 Reduction = Literal["mean", "sum"]
 
 

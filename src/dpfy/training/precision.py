@@ -37,21 +37,6 @@ from torch.utils._pytree import tree_map
 
 from dpfy.training.norms.registry import Capture
 
-__all__ = [
-    "Precision",
-    "PRECISIONS",
-    "LOW_PRECISION",
-    "DEFAULT_FP16_LOSS_SCALE",
-    "autocast_dtype",
-    "check_precision",
-    "check_loss_scale",
-    "check_master_weights",
-    "autocast_off",
-    "precision_autocast",
-    "upcast_captures",
-    "work_dtype",
-]
-
 #: Precision of the forward and backward pass (the DP arithmetic is fp32 in all three).
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")

@@ -69,16 +69,6 @@ from dpfy.training.precision import (
 from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
 
-__all__ = [
-    "PrivateLoader",
-    "PrivateLoss",
-    "PrivateCriterion",
-    "PrivateOptimizer",
-    "PrivateOptions",
-    "calibrate_to_budget",
-    "make_private",
-]
-
 OnBudget = Literal["stop", "raise"]
 
 
@@ -592,8 +582,8 @@ def make_private(
       TypeError, ValueError: a bad argument, named in the message.
       dpfy.training.validate.UnsupportedModuleError: layers that are not private.
     """
-    from dpfy.sampling import kind as sampler_kind
     from dpfy.sampling import make_sampler
+    from dpfy.sampling.kinds import kind as sampler_kind
 
     o = PrivateOptions() if options is None else options
     max_physical_batch_size, max_batch_size = o.max_physical_batch_size, o.max_batch_size

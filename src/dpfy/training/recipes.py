@@ -31,26 +31,19 @@ from dpfy import datasets
 from dpfy.config import RunConfig
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
-from dpfy.ledger import Ledger, SampleSpec
+from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
-from dpfy.sampling import kind as sampler_kind
-from dpfy.sampling import kind_names, make_sampler
+from dpfy.sampling import make_sampler
+from dpfy.sampling.kinds import kind as sampler_kind
+from dpfy.sampling.kinds import kind_names
+from dpfy.sampling.spec import SampleSpec
 from dpfy.training import users
 from dpfy.training.distributed import Distributed, per_process_batch
+from dpfy.training.history import History, ProgressInfo
 from dpfy.training.launch import run_local
 from dpfy.training.precision import check_precision
 from dpfy.training.sharded import full_state_dict, shard_model
-from dpfy.training.trainer import History, PrivateTrainer, ProgressInfo, TrainerOptions
-
-__all__ = [
-    "ImageRecipe",
-    "MODELS",
-    "RunHooks",
-    "TrainResultSummary",
-    "make_model",
-    "run_randomness",
-    "train_image_classifier",
-]
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 
 def _tanh_cnn() -> nn.Module:

@@ -64,16 +64,6 @@ if TYPE_CHECKING:
     from dpfy.randomness import Randomness
     from dpfy.training.norms.capture import ModulePlan
 
-__all__ = [
-    "ShardReducer",
-    "ShardedRelease",
-    "full_state_dict",
-    "is_sharded",
-    "rank_randomness",
-    "shard_model",
-    "shard_rows",
-]
-
 
 class ShardReducer(Protocol):
     """What the sharded release needs from the run (implemented by ``Distributed``)."""

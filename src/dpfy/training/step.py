@@ -130,12 +130,6 @@ if TYPE_CHECKING:
     from dpfy.randomness import Randomness
     from dpfy.training.chunk import OpenChunk
 
-__all__ = [
-    "PrivateGradient",
-    "ChunkStats",
-    "StepStats",
-    "MicrobatchMode",
-]
 
 MicrobatchMode = Literal["examples", "average", "sum"]
 #: When :class:`PrivateGradient` checks that every parameter's per-example gradients were

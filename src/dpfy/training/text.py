@@ -66,35 +66,19 @@ from dpfy import datasets
 from dpfy._validate import check_int, check_range
 from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
-from dpfy.sampling import kind as sampler_kind
 from dpfy.sampling import make_sampler
+from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.training import users
 from dpfy.training.budget import spent
+from dpfy.training.history import ProgressInfo
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
 from dpfy.training.recipes import RunHooks, TrainResultSummary, run_randomness
-from dpfy.training.trainer import PrivateTrainer, ProgressInfo, TrainerOptions
+from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = [
-    "LORA_TARGETS",
-    "TEXT_DATASETS",
-    "TEXT_DEFAULTS",
-    "TEXT_MODELS",
-    "TEXT_UNITS",
-    "TokenDataset",
-    "collate_trimmed",
-    "evaluate_text",
-    "make_text_model",
-    "text_optimizer",
-    "tokenize",
-    "TextRecipe",
-    "train_text_classifier",
-    "trim_padding",
-    "truncated_fraction",
-]
 
 #: Text datasets of :func:`train_text_classifier`.
 TEXT_DATASETS = ("rotten-tomatoes",)

@@ -48,10 +48,9 @@ from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
-from dpfy.training.budget import (  # noqa: F401  (_compose: re-exported for tests)
+from dpfy.training.budget import (
     BudgetExceededError,
     BudgetGuard,
-    _compose,
     spent,
     statement,
 )
@@ -77,17 +76,6 @@ if TYPE_CHECKING:
     from dpfy.queries import Query
     from dpfy.sampling import Sampler
 
-__all__ = [
-    "BudgetExceededError",
-    "BudgetGuard",
-    "EpochRecord",
-    "History",
-    "PrivateTrainer",
-    "ProgressInfo",
-    "StepRecord",
-    "TrainResult",
-    "TrainerOptions",
-]
 
 OnBudget = Literal["stop", "raise"]
 _T = TypeVar("_T")

@@ -42,24 +42,11 @@ import torch
 
 from dpfy._validate import check_int
 from dpfy.randomness import Randomness
-from dpfy.sampling import check_unit
+from dpfy.sampling.base import check_unit
 from dpfy.training.data import PhysicalBatch
 from dpfy.training.loader import _fetch, _to, chunk_rows, split_batch
 from dpfy.training.step import PrivateGradient
 from dpfy.training.trainer import PrivateTrainer
-
-__all__ = [
-    "REDUCTIONS",
-    "UserBatcher",
-    "UserLayout",
-    "UserLevelTrainer",
-    "UserReduction",
-    "check_user_ids",
-    "group_by_user",
-    "synthetic_user_ids",
-    "unit_description",
-    "user_level_options",
-]
 
 UserReduction = Literal["sum", "mean"]
 #: How a user's per-example gradients become the one vector that is clipped.

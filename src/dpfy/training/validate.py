@@ -31,20 +31,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = [
-    "FAST_NORM_LAYERS",
-    "Finding",
-    "ModuleCheck",
-    "ModuleIssue",
-    "Severity",
-    "UnsupportedModuleError",
-    "check_module",
-    "fix_module",
-    "module_checks_for",
-    "register_module_check",
-    "validate_module",
-]
-
 #: Layer types with a fast (ghost / book-keeping) per-example norm rule, used when the
 #: norm-rule registry of :mod:`dpfy.training.norms` cannot be imported.
 FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (

@@ -8,42 +8,10 @@
   (with :mod:`.empirical`), :mod:`.conditional` (with :mod:`.sum_tails`), :mod:`.tilted`,
   :mod:`.hybrid`; :mod:`.methods` chooses and builds one.
 * :mod:`.runner` -- seeding, chunking, executor and progress bar.
-* :mod:`.accountant` -- :class:`MonteCarloAccountant` (registered as ``monte_carlo``) and the
-  public functions.
+* :mod:`.accountant` -- :class:`MonteCarloAccountant` (registered as ``monte_carlo``) and its
+  functions.
+
+None of it is public API: use ``dpfy.accounting.epsilon(event, method="monte_carlo")``.
 """
 
-from dpfy.accounting.monte_carlo.accountant import (
-    NO_AMPLIFICATION_NOTE,
-    MonteCarloAccountant,
-    MonteCarloEstimate,
-    balls_and_bins_delta,
-    balls_and_bins_epsilon,
-    monte_carlo_delta,
-    monte_carlo_epsilon,
-)
-from dpfy.accounting.monte_carlo.base import LossEstimator
-from dpfy.accounting.monte_carlo.confidence import kl_upper_bound
-from dpfy.accounting.monte_carlo.epochs import Epoch, epochs_of_event
-from dpfy.accounting.monte_carlo.lower_bound import lower_bound_delta, lower_bound_epsilon
-from dpfy.accounting.monte_carlo.methods import Method, default_samples
-from dpfy.accounting.monte_carlo.order_statistics import block_log_sums, default_orders
-
-__all__ = [
-    "NO_AMPLIFICATION_NOTE",
-    "Epoch",
-    "LossEstimator",
-    "Method",
-    "MonteCarloAccountant",
-    "MonteCarloEstimate",
-    "balls_and_bins_delta",
-    "balls_and_bins_epsilon",
-    "block_log_sums",
-    "default_orders",
-    "default_samples",
-    "epochs_of_event",
-    "kl_upper_bound",
-    "lower_bound_delta",
-    "lower_bound_epsilon",
-    "monte_carlo_delta",
-    "monte_carlo_epsilon",
-]
+from dpfy.accounting.monte_carlo import accountant  # noqa: F401  (registers 'monte_carlo')

@@ -51,16 +51,6 @@ from dpfy.accounting.monte_carlo.methods import (
     smallest_epsilon,
 )
 
-__all__ = [
-    "NO_AMPLIFICATION_NOTE",
-    "MonteCarloAccountant",
-    "MonteCarloEstimate",
-    "balls_and_bins_delta",
-    "balls_and_bins_epsilon",
-    "monte_carlo_delta",
-    "monte_carlo_epsilon",
-]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MonteCarloEstimate:

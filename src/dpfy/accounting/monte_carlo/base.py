@@ -19,20 +19,6 @@ import numpy.typing as npt
 
 from dpfy.accounting.monte_carlo.epochs import Epoch
 
-__all__ = [
-    "DIRECTIONS",
-    "AnyFloatArray",
-    "Direction",
-    "FloatArray",
-    "IntArray",
-    "Job",
-    "JobResult",
-    "LossEstimator",
-    "LossSamples",
-    "Sampler",
-    "SumHistograms",
-]
-
 FloatArray = npt.NDArray[np.float64]
 AnyFloatArray = npt.NDArray[np.floating[Any]]  # float32 or float64 draws
 IntArray = npt.NDArray[np.int64]

@@ -47,15 +47,6 @@ from dpfy.accounting.monte_carlo.normals import (
 )
 from dpfy.accounting.monte_carlo.sum_tails import GL64, SumTails, gauss_legendre
 
-__all__ = [
-    "BIG_FRACTION",
-    "ConditionalLosses",
-    "psi_add",
-    "psi_remove",
-    "sample_conditional",
-    "split_level",
-]
-
 HIST_BINS = 1 << 17
 
 def psi_remove(s: FloatArray, z: float, steps: int, epsilon: float) -> FloatArray:
@@ -334,7 +325,6 @@ class ConditionalLosses:
 
     def top(self) -> float:
         return math.inf
-
 
 
 def sample_conditional(job: Job, rng: np.random.Generator) -> SumHistograms:

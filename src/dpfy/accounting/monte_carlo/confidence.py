@@ -14,8 +14,6 @@ from dpfy._validate import check_int, check_range
 from dpfy.accounting import roots
 from dpfy.accounting.monte_carlo.base import FloatArray
 
-__all__ = ["kl_upper_bound"]
-
 
 def _bernoulli_kl(p: FloatArray, q: FloatArray) -> FloatArray:
     """kl(p || q) of Bernoulli laws, elementwise (0 log 0 = 0)."""

@@ -23,8 +23,6 @@ from dpfy.accounting.monte_carlo.base import (
 from dpfy.accounting.monte_carlo.confidence import kl_upper_bound
 from dpfy.accounting.monte_carlo.epochs import Epoch
 
-__all__ = ["EmpiricalLosses", "summed_losses"]
-
 EpochLosses = Callable[[int, Epoch], tuple[FloatArray, FloatArray]]
 """(epoch index, epoch) -> (remove, add) loss samples of that epoch, n each."""
 

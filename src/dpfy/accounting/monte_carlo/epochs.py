@@ -15,8 +15,6 @@ from dpfy import events as ev
 from dpfy._validate import check_int, check_range
 from dpfy.accounting._api import first_unsupported
 
-__all__ = ["Epoch", "epochs_of_event", "group_epochs", "unsupported"]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Epoch:

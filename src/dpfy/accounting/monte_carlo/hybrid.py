@@ -11,8 +11,6 @@ from dpfy.accounting.monte_carlo.base import Direction, DirectionPair
 from dpfy.accounting.monte_carlo.conditional import ConditionalLosses
 from dpfy.accounting.monte_carlo.tilted import TiltedLosses
 
-__all__ = ["HybridLosses"]
-
 
 class HybridLosses:
     """One epoch: remove direction from the tilted sampler, add direction from the conditional.

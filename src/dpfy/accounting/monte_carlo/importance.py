@@ -22,8 +22,6 @@ from dpfy.accounting.monte_carlo.normals import (
     truncated_normals_below,
 )
 
-__all__ = ["event_probabilities", "importance_add", "importance_remove", "sample_importance"]
-
 
 def event_probabilities(z: float, steps: int, eps0: float) -> tuple[float, float]:
     """(P(E_remove), P(E_add)) of one epoch at threshold eps0 (exact)."""

@@ -16,8 +16,6 @@ from dpfy.accounting.lower_bounds import (
 )
 from dpfy.accounting.monte_carlo.epochs import Epoch, group_epochs
 
-__all__ = ["lower_bound_delta", "lower_bound_epsilon"]
-
 
 def lower_bound_delta(epochs: Sequence[Epoch], epsilon: float, *, grid: int = 513) -> float:
     """A certain lower bound on the Balls-and-Bins delta(epsilon) (both directions).

@@ -26,15 +26,6 @@ from dpfy.accounting.monte_carlo.lower_bound import lower_bound_delta
 from dpfy.accounting.monte_carlo.runner import sample_losses
 from dpfy.accounting.monte_carlo.tilted import TiltedLosses, choose_tilt_order
 
-__all__ = [
-    "METHODS",
-    "Method",
-    "build_estimator",
-    "choose_mode",
-    "default_samples",
-    "smallest_epsilon",
-]
-
 Method = Literal["auto", "plain", "importance", "order_statistics", "conditional", "tilted"]
 METHODS: tuple[Method, ...] = (
     "auto", "plain", "importance", "order_statistics", "conditional", "tilted"

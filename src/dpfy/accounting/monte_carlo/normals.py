@@ -10,8 +10,6 @@ from scipy import special
 
 from dpfy.accounting.monte_carlo.base import AnyFloatArray, FloatArray
 
-__all__ = ["log_cdf", "log_sum_exp_rows", "truncated_normals_below"]
-
 
 def log_cdf(x: Any) -> Any:
     """log Phi(x), the standard normal log CDF (accurate far in the left tail)."""

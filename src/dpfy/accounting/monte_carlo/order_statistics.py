@@ -21,8 +21,6 @@ from dpfy.accounting.monte_carlo.epochs import Epoch
 from dpfy.accounting.monte_carlo.normals import log_sum_exp_rows
 from dpfy.accounting.monte_carlo.plain import plain_losses
 
-__all__ = ["block_log_sums", "default_orders", "order_statistic_losses", "sample_order_statistics"]
-
 
 def default_orders(n: int, *, dense: int = 256, ratio: float = 1.005) -> IntArray:
     """Order-statistic indices 1 = k_1 < ... < k_m = n: dense at the top, then geometric."""

@@ -17,8 +17,6 @@ from dpfy.accounting.monte_carlo.empirical import summed_losses
 from dpfy.accounting.monte_carlo.epochs import Epoch
 from dpfy.accounting.monte_carlo.normals import log_sum_exp_rows
 
-__all__ = ["plain_losses", "sample_plain"]
-
 
 def plain_losses(
     z: float, steps: int, n: int, rng: np.random.Generator, chunk: int

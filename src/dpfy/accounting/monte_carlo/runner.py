@@ -29,7 +29,6 @@ from dpfy.accounting.monte_carlo.tilted import sample_tilted
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
-__all__ = ["SAMPLERS", "execute", "run_job", "sample_losses"]
 
 SAMPLERS: Mapping[str, Sampler] = {
     "plain": sample_plain,

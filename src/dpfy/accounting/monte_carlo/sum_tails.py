@@ -15,8 +15,6 @@ from scipy import special
 
 from dpfy.accounting.monte_carlo.base import FloatArray
 
-__all__ = ["GL64", "GL400", "SumTails", "gauss_legendre"]
-
 QuadratureRule = tuple[FloatArray, FloatArray]
 
 GL64: QuadratureRule = np.polynomial.legendre.leggauss(64)

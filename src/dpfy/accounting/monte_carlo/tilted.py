@@ -39,15 +39,6 @@ from dpfy.accounting.monte_carlo.base import (
 from dpfy.accounting.monte_carlo.confidence import kl_upper_bound
 from dpfy.accounting.monte_carlo.epochs import Epoch, group_epochs
 
-__all__ = [
-    "ADD_LAMBDAS",
-    "TiltedLosses",
-    "add_log_mgf",
-    "choose_tilt_order",
-    "sample_tilted",
-    "tilted_losses",
-]
-
 MAX_TILT_ORDER = 24
 
 

@@ -27,47 +27,24 @@ from dpfy.training.norms import (  # noqa: F401 (register)
     normalization,
     recurrent,
 )
-from dpfy.training.norms.capture import (
-    LayerCapture,
-    capture_layers,
-    plan_modules,
-    shared_parameters,
-)
-from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.linear import LinearForm, choose_mode
+from dpfy.training.norms.linear import LinearForm
 from dpfy.training.norms.registry import (
-    Capture,
     LayerGrads,
     MaterializedGrads,
     NormRule,
-    cross_term,
-    norm_rule_for,
-    register_cross_term,
+    Recomputed,
+    fold_rows,
     register_norm_rule,
-    register_norm_rule_by_name,
-    register_unsupported,
-    registered_names,
-    registered_types,
+    tensor_sum,
 )
 
 __all__ = [
-    "Capture",
-    "LayerCapture",
+    "register_norm_rule",
+    "NormRule",
     "LayerGrads",
     "LinearForm",
     "MaterializedGrads",
-    "NormRule",
-    "capture_layers",
-    "choose_mode",
-    "cross_term",
-    "fallback_rule",
-    "norm_rule_for",
-    "plan_modules",
-    "register_cross_term",
-    "register_norm_rule",
-    "register_norm_rule_by_name",
-    "register_unsupported",
-    "registered_names",
-    "registered_types",
-    "shared_parameters",
+    "Recomputed",
+    "fold_rows",
+    "tensor_sum",
 ]

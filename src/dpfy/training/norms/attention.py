@@ -52,8 +52,6 @@ from dpfy.training.norms.registry import (
     tensor_sum,
 )
 
-__all__ = ["AttentionCall", "ProjectionBlock", "attention_rule", "recompute_attention"]
-
 
 class ProjectionBlock(NamedTuple):
     """One linear map of the in-projection and where its parameters lie.

@@ -33,16 +33,6 @@ from dpfy.training.norms.registry import (
     unsupported_reason,
 )
 
-__all__ = [
-    "Fallback",
-    "ModulePlan",
-    "LayerCapture",
-    "plan_modules",
-    "reported_names",
-    "shared_parameters",
-    "capture_layers",
-]
-
 #: A forward hook registered with ``with_kwargs=True``: (module, args, kwargs, output).
 _ForwardHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], Any]
 

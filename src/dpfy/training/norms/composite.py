@@ -19,8 +19,6 @@ import torch
 
 from dpfy.training.norms.registry import LayerGrads, OverwritingGrads, overwrites
 
-__all__ = ["CompositeGrads", "Slot"]
-
 #: Where a part's parameter lands: ``(module-local parameter name, rows)`` with ``rows`` a
 #: slice of the parameter's first dimension, or ``None`` for the whole parameter.
 Slot = tuple[str, slice | None]

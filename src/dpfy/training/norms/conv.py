@@ -33,8 +33,6 @@ from dpfy.training.norms.registry import (
     tensor_sum,
 )
 
-__all__ = ["conv_rule", "unfold_conv_input", "per_example_conv_grads", "GROUPED_MIN_CHANNELS"]
-
 
 def _explicit_padding(module: nn.Conv1d | nn.Conv2d) -> list[int]:
     """Padding as F.pad's list (last dim first: left, right, top, bottom)."""

@@ -29,15 +29,6 @@ from dpfy.training.norms.capture import ModulePlan, reported_names, watch_plans
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads
 
-__all__ = [
-    "CoverageError",
-    "CoverageGuard",
-    "TOLERANCE",
-    "coverage_problems",
-    "measure",
-    "recorded_sums",
-]
-
 #: Relative tolerance ``||recorded - batch|| / ||batch||`` per parameter, by working dtype.
 TOLERANCE: dict[torch.dtype, float] = {
     torch.float64: 1e-8,

@@ -17,8 +17,6 @@ from torch import nn
 from dpfy.training.norms.linear import LinearForm
 from dpfy.training.norms.registry import Capture, register_cross_term, register_norm_rule
 
-__all__ = ["EmbeddingGrads", "embedding_rule"]
-
 
 class EmbeddingGrads:
     """LayerGrads of an embedding table from indices [N, T] and output gradients [N, T, d]."""

@@ -36,8 +36,6 @@ from torch import nn
 
 from dpfy.training.norms.registry import Capture, Recomputed, register_norm_rule
 
-__all__ = ["BagGrads", "BagMaxGrads", "embedding_bag_rule", "recompute_embedding_bag"]
-
 #: Most elements of the temporary [entries, d] tensor that one ``index_add`` of
 #: :meth:`BagGrads.weighted_sum` builds (larger inputs are added in chunks).
 CHUNK_ELEMENTS = 1 << 24

@@ -20,8 +20,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows, tensor_sum
 
-__all__ = ["fallback_rule"]
-
 
 def fallback_rule(
     module: nn.Module,

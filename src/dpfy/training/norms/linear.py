@@ -32,14 +32,6 @@ from dpfy.training.norms.registry import (
     register_norm_rule_by_name,
 )
 
-__all__ = [
-    "LinearForm",
-    "linear_rule",
-    "conv1d_transposed_rule",
-    "fold_linear_form",
-    "MATERIALIZE_BYTES_LIMIT",
-]
-
 #: How a layer's per-example weight-gradient norms are computed (see the module docstring).
 Mode = Literal["ghost", "materialize"]
 

@@ -21,8 +21,6 @@ from dpfy.training.norms.registry import (
     tensor_sum,
 )
 
-__all__ = ["layer_norm_rule", "group_norm_rule", "rms_norm_rule", "hf_rms_norm_rule"]
-
 
 def _affine_grads(
     module: nn.Module,

@@ -54,12 +54,6 @@ from dpfy.training.norms.registry import (
     register_norm_rule,
 )
 
-__all__ = [
-    "recompute_recurrent",
-    "recompute_cell",
-    "recurrent_rule",
-]
-
 #: The recurrence of a layer: RNN with tanh or ReLU, LSTM, GRU.
 Kind = Literal["tanh", "relu", "lstm", "gru"]
 

@@ -15,8 +15,6 @@ from torch.utils._pytree import tree_map
 
 from dpfy.training.norms.registry import tensor_sum
 
-__all__ = ["per_example_gradients", "clipped_sum_reference"]
-
 
 def per_example_gradients(
     model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]

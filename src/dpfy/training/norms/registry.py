@@ -22,32 +22,6 @@ from typing import Any, Protocol, TypeVar, cast
 import torch
 from torch import nn
 
-__all__ = [
-    "Capture",
-    "Recompute",
-    "Recomputed",
-    "recompute_for",
-    "covers_subtree",
-    "CrossTerm",
-    "cross_term",
-    "register_cross_term",
-    "register_unsupported",
-    "unsupported_reason",
-    "LayerGrads",
-    "MaterializedGrads",
-    "NormRule",
-    "OverwritingGrads",
-    "overwrites",
-    "RuleFor",
-    "register_norm_rule",
-    "register_norm_rule_by_name",
-    "registered_names",
-    "norm_rule_for",
-    "registered_types",
-    "fold_rows",
-    "tensor_sum",
-]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Capture:
