@@ -628,12 +628,23 @@ def make_private(
             f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
         )
     check_master_weights((n, p) for n, p in model.named_parameters() if p.requires_grad)
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in trainable]
+    # Frozen parameters of the model may sit in the optimizer (it skips them: no release
+    # gives them a gradient), unless they hold a gradient from before, which every step
+    # would apply again.
+    own = {id(p): p.requires_grad for p in model.parameters()}
+    updated = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in updated if id(p) not in own]
     if foreign:
         raise ValueError(
-            f"optimizer must update trainable parameters of model only, got {len(foreign)} "
-            "other parameter(s) (their gradients would not be private)"
+            f"optimizer must update parameters of model only, got {len(foreign)} other "
+            "parameter(s) (their gradients would not be private)"
+        )
+    stale = [p for p in updated if not own[id(p)] and p.grad is not None]
+    if stale:
+        raise ValueError(
+            f"optimizer must hold no gradient on frozen parameters, got {len(stale)} frozen "
+            "parameter(s) with a gradient from before (every step would apply it again); call "
+            "optimizer.zero_grad(set_to_none=True) first"
         )
     check_dataset(data, "data")
     if randomness is not None and not isinstance(randomness, Randomness):
