@@ -135,3 +135,16 @@ def test_calibration_still_needs_its_budget_and_plan():
         dpfy.make_private(model, opt, data, **{**KW, "target_epsilon": None})
     with pytest.raises(ValueError, match="epochs must be given"):
         dpfy.make_private(model, opt, data, **{**KW, "epochs": None})
+
+
+def test_frozen_parameters_may_sit_in_the_optimizer_as_in_a_fine_tuning_script():
+    data, model, _ = _setup()
+    model[0].weight.requires_grad_(False)  # frozen, but the script passes model.parameters()
+    frozen = model[0].weight.detach().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    private = dpfy.make_private(model, opt, data, randomness=Randomness(0), **KW)
+    _epoch(private)
+    assert torch.equal(model[0].weight, frozen) and model[0].weight.grad is None
+    model[0].weight.grad = torch.ones_like(frozen)  # a gradient from before the private run
+    with pytest.raises(ValueError, match="no gradient on frozen parameters"):
+        dpfy.make_private(model, torch.optim.SGD(model.parameters(), lr=0.1), data, **KW)
