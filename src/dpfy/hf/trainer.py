@@ -34,12 +34,12 @@ Same arguments as ``Trainer`` plus the privacy ones; ``train()`` then runs DP-SG
   ``trainer.epsilon()`` and ``trainer.ledger`` read the ledger.
 
 Refused at construction, before any ledger exists (each breaks or would silently change the
-guarantee): an ``IterableDataset`` or no ``train_dataset``; ``group_by_length``, a
-non-random ``train_sampling_strategy`` or an overridden ``_get_train_sampler`` (dpfy's sampler
-decides the batches, so only it can state their privacy event); several processes or GPUs
-(``world_size > 1``, ``n_gpu > 1``, DeepSpeed, FSDP: not implemented); ``fp16=True`` (the
-Trainer's dynamic GradScaler would unscale the released gradient and skip steps on a
-non-private overflow bit; ``precision="fp16"`` uses dpfy's fixed loss scale instead;
+guarantee): an ``IterableDataset`` or no ``train_dataset``; a ``train_sampling_strategy``
+other than ``"random"`` (``"group_by_length"``, ...) or an overridden ``_get_train_sampler``
+(dpfy's sampler decides the batches, so only it can state their privacy event); several
+processes or GPUs (``world_size > 1``, ``n_gpu > 1``, DeepSpeed, FSDP: not implemented);
+``fp16=True`` (the Trainer's dynamic GradScaler would unscale the released gradient and skip
+steps on a non-private overflow bit; ``precision="fp16"`` uses dpfy's fixed loss scale instead;
 ``bf16=True`` is honoured: bf16 autocast, fp32 clipping and noise,
 :mod:`dpfy.training.precision`); *reentrant* gradient checkpointing (its segments run without
 autograd in the forward, so their per-example gradients cannot be recorded; the
@@ -528,7 +528,6 @@ class DPTrainer(DPTrainingMixin, Trainer):
 def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]) -> None:
     """Refuse settings that break or silently change the guarantee (module docstring)."""
     checks = [
-        (getattr(args, "group_by_length", False), "group_by_length=True (batches by length)"),
         (getattr(args, "train_sampling_strategy", "random") not in ("random",),
          f"train_sampling_strategy={getattr(args, 'train_sampling_strategy', None)!r}"),
         (cls._get_train_sampler is not Trainer._get_train_sampler,  # type: ignore[attr-defined]
