@@ -395,8 +395,10 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     "model": (
         Annotated[
         str | None,
-        typer.Option("--model", help="Text datasets only: the pretrained model {minilm} "
-                     "(default minilm)."),
+        typer.Option("--model", help="Images: {tanh-cnn, gn-cnn, scatternet-linear, "
+                     "scatternet-cnn} (default tanh-cnn; scatternet-*: a linear model or small "
+                     "CNN on ScatterNet features, Tramer & Boneh 2021). Text: the pretrained "
+                     "model {minilm} (default minilm)."),
     ],
         None,
     ),

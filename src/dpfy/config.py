@@ -62,13 +62,17 @@ class RunConfig:
       train_limit, test_limit: use only the first this many training / test examples.
       threads: torch threads, in [1, cpu count].
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward pass.
-      model, lora, max_length: text datasets only: the pretrained model (``"minilm"``), LoRA
-        instead of full fine-tuning, tokens per example in [2, 512].
+      model: the model: text datasets, the pretrained model (``"minilm"``); images, one of
+        ``dpfy.training.recipes.IMAGE_MODELS`` (``"tanh-cnn"`` by default; ``"scatternet-linear"``
+        and ``"scatternet-cnn"`` train on ScatterNet features, Tramer & Boneh 2021).
+      lora, max_length: text datasets only: LoRA instead of full fine-tuning, tokens per
+        example in [2, 512].
       unit: the unit of privacy: ``"example"``; ``"user"`` (images, with ``users`` synthetic
         users) or ``"movie"`` (rotten-tomatoes); ``cap`` bounds the examples used per user and
         ``user_reduction`` (``"sum"`` or ``"mean"``) how a user's gradients are combined.
       workers, shard: image datasets only: data-parallel processes on this machine, and FSDP2
-        sharding over them (``workers >= 2``).
+        sharding over them (``workers >= 2``, or the processes of a ``torchrun`` launch, which
+        ``dpfy train`` detects: :func:`dpfy.runs.torchrun_rank`; ``workers`` is then 1).
       mechanism: one of :data:`MECHANISMS` (correlated noise: image datasets).
       audit_canaries, audit_guesses, audit_confidence: the one-run audit (image datasets, one
         process, example level, DP-SGD).
@@ -106,19 +110,20 @@ class RunConfig:
         if self.out is not None and not isinstance(self.out, str):  # a path: kept as text
             object.__setattr__(self, "out", os.fspath(self.out))
         from dpfy.datasets import DATASETS
+        from dpfy.training.recipes import IMAGE_MODELS
         from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS
 
         if self.dataset not in (*DATASETS, *TEXT_DATASETS):
             allowed = ", ".join((*DATASETS, *TEXT_DATASETS))
             raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={self.dataset!r}")
         text = self.text
-        if self.model is not None and self.model not in TEXT_MODELS:
+        models, kind = (TEXT_MODELS, "a text dataset's") if text else (IMAGE_MODELS, "an image")
+        if self.model is not None and self.model not in models:
             raise ValueError(
-                f"model must be one of {{{', '.join(TEXT_MODELS)}}} (a text dataset's "
-                f"pretrained model), got model={self.model!r}"
+                f"model must be one of {{{', '.join(models)}}} ({kind} model), "
+                f"got model={self.model!r}"
             )
-        for name, given in (("model", self.model is not None), ("lora", self.lora),
-                            ("max_length", self.max_length is not None)):
+        for name, given in (("lora", self.lora), ("max_length", self.max_length is not None)):
             if given and not text:
                 raise ValueError(
                     f"{name} applies only to the text datasets "

@@ -76,7 +76,48 @@ def _gn_cnn() -> nn.Module:
     )
 
 
-MODELS = {"tanh_cnn": _tanh_cnn, "gn_cnn": _gn_cnn}
+def _scatternet_linear() -> nn.Module:
+    # Tramer & Boneh (2021): a linear model on ScatterNet features normalised per example
+    # (GroupNorm without parameters: no statistics of the private data, nothing to account).
+    from dpfy.features.scatternet import scattering_channels
+
+    channels, side = scattering_channels(), 7
+    return nn.Sequential(
+        nn.GroupNorm(27, channels, affine=False),
+        nn.Flatten(),
+        nn.Linear(channels * side * side, 10),
+    )
+
+
+def _scatternet_cnn() -> nn.Module:
+    # A small CNN on the 81 x 7 x 7 ScatterNet features (Tramer & Boneh 2021, section 3.1).
+    from dpfy.features.scatternet import scattering_channels
+
+    channels = scattering_channels()
+    return nn.Sequential(
+        nn.GroupNorm(27, channels, affine=False),
+        nn.Conv2d(channels, 64, 3, padding=1),
+        nn.GroupNorm(8, 64),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.GroupNorm(8, 64),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(64 * 3 * 3, 10),
+    )
+
+
+MODELS = {
+    "tanh_cnn": _tanh_cnn,
+    "gn_cnn": _gn_cnn,
+    "scatternet_linear": _scatternet_linear,
+    "scatternet_cnn": _scatternet_cnn,
+}
+#: Models trained on ScatterNet features of the images (:mod:`dpfy.features.scatternet`).
+SCATTERNET_MODELS = ("scatternet_linear", "scatternet_cnn")
+#: The models as ``dpfy train --model`` names them.
+IMAGE_MODELS = tuple(name.replace("_", "-") for name in MODELS)
 
 
 def make_model(name: str = "tanh_cnn") -> nn.Module:
@@ -142,7 +183,8 @@ class ImageRecipe:
       epochs, batch_size, learning_rate, clip_norm: used where the RunConfig leaves them None
         (expected batch size; SGD step size; per-example clip norm C).
       momentum: SGD momentum (post-processing of the noisy gradient).
-      model: ``"tanh_cnn"`` or ``"gn_cnn"``.
+      model: a key of :data:`MODELS` (``"tanh_cnn"``, ``"gn_cnn"``; ``"scatternet_linear"``
+        and ``"scatternet_cnn"`` train on ScatterNet features: see :func:`default_recipe`).
       ema_decay: EMA of the weights (the EMA model is released), or None.
       max_physical_batch_size: rows per forward/backward pass.
       noise_multiplier: fixed z instead of calibration (the guard still uses the target).
@@ -163,6 +205,33 @@ class ImageRecipe:
     accounting: str | None = None
     band: int = 16
     buffers: int = 4
+
+
+def default_recipe(model: str | None = None) -> ImageRecipe:
+    """The recipe's defaults for ``model`` (a key of :data:`MODELS` or its ``--model`` name).
+
+    The ScatterNet models follow Tramer & Boneh (2021): large batches, few epochs, a large
+    step size on the per-example-normalised features, and the final weights released (no EMA).
+    """
+    name = "tanh_cnn" if model is None else model.replace("-", "_")
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {{{', '.join(IMAGE_MODELS)}}}, got model={model!r}")
+    if name == "scatternet_linear":
+        return ImageRecipe(model=name, epochs=20, batch_size=4096, learning_rate=4.0,
+                           clip_norm=0.1, ema_decay=None)
+    if name == "scatternet_cnn":
+        return ImageRecipe(model=name, epochs=20, batch_size=4096, learning_rate=4.0,
+                           clip_norm=0.1, ema_decay=None, max_physical_batch_size=512)
+    return ImageRecipe(model=name)
+
+
+def scatternet_inputs(
+    dataset: str, split: str, images: torch.Tensor, progress: bool
+) -> torch.Tensor:
+    """ScatterNet features of a split's images, from the checksummed cache (computed once)."""
+    from dpfy.features.scatternet import cached_features
+
+    return cached_features(images, f"scatternet-J2-L8-{dataset}-{split}", progress=progress)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,7 +288,10 @@ def train_image_classifier(
     Returns:
       :class:`TrainResultSummary` (rank 0's).
     """
-    recipe = ImageRecipe() if recipe is None else recipe
+    if recipe is None:
+        recipe = default_recipe(config.model)
+    elif config.model is not None:
+        recipe = dataclasses.replace(recipe, model=config.model.replace("-", "_"))
     hooks = RunHooks() if hooks is None else hooks
     dataset, target_epsilon, delta, seed = (
         config.dataset, config.target_epsilon, config.delta, config.seed
@@ -293,6 +365,9 @@ def train_image_classifier(
     if extra_train is not None:
         x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
         y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])
+    if model in SCATTERNET_MODELS:  # a fixed feature map: no privacy spent, nothing to record
+        x_train = scatternet_inputs(dataset, "train", x_train, progress)
+        x_test = scatternet_inputs(dataset, "test", x_test, progress)
     sample_rng, noise_rng, randomness = run_randomness(seed)
     units = len(x_train)
     trainer_cls: type[PrivateTrainer] = PrivateTrainer

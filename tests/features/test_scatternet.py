@@ -1,0 +1,100 @@
+"""ScatterNet features: equal to kymatio's own transform, cached with a checksum, trained on."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dpfy.config import RunConfig
+from dpfy.features import scatternet
+from dpfy.features.scatternet import (
+    FeatureCacheError,
+    ScatterNet,
+    cached_features,
+    scattering_channels,
+    transform_images,
+)
+
+pytest.importorskip("kymatio")
+
+
+def _images(n: int = 6, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).random((n, 1, 28, 28), dtype=np.float32))
+
+
+def test_features_equal_kymatios_numpy_transform():
+    # kymatio's NumPy backend is an independent implementation of the same transform.
+    from kymatio.scattering2d.frontend.numpy_frontend import ScatteringNumPy2D
+
+    x = _images()
+    ours = transform_images(x, chunk_size=4).numpy()
+    theirs = ScatteringNumPy2D(J=2, shape=(28, 28), L=8)(x.numpy()).reshape(6, 81, 7, 7)
+    assert ours.shape == (6, scattering_channels(), 7, 7) == (6, 81, 7, 7)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_transform_has_no_parameters_and_checks_its_input():
+    net = ScatterNet((28, 28))
+    assert list(net.parameters()) == [] and net.output_shape(3) == (243, 7, 7)
+    with pytest.raises(ValueError, match=r"images must be \[N, C, 28, 28\]"):
+        net(torch.zeros(2, 1, 32, 32))
+    with pytest.raises(ValueError, match="j must be an integer in"):
+        ScatterNet((28, 28), j=0)
+
+
+def test_the_cache_is_read_back_and_refuses_a_tampered_or_stale_file(tmp_path, monkeypatch):
+    x = _images()
+    first = cached_features(x, "sn-test", directory=tmp_path)
+    (data,) = tmp_path.glob("sn-test-6-*.npy")
+    record = data.with_suffix(".json")
+    assert json.loads(record.read_text())["sha256"]
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("recomputed instead of read from the cache")
+
+    monkeypatch.setattr(scatternet, "transform_images", no_compute)
+    assert torch.equal(cached_features(x, "sn-test", directory=tmp_path), first)
+
+    # other images get another file (and are computed)
+    monkeypatch.undo()
+    cached_features(_images(seed=1), "sn-test", directory=tmp_path)
+    assert len(list(tmp_path.glob("sn-test-6-*.npy"))) == 2
+
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(FeatureCacheError, match="does not match the SHA-256"):
+        cached_features(x, "sn-test", directory=tmp_path)
+
+    fields = json.loads(record.read_text())
+    fields["kymatio"] = "0.0.1"
+    record.write_text(json.dumps(fields))
+    with pytest.raises(FeatureCacheError, match="stale: its kymatio differ"):
+        cached_features(x, "sn-test", directory=tmp_path)
+
+
+def test_models_belong_to_their_kind_of_dataset():
+    RunConfig(dataset="mnist", model="scatternet-linear")
+    with pytest.raises(ValueError, match="model must be one of .*scatternet-cnn.*an image model"):
+        RunConfig(dataset="mnist", model="minilm")
+    with pytest.raises(ValueError, match="model must be one of \\{minilm\\}"):
+        RunConfig(dataset="rotten-tomatoes", model="scatternet-linear")
+
+
+@pytest.mark.parametrize("model", ["scatternet-linear", "scatternet-cnn"])
+def test_dpfy_train_runs_on_scatternet_features(model, tmp_path, monkeypatch):
+    from dpfy.cli import main
+
+    monkeypatch.setenv("DPFY_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    code = main([
+        "train", "mnist", "--model", model, "--train-limit", "256", "--test-limit", "64",
+        "--epochs", "1", "--batch-size", "64", "--out", str(out), "--seed", "0",
+    ])
+    assert code == 0
+    assert f'"model":"{model.replace("-", "_")}"' in (out / "ledger.jsonl").read_text()
+    assert len(list((tmp_path / "cache" / "features").glob("scatternet-J2-L8-mnist-*.npy"))) == 2
+    assert f"--model {model}" in (out / "report.md").read_text()
