@@ -714,6 +714,9 @@ def make_private(
         "accounting": method,
         "optimizer": type(optimizer).__name__,
         "secure_randomness": bool(rng.secure),
+        # what the report's headline reads: a DP release, or a seeded experiment
+        "sampling_randomness": _describe(getattr(sampler, "randomness", None)),
+        "noise_randomness": rng.describe(),
         "calibrated": given_z is None,
         "precision": pg.precision,
         "loss_scale": pg.loss_scale,
@@ -742,6 +745,11 @@ def make_private(
     )
     criterion = PrivateCriterion(engine, per_example)
     return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
+
+
+def _describe(randomness: Any) -> str:
+    describe = getattr(randomness, "describe", None)
+    return str(describe()) if callable(describe) else "not recorded (a sampler without one)"
 
 
 def _sampling_stream(rng: Randomness) -> Randomness:
