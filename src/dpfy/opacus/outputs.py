@@ -1,0 +1,129 @@
+"""Per-example losses for an Opacus-style loop that backpropagates one reduced loss.
+
+An Opacus loop (``grad_sample_mode="hooks"``, the default) computes one scalar loss from the
+model's outputs with the user's own criterion and calls ``loss.backward()``; Opacus reads each
+example's gradient off that backward, scaled by the batch size when the loss is a mean. dpfy's
+step (:mod:`dpfy.training.step`) instead wants a vector of per-example losses ``[B]`` to run its
+own backward. :class:`OutputGradients` builds one from the user's backward without changing
+the model:
+
+1. While a physical batch of B rows is out, a forward hook on the *root* module hands the loop a
+   detached copy ``o'`` of every differentiable output ``o`` (the model's own ``o`` stays in the
+   graph that dpfy's layer hooks record). The user's ``loss.backward()`` then stops at ``o'``:
+   it costs the loss part only, writes no ``p.grad``, and leaves ``g = dL/do'`` there.
+2. At ``optimizer.step()``, :meth:`OutputGradients.per_example_losses` returns the surrogate
+   ``l_i = f * <o[i], g[i]>`` (a sum over the non-batch dimensions), with f = B for
+   ``loss_reduction="mean"`` and 1 for ``"sum"``. Its gradient with respect to ``o[i]`` is
+   ``f g[i]``, so dpfy's backward from ``l`` sends exactly ``f dL/do`` through the model:
+   each example's gradient is the one Opacus would compute, and dpfy clips, sums and noises
+   it as for any per-example loss. An output whose first dimension is not the batch (a loss
+   the model computes itself, e.g. a transformers ``outputs.loss``) cannot be cut per row:
+   its term ``f <o, g>`` goes to row 0, which dpfy's loader keeps real whenever the batch has
+   a real row (padding rows come last), and its gradient reaches every row's layers through
+   the model as before.
+
+Assumption (Opacus makes the same one): the backpropagated loss is a mean (or a sum, with
+``loss_reduction="sum"``) over the rows of the batch of terms that each depend on one row only,
+as cross-entropy, MSE or a token-mean language-model loss per row are. A loss that couples
+rows (normalised over the batch, contrastive within the batch) has no per-example gradient, and
+neither Opacus nor this module can bound one example's influence on it. Use
+``grad_sample_mode="ghost"`` with a ``criterion`` to have dpfy compute the per-example losses
+itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
+
+Reduction = Literal["mean", "sum"]
+
+
+class OutputGradients:
+    """The per-example losses of one Opacus-style loop over ``model`` (module docstring).
+
+    Args:
+      model: the user's model (never wrapped; one forward hook on it while a batch is out).
+      reduction: how the backpropagated loss reduces over the rows: ``"mean"`` or ``"sum"``.
+    """
+
+    def __init__(self, model: nn.Module, reduction: Reduction) -> None:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(
+                f"loss_reduction must be one of {{mean, sum}}, got loss_reduction={reduction!r}"
+            )
+        self.model = model
+        self.reduction: Reduction = reduction
+        self._rows = 0
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._handle: RemovableHandle | None = None
+
+    def open(self, rows: int) -> None:
+        """A physical batch of ``rows`` rows is out: detach the model's outputs from now on."""
+        self.close()
+        self._rows = int(rows)
+        self._handle = self.model.register_forward_hook(self._detach_outputs)
+
+    def close(self) -> None:
+        """Remove the hook and forget the batch's outputs."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._pairs = []
+
+    def _detach_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        handed = []
+        for o in leaves:
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point():
+                leaf = o.detach().requires_grad_()
+                self._pairs.append((o, leaf))
+                handed.append(leaf)
+            else:
+                handed.append(o)
+        return tree_unflatten(handed, spec)
+
+    def per_example_losses(self, _outputs: Any = None, _targets: Any = None) -> torch.Tensor:
+        """The surrogate losses ``[B]`` of the batch's forward passes (module docstring).
+
+        Takes and ignores ``(outputs, targets)`` so that it serves as the ``loss_fn`` of
+        :func:`dpfy.training.make_private`. Closes the batch.
+
+        Raises:
+          RuntimeError: no output of the batch received a gradient (``optimizer.step()``
+            without ``loss.backward()``, or a loss not computed from the model's outputs).
+        """
+        pairs, rows = self._pairs, self._rows
+        self.close()
+        f = float(rows) if self.reduction == "mean" else 1.0
+        terms: torch.Tensor | None = None
+        whole: torch.Tensor | None = None
+        for o, leaf in pairs:
+            g = leaf.grad
+            if g is None:
+                continue
+            product = (o * g.to(o.dtype)).float()
+            if o.dim() >= 1 and o.shape[0] == rows:
+                part = product.reshape(rows, -1).sum(1) * f
+                terms = part if terms is None else terms + part
+            else:
+                part = product.sum() * f
+                whole = part if whole is None else whole + part
+        if terms is None and whole is None:
+            raise RuntimeError(
+                "optimizer.step() found no gradient on the model's outputs for this batch: "
+                "call loss.backward() on a loss computed from the outputs of model(batch) "
+                "before optimizer.step()"
+            )
+        if terms is None:
+            assert whole is not None
+            terms = torch.zeros(rows, dtype=whole.dtype, device=whole.device)
+        if whole is not None:
+            first = torch.zeros_like(terms)
+            first[0] = 1.0
+            terms = terms + first * whole
+        return terms
