@@ -300,3 +300,12 @@ def test_the_validator_and_the_layers_are_dpfys():
     assert isinstance(fixed[1], nn.GroupNorm) and ModuleValidator.is_valid(fixed)
     assert (DPLSTM, DPGRU, DPRNN, DPMultiheadAttention) == (
         nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
+
+
+def test_the_import_paths_of_opacus_tutorials_work():
+    import dpfy.opacus.utils.batch_memory_manager as by_path
+    from dpfy.opacus.utils import batch_memory_manager
+    from dpfy.opacus.validators.module_validator import ModuleValidator as by_module
+
+    assert by_path is batch_memory_manager and by_path.BatchMemoryManager is BatchMemoryManager
+    assert by_module is ModuleValidator
