@@ -129,8 +129,8 @@ class PrivacyEngine:
         if accountant == "gdp":
             warnings.warn(
                 "accountant='gdp' is Opacus' central-limit approximation, not an upper bound "
-                "(on short runs it is 30-50% below the true epsilon); dpfy accounts the run with "
-                "its PLD upper bound instead (accountant.mechanism() == 'pld')",
+                "(about 30% below the true epsilon on runs of tens of steps); dpfy accounts the "
+                "run with its PLD upper bound instead (accountant.mechanism() == 'pld')",
                 stacklevel=2,
             )
         self.secure_mode = bool(secure_mode)
