@@ -98,3 +98,15 @@ def test_dpfy_train_runs_on_scatternet_features(model, tmp_path, monkeypatch):
     assert f'"model":"{model.replace("-", "_")}"' in (out / "ledger.jsonl").read_text()
     assert len(list((tmp_path / "cache" / "features").glob("scatternet-J2-L8-mnist-*.npy"))) == 2
     assert f"--model {model}" in (out / "report.md").read_text()
+
+
+def test_flat_rows_are_normalised_per_example():
+    x = transform_images(_images(4))
+    rows = scatternet.flat_normalised(x)
+    assert rows.shape == (4, 81 * 7 * 7) and rows.dtype == np.float64
+    norms = np.linalg.norm(rows, axis=1)  # at most 1: a group of near-constant coefficients
+    assert np.all((norms > 0.5) & (norms <= 1 + 1e-6)), norms  # is shrunk by GroupNorm's eps
+    # one example's row does not depend on the others (no batch statistics)
+    np.testing.assert_allclose(scatternet.flat_normalised(x[:1]), rows[:1], rtol=1e-6)
+    with pytest.raises(ValueError, match="features must be"):
+        scatternet.flat_normalised(x.flatten(1))

@@ -224,3 +224,18 @@ def _read_cached(
     if list(array.shape) != record.get("output_shape"):
         raise FeatureCacheError(f"{data_path}: shape {array.shape} differs from its record; {fix}")
     return array
+
+
+def flat_normalised(features: torch.Tensor, groups: int = 27) -> npt.NDArray[np.float64]:
+    """ScatterNet features as rows for the linear estimators (:mod:`dpfy.features`).
+
+    Each example is normalised on its own (GroupNorm of ``groups`` channel groups, no
+    parameters: the normalisation of the ``scatternet-*`` models; no statistics of other
+    examples, so no privacy cost), flattened, and scaled by ``1 / sqrt(d)``: a row's L2 norm is
+    at most about 1 (less where a group's coefficients are nearly constant, which GroupNorm's
+    ``eps`` shrinks), so the estimators' row clipping at ``clip_norm = 1`` rarely bites.
+    """
+    if features.dim() != 4:
+        raise ValueError(f"features must be [N, C, h, w], got shape {tuple(features.shape)}")
+    z = nn.functional.group_norm(features.float(), groups).flatten(1)
+    return (z / float(np.sqrt(z.shape[1]))).numpy().astype(np.float64)
