@@ -397,11 +397,18 @@ def train(
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
     the model, ledger and privacy report to --out. With --unit user / movie, one user (movie)
     is the unit of privacy. --config FILE reads the options from a TOML file (a run's
-    run.toml); options given on the command line override it."""
+    run.toml); options given on the command line override it. Started by torchrun (one
+    machine or several), every process trains its share and rank 0 writes the run."""
     from dpfy import runs
 
     chosen = run_config(ctx, dataset, config, given)
-    run = runs.train_and_report(chosen, progress=True)
+    with runs.torchrun_rank(chosen) as rank:  # None unless torchrun started this process
+        if rank is not None and not rank.releases:
+            runs.train_rank(chosen, rank)
+            print(f"rank {rank.rank} of {rank.world_size}: done; rank 0 wrote the ledger, "
+                  "model and report")
+            return
+        run = runs.train_and_report(chosen, progress=True, distributed=rank)
     from rich.console import Console
 
     console = Console()
@@ -523,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "Abort":
             print("dpfy: aborted", file=sys.stderr)
             return 130
-        if type(exc).__name__ == "DistributedError":  # a --workers run lost a process
+        if type(exc).__name__ == "DistributedError":  # a process of the run was lost
             print(f"dpfy: error: {_one_line(str(exc))}", file=sys.stderr)
             return 1
         raise

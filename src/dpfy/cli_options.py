@@ -478,7 +478,9 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
         Annotated[
         int,
         typer.Option("--workers", help="Images only: data-parallel processes on this machine "
-                     "(gloo; a divisor of the physical batch 1024). Same privacy and ledger.",
+                     "(gloo; a divisor of the physical batch 1024). Same privacy and ledger. "
+                     "Leave it out under torchrun: its processes are the workers "
+                     "(docs/distributed.md).",
                      parser=count_option("workers")),
     ],
         1,
@@ -486,8 +488,9 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     "shard": (
         Annotated[
         bool,
-        typer.Option("--shard", help="With --workers N: shard the model over the processes "
-                     "(FSDP2 fully_shard; each process noises its own shard)."),
+        typer.Option("--shard", help="With --workers N or under torchrun: shard the model "
+                     "over the processes (FSDP2 fully_shard; each process noises its own "
+                     "shard)."),
     ],
         False,
     ),

@@ -222,9 +222,9 @@ class RunConfig:
         if self.test_limit is not None:
             check_int("test_limit", self.test_limit)
         check_int("workers", workers, 1, 1024)
-        if self.shard and workers < 2:
-            raise ValueError(f"shard needs workers >= 2 (processes to shard over), got "
-                             f"workers={workers!r}")
+        if self.shard and workers < 2 and _launched_world_size() < 2:
+            raise ValueError(f"shard needs workers >= 2 (processes to shard over), or a "
+                             f"torchrun launch of WORLD_SIZE >= 2, got workers={workers!r}")
         if workers > 1 and text:
             raise ValueError(f"workers applies only to the image datasets, got "
                              f"dataset={self.dataset!r} with workers={workers!r}")
@@ -351,3 +351,11 @@ def check_canary_counts(canaries: int, guesses: int | None, dataset_size: int) -
 def default_guesses(canaries: int) -> int:
     """A fifth of the canaries (even, at least 2): a weak attack is surer on its extremes."""
     return max(2, 2 * (canaries // 10))
+
+
+def _launched_world_size() -> int:
+    """Processes of the ``torchrun`` launch this process belongs to (1 outside a launch)."""
+    from dpfy.training.torchrun import torchrun_env
+
+    launch = torchrun_env()
+    return 1 if launch is None else launch.world_size

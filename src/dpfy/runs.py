@@ -18,12 +18,13 @@ only by the pipelines that need them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
     from dpfy.ledger import Ledger
     from dpfy.report import PrivacyReport
+    from dpfy.training.distributed import Distributed
+    from dpfy.training.recipes import ImageRecipe
+    from dpfy.training.torchrun import TorchrunEnv
 
 
 #: Datasets whose pretrained features :func:`features_and_report` extracts itself.
@@ -112,7 +116,9 @@ class TrainedRun(ReportedRun):
 # ---------------------------------------------------------------------------------------------
 
 
-def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun:
+def train_and_report(
+    config: RunConfig, *, progress: bool = False, distributed: Distributed | None = None
+) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
     ``report.md``, ``report.json``, ``run.toml`` and figures beside the model.
@@ -120,10 +126,19 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
     Args:
       config: the run (:class:`dpfy.config.RunConfig`, validated when it was built).
       progress: a progress bar (terminal) or progress lines.
+      distributed: rank 0 of a ``torchrun`` launch (:func:`torchrun_rank`): it writes the run
+        directory while the other ranks run :func:`train_rank`; ``None``: this process alone
+        (or with its ``config.workers`` local helpers).
 
     Raises:
-      ValueError: ``config.out`` already holds a ledger (nothing is written then).
+      ValueError: ``config.out`` already holds a ledger (nothing is written then), or
+        ``distributed`` is not rank 0.
     """
+    if distributed is not None and not distributed.releases:
+        raise ValueError(
+            f"distributed must be rank 0 (the rank that writes the run directory), got rank "
+            f"{distributed.rank}: the other ranks of a launch call train_rank"
+        )
     c = config
     dataset, target_epsilon, delta, seed = c.dataset, c.target_epsilon, c.delta, c.seed
     sampler, precision, lora, unit = c.sampler_kind, c.precision, c.lora, c.unit
@@ -146,10 +161,10 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
 
         summary = recipes.train_image_classifier(
             ran,
-            # the final weights are released: an FSDP2 model cannot be copied for an EMA
-            recipes.ImageRecipe(ema_decay=None) if shard else None,
+            _image_recipe(c),
             recipes.RunHooks(
                 progress=progress,
+                distributed=distributed,
                 extra_train=None if canaries is None else canaries.training_rows(),
                 step_observer=tracker,
             ),
@@ -184,6 +199,7 @@ def train_and_report(config: RunConfig, *, progress: bool = False) -> TrainedRun
         train_command=command,
         config=ran.to_dict(),
         **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
+        **({"launcher": "torchrun"} if distributed is not None else {}),
     )
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
     from dpfy.ledger import Ledger
@@ -216,6 +232,123 @@ def _train_text(c: RunConfig, progress: bool) -> Any:
 
     hooks = recipes.RunHooks(progress=progress)
     return text_recipe.train_text_classifier(c, None, hooks)
+
+
+def _image_recipe(c: RunConfig) -> ImageRecipe | None:
+    """The image recipe of a run (``None``: the recipe's own default for ``c.model``)."""
+    from dpfy.training import recipes
+
+    # the final weights are released: an FSDP2 model cannot be copied for an EMA
+    return dataclasses.replace(recipes.default_recipe(c.model), ema_decay=None) if c.shard else None
+
+
+# ---------------------------------------------------------------------------------------------
+# a run launched by torchrun: every machine runs `dpfy train`, rank 0 writes the run directory
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def torchrun_rank(config: RunConfig) -> Iterator[Distributed | None]:
+    """This process's rank of a ``dpfy train`` run launched by ``torchrun``, for the block.
+
+    ``torchrun`` (on one machine or several) starts ``dpfy train`` in every process; the
+    environment tells each one its rank (:func:`dpfy.training.torchrun.torchrun_env`). Outside
+    a launch, or in a launch of one process, this yields ``None`` and the run is the ordinary
+    one. Otherwise it checks, before joining anything, what would refuse the run (the same
+    configuration refuses alike on every rank, so no rank is left waiting for one that
+    stopped), checks rank 0's run directory, joins the process group (gloo: the image recipes
+    train on CPU; collective timeout :data:`dpfy.training.distributed.DEFAULT_TIMEOUT` s),
+    yields this rank's :class:`~dpfy.training.distributed.Distributed` and leaves the group
+    when the block ends. Rank 0 then runs :func:`train_and_report` with it, the other ranks
+    :func:`train_rank`: one sampler, one ledger (rank 0's), the epsilon of the 1-process run.
+
+    Unless ``config.threads`` is given, each process uses ``cpu count / LOCAL_WORLD_SIZE``
+    torch threads (its share of its machine).
+
+    Raises:
+      ValueError: an inconsistent setup, before joining: ``--workers N`` under torchrun, a
+        world size that does not divide the recipe's physical batch, a text dataset, or an
+        option that runs in one process only (correlated noise, user-level DP, the one-run
+        audit); on rank 0, a run directory that already holds a ledger.
+      DistributedError: the process group could not be joined.
+    """
+    from dpfy.training.torchrun import torchrun_env
+
+    launch = torchrun_env()
+    if launch is None:
+        yield None
+        return
+    _check_launch(config, launch)
+    if launch.world_size == 1:
+        yield None
+        return
+    if launch.rank == 0:
+        _new_run_dir(config.out, config.dataset)  # refused here, before any rank joins
+    import torch
+    import torch.distributed as dist
+
+    from dpfy.training.distributed import from_env
+
+    if config.threads is None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch.local_world_size))
+    distributed = from_env(backend="gloo")
+    try:
+        yield distributed
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_rank(config: RunConfig, distributed: Distributed) -> None:
+    """The part of a rank other than 0 in a launched ``dpfy train`` run: it trains its share
+    of every step with rank 0 (:func:`torchrun_rank`) and writes nothing (rank 0 writes the
+    ledger, model and report; this rank keeps an in-memory mirror of the ledger).
+
+    Raises:
+      ValueError: ``distributed`` is rank 0 (it runs :func:`train_and_report`).
+    """
+    if distributed.releases:
+        raise ValueError("distributed must be a rank other than 0 (rank 0 runs "
+                         "train_and_report and writes the run directory), got rank 0")
+    from dpfy.training import recipes
+
+    recipes.train_image_classifier(
+        config.replace(out=None), _image_recipe(config),
+        recipes.RunHooks(distributed=distributed),
+    )
+
+
+def _check_launch(config: RunConfig, launch: TorchrunEnv) -> None:
+    """Refuse a configuration that cannot run on the ``launch``'s processes (before joining)."""
+    from dpfy.training.distributed import per_process_batch
+
+    world = launch.world_size
+    under = f"under torchrun (WORLD_SIZE={world})"
+    if config.workers != 1:
+        raise ValueError(
+            f"workers must be 1 {under}: the launch's processes are the run's workers "
+            f"(--workers N starts processes on this machine), got workers={config.workers}"
+        )
+    if world == 1:
+        return
+    for ok, what in ((not config.text, f"an image dataset, got dataset={config.dataset!r}"),
+                     (config.mechanism == "dpsgd",
+                      f"mechanism='dpsgd', got mechanism={config.mechanism!r}"),
+                     (config.unit == "example", f"unit='example', got unit={config.unit!r}"),
+                     (config.audit_canaries is None,
+                      f"no one-run audit, got audit_canaries={config.audit_canaries}")):
+        if not ok:
+            raise ValueError(f"a run {under} needs {what} (that option runs in one process)")
+    recipe = _image_recipe(config)
+    if recipe is None:
+        from dpfy.training.recipes import default_recipe
+
+        recipe = default_recipe(config.model)
+    try:
+        per_process_batch(recipe.max_physical_batch_size, world)
+    except ValueError as e:
+        raise ValueError(f"{e} ({under}: start a number of processes that divides "
+                         f"{recipe.max_physical_batch_size})") from None
 
 
 @dataclasses.dataclass

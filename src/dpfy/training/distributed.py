@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -58,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dpfy._validate import check_int, check_range
+from dpfy.training.torchrun import REQUIRED, torchrun_env
 
 if TYPE_CHECKING:
     from dpfy import events as ev
@@ -313,30 +313,62 @@ def from_env(
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     device: torch.device | str | None = None,
+    start_timeout: float = START_TIMEOUT,
 ) -> Distributed:
-    """The context of a process started by ``torchrun`` (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``); under nccl the device defaults to ``LOCAL_RANK``'s GPU.
+    """Join the process group of a run launched by ``torchrun`` (one machine or several).
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and ``LOCAL_RANK``
+    (:func:`dpfy.training.torchrun.torchrun_env`) and joins as :func:`init_process_group`
+    does. Under ``torchrun --rdzv-backend c10d`` the TCP store at ``MASTER_ADDR:MASTER_PORT``
+    is the one torchrun's agent already hosts, and every rank joins it as a client. With
+    ``backend="nccl"`` the device defaults to GPU ``LOCAL_RANK`` of this machine, which
+    becomes the current CUDA device (NCCL needs one GPU per process).
+
+    Args:
+      backend: ``"gloo"`` (CPU; the default for a CPU device) or ``"nccl"`` (GPUs).
+      timeout: collective timeout in seconds, in (0, 86400]; the same on every rank.
+      device: the device of the model (default cpu, or ``cuda:LOCAL_RANK`` under nccl).
+      start_timeout: seconds every rank may take to start and join, in (0, 86400]: on a
+        cluster, the slowest machine's start-up (imports from a network file system).
+
+    Raises:
+      ValueError: the process was not launched (the message says how to launch it), or its
+        launcher's environment is incomplete or out of range.
+      DistributedError: the group could not be joined (the store unreachable, a rank missing
+        after ``start_timeout``, a backend failure); one line naming the address.
     """
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing:
+    launch = torchrun_env()
+    if launch is None:
         raise ValueError(
-            f"from_env needs the environment torchrun sets; missing {missing} (or use "
-            "init_process_group(rank, world_size, master_port=...))"
+            f"from_env needs the environment torchrun sets ({', '.join(REQUIRED)}), and this "
+            "process has none of it (start the script with `torchrun --nproc-per-node N "
+            "script.py`, or use init_process_group(rank, world_size, master_port=...))"
         )
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device is None and backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return init_process_group(
-        rank,
-        world,
-        master_port=int(os.environ["MASTER_PORT"]),
-        master_addr=os.environ["MASTER_ADDR"],
-        backend=backend,
-        timeout=timeout,
-        device=device,
-    )
+        device = torch.device("cuda", launch.local_rank)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    _backend(backend, dev)  # refused before any device or connection is touched
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)  # NCCL: one GPU per process, this one
+    try:
+        return init_process_group(
+            launch.rank,
+            launch.world_size,
+            master_port=launch.master_port,
+            master_addr=launch.master_addr,
+            backend=backend,
+            timeout=timeout,
+            device=device,
+            start_timeout=start_timeout,
+        )
+    except RuntimeError as e:  # the store or a peer unreachable (DistStoreError, gloo, nccl)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(
+            f"rank {launch.rank} of {launch.world_size}: joining the process group at "
+            f"{launch.master_addr}:{launch.master_port} ({_backend(backend, dev)}) failed "
+            f"({first}); check that every machine runs the same code, reaches that address "
+            f"and port, and started within start_timeout={start_timeout:g} s"
+        ) from e
 
 
 def _backend(backend: str | None, device: torch.device) -> str:
