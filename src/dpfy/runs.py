@@ -150,7 +150,7 @@ def train_and_report(
     ran = c.replace(out=str(out_dir))  # the configuration that runs, as recorded
 
     text_options = {"model": c.model or "minilm", "lora": lora,
-                    "max_length": c.max_length} if text else {}
+                    "max_length": c.max_length} if text else {"model": c.model}
     canaries = tracker = None
     if audit_canaries is not None:
         canaries, tracker = _audit_setup(dataset, audit_canaries, seed, 0.9)
