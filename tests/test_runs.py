@@ -210,7 +210,7 @@ def test_cli_reaches_the_library_only_through_the_pipeline_modules():
     imported = {name for name in imported if not name.startswith("dpfy.cli_options.")}
     expected = {
         "dpfy.runs", "dpfy.run_accounting", "dpfy._validate", "dpfy.sampling.kinds",
-        "dpfy.accounting.accountants", "dpfy.config.RunConfig",
+        "dpfy.accounting.accountants", "dpfy.config.RunConfig", "dpfy.tuning_runs",
     }
     assert imported == expected, imported
 
@@ -219,14 +219,14 @@ def test_each_command_makes_one_library_call():
     commands = {
         f.name for f in _functions() if any("command" in ast.unparse(d) for d in f.decorator_list)
     }
-    assert commands >= {"epsilon", "calibrate", "report", "plan", "train", "features"}
+    assert commands >= {"epsilon", "calibrate", "report", "plan", "train", "features", "tune"}
     for function in _functions():
         calls = [
             ast.unparse(n.func) for n in ast.walk(function)
             # a pipeline call (runs.f, run_accounting.f); building an option record
             # (run_accounting.SomeOptions) is parsing
             if isinstance(n, ast.Call)
-            and ast.unparse(n.func).split(".")[0] in ("runs", "run_accounting")
+            and ast.unparse(n.func).split(".")[0] in ("runs", "run_accounting", "tuning_runs")
             and ast.unparse(n.func).split(".")[1][0].islower()
         ]
         assert len(calls) == (function.name in commands), (function.name, calls)

@@ -36,6 +36,7 @@ from dpfy.cli_options import (
     SamplerName,
     Steps,
     TargetEpsilon,
+    TrialDistribution,
     UsageProblem,
     count_option,
     open_unit_option,
@@ -496,6 +497,58 @@ def features(
         f"(fit {run.seconds:.1f} s); the paper's zCDP view of the same run: rho = {rho:.4g}"
     )
     console.print(f"report: {run.report_path}")
+
+
+@app.command("tune")
+@with_options(TRAIN_OPTIONS)
+def tune(
+    ctx: typer.Context,
+    dataset: Annotated[
+        DatasetName | None,
+        typer.Argument(help="Training data (offline packages); optional with --config."),
+    ] = None,
+    space: Annotated[
+        Path | None,
+        typer.Option("--space", help="A TOML file: one table per searched field, e.g. "
+                     "[learning_rate] log_uniform = [1e-4, 1e-2]; kinds: choices, uniform, "
+                     "log_uniform, int_uniform."),
+    ] = None,
+    trials: Annotated[
+        float, typer.Option("--trials", help="Mean number of trials (fixed: exactly this many).",
+                            parser=positive_option("trials", 1000.0)),
+    ] = 4.0,
+    distribution: Annotated[
+        TrialDistribution,
+        typer.Option("--distribution", help="Number of trials K: poisson, geometric, "
+                     "logarithmic (random K, Papernot & Steinke 2022; the search may not vary "
+                     "epochs, batch size or the probe) or fixed (every trial composed)."),
+    ] = TrialDistribution.geometric,
+    score_noise: Annotated[
+        float, typer.Option("--score-noise", help="Std of the Gaussian noise on each trial's "
+                            "count of correct validation predictions.",
+                            parser=positive_option("score_noise", 1e6)),
+    ] = 10.0,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="A TOML file of the base run's options."),
+    ] = None,
+    **given: Any,
+) -> None:
+    """Random hyperparameter search on a validation split of the training units (never the
+    test set); the best configuration is retrained and released. Reports the final run's
+    epsilon and the whole search's, accounted from every ledger. A directory holding a search
+    (--out) resumes it."""
+    from dpfy import tuning_runs
+
+    if space is None:
+        raise ValueError("space is missing: give --space FILE (a TOML table per field)")
+    chosen = run_config(ctx, dataset, config, given)
+    options = tuning_runs.TuneOptions(trials=trials, distribution=distribution.value,
+                                      score_noise=score_noise)
+    run = tuning_runs.tune_and_report(chosen, space, options, progress=True)
+    from rich.console import Console
+
+    Console().print((run.out_dir / "report.md").read_text(encoding="utf-8"), highlight=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -228,6 +228,15 @@ if not TYPE_CHECKING:
 _max_length = parsed_option("max_length", int, lambda n, v: _rules.check_int(n, v, 2, 512))
 
 
+class TrialDistribution(StrEnum):
+    """The number of trials of ``dpfy tune`` (dpfy.tuning_runs.TRIAL_DISTRIBUTIONS)."""
+
+    poisson = "poisson"
+    geometric = "geometric"
+    logarithmic = "logarithmic"
+    fixed = "fixed"
+
+
 class UserReduction(StrEnum):
     sum = "sum"
     mean = "mean"
@@ -529,6 +538,71 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
                             "bounds, in (0, 1).", parser=open_unit_option("audit_confidence"))
     ],
         0.95,
+    ),
+    "bias_only": (
+        Annotated[
+        bool,
+        typer.Option("--bias-only", help="Text datasets only: train only the encoder's biases "
+                     "and the head (DP-BiTFiT, Bu et al. 2022; default lr 5e-3, 3 epochs)."),
+    ],
+        False,
+    ),
+    "lora_rank": (
+        Annotated[
+        int | None,
+        typer.Option("--lora-rank", help="With --lora: the rank r in [1, 384] (default 8; "
+                     "alpha 2r).", parser=parsed_option(
+                         "lora_rank", int, lambda n, v: _rules.check_int(n, v, 1, 384))),
+    ],
+        None,
+    ),
+    "lora_targets": (
+        Annotated[
+        str,
+        typer.Option("--lora-targets", help="With --lora: attention (query and value, the "
+                     "default) or all-linear (every linear layer of the encoder)."),
+    ],
+        "attention",
+    ),
+    "warmup": (
+        Annotated[
+        float,
+        typer.Option("--warmup", help="Text datasets only: linear warm-up of Adam's rates "
+                     "over this fraction of the steps, in [0, 1) (default 0).",
+                     parser=parsed_option("warmup", float, lambda n, v: _rules.check_range(
+                         n, v, 0.0, 1.0, high_open=True))),
+    ],
+        0.0,
+    ),
+    "adam_eps": (
+        Annotated[
+        float | None,
+        typer.Option("--adam-eps", help="Text datasets only: Adam's epsilon, in (0, 1] "
+                     "(default 1e-8).", parser=parsed_option(
+                         "adam_eps", float,
+                         lambda n, v: _rules.check_range(n, v, 0.0, 1.0, low_open=True))),
+    ],
+        None,
+    ),
+    "linear_probe": (
+        Annotated[
+        float | None,
+        typer.Option("--linear-probe", help="Text datasets only: LP-FT. A DP-FC linear probe "
+                     "on the frozen embeddings spends this share of --target-epsilon (in (0, "
+                     "1), calibrated alone), then DP fine-tuning starts from its head with "
+                     "noise calibrated so that the ledger of both meets the target.",
+                     parser=open_unit_option("linear_probe")),
+    ],
+        None,
+    ),
+    "validation": (
+        Annotated[
+        bool,
+        typer.Option("--validation", help="Train on the training units outside the validation "
+                     "split (rotten-tomatoes: held-out movies; images: held-out images) and "
+                     "measure accuracy there, never on the test split."),
+    ],
+        False,
     ),
 }
 

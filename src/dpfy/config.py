@@ -76,6 +76,20 @@ class RunConfig:
       mechanism: one of :data:`MECHANISMS` (correlated noise: image datasets).
       audit_canaries, audit_guesses, audit_confidence: the one-run audit (image datasets, one
         process, example level, DP-SGD).
+      bias_only, lora_rank, lora_targets, warmup, adam_eps, linear_probe: text datasets only
+        (:mod:`dpfy.training.text`): bias-only fine-tuning (DP-BiTFiT, Bu et al. 2022); the
+        LoRA rank in [1, 384] (default 8) and its targets (``"attention"``: query and value;
+        ``"all-linear"``: every linear layer of the encoder); a linear warm-up of Adam's
+        rates over this fraction of the steps, in [0, 1); Adam's epsilon in (0, 1] (default
+        1e-8); LP-FT (:mod:`dpfy.training.lpft`): a DP-FC linear probe on the frozen
+        encoder's embeddings spending this share of ``target_epsilon`` (in (0, 1), its noise
+        calibrated to ``share x target_epsilon`` alone), then DP fine-tuning from the probe's
+        head with its noise calibrated so that the ledger of both stages meets
+        ``target_epsilon``.
+      validation: train on the training units outside the validation split and measure
+        accuracy on that split instead of the test split (hyperparameter search; the test
+        split is never read): :func:`dpfy.datasets.split_rotten_tomatoes` (by movie),
+        :func:`dpfy.datasets.validation_images`.
     """
 
     dataset: str = "mnist"
@@ -105,6 +119,13 @@ class RunConfig:
     audit_canaries: int | None = None
     audit_guesses: int | None = None
     audit_confidence: float = 0.95
+    bias_only: bool = False
+    lora_rank: int | None = None
+    lora_targets: str = "attention"
+    warmup: float = 0.0
+    adam_eps: float | None = None
+    linear_probe: float | None = None
+    validation: bool = False
 
     def __post_init__(self) -> None:
         if self.out is not None and not isinstance(self.out, str):  # a path: kept as text
@@ -131,6 +152,7 @@ class RunConfig:
                 )
         self._check_unit()
         self._check_execution()
+        self._check_text_recipe()
         check_budget(self.target_epsilon, self.delta)
         for name, count in (("epochs", self.epochs), ("batch_size", self.batch_size),
                             ("train_limit", self.train_limit)):
@@ -231,6 +253,52 @@ class RunConfig:
         if self.threads is not None:
             check_int("threads", self.threads, 1, os.cpu_count() or 1)
         check_precision(self.precision)
+
+    def _check_text_recipe(self) -> None:
+        from dpfy.training.text import LORA_TARGETS
+
+        text_only = (("bias_only", self.bias_only), ("lora_rank", self.lora_rank is not None),
+                     ("lora_targets", self.lora_targets != "attention"),
+                     ("warmup", self.warmup != 0.0), ("adam_eps", self.adam_eps is not None),
+                     ("linear_probe", self.linear_probe is not None))
+        for name, given in text_only:
+            if given and not self.text:
+                raise ValueError(f"{name} applies only to the text datasets, got "
+                                 f"dataset={self.dataset!r}")
+        if self.bias_only and self.lora:
+            raise ValueError("bias_only and lora are two fine-tuning modes: choose one, got "
+                             "bias_only=True with lora=True")
+        for name, given in (("lora_rank", self.lora_rank is not None),
+                            ("lora_targets", self.lora_targets != "attention")):
+            if given and not self.lora:
+                raise ValueError(f"{name} applies only with lora=True, got lora=False")
+        if self.lora_rank is not None:
+            check_int("lora_rank", self.lora_rank, 1, 384)
+        if self.lora_targets not in LORA_TARGETS:
+            raise ValueError(f"lora_targets must be one of {{{', '.join(LORA_TARGETS)}}}, got "
+                             f"lora_targets={self.lora_targets!r}")
+        check_range("warmup", self.warmup, 0.0, 1.0, high_open=True)
+        if self.adam_eps is not None:
+            check_range("adam_eps", self.adam_eps, 0.0, 1.0, low_open=True)
+        if self.linear_probe is not None:
+            check_range("linear_probe", self.linear_probe, 0.0, 1.0,
+                        low_open=True, high_open=True)
+            if self.unit != "example":
+                raise ValueError(f"linear_probe (LP-FT) needs unit='example' (the probe "
+                                 f"releases per-snippet statistics), got unit={self.unit!r}")
+        if self.validation and (self.model or "").startswith("scatternet"):
+            raise ValueError(f"validation needs a model without cached features, got "
+                             f"model={self.model!r}")
+
+    def recipe_options(self) -> dict[str, Any]:
+        """The fine-tuning recipe's options as ``dpfy train`` flags take them (None: not
+        given; ``""``: a flag without a value), for the command line a report prints."""
+        return {
+            "bias_only": "" if self.bias_only else None, "lora_rank": self.lora_rank,
+            "lora_targets": None if self.lora_targets == "attention" else self.lora_targets,
+            "warmup": self.warmup or None, "adam_eps": self.adam_eps,
+            "linear_probe": self.linear_probe, "validation": "" if self.validation else None,
+        }
 
     def audit_guess_count(self) -> int:
         """The one-run audit's guesses (default a fifth of the canaries), checked.

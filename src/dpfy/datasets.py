@@ -312,3 +312,62 @@ def rotten_tomatoes(split: Split = "train", *, limit: int | None = None) -> Rott
 
 def _is_test_movie(title: str) -> bool:
     return int(hashlib.sha256(title.encode()).hexdigest()[:8], 16) % 5 == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# validation splits of the training units (hyperparameter search; never the test split)
+# ---------------------------------------------------------------------------------------------
+
+#: One training unit in this many goes to the validation split (about 20 %).
+VALIDATION_MODULUS = 5
+
+
+def _is_validation_key(key: bytes) -> bool:
+    """Whether a training unit with this identity is held out for validation.
+
+    The decision is a function of the unit's own identity alone (a salted SHA-256, salt
+    ``validation:`` so it is independent of the test split's hash of the same titles): adding
+    or removing another unit never moves a unit between the two parts.
+    """
+    digest = hashlib.sha256(b"validation:" + key).hexdigest()
+    return int(digest[:8], 16) % VALIDATION_MODULUS == 0
+
+
+def validation_movies(split: RottenTomatoes) -> npt.NDArray[np.bool_]:
+    """Per snippet of a training split, whether its movie is held out for validation.
+
+    About one movie in five (all of its snippets), by a salted hash of the title; no movie is
+    in both parts and the test split is never touched.
+    """
+    held = np.array([_is_validation_key(t.encode()) for t in split.movie_names], dtype=bool)
+    return held[split.movies] if len(split.movies) else np.zeros(0, dtype=bool)
+
+
+def split_rotten_tomatoes(split: RottenTomatoes) -> tuple[RottenTomatoes, RottenTomatoes]:
+    """(training part, validation part) of a training split, by movie
+    (:func:`validation_movies`)."""
+    held = validation_movies(split)
+
+    def part(mask: npt.NDArray[np.bool_]) -> RottenTomatoes:
+        rows = np.flatnonzero(mask)
+        old = split.movies[rows]
+        kept = sorted(set(old.tolist()))
+        index = {m: i for i, m in enumerate(kept)}
+        return RottenTomatoes(
+            texts=tuple(split.texts[i] for i in rows),
+            labels=split.labels[rows],
+            movies=np.array([index[m] for m in old.tolist()], dtype=np.int64),
+            movie_names=tuple(split.movie_names[m] for m in kept),
+        )
+
+    return part(~held), part(held)
+
+
+def validation_images(images: torch.Tensor) -> npt.NDArray[np.bool_]:
+    """Per training image, whether it is held out for validation (about one in five).
+
+    The decision hashes the image's own pixels (salted SHA-256), so it depends on that image
+    alone; identical images share their part.
+    """
+    flat = images.detach().reshape(len(images), -1).cpu().numpy()
+    return np.array([_is_validation_key(row.tobytes()) for row in flat], dtype=bool)

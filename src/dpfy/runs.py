@@ -183,6 +183,7 @@ def train_and_report(
          "workers": workers if workers > 1 else None, "shard": "" if shard else None,
          **{k: v for k, v in text_options.items() if k != "lora"},
          "lora": "" if lora else None,
+         **c.recipe_options(),
          "mechanism": None if mechanism == "dpsgd" else mechanism,
          "audit_canaries": audit_canaries,
          "audit_guesses": audit_guesses if audit_canaries is not None else None,

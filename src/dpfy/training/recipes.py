@@ -361,7 +361,12 @@ def train_image_classifier(
             f"num_users is missing: unit={unit!r} needs the number of synthetic users"
         )
     x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
-    x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
+    if config.validation:  # a search: held-out training images, never the test split
+        held = torch.as_tensor(datasets.validation_images(x_train))
+        x_test, y_test = x_train[held][:test_limit], y_train[held][:test_limit]
+        x_train, y_train = x_train[~held], y_train[~held]
+    else:
+        x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
     if extra_train is not None:
         x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
         y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])

@@ -86,15 +86,68 @@ TEXT_DATASETS = ("rotten-tomatoes",)
 TEXT_UNITS = ("example", "movie")
 #: Pretrained text models by name.
 TEXT_MODELS = ("minilm",)
-#: The attention projections that get LoRA factors (BERT module names).
-LORA_TARGETS = ("query", "value")
+#: The modules that get LoRA factors (BERT module names), by ``lora_targets``: the attention
+#: query and value projections, or every linear layer of the encoder (query, key, value, the
+#: attention output and both feed-forward layers: the BERT modules named ``dense``).
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("query", "value"),
+    "all-linear": ("query", "key", "value", "dense"),
+}
+#: LoRA rank when ``lora_rank`` is not given; alpha is always twice the rank (scale 2).
+LORA_RANK = 8
 #: Defaults per mode: learning rate (Adam) and epochs; batch size and clip norm are shared.
 TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     "full": {"learning_rate": 1e-4, "head_learning_rate": 1e-2, "epochs": 2,
              "batch_size": 256, "clip_norm": 1.0, "clip_head_separately": True},
     "lora": {"learning_rate": 5e-4, "head_learning_rate": 1e-2, "epochs": 3,
              "batch_size": 256, "clip_norm": 1.0, "clip_head_separately": False},
+    # Bu et al. 2022 (DP-BiTFiT) train the biases with rates about ten times full fine-tuning's
+    "bitfit": {"learning_rate": 5e-3, "head_learning_rate": 1e-2, "epochs": 3,
+               "batch_size": 256, "clip_norm": 1.0, "clip_head_separately": False},
 }
+
+
+def text_mode(config: RunConfig) -> str:
+    """The fine-tuning mode of a text run: ``"lora"``, ``"bitfit"`` or ``"full"``."""
+    return "lora" if config.lora else "bitfit" if config.bias_only else "full"
+
+
+def text_model_name(config: RunConfig) -> str:
+    """The model's name in the ledger: base model, mode, LoRA rank and targets, LP-FT."""
+    name = config.model or "minilm"
+    if config.lora:
+        rank = LORA_RANK if config.lora_rank is None else config.lora_rank
+        name += "-lora" if (rank, config.lora_targets) == (LORA_RANK, "attention") else (
+            f"-lora-r{rank}-{config.lora_targets}")
+    elif config.bias_only:
+        name += "-bitfit"
+    return name + ("-lpft" if config.linear_probe is not None else "")
+
+
+class LinearWarmUp:
+    """A progress callback that raises every parameter group's rate linearly from
+    ``base / steps`` to ``base`` over the first ``steps`` steps, then keeps it (Adam with
+    warm-up, as Li et al. 2022 fine-tune under DP).
+
+    The rates are set at construction for the first step and after each step for the next
+    (``ProgressInfo.step`` = steps done); post-processing of released gradients, no privacy
+    cost.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, steps: int) -> None:
+        check_int("steps", steps)
+        self.optimizer, self.steps = optimizer, int(steps)
+        self.base = [float(g["lr"]) for g in optimizer.param_groups]
+        self._set(0)
+
+    def _set(self, done: int) -> None:
+        factor = min(1.0, (done + 1) / self.steps)
+        for group, base in zip(self.optimizer.param_groups, self.base, strict=True):
+            group["lr"] = base * factor
+
+    def __call__(self, info: ProgressInfo) -> None:
+        if info.kind == "step":
+            self._set(int(info.step))
 
 
 class TokenDataset(Dataset[dict[str, torch.Tensor]]):
@@ -182,10 +235,25 @@ def truncated_fraction(
     return float(np.mean(np.asarray(lengths) > max_length)) if lengths else 0.0
 
 
-def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
+def make_text_model(
+    model: str = "minilm",
+    *,
+    lora: bool = False,
+    lora_rank: int = LORA_RANK,
+    lora_targets: str = "attention",
+    bias_only: bool = False,
+) -> nn.Module:
     """The pretrained encoder with a zero-initialised 2-way head on its mean-pooled tokens
-    (:class:`dpfy.models.heads.MeanPooledClassifier`), fully trainable or with LoRA on the encoder
-    (module docstring)."""
+    (:class:`dpfy.models.heads.MeanPooledClassifier`): fully trainable, with LoRA of rank
+    ``lora_rank`` (alpha ``2 lora_rank``) on the modules of ``LORA_TARGETS[lora_targets]``, or
+    with only the encoder's biases (and the head) trainable (``bias_only``: DP-BiTFiT, Bu et
+    al. 2022, about 26k encoder parameters; module docstring)."""
+    if lora and bias_only:
+        raise ValueError("lora and bias_only are two modes: choose one, got both")
+    if lora_targets not in LORA_TARGETS:
+        raise ValueError(f"lora_targets must be one of {{{', '.join(LORA_TARGETS)}}}, got "
+                         f"lora_targets={lora_targets!r}")
+    check_int("lora_rank", lora_rank, 1, 384)
     if model not in TEXT_MODELS:
         raise ValueError(f"model must be one of {{{', '.join(TEXT_MODELS)}}}, got model={model!r}")
     from dpfy.models.heads import MeanPooledClassifier
@@ -198,14 +266,18 @@ def make_text_model(model: str = "minilm", *, lora: bool = False) -> nn.Module:
         import peft
 
         cfg = peft.LoraConfig(
-            r=8, lora_alpha=16, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+            r=int(lora_rank), lora_alpha=2 * int(lora_rank), lora_dropout=0.0,
+            target_modules=list(LORA_TARGETS[lora_targets]),
         )
         encoder = peft.get_peft_model(encoder, cfg)
+    elif bias_only:
+        for name, p in encoder.named_parameters():
+            p.requires_grad_(name.endswith(".bias"))
     return MeanPooledClassifier(encoder, width, num_labels=2)
 
 
 def text_optimizer(
-    net: nn.Module, learning_rate: float, head_learning_rate: float
+    net: nn.Module, learning_rate: float, head_learning_rate: float, eps: float = 1e-8
 ) -> torch.optim.Adam:
     """Adam over the trainable parameters: ``head_learning_rate`` for the zero-initialised head
     (``head.*``), ``learning_rate`` for the encoder (or its LoRA factors).
@@ -223,7 +295,7 @@ def text_optimizer(
     groups = [{"params": head, "lr": head_learning_rate}]
     if body:
         groups.append({"params": body, "lr": learning_rate})
-    return torch.optim.Adam(groups, lr=learning_rate)
+    return torch.optim.Adam(groups, lr=learning_rate, eps=eps)
 
 
 @torch.no_grad()
@@ -363,7 +435,8 @@ def train_text_classifier(
             f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got dataset={dataset!r}"
         )
     # RunConfig checked the model, the unit (for a text dataset) and max_length
-    defaults = TEXT_DEFAULTS["lora" if lora else "full"]
+    mode = text_mode(config)
+    defaults = TEXT_DEFAULTS[mode]
     epochs = int(epochs if epochs is not None else defaults["epochs"])
     batch_size = int(batch_size if batch_size is not None else defaults["batch_size"])
     learning_rate = float(learning_rate if learning_rate is not None
@@ -380,7 +453,14 @@ def train_text_classifier(
         torch.set_num_threads(int(threads))
     sample_rng, noise_rng, randomness = run_randomness(seed)
     train_split = datasets.rotten_tomatoes("train", limit=train_limit)
-    test_split = datasets.rotten_tomatoes("test", limit=test_limit)
+    if config.validation:  # a search: the held-out movies of the training split, never test
+        train_split, test_split = datasets.split_rotten_tomatoes(train_split)
+        if test_limit is not None:
+            test_split = dataclasses.replace(
+                test_split, texts=test_split.texts[:test_limit],
+                labels=test_split.labels[:test_limit], movies=test_split.movies[:test_limit])
+    else:
+        test_split = datasets.rotten_tomatoes("test", limit=test_limit)
     from dpfy.models.pretrained import load_minilm_tokenizer
 
     tokenizer = load_minilm_tokenizer()
@@ -394,7 +474,10 @@ def train_text_classifier(
     order = np.argsort(train_data.lengths().numpy(), kind="stable")
     train_data = train_data.reordered(order)
     movies = train_split.movies[order]
-    net = make_text_model(model, lora=lora)
+    net = make_text_model(
+        model, lora=lora, lora_rank=LORA_RANK if config.lora_rank is None else config.lora_rank,
+        lora_targets=config.lora_targets, bias_only=config.bias_only,
+    )
     trainable = [p for p in net.parameters() if p.requires_grad]
     units = len(train_data)
     trainer_cls: type[_TextTrainer] = _TextTrainer
@@ -408,7 +491,20 @@ def train_text_classifier(
     batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
     if accounting is None:
         accounting = sampler_kind(batches.kind).default_accountant
-    optimizer = text_optimizer(net, learning_rate, head_learning_rate)
+    adam_eps = 1e-8 if config.adam_eps is None else float(config.adam_eps)
+    optimizer = text_optimizer(net, learning_rate, head_learning_rate, adam_eps)
+    noise_multiplier, probe = None, None
+    if config.linear_probe is not None:  # LP-FT: stage 1 here, its records lead the ledger
+        from dpfy.training import lpft
+
+        probe = lpft.linear_probe(net, train_data, config.linear_probe * target_epsilon,
+                                  delta, noise_rng)
+        noise_multiplier = lpft.calibrate_after(probe.event, batches, epochs, target_epsilon,
+                                                delta, accounting)
+    if config.warmup > 0:
+        warm = LinearWarmUp(optimizer, max(1, round(
+            config.warmup * epochs * int(batches.steps_per_epoch))))
+        callbacks = (warm, *callbacks)
     ledger_path = model_path = None
     if out_dir is not None:
         ledger_path = Path(out_dir) / "ledger.jsonl"
@@ -431,6 +527,7 @@ def train_text_classifier(
             epochs=epochs,
             delta=delta,
             target_epsilon=target_epsilon,
+            noise_multiplier=noise_multiplier,
             max_physical_batch_size=max_physical_batch_size,
             accounting=accounting,
             ledger=Ledger(),
@@ -445,7 +542,15 @@ def train_text_classifier(
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     ledger = trainer.ledger = Ledger(ledger_path)
-    model_name = f"{model}-lora" if lora else model
+    if probe is not None:
+        ledger.replay(probe.ledger.entries)
+        ledger.record_metadata(linear_probe={
+            "method": "DP-FC (Mehta et al. 2023) on the frozen encoder's normalised mean "
+                      "embeddings; the head starts at its weights",
+            "share": config.linear_probe, "epsilon_alone": probe.epsilon,
+            "train_accuracy": probe.train_accuracy, "seconds": probe.seconds,
+        })
+    model_name = text_model_name(config)
     ledger.record_metadata(
         dataset=dataset,
         model=model_name,
@@ -456,12 +561,21 @@ def train_text_classifier(
         clipping="head and encoder separately (C / sqrt 2 each)" if clip_head_separately
         else "joint",
         truncated_fraction=truncated,
+        fine_tuning=mode,
+        warmup=config.warmup,
+        adam_eps=adam_eps,
+        lora_rank=(LORA_RANK if config.lora_rank is None else config.lora_rank) if lora else None,
+        lora_targets=list(LORA_TARGETS[config.lora_targets]) if lora else None,
+        evaluated_on="validation movies of the training split" if config.validation
+        else "test split",
         trainable_parameters=int(sum(p.numel() for p in trainable)),
         unit_of_privacy=users.unit_description(
             unit, max_examples_per_user, "review snippet"
         ) + ("; a movie has 2 to 35 snippets" if unit == "example" else ""),
-        released_output="final model" + (" (LoRA factors and head)" if lora else ""),
-        data_accesses="final training run only (hyperparameter tuning not accounted)",
+        released_output="final model" + (" (LoRA factors and head)" if lora else
+                                         " (biases and head)" if config.bias_only else ""),
+        data_accesses="final training run only (hyperparameter tuning not accounted)"
+        + ("; the linear probe and the fine-tuning (one ledger)" if probe else ""),
     )
     bar = None
     if progress:
@@ -496,7 +610,7 @@ def train_text_classifier(
         model=result.model, ledger=ledger,
     )
     if model_path is not None:
-        state = result.model.state_dict() if not lora else {
+        state = result.model.state_dict() if mode == "full" else {
             n: p.detach() for n, p in result.model.named_parameters() if p.requires_grad
         }
         torch.save(state, model_path)

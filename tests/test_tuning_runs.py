@@ -1,0 +1,119 @@
+"""``dpfy tune``: the search's plan, trials on the validation split, the released final run and
+the two epsilons, each an accountant's answer about the search's ledgers; resuming an
+interrupted search. MNIST, 512 training images, 1 epoch, 1 thread: seconds per trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from dpfy import accounting
+from dpfy import events as ev
+from dpfy.cli import main
+from dpfy.config import RunConfig
+from dpfy.ledger import Ledger
+from dpfy.sampling import SampleSpec
+from dpfy.tuning_runs import Dimension, SearchSpace, TuneOptions, tune_and_report
+
+TINY = dict(dataset="mnist", train_limit=512, test_limit=64, epochs=1, batch_size=128,
+            threads=1, seed=3, target_epsilon=2.0)
+
+
+def _dpfy(args: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = main(args)
+    return code, out.getvalue()
+
+
+def test_a_four_trial_search_reports_the_final_and_the_whole_search(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text("[learning_rate]\nlog_uniform = [0.5, 4.0]\n[batch_size]\n"
+                     "choices = [64, 128]\n", encoding="utf-8")
+    out = tmp_path / "search"
+    code, printed = _dpfy([
+        "tune", "mnist", "--space", str(space), "--trials", "4", "--distribution", "fixed",
+        "--train-limit", "512", "--test-limit", "64", "--epochs", "1", "--seed", "3",
+        "--threads", "1", "--target-epsilon", "2", "--out", str(out),
+    ])
+    assert code == 0, printed
+    result = json.loads((out / "tuning.json").read_text())
+    assert result["number_of_trials"] == 4 and len(result["trials"]) == 4
+    scores = [t["score"] for t in result["trials"]]
+    assert result["chosen"] == max(range(4), key=lambda i: scores[i])
+    # every trial trained on the validation split's complement and released a noisy score
+    ledgers = [Ledger.load(p) for p in sorted((out / "trials").glob("*/ledger.jsonl"))]
+    assert len(ledgers) == 4
+    for ledger in ledgers:
+        assert [s.spec.sampler for s in ledger.samples][-1] == "full_batch"
+        assert ledger.metadata["validation_size"] > 0
+    assert not list((out / "trials").glob("*/model.pt"))  # only the choice leaves the search
+    final = Ledger.load(out / "final" / "ledger.jsonl")
+    every = ev.Composed((*(lg.to_event() for lg in ledgers), final.to_event()))
+    assert result["search_epsilon"] == pytest.approx(
+        accounting.epsilon(every, 1e-5, "auto").epsilon, rel=1e-9)
+    assert result["final_epsilon"] <= 2.0 + 1e-9 < result["search_epsilon"]
+    report = (out / "report.md").read_text()
+    assert "final run alone" in report and "whole search" in report
+    assert "(chosen)" in report and f"{result['search_epsilon']:.4g}" in printed
+
+
+def test_an_interrupted_random_k_search_resumes_from_its_ledgers(tmp_path):
+    space = SearchSpace((Dimension("learning_rate", "log_uniform", (0.5, 4.0)),))
+    config = RunConfig(out=str(tmp_path / "s"), **{**TINY, "seed": 1})  # seed 1 draws K = 2
+    options = TuneOptions(trials=3, distribution="geometric", stop_after=1)
+    first = tune_and_report(config, space, options)
+    k = len(first.trials)
+    assert k == 2 and first.final is None and not first.finished
+    assert [t.score is not None for t in first.trials] == [True, False]
+    plan = json.loads((tmp_path / "s" / "search.json").read_text())
+    assert plan["number_of_trials"] == k and plan["randomness"] == "seeded (seed 1)"
+    head = Ledger.load(tmp_path / "s" / "trials" / "trial-00" / "ledger.jsonl").head
+    # trial 2 was cut short after one step: a partial ledger without a score
+    (tmp_path / "s" / "trials" / "trial-01").mkdir()
+    partial = Ledger(tmp_path / "s" / "trials" / "trial-01" / "ledger.jsonl")
+    sid = partial.record_sample(SampleSpec(sampler="poisson", dataset_size=400,
+                                           sampling_rate=0.25))
+    partial.record_sum_query(sid, sensitivity=1.0, noise_std=1.0)
+    partial.close()
+    cut = partial.to_event()
+    done = tune_and_report(config, space, TuneOptions(trials=3, distribution="geometric"))
+    assert done.finished and done.chosen is not None and len(done.trials) == k
+    again = Ledger.load(tmp_path / "s" / "trials" / "trial-00" / "ledger.jsonl")
+    assert again.head == head  # the finished trial was read back, not rerun
+    assert (tmp_path / "s" / "trials" / "trial-01-interrupted-1" / "ledger.jsonl").exists()
+    trials = [Ledger.load(p).to_event()
+              for p in sorted((tmp_path / "s" / "trials").glob("trial-0?/ledger.jsonl"))]
+    assert len(trials) == 2 and trials[0] == trials[1]  # every trial released the same event
+    final = Ledger.load(tmp_path / "s" / "final" / "ledger.jsonl").to_event()
+    total = ev.Composed((ev.RepeatAndSelect(trials[0], 3.0, 1.0), cut, final))
+    assert done.search_epsilon == pytest.approx(
+        accounting.epsilon(total, 1e-5, "rdp_tuning").epsilon, rel=1e-9)
+    assert done.final_epsilon < done.search_epsilon
+
+
+@pytest.mark.parametrize(
+    ("space", "options", "message"),
+    [
+        ({"epochs": {"choices": [1, 2]}}, {}, "change(s) each trial's privacy event"),
+        ({"seed": {"choices": [1, 2]}}, {}, "seed is not searchable"),
+        ({"learning_rate": {"log_uniform": [0.0, 1.0]}}, {}, "learning_rate.log_uniform[0]"),
+        ({"learning_rate": {"gaussian": [0.0, 1.0]}}, {}, "must be one table of"),
+        ({"learning_rate": {"choices": [-1.0]}}, {}, "learning_rate must be in"),
+        ({"learning_rate": {"choices": [1.0]}}, {"distribution": "uniform"},
+         "distribution must be one of"),
+        ({"learning_rate": {"choices": [1.0]}}, {"distribution": "fixed", "trials": 2.5},
+         "trials must be an integer"),
+    ],
+)
+def test_bad_searches_are_refused_before_anything_is_written(tmp_path, space, options, message):
+    out = tmp_path / "s"
+    with pytest.raises(ValueError, match=None) as err:
+        tune_and_report(RunConfig(out=str(out), **TINY), SearchSpace.from_mapping(space),
+                        TuneOptions(**options))
+    assert message in str(err.value)
+    assert not out.exists()
