@@ -12,6 +12,22 @@ Configurations (``--configs``, comma separated; default all):
   all-MiniLM-L6-v2 embeddings (:mod:`dpfy.features`); the embeddings are extracted once and
   cached outside the repository.
 
+Recipes whose hyperparameters are chosen on the validation split (held-out movies of the
+training split, never the test split), 2 seeds each:
+
+* ``{lpft,bitfit,lora16all}-eps{1,3,8}``: LP-FT (a DP-FC probe on the frozen embeddings
+  spending ``LPFT_SHARE`` of the budget, then full DP fine-tuning from its head; one ledger),
+  bias-only DP-BiTFiT (Bu et al. 2022) and LoRA r=16 on every linear layer. The search is
+  ``dpfy tune`` (:func:`dpfy.tuning_runs.tune_and_report`: ``--trials`` mean, ``--distribution``
+  of K, the space of :func:`tuned_space`: Adam's rate log-uniform around the recipe's default
+  and the warm-up), the chosen configuration is released with ``--seed`` and retrained with
+  ``--seed + 1``; each row gives the mean test accuracy, half the spread of the two seeds, the
+  final run's epsilon alone AND the whole search's (trials, choice and the final run,
+  accounted from their ledgers), per-epoch test accuracy and wall minutes of the whole row;
+* ``{lpft,bitfit,lora16all}-nonprivate``: the same recipe without clipping or noise, the
+  encoder's rate chosen from a grid of three on the validation split (no privacy to account),
+  then 2 seeds on the test split.
+
 Every configuration writes ``benchmarks/results/sentiment/<config>.json`` when it finishes; a
 rerun skips configurations whose file exists (``--force`` reruns them), so the benchmark is
 resumable per configuration. ``sentiment.md`` (table) and ``sentiment.png`` (test accuracy vs
@@ -25,7 +41,17 @@ by default); with snippets cut to their batch's length (``trim_padding``) one co
 torch thread by default (``--threads``) so as not to starve a shared machine; run two
 processes with disjoint ``--configs`` to use two cores (finished files are shared).
 ``--lr-full`` / ``--lr-lora`` change the encoder's rate (write those runs to their own
-``--out``). Quick look::
+``--out``). A tuned DP row is a search (K trials on about 80 % of the training snippets, K
+geometric with mean ``--trials`` 4) and two released runs: about 6 runs of 15-35 minutes, 2-3
+hours of one core; a tuned non-private row 5 runs without per-example gradients, about 1 hour.
+The 12 tuned rows: about 25 core-hours, 13 hours with two processes (disjoint ``--configs``)::
+
+    PYTHONPATH=src python benchmarks/sentiment.py --configs \
+        lpft-eps1,lpft-eps3,lpft-eps8,lpft-nonprivate,bitfit-eps1,bitfit-nonprivate
+    PYTHONPATH=src python benchmarks/sentiment.py --configs \
+        bitfit-eps3,bitfit-eps8,lora16all-eps1,lora16all-eps3,lora16all-eps8,lora16all-nonprivate
+
+(searches live in ``<out>/runs/<config>/`` and resume there). Quick look::
 
     PYTHONPATH=src python benchmarks/sentiment.py --configs lora-eps8 --train-limit 512 \\
         --test-limit 256 --out /tmp/sentiment
@@ -34,6 +60,7 @@ processes with disjoint ``--configs`` to use two cores (finished files are share
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -47,10 +74,20 @@ RESULTS = Path(__file__).parent / "results" / "sentiment"
 EPSILONS = (1.0, 3.0, 8.0)
 DELTA = 1e-5
 MODES = ("full", "lora")
+#: The recipes tuned on the validation split: RunConfig options and epochs.
+RECIPES: dict[str, dict[str, Any]] = {
+    "lpft": {"linear_probe": 0.25, "epochs": 2},
+    "bitfit": {"bias_only": True, "epochs": 3},
+    "lora16all": {"lora": True, "lora_rank": 16, "lora_targets": "all-linear", "epochs": 3},
+}
+#: LP-FT's share of the target epsilon spent by the probe (calibrated alone; stated).
+LPFT_SHARE = RECIPES["lpft"]["linear_probe"]
 CONFIGS = [
     *(f"{mode}-eps{eps:g}" for mode in MODES for eps in EPSILONS),
     *(f"{mode}-nonprivate" for mode in MODES),
     *(f"dpfc-eps{eps:g}" for eps in EPSILONS),
+    *(f"{r}-eps{eps:g}" for r in RECIPES for eps in EPSILONS),
+    *(f"{r}-nonprivate" for r in RECIPES),
 ]
 #: DP-FC on frozen MiniLM embeddings at eps 8, measured earlier (mean of 3 seeds, 10 steps,
 #: tuned ridge): benchmarks/results/features_rotten_tomatoes.md.
@@ -116,14 +153,7 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from dpfy import datasets
     from dpfy.models.pretrained import load_minilm_tokenizer
-    from dpfy.training.text import (
-        TEXT_DEFAULTS,
-        evaluate_text,
-        make_text_model,
-        text_optimizer,
-        tokenize,
-        trim_padding,
-    )
+    from dpfy.training.text import TEXT_DEFAULTS, make_text_model, text_optimizer, tokenize
 
     mode, _ = _parse(config)
     lora = mode == "lora"
@@ -135,13 +165,33 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
     tr = datasets.rotten_tomatoes("train", limit=args.train_limit)
     te = datasets.rotten_tomatoes("test", limit=args.test_limit)
     train, test = (tokenize(s.texts, s.labels, args.max_length, tok) for s in (tr, te))
-    lengths = train.lengths()
     net = make_text_model("minilm", lora=lora)
     lr = _lr(mode, args) or defaults["learning_rate"]
     opt = text_optimizer(net, lr, defaults["head_learning_rate"])
-    batch, physical = int(defaults["batch_size"]), 64
-    gen = torch.Generator().manual_seed(args.seed)
+    batch = int(defaults["batch_size"])
     per_epoch: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    _epochs(net, opt, train, test, epochs, args.seed, config, per_epoch)
+    return {
+        "test_accuracy": per_epoch[-1]["test_accuracy"], "epsilon": math.inf, "epochs": epochs,
+        "learning_rate": lr, "batch_size": batch,
+        "seconds": time.perf_counter() - start, "per_epoch": per_epoch,
+    }
+
+
+def _epochs(
+    net: Any, opt: Any, train: Any, test: Any, epochs: int, seed: int, config: str,
+    per_epoch: list[dict[str, Any]],
+) -> None:
+    """Non-private Adam epochs (shuffled batches of 256, chunks of 64 cut to their length),
+    the test accuracy appended to ``per_epoch`` after each."""
+    import torch
+
+    from dpfy.training.text import evaluate_text, trim_padding
+
+    batch, physical = 256, 64
+    lengths = train.lengths()
+    gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     net.train()
     for epoch in range(epochs):
@@ -167,11 +217,6 @@ def run_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
         per_epoch.append({"epoch": epoch + 1, "test_accuracy": acc,
                           "seconds": time.perf_counter() - start})
         _log(f"{config}: epoch {epoch + 1}/{epochs} test {acc:.4f}")
-    return {
-        "test_accuracy": per_epoch[-1]["test_accuracy"], "epsilon": math.inf, "epochs": epochs,
-        "learning_rate": lr, "batch_size": batch,
-        "seconds": time.perf_counter() - start, "per_epoch": per_epoch,
-    }
 
 
 #: DP-FC ridge multiplier ``c`` per epsilon (ridge = c * max(z sqrt(d), 1), z for the T + 1
@@ -210,9 +255,146 @@ def run_dpfc(config: str, args: argparse.Namespace) -> dict[str, Any]:
             "seconds": time.perf_counter() - start}
 
 
+def _recipe_mode(recipe: str) -> str:
+    """The fine-tuning mode of a tuned recipe (its TEXT_DEFAULTS row)."""
+    options = RECIPES[recipe]
+    return "lora" if options.get("lora") else "bitfit" if options.get("bias_only") else "full"
+
+
+def tuned_space(recipe: str) -> dict[str, Any]:
+    """The searched space of a tuned recipe: Adam's rate of the encoder log-uniform within a
+    factor 3 of the recipe's default, and the warm-up (none or a tenth of the steps)."""
+    from dpfy.training.text import TEXT_DEFAULTS
+
+    lr = float(TEXT_DEFAULTS[_recipe_mode(recipe)]["learning_rate"])
+    return {"learning_rate": {"log_uniform": [lr / 3, lr * 3]},
+            "warmup": {"choices": [0.0, 0.1]}}
+
+
+def _base_config(recipe: str, eps: float, seed: int, args: argparse.Namespace, out: Path) -> Any:
+    from dpfy.config import RunConfig
+
+    return RunConfig(
+        dataset="rotten-tomatoes", target_epsilon=eps, delta=DELTA, seed=seed,
+        threads=args.threads, train_limit=args.train_limit, test_limit=args.test_limit,
+        max_length=args.max_length, out=str(out), batch_size=args.batch_size,
+        **RECIPES[recipe],
+    )
+
+
+def _per_epoch(ledger_path: Path) -> list[dict[str, Any]]:
+    """Test accuracy after each epoch of a released run, as its ledger recorded it."""
+    from dpfy.ledger import Ledger
+
+    meta = Ledger.load(ledger_path).metadata
+    return [{"step": int(step), "test_accuracy": float(acc)}
+            for step, acc in meta.get("accuracy_by_step", [])]
+
+
+def run_tuned_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``dpfy tune`` of one recipe at one epsilon, then the chosen configuration with a second
+    seed; both epsilons (final run alone, whole search) from the ledgers."""
+    from dpfy import runs, tuning_runs
+
+    recipe, eps = _parse(config)
+    assert eps is not None
+    root = args.out / "runs" / config
+    start = time.perf_counter()
+    tuned = tuning_runs.tune_and_report(
+        _base_config(recipe, eps, args.seed, args, root / "search"),
+        tuning_runs.SearchSpace.from_mapping(tuned_space(recipe)),
+        tuning_runs.TuneOptions(trials=args.trials, distribution=args.distribution),
+        progress=False,
+    )
+    assert tuned.final is not None and tuned.chosen is not None  # no K = 0 with these
+    chosen = tuned.trials[tuned.chosen].params
+    second_dir = root / f"seed{args.seed + 1}-{time.strftime('%Y%m%d-%H%M%S')}"
+    second = runs.train_and_report(
+        _base_config(recipe, eps, args.seed + 1, args, second_dir).replace(**chosen))
+    accs = [tuned.final.test_accuracy, second.test_accuracy]
+    _log(f"{config}: chosen {chosen}; test {accs}; eps final {tuned.final_epsilon:.3f}, "
+         f"whole search {tuned.search_epsilon:.3f}")
+    return {
+        "test_accuracy": float(np.mean(accs)), "test_accuracies": accs,
+        "spread": (max(accs) - min(accs)) / 2, "epsilon": tuned.final_epsilon,
+        "search_epsilon": tuned.search_epsilon, "search_method": tuned.method,
+        "all_scores_epsilon": tuned.all_scores_epsilon, "chosen": chosen,
+        "trials": [dataclasses.asdict(t) for t in tuned.trials],
+        "epochs": RECIPES[recipe]["epochs"], "learning_rate": chosen.get("learning_rate"),
+        "per_epoch": [_per_epoch(tuned.final.ledger_path), _per_epoch(second.ledger_path)],
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def run_tuned_nonprivate(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe without privacy: the encoder's rate from a grid of three on the validation
+    split, then two seeds on the test split."""
+    from dpfy import datasets
+    from dpfy.training.text import TEXT_DEFAULTS
+
+    recipe, _ = _parse(config)
+    options = RECIPES[recipe]
+    start = time.perf_counter()
+    split = datasets.rotten_tomatoes("train", limit=args.train_limit)
+    fit_part, held = datasets.split_rotten_tomatoes(split)
+    test = datasets.rotten_tomatoes("test", limit=args.test_limit)
+    lr0 = float(TEXT_DEFAULTS[_recipe_mode(recipe)]["learning_rate"])
+    grid = {}
+    for lr in (lr0 / 3, lr0, lr0 * 3):
+        grid[lr] = _nonprivate_fit(options, lr, args.seed, fit_part, held, args, config)
+        _log(f"{config}: lr {lr:g} validation {grid[lr][-1]['test_accuracy']:.4f}")
+    best = max(grid, key=lambda lr: grid[lr][-1]["test_accuracy"])
+    runs_ = [_nonprivate_fit(options, best, seed, split, test, args, config)
+             for seed in (args.seed, args.seed + 1)]
+    accs = [r[-1]["test_accuracy"] for r in runs_]
+    return {
+        "test_accuracy": float(np.mean(accs)), "test_accuracies": accs,
+        "spread": (max(accs) - min(accs)) / 2, "epsilon": math.inf,
+        "epochs": options["epochs"], "learning_rate": best,
+        "validation": {f"{lr:g}": r[-1]["test_accuracy"] for lr, r in grid.items()},
+        "per_epoch": runs_, "seconds": time.perf_counter() - start,
+    }
+
+
+def _nonprivate_fit(
+    options: dict[str, Any], lr: float, seed: int, train_split: Any, test_split: Any,
+    args: argparse.Namespace, label: str,
+) -> list[dict[str, Any]]:
+    """Non-private Adam on ``train_split`` (LP-FT: one epoch of the head alone first);
+    per-epoch accuracy on ``test_split``."""
+    import torch
+
+    from dpfy.models.pretrained import load_minilm_tokenizer
+    from dpfy.training.text import TEXT_DEFAULTS, make_text_model, text_optimizer, tokenize
+
+    torch.manual_seed(seed)
+    tok = load_minilm_tokenizer()
+    train, test = (tokenize(s.texts, s.labels, args.max_length, tok)
+                   for s in (train_split, test_split))
+    net = make_text_model("minilm", lora=bool(options.get("lora")),
+                          lora_rank=int(options.get("lora_rank", 8)),
+                          lora_targets=str(options.get("lora_targets", "attention")),
+                          bias_only=bool(options.get("bias_only")))
+    head_lr = float(TEXT_DEFAULTS["full"]["head_learning_rate"])
+    per_epoch: list[dict[str, Any]] = []
+    if "linear_probe" in options:  # LP: the head alone on the frozen encoder, one epoch
+        frozen = [p for n, p in net.named_parameters() if not n.startswith("head.")]
+        for p in frozen:
+            p.requires_grad_(False)
+        _epochs(net, text_optimizer(net, lr, head_lr), train, test, 1, seed, label, [])
+        for p in frozen:
+            p.requires_grad_(True)
+    _epochs(net, text_optimizer(net, lr, head_lr), train, test, int(options["epochs"]), seed,
+            label, per_epoch)
+    return per_epoch
+
+
 def run(config: str, args: argparse.Namespace) -> dict[str, Any]:
     mode, eps = _parse(config)
-    if mode == "dpfc":
+    if mode in RECIPES:
+        result = run_tuned_dp(config, args) if eps is not None else run_tuned_nonprivate(
+            config, args)
+    elif mode == "dpfc":
         result = run_dpfc(config, args)
     elif eps is None:
         result = run_nonprivate(config, args)
@@ -245,7 +427,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     ]
     for name in CONFIGS:
         r = results.get(name)
-        if r is None:
+        if r is None or r["mode"] in RECIPES:
             continue
         eps = "inf" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
         got = "-" if not math.isfinite(r["epsilon"]) else f"{r['epsilon']:.3f}"
@@ -259,7 +441,41 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     lines += ["", "DP-FC on frozen MiniLM embeddings measured earlier (mean of 3 seeds, "
               "benchmarks/results/features_rotten_tomatoes.md): "
               + ", ".join(f"eps {e:g}: {100 * a:.2f} %" for e, a in DPFC_EARLIER.items()), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + tuned_table(results))
+
+
+def tuned_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The rows of the recipes tuned on the validation split (both epsilons)."""
+    rows = [r for name in CONFIGS if (r := results.get(name)) is not None
+            and r["mode"] in RECIPES]
+    if not rows:
+        return []
+    lines = [
+        "### Recipes tuned on the validation split (held-out training movies)", "",
+        f"Test accuracy (%) of the chosen configuration, mean of 2 seeds +- half their spread; "
+        f"LP-FT's probe spends {LPFT_SHARE:g} of the target alone. eps final: the released run "
+        "alone; eps search: the whole search (trials' noisy validation scores, the choice and "
+        "the final run), from the ledgers by the tuning accountant. Wall: the whole row "
+        "(search and both seeds).", "",
+        "| config | target eps | eps final | eps search | trials | chosen | test acc (%) "
+        "| per epoch (%) | wall (min) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eps = "inf" if r["target_epsilon"] is None else f"{r['target_epsilon']:g}"
+        final = "-" if not math.isfinite(r["epsilon"]) else f"{r['epsilon']:.3f}"
+        search = f"{r['search_epsilon']:.3f}" if r.get("search_epsilon") else "-"
+        trials = len(r["trials"]) if "trials" in r else len(r.get("validation", {}))
+        chosen = r.get("chosen") or {"learning_rate": r.get("learning_rate")}
+        chosen_text = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in chosen.items())
+        first = r["per_epoch"][0] if r.get("per_epoch") else []
+        epochs = " / ".join(f"{100 * e['test_accuracy']:.1f}" for e in first)
+        lines.append(
+            f"| {r['config']} | {eps} | {final} | {search} | {trials} | {chosen_text} "
+            f"| {100 * r['test_accuracy']:.2f} +- {100 * r.get('spread', 0.0):.2f} "
+            f"| {epochs} | {r['seconds'] / 60:.1f} |")
+    return [*lines, ""]
 
 
 def figure(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -269,13 +485,18 @@ def figure(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    colors = {"full": "C0", "lora": "C1", "dpfc": "C2"}
+    colors = {"full": "C0", "lora": "C1", "dpfc": "C2", "lpft": "C3", "bitfit": "C4",
+              "lora16all": "C5"}
     for mode, label in (("full", "DP full fine-tuning"), ("lora", "DP LoRA"),
-                        ("dpfc", "DP-FC, frozen embeddings")):
-        pts = sorted((r["target_epsilon"], 100 * r["test_accuracy"]) for r in results.values()
+                        ("dpfc", "DP-FC, frozen embeddings"), ("lpft", "DP LP-FT (tuned)"),
+                        ("bitfit", "DP bias-only (tuned)"),
+                        ("lora16all", "DP LoRA r=16 all linear (tuned)")):
+        pts = sorted((r["target_epsilon"], 100 * r["test_accuracy"], 100 * r.get("spread", 0))
+                     for r in results.values()
                      if r["mode"] == mode and r["target_epsilon"] is not None)
         if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", color=colors[mode], label=label)
+            e, a, err = zip(*pts, strict=True)
+            ax.errorbar(e, a, yerr=err, fmt="o-", color=colors[mode], label=label, capsize=3)
         nonpriv = results.get(f"{mode}-nonprivate")
         if nonpriv is not None:
             ax.axhline(100 * nonpriv["test_accuracy"], color=colors[mode], ls="--",
@@ -309,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="encoder Adam rate of full fine-tuning (default: TEXT_DEFAULTS)")
     parser.add_argument("--lr-lora", type=float, default=None,
                         help="Adam rate of the LoRA factors (default: TEXT_DEFAULTS)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="tuned recipes: expected batch size (default: the recipe's, 256)")
+    parser.add_argument("--trials", type=float, default=4.0,
+                        help="tuned recipes: mean number of trials of each search")
+    parser.add_argument("--distribution", default="geometric",
+                        choices=("poisson", "geometric", "logarithmic", "fixed"),
+                        help="tuned recipes: distribution of the number of trials")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--force", action="store_true", help="rerun finished configurations")
     args = parser.parse_args(argv)

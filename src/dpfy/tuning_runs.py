@@ -29,7 +29,10 @@ costs privacy. :func:`tune_and_report` runs the whole procedure and accounts it 
      where ``trial`` is the event of a trial's ledger (training and score); with
      ``fixed`` (K = the mean exactly), the composition of every trial's ledger and the
      final's (Table 4, "RDP/PLD composition": valid for any search);
-   * every trial's score published as well: the composition of every ledger of the search.
+   * every trial's score published as well: the composition of every ledger of the search,
+     for the K drawn (K is drawn independently of the data, so this is the privacy of running
+     those K trials; it is a different view from the Papernot & Steinke figure, which covers
+     the whole distribution of K and is not replaced by the smaller of the two).
 
    Trial ledgers of an interrupted trial (rerun from scratch on resume) are counted in the
    compositions; under Papernot & Steinke they released nothing (their model is deleted and
@@ -593,5 +596,8 @@ def _write_report(
             f"* **whole search, as released** (trials, choice, final run): epsilon = "
             f"{result.search_epsilon:.4g} at delta = {result.delta:g}, {result.method};",
             f"* if every trial's score above is published too: epsilon = "
-            f"{result.all_scores_epsilon:.4g} (composition of every ledger).", ""]
+            f"{result.all_scores_epsilon:.4g} (composition of every ledger, for the "
+            f"{len(result.trials)} trials drawn; K was drawn independently of the data). "
+            "With few trials this can be below the search's figure: Papernot & Steinke's "
+            "bound pays for the whole distribution of K, not the K drawn.", ""]
     (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
