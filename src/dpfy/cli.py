@@ -509,9 +509,9 @@ def tune(
     ] = None,
     space: Annotated[
         Path | None,
-        typer.Option("--space", help="A TOML file: one table per searched field, e.g. "
-                     "[learning_rate] log_uniform = [1e-4, 1e-2]; kinds: choices, uniform, "
-                     "log_uniform, int_uniform."),
+        typer.Option("--space", help="A TOML file: one table per searched field (e.g. a "
+                     "table learning_rate holding log_uniform = [1e-4, 1e-2]); kinds: "
+                     "choices, uniform, log_uniform, int_uniform."),
     ] = None,
     trials: Annotated[
         float, typer.Option("--trials", help="Mean number of trials (fixed: exactly this many).",

@@ -30,6 +30,16 @@ in ``BertForSequenceClassification``, made DP-Adam at epsilon 8 collapse to one 
   pretrained weights stay frozen (about 75k trainable parameters); defaults lr 5e-4, 3
   epochs.
 
+* bias-only (``bias_only``; DP-BiTFiT, Bu et al. 2022): only the encoder's biases (about 26k
+  parameters) and the head are trainable; defaults lr 5e-3, 3 epochs, joint clipping;
+* LoRA's rank (``lora_rank``, alpha twice the rank) and targets (``lora_targets``:
+  ``"attention"``, query and value; ``"all-linear"``, every linear layer of the encoder).
+
+Any mode can start from a DP linear probe (``linear_probe``, LP-FT; :mod:`dpfy.training.lpft`:
+the probe's releases lead the run's one ledger and the fine-tuning's noise is calibrated so
+that the ledger of both meets the target) and warm Adam's rates up linearly (``warmup``, a
+fraction of the steps; :class:`LinearWarmUp`) with its own epsilon (``adam_eps``).
+
 Full fine-tuning clips the head and the encoder as two groups (C / sqrt 2 each, the noise and
 privacy event of joint clipping to C; :func:`dpfy.queries.separate_clipping`): once the head
 has grown (weights of std 0.1), the encoder holds about 97 % of a snippet's squared gradient
