@@ -94,6 +94,9 @@ def test_an_interrupted_random_k_search_resumes_from_its_ledgers(tmp_path):
     assert done.search_epsilon == pytest.approx(
         accounting.epsilon(total, 1e-5, "rdp_tuning").epsilon, rel=1e-9)
     assert done.final_epsilon < done.search_epsilon
+    again = tune_and_report(config, space, TuneOptions(trials=3, distribution="geometric"))
+    assert (again.chosen, again.search_epsilon, again.final_epsilon) == (
+        done.chosen, done.search_epsilon, done.final_epsilon)  # a finished search reads back
 
 
 @pytest.mark.parametrize(
