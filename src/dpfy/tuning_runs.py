@@ -346,9 +346,10 @@ def _check_search(config: RunConfig, space: SearchSpace, options: TuneOptions) -
                 f"& Steinke's random-K bound does not apply to distribution="
                 f"{options.distribution!r}; fix them (search the rest) or use "
                 "distribution='fixed' (the composition of all trials)")
-    for params in ({d.name: d.values[0] for d in space.dimensions},
-                   {d.name: d.values[-1] for d in space.dimensions}):
-        config.replace(out=None, validation=True, **params)  # refuses a bad value now
+    first = {d.name: d.values[0] for d in space.dimensions}
+    for dim in space.dimensions:  # every choice and both ends of a range, refused now
+        for value in dim.values:
+            config.replace(out=None, validation=True, **(first | {dim.name: value}))
 
 
 def _plan(out: Path, config: RunConfig, space: SearchSpace, options: TuneOptions) -> Any:
