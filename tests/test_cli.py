@@ -236,7 +236,9 @@ def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypat
     rng = np.random.default_rng(0)
     x = rng.normal(size=(400, 6))
     y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0).astype(int)
-    monkeypatch.setattr(runs, "_feature_data", lambda name: (x[:300], y[:300], x[300:], y[300:]))
+    monkeypatch.setattr(
+        runs, "_feature_data", lambda name, extractor: (x[:300], y[:300], x[300:], y[300:])
+    )
     base = ["features", "mnist", "--method", "dp-ls"]
     for name, extra in [("secure", []), ("seeded", ["--seed", "5"])]:
         code, printed = _dpfy([*base, "--out", str(tmp_path / name), *extra])

@@ -68,7 +68,7 @@ def test_lora_run_reports_the_ledger_epsilon(tmp_path):
         (["rotten-tomatoes", "--max-length", "513"], "max_length must be an integer in [2, 512]"),
         (["rotten-tomatoes", "--lora", "--model", "gpt9"], "model must be one of {minilm}"),
         (["rotten-tomatoes", "--test-limit", "0"], "test_limit must be an integer in [1,"),
-        (["mnist", "--model", "minilm"], "model applies only to the text datasets"),
+        (["mnist", "--model", "minilm"], "model must be one of {tanh-cnn, gn-cnn, scatternet"),
         (["mnist", "--lora"], "lora applies only to the text datasets"),
         (["mnist", "--max-length", "64"], "max_length applies only to the text datasets"),
     ],

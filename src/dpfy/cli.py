@@ -403,13 +403,11 @@ def train(
     from dpfy import runs
 
     chosen = run_config(ctx, dataset, config, given)
-    with runs.torchrun_rank(chosen) as rank:  # None unless torchrun started this process
-        if rank is not None and not rank.releases:
-            runs.train_rank(chosen, rank)
-            print(f"rank {rank.rank} of {rank.world_size}: done; rank 0 wrote the ledger, "
-                  "model and report")
-            return
-        run = runs.train_and_report(chosen, progress=True, distributed=rank)
+    run = runs.train_launched(chosen, progress=True)  # torchrun: this process's rank
+    if isinstance(run, runs.HelperRank):
+        print(f"rank {run.rank} of {run.world_size}: done; rank 0 wrote the ledger, model and "
+              "report")
+        return
     from rich.console import Console
 
     console = Console()
@@ -440,6 +438,11 @@ class FeatureDataset(StrEnum):
     rotten_tomatoes = "rotten-tomatoes"
 
 
+class FeatureExtractor(StrEnum):
+    pretrained = "pretrained"
+    scatternet = "scatternet"
+
+
 class FeatureMethod(StrEnum):
     dp_fc = "dp-fc"
     dp_ls = "dp-ls"
@@ -468,11 +471,17 @@ def features(
     out: Annotated[
         Path | None, typer.Option("--out", help="Run directory.", parser=out_dir_option("out"))
     ] = None,
+    extractor: Annotated[
+        FeatureExtractor,
+        typer.Option("--extractor", help="pretrained networks, or the fixed ScatterNet "
+                     "transform (images; Tramer & Boneh 2021)."),
+    ] = FeatureExtractor.pretrained,
 ) -> None:
     """Learn a linear classifier with DP on pretrained features; write ledger and report.
 
     Features (EfficientNet-Lite0 for images, all-MiniLM-L6-v2 for the rotten-tomatoes
-    snippets) are extracted once and cached; the first run takes a while.
+    snippets, or ScatterNet for images) are extracted once and cached; the first run takes a
+    while.
     """
     from dpfy import runs
 
@@ -484,6 +493,7 @@ def features(
         seed=seed,
         limit=limit,
         out=out,
+        extractor=extractor.value,
     )
     from rich.console import Console
 

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from dpfy.training.torchrun import TorchrunEnv
 
 
+#: Feature extractors of :func:`features_and_report` (``scatternet``: images only).
+FEATURE_EXTRACTORS = ("pretrained", "scatternet")
 #: Datasets whose pretrained features :func:`features_and_report` extracts itself.
 FEATURE_DATASETS = ("fashion-mnist", "mnist", "rotten-tomatoes")
 #: DP learners of Mehta et al. 2023, by name, as class names in :mod:`dpfy.features`.
@@ -300,6 +302,29 @@ def torchrun_rank(config: RunConfig) -> Iterator[Distributed | None]:
             dist.destroy_process_group()
 
 
+@dataclasses.dataclass(frozen=True)
+class HelperRank:
+    """A rank other than 0 of a ``torchrun`` launch: it trained its share and wrote nothing."""
+
+    rank: int
+    world_size: int
+
+
+def train_launched(config: RunConfig, *, progress: bool = False) -> TrainedRun | HelperRank:
+    """``dpfy train``: :func:`train_and_report`, or this process's rank of a ``torchrun`` launch.
+
+    Outside a launch this is :func:`train_and_report`. Under ``torchrun``
+    (:func:`torchrun_rank`) rank 0 runs :func:`train_and_report` with the launch's process
+    group and returns its run; every other rank runs :func:`train_rank` and returns a
+    :class:`HelperRank`.
+    """
+    with torchrun_rank(config) as rank:
+        if rank is not None and not rank.releases:
+            train_rank(config, rank)
+            return HelperRank(rank.rank, rank.world_size)
+        return train_and_report(config, progress=progress, distributed=rank)
+
+
 def train_rank(config: RunConfig, distributed: Distributed) -> None:
     """The part of a rank other than 0 in a launched ``dpfy train`` run: it trains its share
     of every step with rank 0 (:func:`torchrun_rank`) and writes nothing (rank 0 writes the
@@ -416,12 +441,15 @@ def features_and_report(
     limit: int | None = None,
     out: str | os.PathLike[str] | None = None,
     data: FeatureData | None = None,
+    extractor: str = "pretrained",
 ) -> TrainedRun:
     """Fit a DP linear classifier on pretrained features, then write its ledger and report.
 
     Features (EfficientNet-Lite0 for images, all-MiniLM-L6-v2 for the rotten-tomatoes
-    snippets) are extracted once and cached by :mod:`dpfy.features.extract`; the first run
-    takes a while. The unit of privacy is one training example (a row with its label).
+    snippets; or, with ``extractor="scatternet"``, the fixed ScatterNet transform of the
+    images, Tramer & Boneh 2021) are extracted once and cached by :mod:`dpfy.features.extract`
+    / :mod:`dpfy.features.scatternet`; the first run takes a while. The unit of privacy is one
+    training example (a row with its label).
 
     Args:
       dataset: one of :data:`FEATURE_DATASETS`, or any name when ``data`` is given.
@@ -432,6 +460,9 @@ def features_and_report(
       limit: use only the first ``limit`` (>= 2) training examples.
       out: a new run directory (default ``runs/features-<dataset>-<date>-<time>``).
       data: precomputed ``(x_train, y_train, x_test, y_test)`` instead of extraction.
+      extractor: one of :data:`FEATURE_EXTRACTORS`: ``"pretrained"`` (the networks above) or
+        ``"scatternet"`` (images only; rows normalised per example by
+        :func:`dpfy.features.scatternet.flat_normalised`).
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -447,13 +478,21 @@ def features_and_report(
     if data is None and dataset not in FEATURE_DATASETS:
         allowed = ", ".join(FEATURE_DATASETS)
         raise ValueError(f"dataset must be one of {{{allowed}}}, got dataset={dataset!r}")
+    if extractor not in FEATURE_EXTRACTORS:
+        allowed = ", ".join(FEATURE_EXTRACTORS)
+        raise ValueError(f"extractor must be one of {{{allowed}}}, got extractor={extractor!r}")
+    if extractor == "scatternet" and dataset == "rotten-tomatoes":
+        raise ValueError("extractor='scatternet' is for images; rotten-tomatoes has text "
+                         "features only (extractor='pretrained')")
     out_dir = _new_run_dir(out, f"features-{dataset}")
 
     import numpy as np
 
     from dpfy import features as feats
 
-    x_train, y_train, x_test, y_test = _feature_data(dataset) if data is None else data
+    x_train, y_train, x_test, y_test = (
+        _feature_data(dataset, extractor) if data is None else data
+    )
     if limit is not None:
         x_train, y_train = x_train[:limit], y_train[:limit]
     estimator = getattr(feats, FEATURE_METHODS[method])(
@@ -468,6 +507,7 @@ def features_and_report(
     ledger.record_metadata(
         dataset=dataset,
         estimator=type(estimator).__name__,
+        features=extractor,
         delta=delta,
         target_epsilon=target_epsilon,
         test_accuracy=accuracy,
@@ -481,7 +521,8 @@ def features_and_report(
     ledger = Ledger.load(ledger_path)
     command = None if data is not None else _train_command(
         "features", dataset, out_dir, target_epsilon, delta,
-        {"method": method, "limit": limit, "seed": seed},
+        {"method": method, "limit": limit, "seed": seed,
+         "extractor": None if extractor == "pretrained" else extractor},
     )
     report = _report_files(
         ledger, ledger_path, out_dir, delta=delta, figures=False, train_command=command
@@ -700,10 +741,20 @@ def _train_command(
     return shlex.join(argv)
 
 
-def _feature_data(dataset: str) -> FeatureData:
-    """(x_train, y_train, x_test, y_test) pretrained features of ``dataset``, cached."""
+def _feature_data(dataset: str, extractor: str = "pretrained") -> FeatureData:
+    """(x_train, y_train, x_test, y_test) features of ``dataset`` by ``extractor``, cached."""
     from dpfy.features import extract
 
+    if extractor == "scatternet":
+        from dpfy import datasets
+        from dpfy.features.scatternet import cached_features, flat_normalised
+
+        splits: list[Any] = []
+        for split in ("train", "test"):
+            images, labels = datasets.load(dataset, split)
+            rows = cached_features(images, f"scatternet-J2-L8-{dataset}-{split}", progress=True)
+            splits += [flat_normalised(rows), labels.numpy()]
+        return splits[0], splits[1], splits[2], splits[3]
     if dataset == "rotten-tomatoes":
         x, y, is_test = extract.text_features()
         return x[~is_test], y[~is_test], x[is_test], y[is_test]

@@ -110,3 +110,26 @@ def test_flat_rows_are_normalised_per_example():
     np.testing.assert_allclose(scatternet.flat_normalised(x[:1]), rows[:1], rtol=1e-6)
     with pytest.raises(ValueError, match="features must be"):
         scatternet.flat_normalised(x.flatten(1))
+
+
+def test_dpfy_features_learns_on_scatternet_features(tmp_path, monkeypatch):
+    from dpfy import datasets, runs
+
+    real_load = datasets.load
+
+    def small(name, split="train", *, limit=None):  # the first images only: a quick run
+        return real_load(name, split, limit=300 if split == "train" else 100)
+
+    monkeypatch.setattr(datasets, "load", small)
+    monkeypatch.setenv("DPFY_CACHE_DIR", str(tmp_path / "cache"))
+    run = runs.features_and_report(
+        "mnist", extractor="scatternet", method="dp-ls", target_epsilon=8.0, seed=0,
+        out=tmp_path / "run",
+    )
+    assert 0.0 <= run.test_accuracy <= 1.0 and run.model.n_features_in_ == 81 * 7 * 7
+    assert '"features":"scatternet"' in run.ledger_path.read_text()
+    assert "--extractor scatternet" in run.report_path.read_text()
+    with pytest.raises(ValueError, match="extractor='scatternet' is for images"):
+        runs.features_and_report("rotten-tomatoes", extractor="scatternet")
+    with pytest.raises(ValueError, match="extractor must be one of"):
+        runs.features_and_report("mnist", extractor="wavelets")
