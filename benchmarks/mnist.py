@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             RunHooks(callbacks=(_progress(dataset),)),
         )
         total = time.perf_counter() - start
-        run = summary.to_dict(include_history=True)
+        run = summary.to_dict(include_history=True, private=True)  # our measurements
         run["total_seconds"] = total
         runs.append(run)
         if not args.json:

@@ -102,8 +102,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "correlated": ("correlated",),
     "ledger": ("ledger",),
     "releases": ("queries", "training", "features", "fed", "config"),
-    "pipelines": ("planning", "runs", "run_accounting", "tuning_runs", "report", "audit", "hf",
-                  "opacus"),
+    "pipelines": ("planning", "runs", "run_accounting", "tuning_runs", "publication", "report",
+                  "audit", "hf", "opacus"),
     "interface": ("cli", "cli_options", ""),
 }
 #: The layers each layer may import besides its own (releases reach accounting only through

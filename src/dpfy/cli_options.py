@@ -604,6 +604,17 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     ],
         False,
     ),
+    "private_diagnostics": (
+        Annotated[
+        Path | None,
+        typer.Option("--private-diagnostics", help="Keep the per-step diagnostics (realised "
+                     "batch sizes, training-batch losses and accuracies) in this directory, "
+                     "outside --out. Computed from the private data without noise: not "
+                     "covered by the guarantee, never to be published. Off by default.",
+                     parser=out_dir_option("private_diagnostics")),
+    ],
+        None,
+    ),
 }
 
 

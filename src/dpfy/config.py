@@ -30,6 +30,7 @@ from dpfy._validate import (
     MAX_EPSILON,
     MAX_SCALE,
     check_int,
+    check_output_path,
     check_positive,
     check_range,
     check_seed,
@@ -90,6 +91,10 @@ class RunConfig:
         accuracy on that split instead of the test split (hyperparameter search; the test
         split is never read): :func:`dpfy.datasets.split_rotten_tomatoes` (by movie),
         :func:`dpfy.datasets.validation_images`.
+      private_diagnostics: a directory outside ``out`` for what the run computed from the
+        private training data without noise (per-step realised batch sizes, training-batch
+        losses and accuracies; :mod:`dpfy.publication`). Not covered by the guarantee and
+        never to be published; ``None`` (the default): nothing of the kind is kept.
     """
 
     dataset: str = "mnist"
@@ -126,10 +131,17 @@ class RunConfig:
     adam_eps: float | None = None
     linear_probe: float | None = None
     validation: bool = False
+    private_diagnostics: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
-        if self.out is not None and not isinstance(self.out, str):  # a path: kept as text
-            object.__setattr__(self, "out", os.fspath(self.out))
+        for name in ("out", "private_diagnostics"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):  # a path: kept as text
+                if not isinstance(value, os.PathLike):
+                    raise TypeError(f"{name} must be a path or None, got {name}={value!r}")
+                object.__setattr__(self, name, os.fspath(value))
+        if self.private_diagnostics is not None:
+            check_output_path("private_diagnostics", self.private_diagnostics)
         from dpfy.datasets import DATASETS
         from dpfy.training.recipes import IMAGE_MODELS
         from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS

@@ -149,6 +149,9 @@ def train_and_report(
     audit_guesses = c.audit_guess_count() if audit_canaries is not None else None
     text = c.text
     out_dir = _new_run_dir(c.out, dataset)
+    from dpfy.publication import check_diagnostics_dir
+
+    diagnostics = check_diagnostics_dir(c.private_diagnostics, out_dir)
     ran = c.replace(out=str(out_dir))  # the configuration that runs, as recorded
 
     text_options = {"model": c.model or "minilm", "lora": lora,
@@ -206,7 +209,10 @@ def train_and_report(
     )
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
     from dpfy.ledger import Ledger
+    from dpfy.publication import publishing_section, write_private_diagnostics
 
+    if diagnostics is not None:  # asked for: outside the run directory, named as private
+        write_private_diagnostics(diagnostics, summary.to_dict(private=True), out_dir)
     ledger_path = out_dir / "ledger.jsonl"
     report = _report_files(
         Ledger.load(ledger_path),
@@ -217,6 +223,7 @@ def train_and_report(
         train_command=command,
         target_epsilon=target_epsilon,
         accuracy_by_step=accuracy_by_step,
+        publishing=publishing_section(out_dir, diagnostics),
     )
     if canaries is not None and tracker is not None and audit_guesses is not None:
         report = _one_run_audit(
@@ -674,15 +681,19 @@ def _report_files(
     target_epsilon: float | None = None,
     accuracy_by_step: list[tuple[int, float]] | None = None,
     note: str | None = None,
+    publishing: dict[str, Any] | None = None,
 ) -> PrivacyReport:
     """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
     into ``out_dir``; the report written. ``note`` (how a default was chosen) is added to the
-    report's assumptions."""
+    report's assumptions; ``publishing`` (:func:`dpfy.publication.publishing_section`) is its
+    list of the files safe to publish."""
     from dpfy.report import build_report, write_report
 
     report = build_report(
         ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path)
     )
+    if publishing is not None:
+        report = dataclasses.replace(report, publishing=publishing)
     if note is not None:
         report = dataclasses.replace(report, assumptions=(*report.assumptions, note))
     if train_command is not None:

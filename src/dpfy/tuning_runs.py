@@ -338,6 +338,9 @@ def _check_search(config: RunConfig, space: SearchSpace, options: TuneOptions) -
         raise ValueError("validation is set by the search itself for its trials; leave it out")
     if config.workers != 1 or config.audit_canaries is not None:
         raise ValueError("dpfy tune runs trials in one process without the one-run audit")
+    if config.private_diagnostics is not None:
+        raise ValueError("private_diagnostics applies to dpfy train only (a search keeps no "
+                         "per-step diagnostics of its trials); leave it out")
     if options.shape is not None:
         varied = [d.name for d in space.dimensions if d.name in EVENT_FIELDS]
         if varied:

@@ -97,6 +97,7 @@ def to_markdown(r: PrivacyReport) -> str:
     if r.figures:
         lines += ["", "## Figures", ""]
         lines += [f"![{name}]({path})" for name, path in r.figures.items()]
+    lines += _publishing_lines(r.publishing)
     lines += ["", "## Reproduce", ""]
     if r.reproduce.get("ledger"):
         lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
@@ -112,6 +113,23 @@ def to_markdown(r: PrivacyReport) -> str:
         lines.append(f"- re-train from its configuration file: `dpfy train --config {run_toml}` "
                      "(give a new --out)")
     return "\n".join(lines) + "\n"
+
+
+def _publishing_lines(p: dict[str, Any]) -> list[str]:
+    """The "Publishing" section of a run directory (empty without one)."""
+    if not p:
+        return []
+    files = ", ".join(f"`{name}`" for name in p.get("safe_to_publish", []))
+    lines = ["", "## Publishing", "",
+             f"- Safe to publish (derived from {p.get('derived_from')}): {files}"]
+    if p.get("not_covered"):
+        lines.append(
+            f"- NOT covered by this guarantee, do not publish: `{p['not_covered']}` (private "
+            "diagnostics computed from the training data without noise)"
+        )
+    else:
+        lines.append("- No private diagnostics were kept (`--private-diagnostics` not given)")
+    return lines
 
 
 def _user_level_lines(u: dict[str, Any], delta: float) -> list[str]:

@@ -64,9 +64,29 @@ class History:
     epochs: list[EpochRecord] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every record, private ones included (monitoring only: never beside the model)."""
         return {
             "steps": [dataclasses.asdict(s) for s in self.steps],
             "epochs": [dataclasses.asdict(e) for e in self.epochs],
+        }
+
+    def public_dict(self) -> dict[str, Any]:
+        """The records that may be published beside the model: per epoch, the global step
+        count (public: the sampler's plan), the released model's accuracy on the test data
+        (public data) and the ledger's epsilon so far (a function of the DP releases).
+
+        Left out, as computed from the private training data without noise: every
+        :class:`StepRecord` (realised batch sizes, losses and accuracies on the training
+        batches, dropped examples), each epoch's ``train_loss``, and each epoch's wall time
+        (it grows with the realised batch sizes). :meth:`to_dict` keeps them for private
+        diagnostics.
+        """
+        return {
+            "epochs": [
+                {"epoch": e.epoch, "steps": e.steps, "test_accuracy": e.test_accuracy,
+                 "model_test_accuracy": e.model_test_accuracy, "epsilon": e.epsilon}
+                for e in self.epochs
+            ]
         }
 
     @classmethod

@@ -141,6 +141,12 @@ class TrainResultSummary:
       history: per-step loss and per-epoch test accuracy / epsilon spent.
       model_path, ledger_path: files in ``out_dir`` (None without ``out_dir``).
       model: the released ``nn.Module``; ledger: the run's :class:`~dpfy.ledger.Ledger`.
+      diagnostics: facts the recipe computed from the private training data without noise
+        (e.g. the share of truncated snippets); never in ``summary.json`` or the ledger, only
+        in the run's private diagnostics (``dpfy train --private-diagnostics DIR``).
+
+    ``summary.json`` holds :meth:`to_dict` (the public view: the history's per-step records,
+    training losses and epoch timings are left out, :meth:`History.public_dict`).
     """
 
     dataset: str
@@ -163,15 +169,26 @@ class TrainResultSummary:
     ledger_path: str | None
     model: nn.Module
     ledger: Ledger
+    diagnostics: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def to_dict(self, *, include_history: bool = True) -> dict[str, Any]:
+    def to_dict(self, *, include_history: bool = True, private: bool = False) -> dict[str, Any]:
+        """The summary as JSON-ready values.
+
+        Args:
+          include_history: add the run's history.
+          private: add the whole history and :attr:`diagnostics` (computed from the private
+            training data, not covered by the guarantee: for benchmarks and private
+            diagnostics, never beside the model); default: the public view only.
+        """
         out = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("history", "model", "ledger")
+            if f.name not in ("history", "model", "ledger", "diagnostics")
         }
         if include_history:
-            out["history"] = self.history.to_dict()
+            out["history"] = self.history.to_dict() if private else self.history.public_dict()
+        if private:
+            out["diagnostics"] = dict(self.diagnostics)
         return out
 
 

@@ -50,8 +50,9 @@ where LoRA reached 75.9 % (benchmarks/results/sentiment/).
 Both: expected batch size 256 (Poisson rate 256 / N), clip norm 1.0, Adam betas (0.9, 0.999),
 no weight EMA. Snippets are tokenised once with MiniLM's uncased WordPiece tokenizer, padded and
 truncated to ``max_length`` tokens: at the default 64, 7 of the 12,808 snippets (0.05 %) are
-cut; at 48, 3.9 %; at 32, 30.3 % (:func:`truncated_fraction`, recorded in the ledger). The
-training snippets are ordered by length and every physical chunk is cut to its longest snippet
+cut; at 48, 3.9 %; at 32, 30.3 % (:func:`truncated_fraction`; read from the private snippets,
+so a private diagnostic, never in the ledger). The training snippets are ordered by length and
+every physical chunk is cut to its longest snippet
 (:func:`trim_padding`, exact): about half the tokens of a padded batch, and about half the time
 of a step. A chunk's run time then depends on its longest snippet; what is released (the model,
 the ledger) does not.
@@ -558,8 +559,7 @@ def train_text_classifier(
             "method": "DP-FC (Mehta et al. 2023) on the frozen encoder's normalised mean "
                       "embeddings; the head starts at its weights",
             "share": config.linear_probe, "epsilon_alone": probe.epsilon,
-            "train_accuracy": probe.train_accuracy, "seconds": probe.seconds,
-        })
+        })  # its training accuracy and time were computed without noise: diagnostics only
     model_name = text_model_name(config)
     ledger.record_metadata(
         dataset=dataset,
@@ -570,7 +570,6 @@ def train_text_classifier(
         max_length=max_length,
         clipping="head and encoder separately (C / sqrt 2 each)" if clip_head_separately
         else "joint",
-        truncated_fraction=truncated,
         fine_tuning=mode,
         warmup=config.warmup,
         adam_eps=adam_eps,
@@ -618,6 +617,10 @@ def train_text_classifier(
         model_path=None if model_path is None else str(model_path),
         ledger_path=None if ledger_path is None else str(ledger_path),
         model=result.model, ledger=ledger,
+        diagnostics={"truncated_fraction": truncated} | ({} if probe is None else {
+            "linear_probe_train_accuracy": probe.train_accuracy,
+            "linear_probe_seconds": probe.seconds,
+        }),  # read from the training snippets without noise: never beside the model
     )
     if model_path is not None:
         state = result.model.state_dict() if mode == "full" else {
