@@ -45,8 +45,9 @@ def test_every_line_is_chained_and_close_writes_the_end_record(tmp_path):
     ledger = _run(path)
     objs = [json.loads(line) for line in _lines(path)]
     assert objs[0]["version"] == 2 and len(objs[0]["run_id"]) == 32
-    assert objs[-1] == {"type": "end", "count": len(objs) - 1, "samples": 6,
-                        "prev": objs[-1]["prev"]}
+    assert objs[-2] == {"type": "end", "count": len(objs) - 2, "samples": 6, "releases": 6,
+                        "prev": objs[-2]["prev"]}
+    assert objs[-1]["type"] == "signature" and objs[-1]["lines"] == len(objs) - 1
     v = Ledger.load(path).verification
     assert v.status == "verified" and v.lines == len(objs) and v.run_id == objs[0]["run_id"]
     assert v.head == ledger.head == ledger.verification.head
@@ -114,7 +115,7 @@ def _dump(obj):
         ("reorder two steps",
          lambda lines, objs: lines[:2] + lines[4:6] + lines[2:4] + lines[6:], 3),
         ("delete trailing steps but keep the end record",
-         lambda lines, objs: lines[:-5] + lines[-1:], 11),
+         lambda lines, objs: lines[:-6] + lines[-2:], 11),
     ],
 )
 def test_tampering_is_refused_naming_the_first_broken_line(tmp_path, name, edit, line):
@@ -137,14 +138,14 @@ def test_tampering_is_refused_naming_the_first_broken_line(tmp_path, name, edit,
 def test_deleting_trailing_steps_and_the_end_record_is_not_verified(tmp_path):
     path = tmp_path / "run.jsonl"
     _run(path)
-    _write(path, _lines(path)[:-5])
+    _write(path, _lines(path)[:-6])
     v = Ledger.load(path).verification
     assert v.status == "verified, open or crash-cut" and "no end record" in v.reason
     # the end record's count is chained too
     _run(path2 := tmp_path / "b.jsonl")
     lines = _lines(path2)
-    end = json.loads(lines[-1])
-    _write(path2, lines[:-1] + [_dump({**end, "count": 3})])
+    end = json.loads(lines[-2])
+    _write(path2, lines[:-2] + [_dump({**end, "count": 3})])
     with pytest.raises(LedgerIntegrityError, match="end record counts 3"):
         Ledger.load(path2)
 
@@ -279,7 +280,7 @@ def test_the_report_states_the_chain_and_dpfy_report_refuses_a_tampered_ledger(t
     rep = build_report(Ledger.load(path), delta=DELTA, method="rdp", ledger_path=str(path))
     assert rep.ledger_integrity["status"] == "verified"
     assert rep.ledger_integrity["head"] == ledger.head
-    line = f"- Ledger integrity: verified (hash chain over 15 lines, run {ledger.run_id[:8]}…"
+    line = f"- Ledger integrity: verified (hash chain over 16 lines, run {ledger.run_id[:8]}…"
     assert line in rep.to_markdown()
     assert rep.to_dict()["ledger_integrity"]["run_id"] == ledger.run_id
     forensic_copy = tmp_path / "copy.jsonl"

@@ -11,7 +11,7 @@ import pytest
 
 from dpfy import accounting
 from dpfy.ledger import Ledger, register_record
-from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.ledger.hyperparameters import ledger_hyperparameters
 from dpfy.ledger.records import (
     EndRecord,
     HeaderRecord,
@@ -155,7 +155,7 @@ def test_replay_refuses_reused_ids_and_unknown_samples():
 
 
 def test_old_report_names_still_work():
-    from dpfy.ledger.ledger import ledger_hyperparameters as old_hyper
+    from dpfy.ledger.hyperparameters import ledger_hyperparameters as old_hyper
     from dpfy.report.statement import prefix_ledger
 
     ledger = _run()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dpfy.ledger import Ledger
-from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.ledger.hyperparameters import ledger_hyperparameters
 from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.randomness import Randomness
 from dpfy.report import build_report

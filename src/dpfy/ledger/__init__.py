@@ -6,7 +6,9 @@
   loading, resuming and copying share, and the mapping of records to a privacy event;
 * :mod:`dpfy.ledger.matrix` -- matrix-mechanism (correlated-noise) runs -> one event, with
   the checks of their steps against the recorded schema;
+* :mod:`dpfy.ledger.hyperparameters` -- the DP hyperparameters a ledger recorded, for reports;
 * :mod:`dpfy.ledger.chain` -- the hash chain over the file's lines and its verification;
+* :mod:`dpfy.ledger.signing` -- the run's Ed25519 key and the signature of the chain head;
 * :mod:`dpfy.ledger.logfile` -- the locked, append-only file (one writer, clean failures).
 
 The ledger imports neither torch nor the accountants: ``dpfy.accounting.epsilon(ledger, delta)``

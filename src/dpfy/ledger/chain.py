@@ -6,7 +6,11 @@ the last one. ``Ledger.close()`` appends an end record chained like the rest, wh
 is the number of lines before it: a closed file ends with it, and a file without it is still
 open, crashed or was truncated. A line cut short by a crash is not chained (its tail is
 missing); the resume marker written after it names its hash in ``"cut"`` and chains to the last
-complete line. What the chain proves and what it does not: ``docs/ledger.md``.
+complete line. A signed file's header carries the run's Ed25519 public key, and signature
+records (after the end record, and at checkpoints) sign the head they follow
+(:mod:`dpfy.ledger.signing`); a signature that does not hold breaks the chain. A header that
+claims version 1 over lines that carry hashes is a downgrade and breaks it too. What the chain
+proves and what it does not: ``docs/ledger.md``.
 
 This module imports neither torch nor the accountants.
 """
@@ -18,7 +22,10 @@ import hashlib
 import secrets
 from typing import Any
 
+from dpfy.ledger.signing import signature_holds
+
 VERIFIED = "verified"
+UNSIGNED = "unsigned"
 OPEN = "verified, open or crash-cut"
 BROKEN = "broken"
 UNVERIFIED = "unverified (no chain)"
@@ -52,16 +59,22 @@ class Verification:
     """What the hash chain says about a ledger file.
 
     Attributes:
-      status: ``"verified"`` (chain intact, closed by its writer), ``"verified, open or
-        crash-cut"`` (chain intact, no end record: still being written, crashed, or its tail
-        was cut off), ``"broken"``, ``"unverified (no chain)"`` (a version 1 file) or ``"in
-        memory (no file)"``.
+      status: ``"verified"`` (chain intact, closed by its writer, the end record signed by
+        the header's key), ``"unsigned"`` (chain intact and closed, but no key: a file written
+        before dpfy signed its ledgers; its completeness cannot be checked), ``"verified, open
+        or crash-cut"`` (chain intact, no signed end record: still being written, crashed, or
+        its tail was cut off), ``"broken"``, ``"unverified (no chain)"`` (a version 1 file) or
+        ``"in memory (no file)"``.
       lines: lines checked (header and markers included).
       run_id: the header's run identifier (None for version 1 or in memory).
       head: SHA-256 of the last complete line: keep it elsewhere (a report, a checkpoint) to
         detect a rewrite of the whole chain.
       broken_line: first line (1-based) where the chain breaks, else None.
       reason: why it breaks, or what the status means.
+      public_key: the run's Ed25519 public key from the header (64 hex digits; None if the
+        file is unsigned). Keep it apart from the file: it is what a rewrite cannot forge.
+      signed_lines / signed_head: the line (1-based) and chain head that the last valid
+        signature covers (None if none does).
     """
 
     status: str
@@ -70,21 +83,32 @@ class Verification:
     head: str | None = None
     broken_line: int | None = None
     reason: str = ""
+    public_key: str | None = None
+    signed_lines: int | None = None
+    signed_head: str | None = None
 
     @property
     def ok(self) -> bool:
-        """The chain is intact (closed or not)."""
-        return self.status in (VERIFIED, OPEN)
+        """The chain is intact (closed or not, signed or not)."""
+        return self.status in (VERIFIED, OPEN, UNSIGNED)
+
+    @property
+    def complete(self) -> bool:
+        """The file ends with its writer's end record and its signature: nothing was cut."""
+        return self.status == VERIFIED
 
     def describe(self) -> str:
         """One line for a report."""
         if self.status == BROKEN:
             return f"BROKEN at line {self.broken_line}: {self.reason}"
-        if self.status in (VERIFIED, OPEN):
+        if self.status in (VERIFIED, OPEN, UNSIGNED):
             run = f"run {self.run_id[:8]}…, " if self.run_id else ""
             head = f"head {self.head[:12]}…" if self.head else ""
             text = f"{self.status} (hash chain over {self.lines} lines, {run}{head})"
-            return text if self.status == VERIFIED else f"{text}: {self.reason}"
+            if self.status == VERIFIED:
+                return (f"{text}, signed at line {self.signed_lines} by Ed25519 key "
+                        f"{self.public_key}")
+            return f"{text}: {self.reason}"
         return f"{self.status}: {self.reason}" if self.reason else self.status
 
 
@@ -100,13 +124,20 @@ class ChainChecker:
         self.strict = strict
         self.version = 0
         self.run_id: str | None = None
+        self.public_key: str | None = None
         self.head: str | None = None  # hash of the last complete line
         self.lines = 0
-        self.ended = False  # the last complete line is an end record
+        self.ended = False  # the last record (signatures aside) is an end record
+        self.end_line: int | None = None
+        self.signed: tuple[int, str] | None = None  # (line, head) of the last valid signature
         self.tail_cut = False  # the last line is cut short
         self._cut: str | None = None  # hash of a cut line awaiting its resume marker
         self.broken_line: int | None = None
         self.reason = ""
+
+    def refuse(self, lineno: int, reason: str) -> None:
+        """Line ``lineno`` contradicts the file (e.g. an end record's counts): a break."""
+        self._break(lineno, reason)
 
     def _break(self, lineno: int, reason: str) -> None:
         if self.broken_line is None:
@@ -125,11 +156,17 @@ class ChainChecker:
         if lineno == 1:
             self.version = obj.get("version", 0)
             self.run_id = obj.get("run_id")
+            self.public_key = obj.get("public_key")
         elif self.version >= 2:
             self._check(lineno, obj, kind)
+        elif "prev" in obj:
+            self._break(lineno, f"the header claims version {self.version}, which has no hash "
+                        "chain, but this line carries a prev hash: a version downgrade")
         self.head = line_hash(raw)
         self.lines = lineno
-        self.ended = kind == "end"
+        self.ended = kind == "end" or (kind == "signature" and self.ended)
+        if kind == "end":
+            self.end_line = lineno
         self.tail_cut = False
 
     def _check(self, lineno: int, obj: dict[str, Any], kind: Any) -> None:
@@ -148,13 +185,29 @@ class ChainChecker:
             )
         elif kind == "header":
             self._break(lineno, "a second header")
-        elif self.ended and kind != "resume":
+        elif self.ended and kind not in ("resume", "signature"):
             self._break(lineno, "a line after the end record that is not a resume marker")
+        elif kind == "signature":
+            self._check_signature(lineno, obj)
         elif kind == "end" and obj.get("count") != lineno - 1:
             self._break(
                 lineno, f"the end record counts {obj.get('count')!r} lines before it, the file "
                 f"holds {lineno - 1}"
             )
+
+    def _check_signature(self, lineno: int, obj: dict[str, Any]) -> None:
+        if self.public_key is None or self.run_id is None:
+            self._break(lineno, "a signature in a file whose header names no public key")
+        elif obj.get("lines") != lineno - 1:
+            self._break(lineno, f"the signature covers line {obj.get('lines')!r}, not the line "
+                        "before it")
+        elif self.head is None or not signature_holds(
+            self.public_key, self.run_id, lineno - 1, self.head, obj.get("signature", "")
+        ):
+            self._break(lineno, "the signature of the chain head does not hold under the "
+                        "header's public key (the lines before it were rewritten)")
+        else:
+            self.signed = (lineno - 1, self.head)
 
     def cut(self, lineno: int, raw: bytes, *, last: bool) -> None:
         """A line cut short by a crash: the last line, or one a resume marker follows."""
@@ -165,15 +218,36 @@ class ChainChecker:
         self.lines = lineno
 
     def result(self) -> Verification:
+        """The verification of the lines added so far (see :class:`Verification`)."""
         if self.broken_line is not None:
-            return Verification(BROKEN, self.lines, self.run_id, self.head, self.broken_line,
-                                self.reason)
+            return with_signature(
+                Verification(BROKEN, self.lines, self.run_id, self.head, self.broken_line,
+                             self.reason), self.public_key, self.signed)
         if self.version < 2:
             return Verification(UNVERIFIED, self.lines, None, None, None,
                                 f"a version {self.version} ledger, written without a hash chain")
         if self.ended and not self.tail_cut:
-            return Verification(VERIFIED, self.lines, self.run_id, self.head)
-        why = "the last line is cut short (crash mid-write)" if self.tail_cut else (
-            "no end record: the run is still writing, crashed, or its tail was removed"
-        )
-        return Verification(OPEN, self.lines, self.run_id, self.head, None, why)
+            if self.public_key is None:
+                return Verification(UNSIGNED, self.lines, self.run_id, self.head, None,
+                                    "closed, but written without a signing key: whether its "
+                                    "tail was rewritten cannot be checked")
+            if self.signed is not None and self.signed[0] == self.end_line:
+                return with_signature(Verification(VERIFIED, self.lines, self.run_id, self.head),
+                                      self.public_key, self.signed)
+            why = "the end record is not signed: its signature line was cut or removed"
+        elif self.tail_cut:
+            why = "the last line is cut short (crash mid-write)"
+        else:
+            why = "no end record: the run is still writing, crashed, or its tail was removed"
+        return with_signature(Verification(OPEN, self.lines, self.run_id, self.head, None, why),
+                              self.public_key, self.signed)
+
+
+def with_signature(
+    verification: Verification, public_key: str | None, signed: tuple[int, str] | None
+) -> Verification:
+    """``verification`` with the run's public key and the (line, head) its last signature
+    covers (``signed``; None if no signature holds)."""
+    lines, head = signed if signed is not None else (None, None)
+    return dataclasses.replace(verification, public_key=public_key, signed_lines=lines,
+                               signed_head=head)

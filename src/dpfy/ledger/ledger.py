@@ -51,6 +51,7 @@ from typing import Any
 
 from dpfy import events as ev
 from dpfy._validate import check_count, check_finite_nonneg, check_range
+from dpfy.ledger import signing
 from dpfy.ledger.chain import (
     IN_MEMORY,
     ChainChecker,
@@ -58,6 +59,7 @@ from dpfy.ledger.chain import (
     Verification,
     line_hash,
     new_run_id,
+    with_signature,
 )
 from dpfy.ledger.lines import (
     check_nesting,
@@ -80,6 +82,7 @@ from dpfy.ledger.records import (
     Record,
     ResumeRecord,
     SampleRecord,
+    SignatureRecord,
     SumQueryRecord,
     record_from_dict,
 )
@@ -181,6 +184,10 @@ class Ledger:
         self._closed = False  # closed by close(), with its end record
         self._verification: Verification | None = None  # set by load()
         self._cut_tail: str | None = None  # hash of a cut last line
+        self._releases = 0  # sum queries, non-private releases and matrix steps
+        self._public_key: str | None = None  # the run's Ed25519 key (signed files)
+        self._key: Any = None  # its private half, while writing (dpfy.ledger.signing)
+        self._signed: tuple[int, str] | None = None  # (line, head) of the last signature
         if self.path is not None:
             self._open_for_append(self.path)
 
@@ -210,7 +217,9 @@ class Ledger:
             if not data:
                 self._file = file
                 self._run_id = new_run_id()
-                self._write(HeaderRecord(run_id=self._run_id).to_dict(), sync=True)
+                self._key, self._public_key = signing.new_key(self._run_id, path)
+                header = HeaderRecord(run_id=self._run_id, public_key=self._public_key)
+                self._write(header.to_dict(), sync=True)
                 return
             self._parse(data, source=path, strict=True)
             if self._version < VERSION:
@@ -219,6 +228,8 @@ class Ledger:
                     f"hash chain; dpfy appends only to version {VERSION} ledgers. Load it "
                     "read-only with Ledger.load(path) and start a new ledger file"
                 )
+            if self._public_key is not None and self._run_id is not None:
+                self._key = signing.load_key(self._run_id, path, self._public_key)
             self._file = file
             cut = self._cut_tail if self._ends_truncated and self.truncated_lines else None
             # Terminate a cut (or unterminated) last line in the same write as the marker, so
@@ -262,7 +273,7 @@ class Ledger:
         markers describe the file, not the run: they are dropped. Callers hold the lock (or own the
         ledger alone, while it is being built).
         """
-        if isinstance(record, HeaderRecord | ResumeRecord | EndRecord):
+        if isinstance(record, HeaderRecord | ResumeRecord | EndRecord | SignatureRecord):
             return
         if write and self.read_only:
             raise RuntimeError(
@@ -303,6 +314,8 @@ class Ledger:
 
     def _add(self, record: Record) -> None:
         self._entries.append(record)
+        if isinstance(record, SumQueryRecord | NonPrivateRecord | MatrixStepRecord):
+            self._releases += 1
         if isinstance(record, SumQueryRecord):
             sid, sens, std = record.sample_id, record.sensitivity, record.noise_std
             if sens == 0.0:
@@ -435,8 +448,27 @@ class Ledger:
                 f"sample_id must be an id returned by record_sample, got sample_id={sample_id!r}"
             )
 
+    def sign(self) -> None:
+        """Sign the chain head now (a signature record, fsynced): at a checkpoint, say.
+
+        The signature covers every line so far; a later rewrite of them no longer verifies
+        under the header's public key. Nothing happens in memory or for an unsigned file.
+        """
+        with self._lock:
+            self._sign(sync=True)
+
+    def _sign(self, *, sync: bool) -> None:
+        if self._file is None or self._key is None or self._run_id is None:
+            return
+        lines, head = self._lines, self._head
+        assert head is not None
+        signature = signing.sign_head(self._key, self._run_id, lines, head)
+        self._write(SignatureRecord(lines, signature).to_dict(), sync=sync)
+        self._signed = (lines, head)
+
     def close(self) -> None:
-        """Write the end record, fsync, close the file and release its lock; appends then raise.
+        """Write the end record and its signature, fsync, close the file and release its lock;
+        appends then raise.
 
         After a failed write nothing more is written (the file reads as open or crash-cut).
         """
@@ -444,7 +476,9 @@ class Ledger:
             file = self._file
             try:
                 if file is not None and file.failed is None:
-                    self._write(EndRecord(self._lines, len(self._samples)).to_dict(), sync=True)
+                    end = EndRecord(self._lines, len(self._samples), self._releases)
+                    self._write(end.to_dict(), sync=False)
+                    self._sign(sync=True)
                     self._closed = True
             finally:
                 if file is not None:
@@ -535,9 +569,19 @@ class Ledger:
                 self._replay(record_from_dict(obj), write=False)
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerFormatError(f"{where}: {err}", line=lineno) from None
+            if obj.get("type") == EndRecord.kind:
+                self._check_end(obj, checker, lineno)
         self._run_id, self._head = checker.run_id, checker.head
+        self._public_key, self._signed = checker.public_key, checker.signed
         self._lines, self._version = checker.lines, checker.version
         return checker.result()
+
+    def _check_end(self, obj: dict[str, Any], checker: ChainChecker, lineno: int) -> None:
+        """An end record's sample and release counts must be those of the lines before it."""
+        for name, counted in (("samples", len(self._samples)), ("releases", self._releases)):
+            if obj.get(name) is not None and obj[name] != counted:
+                checker.refuse(lineno, f"the end record counts {obj[name]!r} {name}, the lines "
+                               f"before it hold {counted} (lines were removed or added)")
 
     def _recover_truncated(self, line: str, where: str) -> None:
         self.truncated_lines += 1
@@ -587,12 +631,16 @@ class Ledger:
         if self.path is None or self._run_id is None:
             return Verification(IN_MEMORY)
         if self._closed:
-            return Verification("verified", self._lines, self._run_id, self._head)
+            status = "verified" if self._key is not None else "unsigned"
+            why = "" if self._key is not None else "closed, but written without a signing key"
+            return with_signature(Verification(status, self._lines, self._run_id, self._head,
+                                               None, why), self._public_key, self._signed)
         failed = self._file.failed if self._file is not None else None
         why = failed or ("open for appending" if self._file is not None else "closed without "
                          "its end record")
-        return Verification("verified, open or crash-cut", self._lines, self._run_id,
-                            self._head, None, why)
+        return with_signature(Verification("verified, open or crash-cut", self._lines,
+                                           self._run_id, self._head, None, why),
+                              self._public_key, self._signed)
 
     def chain_hash_at(self, line: int) -> str | None:
         """SHA-256 of line ``line`` (1-based) of the file as it is now; None if it is shorter.
@@ -795,61 +843,3 @@ def _prefix(entries: Iterable[Record], num_samples: int | None) -> Iterator[Reco
             if record.sample_id is not None and record.sample_id not in kept:
                 continue
         yield record
-
-
-def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
-    """DP hyperparameters as the ledger recorded them (never as the training code intended).
-
-    Read from the first sample's spec (``sampler_changes`` counts distinct specs when there
-    are several), the effective noise multipliers (one float, or ``{"min", "max"}``), the
-    sensitivities of each named sum query, and known metadata keys (``clip_norm``,
-    ``learning_rate``, ...). ``epochs``: expected epochs (steps x q) for ``poisson``, distinct
-    epoch labels for epoch samplers. No accounting happens here.
-    """
-    samples = ledger.samples
-    specs = list(dict.fromkeys(r.spec for r in samples))
-    zs = [z for z in ledger.noise_multipliers().values() if z > 0]
-    sens: dict[str, set[float]] = {}
-    for r in ledger.entries:
-        if isinstance(r, SumQueryRecord):
-            sens.setdefault(r.name or "sum", set()).add(r.sensitivity)
-    spec = specs[0].to_dict() if specs else {}
-    out: dict[str, Any] = {"_spec": spec, "steps": len(samples)}
-    if len(specs) > 1:
-        out["sampler_changes"] = len(specs)
-    if spec.get("sampling_rate") is not None:
-        out["sampling_rate"] = spec["sampling_rate"]
-        if spec.get("dataset_size"):
-            out["expected_batch_size"] = spec["sampling_rate"] * spec["dataset_size"]
-            out["epochs"] = len(samples) * spec["sampling_rate"]
-    if spec.get("steps_per_epoch"):
-        out["steps_per_epoch"] = spec["steps_per_epoch"]
-        out["epochs"] = len({r.epoch for r in samples})
-        if spec.get("dataset_size"):
-            out["expected_batch_size"] = spec["dataset_size"] / spec["steps_per_epoch"]
-    for key in ("batch_size", "max_batch_size", "dataset_size"):
-        if spec.get(key) is not None:
-            out[key] = spec[key]
-    if zs:
-        out["noise_multiplier"] = min(zs) if max(zs) - min(zs) < 1e-12 * max(zs) else {
-            "min": min(zs),
-            "max": max(zs),
-        }
-    out["l2_sensitivity_per_query"] = {k: sorted(v) for k, v in sens.items()}
-    runs = [r for r in ledger.entries if isinstance(r, MatrixRunRecord)]
-    if runs:  # a correlated-noise run: its z and the strategy (docs/architecture.md, 5.16)
-        out["noise_multiplier"] = runs[0].noise_multiplier
-        out["mechanism"] = "; ".join(
-            f"{r.plan.strategy} (correlated noise), schema {r.plan.event(1.0).schema}, "
-            f"{r.plan.steps} steps, sensitivity {r.sensitivity:.4g} x clip norm" for r in runs
-        )
-    meta = ledger.metadata
-    keys = (
-        "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
-        "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
-        "target_epsilon",
-    )
-    for key in keys:
-        if meta.get(key) is not None:
-            out[key] = meta[key]
-    return out

@@ -83,22 +83,29 @@ class HeaderRecord:
     """First line of every ledger file: format, version and run identifier (a marker).
 
     ``run_id`` (version 2): 32 random hex digits naming the run the file belongs to; a
-    checkpoint records it, so a resume into another ledger file is refused.
+    checkpoint records it, so a resume into another ledger file is refused. ``public_key``
+    (signed files): the run's Ed25519 public key, 64 hex digits, whose signature records
+    vouch for the chain head (:mod:`dpfy.ledger.signing`); None in an unsigned file.
     """
 
     format: str = FORMAT
     version: int = VERSION
     run_id: str | None = None
+    public_key: str | None = None
     kind: ClassVar[str] = "header"
 
     def __post_init__(self) -> None:
         if self.version >= 2 or self.run_id is not None:
             _check_hex("run_id", self.run_id, 32)
+        if self.public_key is not None:
+            _check_hex("public_key", self.public_key, 64)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind, "format": self.format, "version": self.version}
         if self.run_id is not None:
             out["run_id"] = self.run_id
+        if self.public_key is not None:
+            out["public_key"] = self.public_key
         return out
 
     @classmethod
@@ -111,7 +118,7 @@ class HeaderRecord:
             raise ValueError(
                 f"version must be one of {READABLE_VERSIONS}, got version={version!r}"
             )
-        return cls(FORMAT, version, data.get("run_id"))
+        return cls(FORMAT, version, data.get("run_id"), data.get("public_key"))
 
 
 @register_record
@@ -150,26 +157,61 @@ class ResumeRecord:
 @register_record
 @dataclasses.dataclass(frozen=True, slots=True)
 class EndRecord:
-    """Written by ``Ledger.close()`` (a marker): ``count`` lines precede it, ``samples`` samples.
+    """Written by ``Ledger.close()`` (a marker): ``count`` lines precede it, ``samples`` samples
+    and ``releases`` releases (sum queries, non-private releases and matrix steps; None in
+    files written before it was recorded) were recorded.
 
     A file whose last line is an end record was closed by its writer; one without is still
-    open, crashed or was truncated (``docs/ledger.md``).
+    open, crashed or was truncated (``docs/ledger.md``). A reader checks both counts against
+    the lines it read.
     """
 
     count: int
     samples: int
+    releases: int | None = None
     kind: ClassVar[str] = "end"
 
     def __post_init__(self) -> None:
         check_count("count", self.count)
         check_count("samples", self.samples)
+        if self.releases is not None:
+            check_count("releases", self.releases)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": self.kind, "count": self.count, "samples": self.samples}
+        out: dict[str, Any] = {"type": self.kind, "count": self.count, "samples": self.samples}
+        if self.releases is not None:
+            out["releases"] = self.releases
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EndRecord:
-        return cls(data["count"], data["samples"])
+        return cls(data["count"], data["samples"], data.get("releases"))
+
+
+@register_record
+@dataclasses.dataclass(frozen=True, slots=True)
+class SignatureRecord:
+    """The run key's Ed25519 signature of the chain head at line ``lines`` (a marker).
+
+    Written right after the line it covers (at ``Ledger.close()`` after the end record, and at
+    each checkpoint), so its ``prev`` is the signed head. ``signature``: 128 hex digits over
+    :func:`dpfy.ledger.signing.head_message`.
+    """
+
+    lines: int
+    signature: str
+    kind: ClassVar[str] = "signature"
+
+    def __post_init__(self) -> None:
+        check_count("lines", self.lines)
+        _check_hex("signature", self.signature, 128)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.kind, "lines": self.lines, "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SignatureRecord:
+        return cls(data["lines"], data["signature"])
 
 
 @register_record
@@ -415,7 +457,7 @@ Record = (
     | MatrixStepRecord
 )
 #: Lines of a ledger file that mark its structure and hold no fact.
-Marker = HeaderRecord | ResumeRecord | EndRecord
+Marker = HeaderRecord | ResumeRecord | EndRecord | SignatureRecord
 AnyRecord = Record | Marker
 
 def record_from_dict(data: Mapping[str, Any]) -> AnyRecord:

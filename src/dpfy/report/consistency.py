@@ -1,0 +1,105 @@
+"""What a report may claim given the ledger's integrity, and the ledger's own recorded epsilon.
+
+Two checks stand between a ledger file and the sentence "the run satisfies (eps, delta)-DP":
+
+* **Completeness.** Only a file closed by its writer, with the end record signed by the run's
+  key (:attr:`dpfy.ledger.Verification.complete`), describes a finished run. A file that is
+  still open, crash-cut, or whose tail (end record or signature) is missing can only give an
+  epsilon *so far*: the headline says "Incomplete: epsilon so far ...". A closed file without a
+  key (written before dpfy signed its ledgers) is "unsigned": its releases are stated, with the
+  warning that a removed tail cannot be detected.
+* **The recorded epsilon.** Training records, in the ledger's metadata, the epsilon it
+  accounted at the end (``epsilon``, with ``accounting`` and ``delta``). Recomputing it from the
+  lines must not give less: a smaller figure means releases were removed or their noise was
+  raised after the fact, and the report is refused (:class:`LedgerIntegrityError`). A larger
+  figure is an over-count (e.g. lines recovered after a crash) and is safe.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from dpfy import accounting
+from dpfy.ledger import Ledger, LedgerIntegrityError, Verification
+
+#: Relative tolerance between the recorded and the recomputed epsilon (same method and delta):
+#: both come from the same deterministic accountant, so only float noise separates them.
+EPSILON_RTOL = 1e-6
+
+#: Statuses of a file that may have lost releases at its end (``dpfy.ledger.chain``).
+_INCOMPLETE = ("verified, open or crash-cut", "broken")
+_NO_SIGNATURE = ("unsigned", "unverified (no chain)")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        return None
+    return float(value)
+
+
+def check_recorded_epsilon(
+    ledger: Ledger, result: accounting.PrivacyResult, delta: float
+) -> None:
+    """Refuse a ledger whose lines account to less than the epsilon its writer recorded.
+
+    Args:
+      ledger: the loaded ledger; its metadata may hold ``epsilon`` (the writer's final figure),
+        ``accounting`` (the method) and ``delta``.
+      result: the report's own accounting of ``ledger`` at ``delta`` (reused when the method
+        and delta are the recorded ones).
+      delta: the report's delta.
+
+    Raises:
+      LedgerIntegrityError: the recomputed epsilon is below the recorded one.
+    """
+    meta: Mapping[str, Any] = ledger.metadata
+    recorded, recorded_delta = _number(meta.get("epsilon")), _number(meta.get("delta"))
+    method = meta.get("accounting")
+    if recorded is None or recorded_delta is None or not isinstance(method, str):
+        return
+    if not math.isfinite(recorded) or not 0.0 < recorded_delta < 1.0:
+        return
+    if method == result.method and recorded_delta == delta:
+        recomputed = result.epsilon
+    else:
+        try:
+            recomputed = accounting.epsilon(ledger, recorded_delta, method).epsilon
+        except (ValueError, KeyError):  # a method this version does not know: nothing to check
+            return
+    if recomputed < recorded * (1.0 - EPSILON_RTOL):
+        raise LedgerIntegrityError(
+            f"ledger {ledger.path!r}: its lines account to epsilon {recomputed:.6g} "
+            f"({method}, delta {recorded_delta:g}), below the {recorded:.6g} its writer "
+            "recorded: releases were removed or their noise raised after the run. No report "
+            "is written"
+        )
+
+
+def incomplete_statement(verification: Verification, epsilon: float, delta: float) -> str | None:
+    """The headline of a ledger that may lack its last releases (None for a complete one).
+
+    ``epsilon`` is in the report's accounting at ``delta``; it is a lower bound on what the
+    whole run spent when the file is incomplete.
+    """
+    if verification.status in _INCOMPLETE:
+        reason = verification.reason or verification.status
+        return (
+            f"Incomplete: epsilon so far {epsilon:.5g} at delta {delta:g}. The ledger is "
+            f"{verification.status} ({reason}); later releases may be missing, so this is NOT "
+            "a differential privacy statement about the finished run."
+        )
+    return None
+
+
+def unsigned_note(verification: Verification) -> str | None:
+    """What a report adds when the ledger carries no signature (None for a signed one)."""
+    if verification.status in _NO_SIGNATURE:
+        return (
+            f" The ledger is {verification.status}: no signature vouches for its end, so "
+            "whether releases were removed from its tail cannot be checked."
+        )
+    return None
