@@ -29,13 +29,18 @@ from dpfy._validate import check_range
 from dpfy.accounting.group import group_epsilon
 from dpfy.accounting.risk import AttackRisk, attack_risk
 from dpfy.ledger import Ledger
-from dpfy.ledger.ledger import ledger_hyperparameters
+from dpfy.ledger.hyperparameters import ledger_hyperparameters
 from dpfy.ledger.records import NonPrivateRecord
+from dpfy.report.consistency import (
+    check_recorded_epsilon,
+    incomplete_statement,
+    unsigned_note,
+)
 from dpfy.report.markdown import to_markdown
 from dpfy.sampling.kinds import column as sampler_column
 from dpfy.sampling.kinds import kind as sampler_kind
 
-# Ledger operations that used to live here (ledger_hyperparameters too, imported above).
+# Ledger operations that used to live here.
 prefix_ledger = Ledger.prefix  # prefix_ledger(ledger, num_samples=None, *, path=None)
 
 #: Every field a report carries (a test checks each is present and consistent with the ledger).
@@ -212,6 +217,8 @@ def build_report(
     )
     event = ledger.to_event()
     result = accounting.epsilon(ledger, delta, method)
+    check_recorded_epsilon(ledger, result, delta)  # refuses a tail rewritten after the run
+    verification = ledger.verification
     hyper = ledger_hyperparameters(ledger)
     spec = hyper.pop("_spec", {})
     n = spec.get("dataset_size")
@@ -263,7 +270,8 @@ def build_report(
             f"{subject} ({result.epsilon:.5g}, {delta:g})-differential privacy "
             f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
             f", accounted with {result.method}{confidence}."
-        )
+        ) + (unsigned_note(verification) or "")
+        statement = incomplete_statement(verification, result.epsilon, delta) or statement
     reproduce: dict[str, Any] = {
         "ledger": ledger_path,
         "command": reproduce_command
@@ -305,8 +313,9 @@ def build_report(
         error_probability=result.error_probability,
         attack_risk=risk.to_dict(),
         ledger_integrity={
-            **dataclasses.asdict(ledger.verification),
-            "summary": ledger.verification.describe(),
+            **dataclasses.asdict(verification),
+            "complete": verification.complete,
+            "summary": verification.describe(),
         },
         release=release,
         sampling_randomness=sampling_randomness,
