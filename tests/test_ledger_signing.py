@@ -260,3 +260,27 @@ def test_keys_default_to_the_user_config_directory(monkeypatch, tmp_path):
     assert signing.key_dir() == tmp_path / "cfg" / "dpfy" / "keys"
     monkeypatch.delenv("XDG_CONFIG_HOME")
     assert signing.key_dir() == Path(os.path.expanduser("~")) / ".config" / "dpfy" / "keys"
+
+
+def test_dpfy_report_never_overwrites_a_report_of_another_chain_head(tmp_path, capsys):
+    from dpfy.cli import main
+
+    path = tmp_path / "ledger.jsonl"
+    _run(path, steps=3)
+    args = ["report", str(path), "--delta", "1e-5", "--method", "rdp", "--no-figures"]
+    assert main(args) == 0
+    original = (tmp_path / "report.json").read_text()
+    assert main(args) == 0  # same head: rewritten in place
+    assert (tmp_path / "report.json").read_text() == original
+    capsys.readouterr()
+    with Ledger(path) as resumed:  # the ledger moves on (or is rewritten)
+        resumed.record_sum_query(resumed.record_sample(POISSON), sensitivity=1.0, noise_std=1.0)
+    head = Ledger.load(path).head
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert (tmp_path / "report.json").read_text() == original
+    beside = tmp_path / f"report-{head[:12]}.json"
+    assert json.loads(beside.read_text())["ledger_integrity"]["head"] == head
+    assert (tmp_path / f"report-{head[:12]}.md").exists()
+    assert "is kept and this report is written beside it" in err
+    assert f"report-{head[:12]}.md" in out.replace("\n", "")

@@ -257,6 +257,8 @@ def report(
         ledger_path, delta=delta, method=method, out=out, figures=figures
     )
     rep = run.report
+    if run.diverted is not None:
+        print(run.diverted, file=sys.stderr)
     if as_json:
         print(rep.to_json())
         return

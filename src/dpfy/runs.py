@@ -81,11 +81,15 @@ class ReportedRun:
     out_dir: Path
     ledger_path: Path
     report: PrivacyReport
+    #: The report's file name without suffix: ``report``, or ``report-<head>`` beside a
+    #: ``report.json`` of another chain head (``diverted`` says why).
+    report_name: str = dataclasses.field(default="report", kw_only=True)
+    diverted: str | None = dataclasses.field(default=None, kw_only=True)
 
     @property
     def report_path(self) -> Path:
-        """``report.md`` in the run directory."""
-        return self.out_dir / "report.md"
+        """``report.md`` (or the name it was written under) in the run directory."""
+        return self.out_dir / f"{self.report_name}.md"
 
     @property
     def statement(self) -> str:
@@ -583,6 +587,9 @@ def report_ledger(
     note = None
     if delta is None:
         delta, note = _default_delta(ledger, facts)
+    from dpfy.report.write import report_name
+
+    name, diverted = report_name(out_dir, ledger.head)  # _report_files writes under this name
     report = _report_files(
         ledger,
         path,
@@ -595,7 +602,7 @@ def report_ledger(
         accuracy_by_step=facts["accuracy_by_step"],
         note=note,
     )
-    return ReportedRun(out_dir, path, report)
+    return ReportedRun(out_dir, path, report, report_name=name, diverted=diverted)
 
 
 def _recorded_facts(meta: Mapping[str, Any], *, need_delta: bool) -> dict[str, Any]:
@@ -684,11 +691,14 @@ def _report_files(
     publishing: dict[str, Any] | None = None,
 ) -> PrivacyReport:
     """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
-    into ``out_dir``; the report written. ``note`` (how a default was chosen) is added to the
-    report's assumptions; ``publishing`` (:func:`dpfy.publication.publishing_section`) is its
-    list of the files safe to publish."""
+    into ``out_dir`` (beside, never over, a ``report.json`` of another chain head:
+    :func:`dpfy.report.write.report_name`, no figures then); the report written. ``note`` (how
+    a default was chosen) is added to the report's assumptions; ``publishing``
+    (:func:`dpfy.publication.publishing_section`) is its list of the files safe to publish."""
     from dpfy.report import build_report, write_report
+    from dpfy.report.write import report_name
 
+    name, diverted = report_name(out_dir, ledger.head)
     report = build_report(
         ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path)
     )
@@ -705,9 +715,10 @@ def _report_files(
             report,
             ledger,
             out_dir,
-            figures=figures,
+            figures=figures and diverted is None,
             target_epsilon=target_epsilon,
             accuracy_by_step=accuracy_by_step or None,
+            name=name,
         )
     except OSError as err:  # e.g. a full disk: the atomic write left no partial report
         raise ValueError(

@@ -7,6 +7,7 @@ imported only when figures are drawn.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -28,9 +29,11 @@ def write_report(
     accuracy_by_step: Sequence[tuple[int, float]] | None = None,
     target_epsilon: float | None = None,
     figures: bool = True,
+    name: str = "report",
 ) -> PrivacyReport:
     """Write ``report.md``, ``report.json`` and figures into ``out_dir``; returns the report
-    with the figure paths (relative to ``out_dir``) filled in.
+    with the figure paths (relative to ``out_dir``) filled in. ``name`` replaces ``report`` in
+    both file names (see :func:`report_name`).
 
     ``accuracy_by_step`` holds (step, test accuracy in [0, 1]) pairs and ``target_epsilon`` the
     run's budget, both drawn on the epsilon-over-training figure. Without ``figures``, or when
@@ -53,8 +56,8 @@ def write_report(
             (out / "figures").mkdir(exist_ok=True)
         for rel in report.figures.values():
             os.replace(staging / rel, out / rel)
-        os.replace(staging / "report.json", out / "report.json")
-        os.replace(staging / "report.md", out / "report.md")
+        os.replace(staging / "report.json", out / f"{name}.json")
+        os.replace(staging / "report.md", out / f"{name}.md")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not any(out.iterdir()):
@@ -62,6 +65,33 @@ def write_report(
         raise
     shutil.rmtree(staging, ignore_errors=True)
     return report
+
+
+def report_name(out_dir: str | Path, head: str | None) -> tuple[str, str | None]:
+    """The file name (without suffix) for a report of a ledger with chain head ``head``, and
+    why it is not ``report`` (None when it is).
+
+    ``report.json`` holds the chain head a run's owner keeps to detect a rewritten ledger, so
+    it is never replaced by a report of another head: an existing ``report.json`` whose head
+    differs (or that cannot be read) leaves the new report beside it as
+    ``report-<first 12 hex digits of head>``.
+    """
+    existing = Path(out_dir) / "report.json"
+    if not existing.exists():
+        return "report", None
+    try:
+        kept = json.loads(existing.read_text(encoding="utf-8"))["ledger_integrity"]["head"]
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = "unreadable"
+    if kept == head:
+        return "report", None
+    name = f"report-{(head or 'nohead')[:12]}"
+    return name, (
+        f"{existing} records chain head {str(kept)[:12]}…, this ledger's head is "
+        f"{(head or 'none')[:12]}…: the ledger changed since that report was written (or it "
+        f"belongs to another run), so it is kept and this report is written beside it as "
+        f"{name}.md / {name}.json"
+    )
 
 
 def _write_text(path: Path, text: str) -> None:
