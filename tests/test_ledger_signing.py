@@ -284,3 +284,19 @@ def test_dpfy_report_never_overwrites_a_report_of_another_chain_head(tmp_path, c
     assert (tmp_path / f"report-{head[:12]}.md").exists()
     assert "is kept and this report is written beside it" in err
     assert f"report-{head[:12]}.md" in out.replace("\n", "")
+
+
+def test_the_model_card_and_report_md_carry_the_public_key_and_signed_head(tmp_path):
+    from dpfy.hf.model_card import write_model_card
+
+    path = tmp_path / "ledger.jsonl"
+    _run(path, steps=2)
+    v = Ledger.load(path).verification
+    card = write_model_card(tmp_path / "model", path, delta=DELTA, method="rdp").read_text()
+    line = f"Ed25519 public key `{v.public_key}` signed chain head `{v.signed_head}`"
+    assert line in card
+    rep = build_report(Ledger.load(path), delta=DELTA, method="rdp")
+    assert line in rep.to_markdown()
+    _unsigned(path)
+    card = write_model_card(tmp_path / "model", path, delta=DELTA, method="rdp").read_text()
+    assert "Ledger signature: none (an unsigned ledger" in card

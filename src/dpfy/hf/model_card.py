@@ -3,9 +3,10 @@
 The section is rendered from a :class:`dpfy.report.PrivacyReport`, i.e. from the ledger alone
 (Ponomareva et al. 2023, "How to DP-fy ML", Sec. 5.3.3: the statement ships with the model):
 the formal statement, the method, adjacency, unit of privacy, epsilon and delta, the ledger's
-integrity line and where the ledger is. An existing card (``peft`` writes one) is kept: only
-its ``## Privacy`` section is replaced. ``huggingface_hub.ModelCard`` writes the file when it
-is importable (no network is used), plain text otherwise.
+integrity line, the run's public key with the chain head it signed, and where the ledger is.
+An existing card (``peft`` writes one) is kept: only its ``## Privacy`` section is replaced.
+``huggingface_hub.ModelCard`` writes the file when it is importable (no network is used),
+plain text otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from dpfy.ledger import Ledger
 from dpfy.report import PrivacyReport, build_report
+from dpfy.report.consistency import signature_line
 
 _SECTION = re.compile(r"^## Privacy\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
 
@@ -49,6 +51,7 @@ def privacy_section(report: PrivacyReport, ledger_ref: str = "ledger.jsonl") -> 
         f"- Epsilon: {_number(report.epsilon)}; delta: {report.delta:.3g}",
         f"- Sampler: {_sampler(report.sampler)}",
         f"- Ledger integrity: {integrity}",
+        f"- {signature_line(report.ledger_integrity)}",
         f"- Ledger: `{ledger_ref}` (every sample and noisy release, hash-chained); the full "
         "report is `privacy_report.md` / `privacy_report.json` in the training output "
         "directory. Recompute with `dpfy.accounting.epsilon(dpfy.ledger.Ledger.load(path), "

@@ -103,3 +103,16 @@ def unsigned_note(verification: Verification) -> str | None:
             "whether releases were removed from its tail cannot be checked."
         )
     return None
+
+
+def signature_line(integrity: Mapping[str, Any]) -> str:
+    """One line naming the run's public key and the chain head it signed (from a report's
+    ``ledger_integrity``), or saying that the ledger is unsigned: keep both apart from the
+    ledger file to detect a rewrite later."""
+    key, head, line = (integrity.get(k) for k in ("public_key", "signed_head", "signed_lines"))
+    if not key:
+        return "Ledger signature: none (an unsigned ledger: a rewrite of its tail goes undetected)"
+    if not head:
+        return f"Ledger signature: NONE holds, although the header names Ed25519 key `{key}`"
+    return (f"Ledger signature: Ed25519 public key `{key}` signed chain head `{head}` (line "
+            f"{line}); verify with the public key alone")

@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dpfy.report.consistency import signature_line
+
 if TYPE_CHECKING:
     from dpfy.report.statement import PrivacyReport
 
@@ -103,6 +105,7 @@ def to_markdown(r: PrivacyReport) -> str:
         lines.append(f"- ledger: `{r.reproduce['ledger']}` ({r.reproduce['steps_recorded']} steps)")
     if r.ledger_integrity:
         lines.append(f"- Ledger integrity: {r.ledger_integrity['summary']}")
+        lines.append(f"- {signature_line(r.ledger_integrity)}")
     if r.reproduce.get("command"):
         lines.append(f"- re-account: `{r.reproduce['command']}`")
     if r.reproduce.get("train_command"):
