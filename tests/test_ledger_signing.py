@@ -300,3 +300,16 @@ def test_the_model_card_and_report_md_carry_the_public_key_and_signed_head(tmp_p
     _unsigned(path)
     card = write_model_card(tmp_path / "model", path, delta=DELTA, method="rdp").read_text()
     assert "Ledger signature: none (an unsigned ledger" in card
+
+
+def test_a_checkpoint_signs_the_head_it_records(tmp_path):
+    from dpfy.training.checkpoint import ledger_state
+
+    path = tmp_path / "run.jsonl"
+    ledger = _run(path, steps=2, close=False)
+    state = ledger_state(ledger)
+    last = _objs(path)[-1]
+    assert last["type"] == "signature" and last["lines"] == state["lines"] - 1
+    assert state["head"] == ledger.head and ledger.verification.signed_lines == last["lines"]
+    ledger.close()
+    assert Ledger.load(path).verification.status == "verified"

@@ -452,10 +452,12 @@ class Ledger:
         """Sign the chain head now (a signature record, fsynced): at a checkpoint, say.
 
         The signature covers every line so far; a later rewrite of them no longer verifies
-        under the header's public key. Nothing happens in memory or for an unsigned file.
+        under the header's public key. In memory or for an unsigned file it only writes the
+        queued lines (as :meth:`flush`).
         """
         with self._lock:
             self._sign(sync=True)
+            self._sync()
 
     def _sign(self, *, sync: bool) -> None:
         if self._file is None or self._key is None or self._run_id is None:

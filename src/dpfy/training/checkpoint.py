@@ -167,10 +167,11 @@ def check_randomness_modes(saved: Mapping[str, str] | None, now: Mapping[str, st
 
 def ledger_state(ledger: Ledger) -> dict[str, Any]:
     """What a checkpoint keeps of a ledger: its file, run id, size and chain head (after
-    writing any queued entries), or (in memory) its entries."""
+    writing any queued entries and, for a signed ledger open for writing, a signature of the
+    head: :meth:`dpfy.ledger.Ledger.sign`), or (in memory) its entries."""
     state: dict[str, Any] = {"samples": ledger.iteration, "entries_count": len(ledger)}
     if ledger.path is not None:
-        ledger.flush()
+        ledger.sign()
         state.update(
             path=os.path.realpath(ledger.path),
             run_id=ledger.run_id,
