@@ -48,7 +48,7 @@ def check_range(
     kind = "an integer in " if integer else "in "
     shown = _short_repr(value)
     message = f"{name} must be {kind}{interval}, got {name}={shown}"
-    if isinstance(value, bool):
+    if isinstance(value, bool | str | bytes):  # a number is a number: "1" is not 1
         raise ValueError(message)
     if integer:
         if not isinstance(value, int) and not (

@@ -67,6 +67,12 @@ from dpfy.training.precision import (
     check_precision,
 )
 from dpfy.training.step import PrivateGradient, StepStats
+from dpfy.training.user_inputs import (
+    check_class_labels,
+    check_learning_rates,
+    check_randomness,
+    warn_eval_mode,
+)
 from dpfy.training.validate import validate_module
 
 OnBudget = Literal["stop", "raise"]
@@ -389,6 +395,8 @@ class PrivateCriterion:
                 "loader (its hooks record the forward pass); iterate over the loader that "
                 "make_private returned"
             )
+        if engine.steps == 0 and engine.sample_id is None:  # the first batch, nothing written
+            check_class_labels(self.loss_fn, outputs, targets)
         losses = self.loss_fn(outputs, targets)
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             raise ValueError(
@@ -627,6 +635,7 @@ def make_private(
         raise TypeError(
             f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
         )
+    check_learning_rates(optimizer)
     check_master_weights((n, p) for n, p in model.named_parameters() if p.requires_grad)
     # Frozen parameters of the model may sit in the optimizer (it skips them: no release
     # gives them a gradient), unless they hold a gradient from before, which every step
@@ -647,8 +656,7 @@ def make_private(
             "optimizer.zero_grad(set_to_none=True) first"
         )
     check_dataset(data, "data")
-    if randomness is not None and not isinstance(randomness, Randomness):
-        raise TypeError(f"randomness must be a dpfy Randomness, got {type(randomness).__name__}")
+    check_randomness(randomness)
     rng = randomness if randomness is not None else Randomness.secure_mode()
     n = len(data)
     if isinstance(sampler, str):
@@ -677,6 +685,7 @@ def make_private(
     per_example = _per_example(loss_fn)
     if validate:
         validate_module(model)
+    warn_eval_mode(model)
     method = accounting or sampler_kind(sampler.sample_spec().sampler).default_accountant
     if given_z is None:
         assert target_epsilon is not None and delta is not None and epochs is not None

@@ -68,6 +68,12 @@ from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.sharded import is_sharded
 from dpfy.training.step import PrivateGradient
+from dpfy.training.user_inputs import (
+    check_learning_rates,
+    check_randomness,
+    check_tensor_labels,
+    warn_eval_mode,
+)
 from dpfy.training.validate import validate_module
 
 if TYPE_CHECKING:
@@ -267,6 +273,8 @@ class PrivateTrainer:
     # -- setup ------------------------------------------------------------------------------
     def _check_args(self) -> None:
         check_range("clip_norm", self.clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+        check_randomness(self.randomness)
+        check_learning_rates(self.optimizer)
         check_int("epochs", self.epochs)
         check_range("delta", self.delta, 0.0, 1.0, low_open=True, high_open=True)
         check_range(
@@ -555,6 +563,11 @@ class PrivateTrainer:
         spe = int(self.sampler.steps_per_epoch)
         stopped = "completed"
         if self.global_step_ == 0 and self.ledger.iteration == 0:
+            warn_eval_mode(self.model)  # then the labels, before the first line is written
+            if self.distributed is None:  # a lone forward would stall a sharded model
+                check_tensor_labels(
+                    self.model, self.loss_fn, self.inputs, self.targets, self.device
+                )
             self.ledger.record_metadata(**self._run_facts())
         bar = _ProgressBar(self.total_steps, self.global_step_) if self.progress else None
         try:
