@@ -19,6 +19,7 @@ from dpfy.ledger.records import (
     NonPrivateRecord,
     ResumeRecord,
     SampleRecord,
+    SignatureRecord,
     SumQueryRecord,
     record_from_dict,
 )
@@ -30,9 +31,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "dpfy"
 RECORDS = [
     HeaderRecord(run_id="ab" * 16),
     HeaderRecord(version=1),
+    HeaderRecord(run_id="ab" * 16, public_key="ef" * 32),
     ResumeRecord(truncated_previous=True),
     ResumeRecord(truncated_previous=True, cut="cd" * 32),
     EndRecord(count=12, samples=4),
+    EndRecord(count=12, samples=4, releases=5),
+    SignatureRecord(13, "01" * 64),
     SampleRecord(3, POISSON, epoch=2, step=7),
     SampleRecord(
         0, SampleSpec("balls_and_bins", dataset_size=100, steps_per_epoch=10, max_batch_size=20)
@@ -55,7 +59,7 @@ def test_every_record_type_round_trips_through_json(record):
 def test_every_record_type_has_a_round_trip_case():
     kinds = {type(r).kind for r in RECORDS}
     assert kinds == {
-        "header", "resume", "end", "sample", "sum_query", "non_private", "metadata"
+        "header", "resume", "end", "signature", "sample", "sum_query", "non_private", "metadata"
     }
 
 
