@@ -313,3 +313,14 @@ def test_a_checkpoint_signs_the_head_it_records(tmp_path):
     assert state["head"] == ledger.head and ledger.verification.signed_lines == last["lines"]
     ledger.close()
     assert Ledger.load(path).verification.status == "verified"
+
+
+def test_a_broken_ledger_loaded_for_forensics_is_headlined_broken(tmp_path):
+    path = tmp_path / "run.jsonl"
+    _run(path, steps=4)
+    objs = _objs(path)
+    objs[1]["model"] = "another model"  # an edit that keeps every release, re-hashed
+    _rehash(path, objs)
+    rep = build_report(Ledger.load(path, verify=False), delta=DELTA, method="rdp")
+    assert rep.formal_statement.startswith("Broken ledger:")
+    assert "satisfies" not in rep.formal_statement

@@ -25,14 +25,15 @@ from typing import Any
 
 from dpfy import accounting
 from dpfy.ledger import Ledger, LedgerIntegrityError, Verification
+from dpfy.ledger.chain import BROKEN, OPEN, UNSIGNED, UNVERIFIED
 
 #: Relative tolerance between the recorded and the recomputed epsilon (same method and delta):
 #: both come from the same deterministic accountant, so only float noise separates them.
 EPSILON_RTOL = 1e-6
 
-#: Statuses of a file that may have lost releases at its end (``dpfy.ledger.chain``).
-_INCOMPLETE = ("verified, open or crash-cut", "broken")
-_NO_SIGNATURE = ("unsigned", "unverified (no chain)")
+#: Statuses of a file that may have lost releases at its end, and of one without a signature.
+_INCOMPLETE = (OPEN,)
+_NO_SIGNATURE = (UNSIGNED, UNVERIFIED)
 
 
 def _number(value: Any) -> float | None:
@@ -80,11 +81,18 @@ def check_recorded_epsilon(
 
 
 def incomplete_statement(verification: Verification, epsilon: float, delta: float) -> str | None:
-    """The headline of a ledger that may lack its last releases (None for a complete one).
+    """The headline of a ledger that may lack its last releases, or of a broken one loaded for
+    forensics (None otherwise).
 
     ``epsilon`` is in the report's accounting at ``delta``; it is a lower bound on what the
     whole run spent when the file is incomplete.
     """
+    if verification.status == BROKEN:
+        return (
+            f"Broken ledger: the edited file accounts to epsilon {epsilon:.5g} at delta "
+            f"{delta:g}, but its hash chain breaks at line {verification.broken_line}; this is "
+            "NOT a differential privacy statement about the run that wrote it."
+        )
     if verification.status in _INCOMPLETE:
         reason = verification.reason or verification.status
         return (
