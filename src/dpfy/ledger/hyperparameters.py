@@ -63,7 +63,7 @@ def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
     keys = (
         "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
         "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
-        "target_epsilon",
+        "target_epsilon", "budget_raised_on_resume",
     )
     for key in keys:
         if meta.get(key) is not None:

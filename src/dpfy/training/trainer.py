@@ -66,6 +66,7 @@ from dpfy.training.distributed import (
 from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
+from dpfy.training.resume import check_resume, run_hyperparameters
 from dpfy.training.sharded import is_sharded
 from dpfy.training.step import PrivateGradient
 from dpfy.training.user_inputs import (
@@ -729,8 +730,17 @@ class PrivateTrainer:
             "ema": None if self.ema_model_ is None else self.ema_model_.state_dict(),
             "ema_updates": self._ema_updates,
             "query": self.query_.state_dict() if hasattr(self.query_, "state_dict") else None,
+            "hyperparameters": self._resume_facts(),
         }
         return state
+
+    def _resume_facts(self) -> dict[str, Any]:
+        """What a resumed run must keep (or, the budget, change explicitly): resume.py."""
+        return run_hyperparameters(
+            target_epsilon=self.target_epsilon, clip_norm=self.clip_norm, delta=self.delta,
+            epochs=self.epochs, expected_batch_size=self.sampler.expected_batch_size,
+            microbatch_size=self.microbatch_size, accounting=self.accounting,
+        )
 
     def _randomness_modes(self) -> dict[str, str]:
         return {
@@ -738,8 +748,14 @@ class PrivateTrainer:
             "sampling": ckpt.randomness_mode(getattr(self.sampler, "randomness", None)),
         }
 
-    def load_state_dict(self, state: dict[str, Any], *, ledger_moved: bool = False) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, ledger_moved: bool = False, raise_budget: bool = False
+    ) -> None:
         """Restore :meth:`state_dict` into a trainer built with the same arguments.
+
+        Another clip norm, delta, epochs, batch size, microbatch size or accountant is refused;
+        another target epsilon only without ``raise_budget`` (with it, the ledger records the
+        raised budget: :mod:`dpfy.training.resume`).
 
         The ledger must be the same file (``Ledger(path)``: same run identifier and path, not
         behind the checkpoint nor forked from it; ``ledger_moved=True`` accepts it under
@@ -749,8 +765,12 @@ class PrivateTrainer:
         """
         if self.global_step_ or (self.ledger.iteration and self.ledger.path is None):
             raise ckpt.CheckpointMismatchError("load a checkpoint into a fresh trainer")
+        raised = check_resume(state.get("hyperparameters"), self._resume_facts(),
+                              raise_budget=raise_budget, step=int(state["global_step"]))
         ckpt.check_randomness_modes(state.get("randomness_mode"), self._randomness_modes())
         ckpt.restore_ledger(self.ledger, state["ledger"], allow_moved=ledger_moved)
+        if raised is not None:
+            self.ledger.record_metadata(**raised)
         self.noise_multiplier_ = float(state["noise_multiplier"])
         if self.noise_multiplier is not None and not math.isclose(
             self.noise_multiplier_, float(self.noise_multiplier), rel_tol=1e-12
@@ -781,9 +801,13 @@ class PrivateTrainer:
         """Write :meth:`state_dict` atomically to ``path``."""
         return ckpt.save_checkpoint(path, self.state_dict())
 
-    def resume(self, path: str | Path, *, ledger_moved: bool = False) -> PrivateTrainer:
+    def resume(
+        self, path: str | Path, *, ledger_moved: bool = False, raise_budget: bool = False
+    ) -> PrivateTrainer:
         """Load the checkpoint at ``path`` (see :meth:`load_state_dict`); returns ``self``."""
-        self.load_state_dict(ckpt.load_checkpoint(path), ledger_moved=ledger_moved)
+        self.load_state_dict(
+            ckpt.load_checkpoint(path), ledger_moved=ledger_moved, raise_budget=raise_budget
+        )
         return self
 
 

@@ -475,7 +475,9 @@ class UserLevelTrainer(PrivateTrainer):
         state["user_layout"] = self.layout.to_state()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], *, ledger_moved: bool = False) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, ledger_moved: bool = False, raise_budget: bool = False
+    ) -> None:
         """Restore as the base class does, with the checkpoint's user layout (its subsets)."""
         if "user_layout" not in state:
             from dpfy.training.checkpoint import CheckpointMismatchError
@@ -491,7 +493,7 @@ class UserLevelTrainer(PrivateTrainer):
             )
         self.layout = layout
         self._ready = False
-        super().load_state_dict(state, ledger_moved=ledger_moved)
+        super().load_state_dict(state, ledger_moved=ledger_moved, raise_budget=raise_budget)
 
 
 def _num_examples(inputs: Any) -> int:
