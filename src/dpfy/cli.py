@@ -250,7 +250,6 @@ def report(
 ) -> None:
     """Re-account a ledger with every applicable method and write the privacy report."""
     from dpfy import runs
-    from dpfy.report.consistency import signature_line
 
     if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
@@ -272,8 +271,7 @@ def report(
         if isinstance(res, dict) and res.get("epsilon_lower") is not None:
             cell += f" (lower bound {res['epsilon_lower']:.4g})"
         console.print(f"  {name}: {cell}")
-    console.print(signature_line(rep.ledger_integrity), highlight=False)
-    console.print(f"report: {run.report_path}")
+    console.print(f"{run.signature}\nreport: {run.report_path}", highlight=False)
 
 
 class AuditMethodName(StrEnum):

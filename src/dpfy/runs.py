@@ -92,6 +92,13 @@ class ReportedRun:
         return self.out_dir / f"{self.report_name}.md"
 
     @property
+    def signature(self) -> str:
+        """One line: the run's public key and the ledger head it signed, or "unsigned"."""
+        from dpfy.report.consistency import signature_line
+
+        return signature_line(self.report.ledger_integrity)
+
+    @property
     def statement(self) -> str:
         """The formal (epsilon, delta) statement of the report."""
         return self.report.formal_statement
