@@ -194,9 +194,16 @@ def test_a_version_downgrade_over_hashed_lines_is_refused(tmp_path):
     objs = _objs(path)
     objs[0]["version"] = 1
     kept = _drop_last_steps(objs, 8)  # half the releases deleted as well
+    header = {k: v for k, v in kept[0].items() if k != "public_key"}
     path.write_bytes(b"".join(json.dumps(o, separators=(",", ":")).encode() + b"\n"
-                              for o in kept))
-    with pytest.raises(LedgerIntegrityError, match="version downgrade"):
+                              for o in [header, *kept[1:]]))
+    with pytest.raises(LedgerIntegrityError, match="line 2: .*version downgrade"):
+        Ledger.load(path)
+    # stripping every hash but keeping the header's key: refused at line 1
+    path.write_bytes(b"".join(
+        json.dumps({k: v for k, v in o.items() if k != "prev"}, separators=(",", ":")).encode()
+        + b"\n" for o in kept))
+    with pytest.raises(LedgerIntegrityError, match="line 1: .*names a signing key"):
         Ledger.load(path)
 
 

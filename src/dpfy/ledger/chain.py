@@ -157,6 +157,9 @@ class ChainChecker:
             self.version = obj.get("version", 0)
             self.run_id = obj.get("run_id")
             self.public_key = obj.get("public_key")
+            if self.version < 2 and self.public_key is not None:
+                self._break(lineno, f"the header claims version {self.version}, which has no "
+                            "hash chain, but names a signing key: a version downgrade")
         elif self.version >= 2:
             self._check(lineno, obj, kind)
         elif "prev" in obj:
