@@ -101,3 +101,21 @@ def test_private_diagnostics_are_off_by_default_and_kept_apart(tmp_path):
     with pytest.raises(TypeError, match=r"^private_diagnostics must be a path or None"):
         RunConfig(private_diagnostics=3)  # type: ignore[arg-type]
 
+
+
+def test_a_second_train_on_one_out_is_one_line_and_exit_2(tmp_path, capsys):
+    from dpfy.cli import main
+    from dpfy.publication import claimed_run_dir
+
+    out = tmp_path / "run"
+    with claimed_run_dir(out):  # another `dpfy train` holds the directory
+        code = main(["train", "mnist", "--epochs", "1", "--batch-size", "32", "--train-limit",
+                     "64", "--test-limit", "32", "--seed", "0", "--out", str(out)])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, captured.err
+    assert "out must be a run directory that no other run is writing" in lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert list(out.iterdir()) == []  # the loser wrote nothing
+    with claimed_run_dir(out):  # released: the directory can be claimed again
+        pass

@@ -1,4 +1,9 @@
-"""What may be published from a ``dpfy train`` run directory, and where private diagnostics go.
+"""A ``dpfy train`` run directory: one run writes it, what it holds may be published, and the
+private diagnostics go elsewhere.
+
+One writer: :func:`claimed_run_dir` holds an exclusive lock on the directory for the whole run,
+so a second ``dpfy train`` on the same ``--out`` is refused at once with one line (and a run
+directory that received a ledger meanwhile is refused too).
 
 Everything written into the run directory (``--out``) is derived from the DP releases (the
 model and the ledger, and the accounting of the ledger), from public data (the test split:
@@ -16,9 +21,11 @@ outside the run directory, beside a README that says the guarantee does not cove
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +99,45 @@ def publishing_section(out_dir: Path, diagnostics: Path | None) -> dict[str, Any
         "derived_from": DERIVED_FROM,
         "not_covered": None if diagnostics is None else os.fspath(diagnostics),
     }
+
+
+@contextlib.contextmanager
+def claimed_run_dir(out_dir: Path) -> Iterator[Path]:
+    """Hold ``out_dir`` for one run (created if missing) for the block.
+
+    An exclusive, non-blocking ``flock`` on the directory (released when the block ends or the
+    process dies; no file is written for it). A directory created here and left empty by a
+    refused run is removed.
+
+    Raises:
+      ValueError: another run holds the directory, or it holds a ledger by now.
+    """
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            _lock_dir(fd)
+        except BlockingIOError:
+            raise ValueError(
+                f"out must be a run directory that no other run is writing, got "
+                f"out={os.fspath(out_dir)!r}: another dpfy train holds it (one run per "
+                "directory; wait for it to finish or give another --out)"
+            ) from None
+        if (out_dir / "ledger.jsonl").exists():
+            raise ValueError(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
+        yield out_dir
+    except BaseException:
+        if created and out_dir.is_dir() and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_dir(fd: int) -> None:
+    """``flock(LOCK_EX | LOCK_NB)`` on a directory descriptor (no advisory locks on Windows)."""
+    if sys.platform != "win32":
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

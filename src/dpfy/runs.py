@@ -153,16 +153,28 @@ def train_and_report(
             f"{distributed.rank}: the other ranks of a launch call train_rank"
         )
     c = config
+    out_dir = _new_run_dir(c.out, c.dataset)
+    from dpfy.publication import check_diagnostics_dir, claimed_run_dir
+
+    diagnostics = check_diagnostics_dir(c.private_diagnostics, out_dir)
+    with claimed_run_dir(out_dir):  # one `dpfy train` per run directory at a time
+        return _train_into(c, out_dir, diagnostics, progress, distributed)
+
+
+def _train_into(
+    c: RunConfig,
+    out_dir: Path,
+    diagnostics: Path | None,
+    progress: bool,
+    distributed: Distributed | None,
+) -> TrainedRun:
+    """:func:`train_and_report` in the run directory ``out_dir`` it holds."""
     dataset, target_epsilon, delta, seed = c.dataset, c.target_epsilon, c.delta, c.seed
     sampler, precision, lora, unit = c.sampler_kind, c.precision, c.lora, c.unit
     workers, shard, mechanism = c.workers, c.shard, c.mechanism
     audit_canaries = c.audit_canaries
     audit_guesses = c.audit_guess_count() if audit_canaries is not None else None
     text = c.text
-    out_dir = _new_run_dir(c.out, dataset)
-    from dpfy.publication import check_diagnostics_dir
-
-    diagnostics = check_diagnostics_dir(c.private_diagnostics, out_dir)
     ran = c.replace(out=str(out_dir))  # the configuration that runs, as recorded
 
     text_options = {"model": c.model or "minilm", "lora": lora,
