@@ -341,3 +341,37 @@ def test_report_on_a_crash_cut_ledger_defaults_delta(workdir, capsys, meta, expe
     assert report["delta"] == pytest.approx(expected_delta)
     assert any(needle in a for a in report["assumptions"])
     assert needle in Path("report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# a ledger the command may not read
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["first look", "while loading"])
+def test_an_unreadable_ledger_is_one_line(workdir, capsys, monkeypatch, where):
+    import builtins
+
+    import dpfy._validate
+
+    path = workdir / "ledger.jsonl"
+    path.write_text("\n".join(_ledger_lines()) + "\n")
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):  # root reads any file: chmod 000 cannot show it
+        if isinstance(file, str | os.PathLike) and os.path.abspath(file) == str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", denied)
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: denied(str(self), *a, **k))
+    if where == "while loading":  # the first look passes, the ledger's own read is refused
+        monkeypatch.setattr(dpfy._validate, "open", real_open, raising=False)
+    before = _tree(workdir)
+    code = main(["report", str(path), "--delta", "1e-5"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err + out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "Permission denied" in lines[0] and "ledger" in lines[0]
+    assert lines[0].startswith("dpfy: error: ledger_path must be a readable file" if where ==
+                               "first look" else "dpfy: error: cannot use"), lines[0]
+    assert _tree(workdir) == before

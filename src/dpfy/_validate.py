@@ -164,8 +164,16 @@ def _is_pseudo_fs(path: str) -> bool:
 
 
 def check_input_file(name: str, value: Any) -> None:
-    """An existing regular file with a UTF-8 name; ``ValueError`` naming ``name`` otherwise."""
+    """An existing, readable regular file with a UTF-8 name; ``ValueError`` naming ``name``
+    otherwise (the file is opened for reading once, so a permission problem is one line)."""
     text = os.fspath(value) if isinstance(value, str | os.PathLike) else None
     if not isinstance(text, str) or not os.path.isfile(text):
         raise ValueError(f"{name} must be an existing file, got {name}={value!r}")
     _encodable(name, text)
+    try:
+        with open(text, "rb"):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{name} must be a readable file, got {name}={value!r} ({err.strerror or err})"
+        ) from None

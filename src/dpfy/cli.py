@@ -583,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageProblem, ValueError, FileNotFoundError) as exc:
         print(f"dpfy: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
         return 2
+    except (PermissionError, IsADirectoryError) as exc:  # a file it may not read or write
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"dpfy: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     except ModuleNotFoundError as exc:
         hint = "; install it (`make` installs every extra)" if exc.name else ""
         print(f"dpfy: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
