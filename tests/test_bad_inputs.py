@@ -375,3 +375,28 @@ def test_an_unreadable_ledger_is_one_line(workdir, capsys, monkeypatch, where):
     assert lines[0].startswith("dpfy: error: ledger_path must be a readable file" if where ==
                                "first look" else "dpfy: error: cannot use"), lines[0]
     assert _tree(workdir) == before
+
+
+def test_a_huge_ledger_line_is_refused_without_reading_it(workdir, capsys):
+    import tracemalloc
+
+    from dpfy.ledger import Ledger
+    from dpfy.ledger.chain import LedgerFormatError
+
+    path = workdir / "ledger.jsonl"
+    with open(path, "wb") as f:
+        f.write((_ledger_lines()[0] + "\n").encode())
+        f.truncate(2**30)  # 1 GiB, sparse: a second line of zero bytes and no newline
+    tracemalloc.start()
+    try:
+        with pytest.raises(LedgerFormatError, match=r"line 2: a line must be at most 16777216"):
+            Ledger.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, peak  # one capped line read, not the gigabyte
+    code = main(["report", str(path), "--delta", "1e-5"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err + out, err
+    assert "a line must be at most" in lines[0]

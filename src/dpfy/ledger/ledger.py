@@ -65,6 +65,7 @@ from dpfy.ledger.lines import (
     check_nesting,
     int_field,
     is_resume_after_truncation,
+    read_capped,
     recover_sum_query,
 )
 from dpfy.ledger.logfile import AppendFile
@@ -518,7 +519,7 @@ class Ledger:
         ledger = cls(None)
         ledger.path = source = os.fspath(path)
         with open(source, "rb") as f:
-            data = f.read()
+            data = read_capped(f, source)  # a huge line is refused before it is read
         ledger._verification = ledger._parse(data, source=source, strict=verify)
         ledger.read_only = True
         return ledger

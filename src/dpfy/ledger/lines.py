@@ -11,11 +11,40 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import BinaryIO
 
+from dpfy.ledger.chain import LedgerFormatError
 from dpfy.ledger.records import ResumeRecord, SumQueryRecord, record_from_dict
 
 #: Deepest JSON nesting a ledger line may have (records nest 3 deep; metadata a little more).
 MAX_NESTING = 32
+#: Longest ledger line, in bytes (16 MiB: a run's metadata or a correlated-noise plan is far
+#: shorter). A longer line is refused as soon as it is seen, without reading the rest of it.
+MAX_LINE_BYTES = 16 * 2**20
+
+
+def read_capped(file: BinaryIO, source: str, cap: int = MAX_LINE_BYTES) -> bytes:
+    """The bytes of an opened ledger file, read line by line; each line at most ``cap`` bytes.
+
+    Memory stays within the file's well-formed lines plus one line of ``cap`` bytes: a file of
+    one huge line (1 GiB of zeros in a sparse file) is refused after reading ``cap + 1`` bytes.
+
+    Raises:
+      LedgerFormatError: a line longer than ``cap`` bytes (its number is named).
+    """
+    lines: list[bytes] = []
+    while True:
+        line = file.readline(cap + 1)
+        if not line:
+            return b"".join(lines)
+        body = line[:-1] if line.endswith(b"\n") else line
+        if len(body) > cap:
+            lineno = len(lines) + 1
+            raise LedgerFormatError(
+                f"ledger {source!r} line {lineno}: a line must be at most {cap} bytes, got a "
+                f"longer one: not a dpfy ledger", lineno
+            )
+        lines.append(line)
 
 
 def check_nesting(line: str | bytes) -> None:

@@ -64,9 +64,12 @@ class AppendFile:
             raise
 
     def read(self) -> bytes:
-        """The file's bytes (read under the lock, before anything is appended)."""
+        """The file's bytes (read under the lock, before anything is appended; a line longer
+        than ``dpfy.ledger.lines.MAX_LINE_BYTES`` is refused before it is read)."""
+        from dpfy.ledger.lines import read_capped
+
         with open(self.path, "rb") as f:
-            return f.read()
+            return read_capped(f, self.path)
 
     def queue(self, data: bytes) -> None:
         """Queue bytes (whole lines) for the next :meth:`sync`."""
