@@ -282,3 +282,17 @@ def test_missing_optional_package_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert "transformers" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "command", ["train", "epsilon", "calibrate", "plan", "features", "tune", "report", "audit"]
+)
+def test_help_names_value_types_not_parser_functions(command):
+    from typer.testing import CliRunner
+
+    from dpfy.cli import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "PARSE" not in result.output and "LAMBDA" not in result.output, result.output
+    assert "FLOAT" in result.output or "INTEGER" in result.output or command in ("report", "audit")

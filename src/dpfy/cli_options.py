@@ -98,6 +98,8 @@ def parsed_option(
             raise typer.BadParameter(str(err)) from None
         return value
 
+    # --help shows a parser's name as the value type: INTEGER, FLOAT, TEXT (not PARSE)
+    parse.__name__ = {int: "integer", float: "float"}.get(convert, "text")  # type: ignore[call-overload]
     return parse
 
 
@@ -130,7 +132,11 @@ def out_dir_option(name: str) -> Any:
     """Every output directory: not empty, not an existing file, creatable."""
 
     parse = parsed_option(name, str, _rules.check_output_path)
-    return lambda text: Path(parse(text)) if isinstance(text, str) else text
+
+    def path(text: Any) -> Any:
+        return Path(parse(text)) if isinstance(text, str) else text
+
+    return path  # --help: PATH
 
 
 DatasetSize = Annotated[
