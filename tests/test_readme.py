@@ -1,9 +1,11 @@
-"""The README's Python examples run as written (in order, sharing one namespace)."""
+"""The README's Python examples run as written, each one alone (a reader copies one block)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -16,11 +18,11 @@ def test_readme_has_examples():
     assert len(python_blocks()) >= 5
 
 
-def test_readme_examples_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("i", range(len(python_blocks())))
+def test_readme_example_runs_alone(i, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # examples may write files (e.g. a ledger)
-    namespace: dict = {"__name__": "__readme__"}
-    for i, block in enumerate(python_blocks()):
-        try:
-            exec(compile(block, f"README.md block {i}", "exec"), namespace)  # noqa: S102
-        except Exception as err:  # pragma: no cover - the failure message is the point
-            raise AssertionError(f"README python block {i} failed: {err!r}\n{block}") from err
+    block = python_blocks()[i]
+    try:
+        exec(compile(block, f"README.md block {i}", "exec"), {"__name__": "__readme__"})  # noqa: S102
+    except Exception as err:  # pragma: no cover - the failure message is the point
+        raise AssertionError(f"README python block {i} failed alone: {err!r}\n{block}") from err
