@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	# may (root with apt-get); otherwise one line says how. Nothing else needs it.
 	@test -d /usr/share/datasets/fashion-mnist \
 	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
-	       && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; } \
+	       && timeout 120 apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1; } \
 	  || echo "note: Fashion-MNIST is not installed; as root: apt-get install dataset-fashion-mnist"
 	@touch $(STAMP)
 
