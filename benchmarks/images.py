@@ -46,7 +46,7 @@ from dpfy.features import (
     DPLeastSquaresClassifier,
     DPNewtonClassifier,
 )
-from dpfy.features.scatternet import cached_features, flat_normalised
+from dpfy.features.scatternet import dataset_features, flat_normalised
 from dpfy.randomness import Randomness
 from dpfy.sampling import make_sampler
 from dpfy.training import PrivateTrainer, TrainerOptions
@@ -87,9 +87,9 @@ def features(dataset: str) -> dict[str, torch.Tensor]:
     x_train, y_train = datasets.load(dataset, "train")
     x_test, y_test = datasets.load(dataset, "test")
     return {
-        "x_train": cached_features(x_train, f"scatternet-J2-L8-{dataset}-train", progress=True),
+        "x_train": dataset_features(dataset, "train", x_train, progress=True),
         "y_train": y_train,
-        "x_test": cached_features(x_test, f"scatternet-J2-L8-{dataset}-test", progress=True),
+        "x_test": dataset_features(dataset, "test", x_test, progress=True),
         "y_test": y_test,
     }
 

@@ -788,13 +788,13 @@ def _feature_data(dataset: str, extractor: str = "pretrained") -> FeatureData:
 
     if extractor == "scatternet":
         from dpfy import datasets
-        from dpfy.features.scatternet import cached_features, flat_normalised
+        from dpfy.features.scatternet import dataset_features, flat_normalised
 
         splits: list[Any] = []
         for split in ("train", "test"):
             images, labels = datasets.load(dataset, split)
-            rows = cached_features(images, f"scatternet-J2-L8-{dataset}-{split}", progress=True)
-            splits += [flat_normalised(rows), labels.numpy()]
+            features = dataset_features(dataset, split, images, progress=True)
+            splits += [flat_normalised(features), labels.numpy()]
         return splits[0], splits[1], splits[2], splits[3]
     if dataset == "rotten-tomatoes":
         x, y, is_test = extract.text_features()

@@ -39,6 +39,8 @@ from dpfy.features.extract import _progress, cache_dir
 #: Tramer & Boneh's setting for 28x28 and 32x32 images.
 DEFAULT_J = 2
 DEFAULT_L = 8
+#: Channel groups of the per-example GroupNorm on the 81 channels (the models' and the rows').
+GROUPS = 27
 
 
 class FeatureCacheError(ValueError):
@@ -226,7 +228,15 @@ def _read_cached(
     return array
 
 
-def flat_normalised(features: torch.Tensor, groups: int = 27) -> npt.NDArray[np.float64]:
+def dataset_features(
+    dataset: str, split: str, images: torch.Tensor, *, progress: bool = False
+) -> torch.Tensor:
+    """ScatterNet features (J=2, L=8) of a dataset split's images, from the cache."""
+    key = f"scatternet-J{DEFAULT_J}-L{DEFAULT_L}-{dataset}-{split}"
+    return cached_features(images, key, progress=progress)
+
+
+def flat_normalised(features: torch.Tensor, groups: int = GROUPS) -> npt.NDArray[np.float64]:
     """ScatterNet features as rows for the linear estimators (:mod:`dpfy.features`).
 
     Each example is normalised on its own (GroupNorm of ``groups`` channel groups, no

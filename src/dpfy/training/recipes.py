@@ -79,11 +79,11 @@ def _gn_cnn() -> nn.Module:
 def _scatternet_linear() -> nn.Module:
     # Tramer & Boneh (2021): a linear model on ScatterNet features normalised per example
     # (GroupNorm without parameters: no statistics of the private data, nothing to account).
-    from dpfy.features.scatternet import scattering_channels
+    from dpfy.features.scatternet import GROUPS, scattering_channels
 
     channels, side = scattering_channels(), 7
     return nn.Sequential(
-        nn.GroupNorm(27, channels, affine=False),
+        nn.GroupNorm(GROUPS, channels, affine=False),
         nn.Flatten(),
         nn.Linear(channels * side * side, 10),
     )
@@ -91,11 +91,11 @@ def _scatternet_linear() -> nn.Module:
 
 def _scatternet_cnn() -> nn.Module:
     # A small CNN on the 81 x 7 x 7 ScatterNet features (Tramer & Boneh 2021, section 3.1).
-    from dpfy.features.scatternet import scattering_channels
+    from dpfy.features.scatternet import GROUPS, scattering_channels
 
     channels = scattering_channels()
     return nn.Sequential(
-        nn.GroupNorm(27, channels, affine=False),
+        nn.GroupNorm(GROUPS, channels, affine=False),
         nn.Conv2d(channels, 64, 3, padding=1),
         nn.GroupNorm(8, 64),
         nn.Tanh(),
@@ -243,15 +243,6 @@ def default_recipe(model: str | None = None) -> ImageRecipe:
     return ImageRecipe(model=name)
 
 
-def scatternet_inputs(
-    dataset: str, split: str, images: torch.Tensor, progress: bool
-) -> torch.Tensor:
-    """ScatterNet features of a split's images, from the checksummed cache (computed once)."""
-    from dpfy.features.scatternet import cached_features
-
-    return cached_features(images, f"scatternet-J2-L8-{dataset}-{split}", progress=progress)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RunHooks:
     """What a caller plugs into a recipe run (not part of its configuration).
@@ -389,8 +380,10 @@ def train_image_classifier(
         x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
         y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])
     if model in SCATTERNET_MODELS:  # a fixed feature map: no privacy spent, nothing to record
-        x_train = scatternet_inputs(dataset, "train", x_train, progress)
-        x_test = scatternet_inputs(dataset, "test", x_test, progress)
+        from dpfy.features.scatternet import dataset_features
+
+        x_train = dataset_features(dataset, "train", x_train, progress=progress)
+        x_test = dataset_features(dataset, "test", x_test, progress=progress)
     sample_rng, noise_rng, randomness = run_randomness(seed)
     units = len(x_train)
     trainer_cls: type[PrivateTrainer] = PrivateTrainer
