@@ -82,6 +82,24 @@ def test_symmetrised_step_is_a_symmetric_probability_with_the_remove_curve() -> 
         assert sym.delta(eps) >= both["add"].delta(eps)
 
 
+def test_symmetrised_step_covers_an_add_curve_rounded_above_the_remove_curve() -> None:
+    # q = 0.001, z/2 = 1.375: both curves are the same total variation at epsilon 0 and the
+    # discretised add curve comes out a rounding error above; the step must cover the larger.
+    h = 2.0**-13
+    both = pld.poisson_gaussian_pmf(0.001, 1.375, h)
+    rem, add = both["remove"], both["add"]
+    assert add.delta(0.0) > rem.delta(0.0)  # by 3e-16
+    sym = pe.symmetrised(rem, add)
+    assert sym.pmf.min() >= 0.0
+    assert sym.pmf.sum() + sym.infinity_mass == pytest.approx(1.0, abs=1e-12)
+    for eps in (0.0, h / 2, 0.01, 0.05, 0.3, 1.0):
+        assert sym.delta(eps) >= max(rem.delta(eps), add.delta(eps)) * (1 - 1e-12)
+    # once failed: "add direction's delta exceeds the remove direction's at epsilon=0"
+    got = pld.pld_epsilon(_fixed(1, 1000, 2.75, 1), 1e-8).epsilon
+    reachable = pld.pld_epsilon(ev.PoissonSampled(0.001, ev.Gaussian(1.375)), 1e-8).epsilon
+    assert reachable * (1 - 1e-9) <= got <= reachable * 1.01
+
+
 def test_full_batch_fixed_size_is_the_gaussian_at_half_the_noise() -> None:
     got = pld.pld_epsilon(_fixed(100, 100, 2.0, 7), 1e-6).epsilon
     exact = accounting.epsilon(ev.SelfComposed(ev.Gaussian(1.0), 7), 1e-6, method="gaussian")

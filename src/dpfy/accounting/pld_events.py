@@ -21,9 +21,10 @@ Three kinds of step, all with the noise multiplier z relative to the clip norm C
   (and the reverse order exactly the add pair), and an adaptive run may switch between the two
   from step to step (Lebeda, Regehr, Kamath, Steinke 2024, "Avoiding pitfalls for privacy
   accounting of subsampled mechanisms under composition"), so composing the two directions
-  separately and taking the maximum would be too optimistic. Discretised: the remove PLD's
-  positive losses are kept (its curve at epsilon >= 0 is the connect-the-dots interpolation of
-  delta_remove, checked to be >= that of delta_add at every grid point), mirrored onto negative
+  separately and taking the maximum would be too optimistic. Discretised: the positive losses
+  of a PLD whose curve at epsilon >= 0 is the maximum of the two pessimistic curves (the remove
+  PLD's own where its curve is the larger at every grid point, as it nearly always is; the two
+  are equal at epsilon = 0, where rounding can put the add curve above), mirrored onto negative
   losses (mass p e^-l at -l) and the rest of the mass is put at loss 0. The pair is
   symmetric, so one composition suffices.
 * ``truncated`` (add_or_remove; Poisson rate q, batches longer than B_max cut to a uniformly
@@ -287,31 +288,38 @@ def _grid_deltas(pld: DiscretePLD, lo: int, hi: int) -> np.ndarray:
 
 
 def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
-    """The symmetric discrete PLD whose curve at epsilon >= 0 is ``remove``'s (see module doc).
+    """The symmetric discrete PLD whose curve at epsilon >= 0 is max(``remove``'s, ``add``'s).
+
+    Both inputs are pessimistic (their curves lie above the exact ones), so the pointwise
+    maximum lies above the exact max(delta_remove, delta_add) of the module doc. Where
+    ``remove``'s curve is the larger at every grid point (the Poisson pair's usual order),
+    its positive losses are kept as they are. Otherwise (the two curves are equal at
+    epsilon = 0, and discretisation can put ``add``'s a rounding error above there) the
+    positive losses are recovered from the maximum's grid values: between grid points a
+    discrete PLD's curve is linear in e^epsilon, the maximum of two such curves lies below the
+    chord through its grid values, and that chord curve is convex, so it is the curve of a
+    distribution (mass at loss j h: e^(j h) times the slope change at e^(j h)).
 
     Both inputs' masses at +infinity (grid truncation) are kept at +infinity, so the result's
-    curve is ``remove``'s plus ``add``'s truncated mass.
+    curve is the maximum of the finite parts' curves plus both truncated masses.
 
     Raises:
-      FloatingPointError: ``add``'s curve (without its truncated mass) exceeds ``remove``'s
-        at a grid point epsilon >= 0 (the remove curve is then not the maximum; never seen for
-        the Gaussian on the test grids), or the mass left for loss 0 is negative. The public
+      FloatingPointError: the mass left for loss 0 is negative. The public
         ``epsilon``/``delta`` then fall back to the other methods (``auto``) or say so.
     """
     import dataclasses
 
     h = remove.interval
     inf = min(1.0, remove.infinity_mass + add.infinity_mass)
-    top = remove.offset + remove.pmf.size - 1
+    top = max(remove.offset + remove.pmf.size, add.offset + add.pmf.size) - 1
     if top < 1:  # no positive loss on the grid: everything at 0 and +infinity
         pmf = np.array([max(0.0, 1.0 - inf)])
         return dataclasses.replace(remove, offset=0, pmf=pmf, infinity_mass=inf)
-    _check_dominates(remove, add, top)
-    k = np.arange(1, top + 1)
-    first = 1 - remove.offset  # position of loss index 1 in remove.pmf
-    if first < 1:  # pragma: no cover - the Poisson grids start at or below loss 0
+    if remove.offset > 0:  # pragma: no cover - the Poisson grids start at or below loss 0
         raise ValueError(f"the remove PLD must start at a loss <= 0, got offset {remove.offset}")
-    pos = remove.pmf[first:]
+    pos = _positive_masses(remove, add, top)
+    top = pos.size
+    k = np.arange(1, top + 1)
     neg = pos * np.exp(-k * h)
     zero = 1.0 - inf - float(pos.sum()) - float(neg.sum())
     if zero < -1e-9:
@@ -320,21 +328,20 @@ def symmetrised(remove: DiscretePLD, add: DiscretePLD) -> DiscretePLD:
     return dataclasses.replace(remove, offset=-top, pmf=pmf, infinity_mass=inf)
 
 
-def _check_dominates(remove: DiscretePLD, add: DiscretePLD, top: int) -> None:
-    """add's finite-part delta <= remove's delta at every grid point 0 <= j h <= top h, and
-    at the top <= the two truncated masses (the symmetrised curve above the grid)."""
+def _positive_masses(remove: DiscretePLD, add: DiscretePLD, top: int) -> np.ndarray:
+    """Masses at losses h, 2h, ... (at most ``top`` of them) of a PLD whose finite curve at
+    epsilon >= 0 is the maximum of ``remove``'s and ``add``'s finite curves (grid values,
+    chords between)."""
     h = remove.interval
-    d_rem = _grid_deltas(remove, 0, top)
+    d_rem = _grid_deltas(remove, 0, top) - remove.infinity_mass
     d_add = _grid_deltas(add, 0, top) - add.infinity_mass
-    slack = 1e-12 * d_rem + 1e-300
-    bad = np.flatnonzero(d_add > d_rem + slack)
-    beyond = float(d_add[-1]) > (remove.infinity_mass + add.infinity_mass) * (1 + 1e-12) + 1e-300
-    if bad.size or beyond:
-        j = int(bad[0]) if bad.size else top
-        raise FloatingPointError(
-            f"the add direction's delta exceeds the remove direction's at epsilon={j * h:.4g}; "
-            "the symmetrised fixed-size PLD needs the remove curve to be the larger one"
-        )
+    if not np.any(d_add > d_rem):  # add's curve is 0 above remove's grid too
+        return remove.pmf[1 - remove.offset :]
+    d = np.maximum(d_rem, d_add)
+    x = np.exp(np.arange(top + 1) * h)
+    slope = np.concatenate((np.diff(d) / np.diff(x), [0.0]))  # on [x_j, x_j+1]; 0 above top
+    pos = x[1:] * np.diff(slope)  # convex chords: >= 0 up to rounding
+    return np.maximum(pos, 0.0)  # raising a rounding-negative mass only raises the curve
 
 
 def mixture(parts: tuple[tuple[float, DiscretePLD], ...]) -> DiscretePLD:
