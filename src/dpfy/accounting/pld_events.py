@@ -336,12 +336,13 @@ def _positive_masses(remove: DiscretePLD, add: DiscretePLD, top: int) -> np.ndar
     d_rem = _grid_deltas(remove, 0, top) - remove.infinity_mass
     d_add = _grid_deltas(add, 0, top) - add.infinity_mass
     if not np.any(d_add > d_rem):  # add's curve is 0 above remove's grid too
-        return remove.pmf[1 - remove.offset :]
+        return np.asarray(remove.pmf[1 - remove.offset :], dtype=float)
     d = np.maximum(d_rem, d_add)
     x = np.exp(np.arange(top + 1) * h)
     slope = np.concatenate((np.diff(d) / np.diff(x), [0.0]))  # on [x_j, x_j+1]; 0 above top
     pos = x[1:] * np.diff(slope)  # convex chords: >= 0 up to rounding
-    return np.maximum(pos, 0.0)  # raising a rounding-negative mass only raises the curve
+    # raising a rounding-negative mass to 0 only raises the curve
+    return np.asarray(np.maximum(pos, 0.0), dtype=float)
 
 
 def mixture(parts: tuple[tuple[float, DiscretePLD], ...]) -> DiscretePLD:
