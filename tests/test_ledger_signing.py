@@ -331,3 +331,30 @@ def test_a_broken_ledger_loaded_for_forensics_is_headlined_broken(tmp_path):
     rep = build_report(Ledger.load(path, verify=False), delta=DELTA, method="rdp")
     assert rep.formal_statement.startswith("Broken ledger:")
     assert "satisfies" not in rep.formal_statement
+
+
+def test_a_ledger_re_signed_with_another_key_is_refused_under_the_kept_key(tmp_path, capsys):
+    # An attacker who rewrites the whole file can sign it with a key of their own: the
+    # header's key then verifies it, the key kept from the release does not.
+    from dpfy.cli import main
+
+    original, forged = tmp_path / "a" / "ledger.jsonl", tmp_path / "b" / "ledger.jsonl"
+    original.parent.mkdir()
+    forged.parent.mkdir()
+    kept = _run(original, steps=4).verification.public_key
+    other = _run(forged, steps=2).verification.public_key
+    assert kept and other and kept != other
+    assert Ledger.load(forged).verification.status == "verified"  # its own key holds
+    with pytest.raises(LedgerIntegrityError, match="not the key kept apart"):
+        Ledger.load(forged, public_key=kept)
+    assert Ledger.load(forged, public_key=other).verification.complete
+    forensic = Ledger.load(forged, verify=False, public_key=kept).verification
+    assert (forensic.status, forensic.broken_line) == ("broken", 1)
+    args = ["report", str(forged), "--delta", "1e-5", "--method", "rdp", "--no-figures"]
+    assert main([*args, "--public-key", kept]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not the key kept apart from the file" in err and "\n" not in err
+    assert not (forged.parent / "report.json").exists()  # nothing written
+    assert main([*args, "--public-key", "abc"]) == 2
+    assert "64 lowercase hex digits" in capsys.readouterr().err
+    assert main([*args, "--public-key", other]) == 0

@@ -246,6 +246,12 @@ def report(
                      parser=out_dir_option("out")),
     ] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures")] = True,
+    public_key: Annotated[
+        str | None,
+        typer.Option("--public-key", help="The run's Ed25519 public key (64 hex digits) as "
+                     "kept from its released report or model card: a ledger signed by "
+                     "another key is refused."),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Re-account a ledger with every applicable method and write the privacy report."""
@@ -254,7 +260,7 @@ def report(
     if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
     run = runs.report_ledger(
-        ledger_path, delta=delta, method=method, out=out, figures=figures
+        ledger_path, delta=delta, method=method, out=out, figures=figures, public_key=public_key
     )
     rep = run.report
     if run.diverted is not None:

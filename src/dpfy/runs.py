@@ -568,6 +568,7 @@ def report_ledger(
     method: str = "auto",
     out: str | os.PathLike[str] | None = None,
     figures: bool = True,
+    public_key: str | None = None,
 ) -> ReportedRun:
     """Re-account a ledger file with every applicable method and write its report.
 
@@ -580,9 +581,14 @@ def report_ledger(
       out: directory for ``report.md``, ``report.json`` and figures (default: the ledger's).
       figures: draw the figures (their data comes from the ledger; utility and the target
         epsilon from its metadata).
+      public_key: the run's Ed25519 public key (64 hex digits) as kept apart from the
+        ledger (the released report or model card names it): a ledger whose header names
+        another key is refused, as a rewritten and re-signed one. Without it the header's
+        own key is used, which shows the file unchanged since signing, not who signed it.
 
     Raises:
-      ValueError: no such ledger file, a malformed ledger or metadata field (named), an
+      ValueError: no such ledger file, a malformed ledger or metadata field (named), a
+        ledger signed by a key other than ``public_key``, an
         output directory that cannot be created, or no delta given and none derivable. Nothing
         is written then.
     """
@@ -595,7 +601,7 @@ def report_ledger(
     from dpfy.ledger import Ledger, LedgerFormatError
 
     try:
-        ledger = Ledger.load(path)
+        ledger = Ledger.load(path, public_key=public_key)
     except UnicodeDecodeError as err:
         raise ValueError(
             f"ledger_path must be a UTF-8 dpfy ledger, got {str(path)!r}: {err}"

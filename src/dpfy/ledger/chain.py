@@ -116,12 +116,18 @@ class ChainChecker:
     """Checks a ledger file's chain line by line, as the file is parsed.
 
     ``strict``: raise :class:`LedgerIntegrityError` at the first break; otherwise remember it
-    (forensics) and keep checking each line against its predecessor.
+    (forensics) and keep checking each line against its predecessor. ``expected_key``: the
+    run's Ed25519 public key (64 hex digits) as kept apart from the file; a header naming
+    another key (or none) is a break at line 1, since whoever rewrites a whole ledger can
+    re-sign it with a key of their own.
     """
 
-    def __init__(self, source: str, *, strict: bool = True) -> None:
+    def __init__(
+        self, source: str, *, strict: bool = True, expected_key: str | None = None
+    ) -> None:
         self.source = source
         self.strict = strict
+        self.expected_key = expected_key
         self.version = 0
         self.run_id: str | None = None
         self.public_key: str | None = None
@@ -157,7 +163,11 @@ class ChainChecker:
             self.version = obj.get("version", 0)
             self.run_id = obj.get("run_id")
             self.public_key = obj.get("public_key")
-            if self.version < 2 and self.public_key is not None:
+            if self.expected_key is not None and self.public_key != self.expected_key:
+                self._break(lineno, f"the header names signing key {self.public_key!r}, not "
+                            f"the key kept apart from the file ({self.expected_key}): the "
+                            "ledger was rewritten and re-signed, or is another run's")
+            elif self.version < 2 and self.public_key is not None:
                 self._break(lineno, f"the header claims version {self.version}, which has no "
                             "hash chain, but names a signing key: a version downgrade")
         elif self.version >= 2:

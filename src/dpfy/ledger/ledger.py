@@ -497,7 +497,9 @@ class Ledger:
 
     # -- reading ----------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str], *, verify: bool = True) -> Ledger:
+    def load(
+        cls, path: str | os.PathLike[str], *, verify: bool = True, public_key: str | None = None
+    ) -> Ledger:
         """Read a ledger file (read-only), checking its hash chain.
 
         A last line cut short by a crash is read back with a :class:`LedgerTruncationWarning` and
@@ -511,16 +513,24 @@ class Ledger:
           verify: raise :class:`LedgerIntegrityError` at the first line where the hash chain
             breaks (default). ``False`` is for forensics only: the ledger loads and
             :attr:`verification` names the break, but its epsilon describes an edited file.
+          public_key: the run's Ed25519 public key (64 hex digits) as you kept it (from the
+            report or model card of the release): a header naming another key is a break at
+            line 1. Without it the header's own key is trusted, which proves the file
+            unchanged since it was signed but not who signed it.
 
         Raises:
           LedgerFormatError: an empty file, or a malformed line.
           LedgerIntegrityError: the hash chain is broken (``verify=True``).
         """
+        if public_key is not None and not signing.is_hex(public_key, 64):
+            raise ValueError("public_key must be the run's Ed25519 public key as 64 lowercase "
+                             f"hex digits, got {public_key!r}")
         ledger = cls(None)
         ledger.path = source = os.fspath(path)
         with open(source, "rb") as f:
             data = read_capped(f, source)  # a huge line is refused before it is read
-        ledger._verification = ledger._parse(data, source=source, strict=verify)
+        ledger._verification = ledger._parse(data, source=source, strict=verify,
+                                             expected_key=public_key)
         ledger.read_only = True
         return ledger
 
@@ -534,14 +544,16 @@ class Ledger:
             except LedgerFormatError as err:
                 return Verification("broken", broken_line=err.line, reason=str(err))
 
-    def _parse(self, data: bytes, *, source: str, strict: bool) -> Verification:
+    def _parse(
+        self, data: bytes, *, source: str, strict: bool, expected_key: str | None = None
+    ) -> Verification:
         if not data:
             raise LedgerFormatError(f"ledger {source!r}: empty file: not a dpfy ledger")
         lines = data.split(b"\n")
         self._ends_truncated = lines[-1] != b""
         if not self._ends_truncated:
             lines.pop()
-        checker = ChainChecker(source, strict=strict)
+        checker = ChainChecker(source, strict=strict, expected_key=expected_key)
         n = len(lines)
         for i, raw in enumerate(lines):
             lineno = i + 1
