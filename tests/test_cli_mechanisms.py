@@ -61,3 +61,44 @@ def test_train_mechanism_aliases_name_the_canonical_mechanism(tmp_path, monkeypa
         assert main(["train", "mnist", "--mechanism", given, "--out", str(tmp_path / "r")]) == 2
     assert seen == [("dpsgd", "poisson"), ("dpsgd", "poisson"), ("tree-efficient", "cyclic"),
                     ("tree-efficient", "cyclic"), ("tree", "cyclic")]
+
+
+def test_compare_mechanisms_calibrates_each_with_its_tightest_accountant_and_says_which(
+    capsys,
+) -> None:
+    """Poisson DP-SGD gets PLD's z (smaller than RDP's), and the printed table names it."""
+    from dpfy import events as ev
+    from dpfy.accounting import calibrate_noise_multiplier
+
+    code = main(["calibrate", "--target-epsilon", "2", "-n", "2000", "-b", "100",
+                 "--delta", "1e-5", "--epochs", "2", "--compare-mechanisms"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = {tuple(line.split()[:3]): line.split() for line in out.splitlines()
+             if line.startswith(("dpsgd", "bandmf", "blt", "tree"))}
+
+    def make(z: float) -> ev.Event:  # 2 epochs of 20 Poisson steps at q = 100 / 2000
+        return ev.SelfComposed(ev.PoissonSampled(0.05, ev.Gaussian(z)), 40)
+
+    pld = calibrate_noise_multiplier(make, 2.0, 1e-5, method="pld")
+    rdp = calibrate_noise_multiplier(make, 2.0, 1e-5, method="rdp")
+    assert pld < rdp  # RDP would charge DP-SGD extra noise
+    row = lines[("dpsgd", "poisson", "pld")]
+    assert float(row[3]) == pytest.approx(pld, abs=1e-4)  # printed to 4 decimals
+    for name in ("bandmf", "blt", "tree", "tree-efficient"):
+        assert (name, "cyclic", "gaussian") in lines  # exact GDP of the matrix mechanism
+    assert "tightest accountant" in out
+
+
+def test_calibrate_with_method_names_the_accountant_whose_z_it_returns() -> None:
+    from dpfy import events as ev
+    from dpfy.accounting import calibrate_noise_multiplier
+    from dpfy.accounting.calibrate import calibrate_with_method
+
+    def make(z: float) -> ev.Event:
+        return ev.SelfComposed(ev.PoissonSampled(0.05, ev.Gaussian(z)), 40)
+
+    z, method = calibrate_with_method(make, 2.0, 1e-5)
+    assert method == "pld" and z == calibrate_noise_multiplier(make, 2.0, 1e-5)
+    assert calibrate_with_method(make, 2.0, 1e-5, method="rdp") == (
+        calibrate_noise_multiplier(make, 2.0, 1e-5, method="rdp"), "rdp")

@@ -69,6 +69,8 @@ def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
     for r in rows:
         print(f"{r['mechanism']:<16}{r['sampler']:<10}{r['method']:<10}"
               f"{r['noise_multiplier']:>9.4f}{r['epsilon']:>9.4f}{r['prefix_rmse']:>17.4g}")
+    print("method: the tightest accountant each mechanism supports (every applicable one "
+          "calibrated, the smallest z kept)")
 
 
 def _num(value: Any) -> Any:

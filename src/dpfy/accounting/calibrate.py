@@ -320,13 +320,34 @@ def calibrate_noise_multiplier(
       CalibrationError: even z_max does not meet the target.
       ValueError: bad arguments, or the method does not apply to the event.
     """
+    z, _ = calibrate_with_method(
+        make_event, target_epsilon, delta, method, bracket=bracket, rtol=rtol
+    )
+    return z
+
+
+def calibrate_with_method(
+    make_event: Callable[[float], ev.Event],
+    target_epsilon: float,
+    delta: float,
+    method: str | _api.Accountant = "auto",
+    *,
+    bracket: tuple[float, float] = (0.05, 1e4),
+    rtol: float = 1e-4,
+) -> tuple[float, str]:
+    """:func:`calibrate_noise_multiplier`, and the name of the accountant that certifies z.
+
+    With ``method="auto"`` every applicable auto accountant is calibrated and the smallest z
+    wins (the first in the registry's order on a tie), so the name is the tightest accountant
+    the event supports at that target.
+    """
     _check_common(target_epsilon, delta)
     lo, hi = bracket
     check_range("bracket[0]", lo, 0.0, None, low_open=True)
     check_range("bracket[1]", hi, lo, None, low_open=True)
     check_range("rtol", rtol, 0.0, 1.0, low_open=True, high_open=True)
     start = min(max(1.0, lo), hi)
-    best = math.inf
+    best, best_name = math.inf, ""
     for m in _methods(make_event, start, method):
         z = _calibrate(
             _Evaluator(make_event, delta, m),
@@ -340,8 +361,9 @@ def calibrate_noise_multiplier(
             False,
             "noise_multiplier",
         )
-        best = min(best, z)
-    return best
+        if z < best:
+            best, best_name = z, m if isinstance(m, str) else m.name
+    return best, best_name
 
 
 def calibrate_steps(
