@@ -132,3 +132,57 @@ def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
     assert facts["num_examples"] == 256 and facts["max_examples_per_user"] == 8
     md = (run_dir / "report.md").read_text()
     assert f"(N = {facts['num_users']} movies)" in md and "at the level of one movie" in md
+
+
+def test_a_movie_batch_larger_than_the_movies_is_refused_before_any_model_loads(
+    tmp_path, monkeypatch
+):
+    """The batch counts movies: checked against them, named, before the tokenizer or model."""
+    from dpfy.models import pretrained
+    from dpfy.training import text
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model or tokenizer was loaded before the batch was checked")
+
+    monkeypatch.setattr(pretrained, "load_minilm_tokenizer", no_model)
+    monkeypatch.setattr(text, "make_text_model", no_model)
+    out = tmp_path / "run"
+    code, printed = _dpfy(["train", "rotten-tomatoes", "--unit", "movie", "--train-limit", "100",
+                           "--batch-size", "256", "--out", str(out)])
+    assert code == 2, printed
+    assert "Traceback" not in printed and len(printed.strip().splitlines()) == 1
+    assert "batch_size must be an integer in [1, 6] movies" in printed  # 100 snippets: 6 movies
+    assert "got batch_size=256" in printed
+    assert not out.exists()
+
+
+def test_mnist_user_batch_larger_than_the_users_is_refused_naming_users(tmp_path):
+    out = tmp_path / "run"
+    code, printed = _dpfy(["train", "mnist", "--unit", "user", "--users", "10", "--batch-size",
+                           "64", "--out", str(out)])
+    assert code == 2 and "Traceback" not in printed
+    assert "batch_size must be an integer in [1, 10] users" in printed
+    assert not out.exists()
+
+
+def test_the_library_sampler_names_its_unit_when_the_batch_is_too_large():
+    from dpfy.sampling import make_sampler
+
+    with pytest.raises(ValueError, match=r"\[1, 11\] movies .* got batch_size=256"):
+        make_sampler("poisson", 11, 256, unit="movie")
+    with pytest.raises(ValueError, match=r"^batch_size must be an integer in \[1, 11\], got"):
+        make_sampler("poisson", 11, 256)  # examples: the plain template
+
+
+def test_the_default_user_level_batch_leaves_at_least_eight_steps_an_epoch():
+    from dpfy.training.users import MIN_USER_STEPS_PER_EPOCH, recipe_batch_size
+
+    assert MIN_USER_STEPS_PER_EPOCH == 8
+    assert recipe_batch_size(None, 256, 429, "movie") == 53  # 429 // 8, not 256 (1.7 steps)
+    assert recipe_batch_size(None, 1024, 6000, "user") == 750
+    assert recipe_batch_size(None, 1024, 100_000, "user") == 1024  # the recipe's, if smaller
+    assert recipe_batch_size(None, 256, 5, "movie") == 1
+    assert recipe_batch_size(None, 256, 10_833, "example") == 256  # example level unchanged
+    assert recipe_batch_size(64, 256, 429, "movie") == 64  # a given batch is kept
+    with pytest.raises(ValueError, match=r"\[1, 429\] movies"):
+        recipe_batch_size(430, 256, 429, "movie")

@@ -365,8 +365,10 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     "batch_size": (
         Annotated[
         int | None,
-        typer.Option("--batch-size", help="Expected batch size (default: images 1024; "
-                     "text 256).", parser=count_option("batch_size")),
+        typer.Option("--batch-size", help="Expected batch size, in units of privacy "
+                     "(default: images 1024, text 256; with --unit user or movie at most "
+                     "N/8 of the N users or movies, so an epoch has at least 8 steps).",
+                     parser=count_option("batch_size")),
     ],
         None,
     ),

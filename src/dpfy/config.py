@@ -235,6 +235,10 @@ class RunConfig:
                 "synthetic user ids (--users N; image i belongs to user i mod N)"
             )
         check_int("users", users)
+        if isinstance(self.batch_size, int) and not isinstance(self.batch_size, bool):
+            from dpfy.sampling.factory import check_batch_size
+
+            check_batch_size(self.batch_size, users, unit)  # users per step, named as such
 
     def _check_execution(self) -> None:
         from dpfy.training.precision import check_precision

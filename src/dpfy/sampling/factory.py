@@ -51,7 +51,7 @@ def make_sampler(
         raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")
     check_unit(unit)
     check_int("dataset_size", dataset_size)
-    check_range("batch_size", batch_size, 1, dataset_size, integer=True)
+    check_batch_size(batch_size, dataset_size, unit)
     row = rows[name]
     if max_batch_size is not None and not row.truncates:
         truncating = " and ".join(r.name for r in rows.values() if r.truncates)
@@ -69,3 +69,23 @@ def make_sampler(
                              f"{type(sampler).__name__}")
         sampler.with_unit(unit)
     return sampler
+
+
+def check_batch_size(batch_size: object, units: int, unit: str = "example") -> None:
+    """``batch_size`` (expected units per step) must be an integer in ``[1, units]``.
+
+    Over users the message names the unit, e.g. ``batch_size must be an integer in [1, 11]
+    movies (the expected number of movies a step draws; the data holds 11 movies), got
+    batch_size=256``: the number counts units of privacy, not examples.
+    """
+    if unit == "example":
+        check_range("batch_size", batch_size, 1, units, integer=True)
+        return
+    try:
+        check_range("batch_size", batch_size, 1, units, integer=True)
+    except ValueError:
+        raise ValueError(
+            f"batch_size must be an integer in [1, {units}] {unit}s (the expected number of "
+            f"{unit}s a step draws; the data holds {units} {unit}s), got "
+            f"batch_size={batch_size!r}"
+        ) from None

@@ -309,7 +309,7 @@ def train_image_classifier(
         config.sampler_kind, config.mechanism, config.unit, config.precision
     )
     epochs = recipe.epochs if config.epochs is None else config.epochs
-    batch_size = recipe.batch_size if config.batch_size is None else config.batch_size
+    batch_size = config.batch_size  # None: the recipe's (users: recipe_batch_size's rule)
     learning_rate = (
         recipe.learning_rate if config.learning_rate is None else config.learning_rate
     )
@@ -396,6 +396,7 @@ def train_image_classifier(
             randomness=sample_rng,
         )
         trainer_cls = users.UserLevelTrainer
+    batch_size = users.recipe_batch_size(batch_size, recipe.batch_size, units, unit)
     net = make_model(model)
     if shard and distributed is not None:
         shard_model(net, distributed)

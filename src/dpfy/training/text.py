@@ -449,7 +449,6 @@ def train_text_classifier(
     mode = text_mode(config)
     defaults = TEXT_DEFAULTS[mode]
     epochs = int(epochs if epochs is not None else defaults["epochs"])
-    batch_size = int(batch_size if batch_size is not None else defaults["batch_size"])
     learning_rate = float(learning_rate if learning_rate is not None
                           else defaults["learning_rate"])
     clip_norm = float(clip_norm if clip_norm is not None else defaults["clip_norm"])
@@ -472,6 +471,10 @@ def train_text_classifier(
                 labels=test_split.labels[:test_limit], movies=test_split.movies[:test_limit])
     else:
         test_split = datasets.rotten_tomatoes("test", limit=test_limit)
+    # the batch against the units (snippets, or movies) before the tokenizer and model load
+    num_units = len(np.unique(train_split.movies)) if unit != "example" else len(
+        train_split.labels)
+    batch_size = users.recipe_batch_size(batch_size, defaults["batch_size"], num_units, unit)
     from dpfy.models.pretrained import load_minilm_tokenizer
 
     tokenizer = load_minilm_tokenizer()

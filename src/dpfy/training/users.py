@@ -261,6 +261,30 @@ def user_level_options(
     }
 
 
+#: A user-level recipe's default expected batch is its example-level default, but at most
+#: ``units // MIN_USER_STEPS_PER_EPOCH`` units (at least 1): an epoch has at least 8 steps. The
+#: rotten-tomatoes default of 256 snippets over its 429 training movies would be 1.7 steps an
+#: epoch; the rule gives 53 movies a step.
+MIN_USER_STEPS_PER_EPOCH = 8
+
+
+def recipe_batch_size(batch_size: int | None, default: int, units: int, unit: str) -> int:
+    """The expected batch (units per step) of a recipe run over ``units`` units of privacy.
+
+    ``batch_size`` None: ``default``, and for a user-level unit at most
+    ``units // MIN_USER_STEPS_PER_EPOCH`` (at least 1). The batch is checked against ``units``
+    here, the message naming the unit, so a recipe refuses it before it loads a model.
+    """
+    from dpfy.sampling.factory import check_batch_size
+
+    if batch_size is None:
+        batch_size = int(default)
+        if unit != "example":
+            batch_size = max(1, min(batch_size, int(units) // MIN_USER_STEPS_PER_EPOCH))
+    check_batch_size(batch_size, units, unit)
+    return int(batch_size)
+
+
 def unit_description(unit: str, cap: int | None, example: str) -> str:
     """The ``unit_of_privacy`` metadata of a recipe run (``example``: what one row is)."""
     if unit == "example":
