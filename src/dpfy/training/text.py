@@ -340,37 +340,22 @@ class _UserTextTrainer(users.UserLevelTrainer, _TextTrainer):
 
 
 class _RunningEpsilon:
-    """A rich progress bar whose epsilon is the ledger's so far, refreshed about 50 times a run
-    with PLD or RDP, else after every epoch (read through :func:`dpfy.training.budget.spent`
-    or the trainer's epoch record, never computed here)."""
+    """The run's progress (a rich bar on a terminal, else a plain line about every 30 s:
+    :mod:`dpfy.training.progress`) whose epsilon is the ledger's so far, refreshed about 50
+    times a run with PLD or RDP, else after every epoch (read through
+    :func:`dpfy.training.budget.spent` or the trainer's epoch record, never computed here)."""
 
     def __init__(self, ledger: Callable[[], Ledger], delta: float, method: str, total: int):
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from dpfy.training.progress import progress_display
 
         self._ledger, self._delta, self._method = ledger, delta, method
         self._every = max(1, total // 50)
         # between epochs only with the fast accountants (Monte Carlo is refreshed per epoch)
         self._per_step = method in ("pld", "rdp")
-        self._progress = Progress(
-            TextColumn("[bold]DP fine-tuning[/bold] epoch {task.fields[epoch]}"),
-            BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("test {task.fields[test]}"),
-            TextColumn("eps {task.fields[eps]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        )
-        self._task = self._progress.add_task(
-            "train", total=total, epoch=0, loss="-", test="-", eps="0"
-        )
-        self._progress.start()
+        self._display = progress_display("DP fine-tuning", total, fields=("loss", "test", "eps"))
 
     def __call__(self, info: ProgressInfo) -> None:
-        fields: dict[str, Any] = {"epoch": info.epoch}
+        fields: dict[str, str] = {}
         if not np.isnan(info.loss):
             fields["loss"] = f"{info.loss:.3f}"
         if info.test_accuracy is not None:
@@ -380,10 +365,10 @@ class _RunningEpsilon:
         elif self._per_step and info.step % self._every == 0:
             eps = spent(self._ledger(), self._delta, self._method)
             fields["eps"] = f"{eps:.3f}"
-        self._progress.update(self._task, completed=info.step, **fields)
+        self._display.update(info.step, info.epoch, **fields)
 
     def close(self) -> None:
-        self._progress.stop()
+        self._display.close()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

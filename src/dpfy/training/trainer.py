@@ -65,6 +65,7 @@ from dpfy.training.distributed import (
 )
 from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
+from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.resume import check_resume, run_hyperparameters
 from dpfy.training.sharded import is_sharded
@@ -707,6 +708,7 @@ class PrivateTrainer:
             "calibrated": self.noise_multiplier is None,
             "precision": self.precision,
             "mechanism": "dpsgd" if self.correlated is None else self.correlated.strategy,
+            "layer_types": list(layer_type_names(p.module for p in self.private_gradient_.plans_)),
         } | ({} if self.distributed is None else {"workers": self.distributed.world_size}) | (
             {"sharded": True} if self.distributed is not None and is_sharded(self.model) else {}
         )
@@ -829,37 +831,18 @@ def _take(iterator: Iterable[_T], n: int) -> Iterator[_T]:
 
 
 class _ProgressBar:
-    """A rich progress bar: steps, loss, batch accuracy, test accuracy, epsilon spent."""
+    """The run's progress: a rich bar on a terminal, else a plain line about every 30 s
+    (:mod:`dpfy.training.progress`); loss, batch accuracy, test accuracy, epsilon spent."""
 
     def __init__(self, total: int, completed: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from dpfy.training.progress import progress_display
 
-        self._progress = Progress(
-            TextColumn("[bold]DP-SGD[/bold] epoch {task.fields[epoch]}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("acc {task.fields[acc]}"),
-            TextColumn("test {task.fields[test]}"),
-            TextColumn("eps {task.fields[eps]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        self._progress.start()
-        self._task = self._progress.add_task(
-            "train", total=total, completed=completed, epoch=0, loss="-", acc="-", test="-",
-            eps="0",
+        self._display = progress_display(
+            "DP-SGD", total, completed, fields=("loss", "acc", "test", "eps")
         )
 
     def update(self, info: ProgressInfo) -> None:
-        fields: dict[str, Any] = {"epoch": info.epoch}
+        fields: dict[str, str] = {}
         if not math.isnan(info.loss):
             fields["loss"] = f"{info.loss:.3f}"
         if not math.isnan(info.accuracy):
@@ -868,7 +851,7 @@ class _ProgressBar:
             fields["test"] = f"{info.test_accuracy:.4f}"
         if info.epsilon is not None:
             fields["eps"] = f"{info.epsilon:.3f}"
-        self._progress.update(self._task, completed=info.step, **fields)
+        self._display.update(info.step, info.epoch, **fields)
 
     def close(self) -> None:
-        self._progress.stop()
+        self._display.close()
