@@ -60,6 +60,7 @@ from dpfy.training.loader import (
     check_sampler,
     collated,
 )
+from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import (
     Precision,
     check_loss_scale,
@@ -729,6 +730,7 @@ def make_private(
         "calibrated": given_z is None,
         "precision": pg.precision,
         "loss_scale": pg.loss_scale,
+        "layer_types": list(layer_type_names(p.module for p in pg.plans_)),
     }
     engine = _Engine(
         private_gradient=pg,

@@ -235,6 +235,15 @@ def _unsharded_type(kind: type[nn.Module]) -> type[nn.Module]:
     return kind
 
 
+def layer_type_names(modules: Iterable[nn.Module]) -> tuple[str, ...]:
+    """Qualified class names (``"module.ClassName"``, FSDP2's generated classes unwrapped) of
+    ``modules``, sorted and without repeats: the layer types whose norm rules a step uses. The
+    ledger's run facts record them as ``layer_types``; ``dpfy audit`` replays a release of each
+    (:mod:`dpfy.audit.probes`)."""
+    kinds = {_unsharded_type(type(m)) for m in modules}
+    return tuple(sorted(f"{k.__module__}.{k.__qualname__}" for k in kinds))
+
+
 def registered_types() -> tuple[type[nn.Module], ...]:
     """Module types with a registered norm rule (those registered by name once seen)."""
     return tuple(_RULES)
