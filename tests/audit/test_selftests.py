@@ -315,7 +315,9 @@ def _correlated_fed_run(tmp_path: Path) -> Path:
 def test_audit_run_runs_the_self_tests_of_the_run(tmp_path: Path, monkeypatch) -> None:
     run = _correlated_fed_run(tmp_path)
     section = audit_run(run, method="one-run", trials=1000)
-    assert section["self_tests_run"] == ["replay", "sampler", "federated", "correlated (bandmf)"]
+    assert section["self_tests_run"] == [
+        "replay", "sampler", "ledger counts", "federated", "correlated (bandmf)"
+    ]
     assert section["self_tests"] == [] and section["verdict"] == "no violation found"
     assert "Self-tests run" in (run / "report.md").read_text()
     _stream_of(CorrelatedPlan("bandmf", {"coeffs": (1.0,)}, 12, Cyclic(4)), monkeypatch)

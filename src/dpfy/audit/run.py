@@ -19,29 +19,28 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
-
-import torch
-from torch import nn
 
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_seed
 from dpfy.audit.canary import CanaryModel, canary_audit, one_run_audit
+from dpfy.audit.counts import ledger_count_check
 from dpfy.audit.fdp import one_run_gdp_bound, one_run_gdp_ceiling
-from dpfy.audit.replay import replay_release, sampler_check
+from dpfy.audit.probes import LayerReplay, replay_layer_types
+from dpfy.audit.replay import sampler_check
 from dpfy.audit.selftests import (
     SelfTest,
     correlated_selftest,
     distributed_selftest,
+    dpsgd_selftest,
     federated_selftest,
     sharded_selftest,
 )
 from dpfy.ledger import Ledger
 from dpfy.ledger.records import MatrixRunRecord, SumQueryRecord
-from dpfy.queries import GaussianSumQuery
 from dpfy.report.statement import PrivacyReport
 
 AuditMethod = Literal["canary", "one-run"]
@@ -75,7 +74,19 @@ def _load(run_dir: Path) -> tuple[Ledger, dict[str, Any]]:
     return ledger, report
 
 
-def _configuration(ledger: Ledger, report: dict[str, Any]) -> dict[str, Any]:
+def _summary(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``summary.json`` (``dpfy train`` writes it), or ``None`` when absent."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a readable summary.json: {err}") from None
+    return data if isinstance(data, dict) else None
+
+
+def _configuration(ledger: Ledger) -> dict[str, Any]:
     zs = [z for z in ledger.noise_multipliers().values() if z > 0 and math.isfinite(z)]
     # a correlated-noise run: each step's fresh noise z_t ~ N(0, (z C)^2) (docs 5.16)
     zs += [r.noise_multiplier for r in ledger.entries if isinstance(r, MatrixRunRecord)]
@@ -86,71 +97,102 @@ def _configuration(ledger: Ledger, report: dict[str, Any]) -> dict[str, Any]:
     clip = meta.get("clip_norm")
     if not isinstance(clip, int | float) or not 0 < clip < math.inf:
         clip = sums[0].sensitivity if sums and sums[0].sensitivity > 0 else 1.0
-    delta = report.get("delta")
-    if not isinstance(delta, int | float) or not 0 < delta < 1:
-        raise ValueError(f"the run's report.json has no valid delta, got delta={delta!r}")
     samples = ledger.samples
     sampler = samples[0].spec.sampler if samples else None
     ebs = meta.get("expected_batch_size")
     return {
         "noise_multiplier": float(min(zs)),  # the strongest release of the run
         "clip_norm": float(clip),
-        "delta": float(delta),
         "sampler": sampler,
         "expected_batch_size": float(ebs) if isinstance(ebs, int | float) and ebs > 0 else None,
-        "run_epsilon": report.get("epsilon"),
     }
 
 
-def _self_tests(cfg: dict[str, Any], seed: int) -> list[str]:
-    """Replay one release of the run's query on a tiny model; check the run's sampler."""
-    c, z = cfg["clip_norm"], cfg["noise_multiplier"]
-
-    def make() -> nn.Module:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3))
-
-    g = torch.Generator().manual_seed(seed)
-    x, t = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
-    t[0] *= 1000.0 * c
-    found = list(
-        replay_release(
-            make,
-            lambda: GaussianSumQuery(c, z),
-            x,
-            t,
-            lambda o, y: (o * y).sum(1),
-            expected_batch_size=cfg["expected_batch_size"] or 5.0,
-            seed=seed,
-            clip_norm=c,
-        ).findings
+def _self_tests(cfg: dict[str, Any], layer_types: Any, seed: int) -> tuple[list[str], LayerReplay]:
+    """Replay one release of the run's query on a probe model of each layer type the run
+    recorded (:mod:`dpfy.audit.probes`; a ``Linear`` model when none are recorded); check
+    the run's sampler."""
+    types = [str(t) for t in layer_types] if isinstance(layer_types, list) else None
+    replay = replay_layer_types(
+        types,
+        clip_norm=cfg["clip_norm"],
+        noise_multiplier=cfg["noise_multiplier"],
+        expected_batch_size=cfg["expected_batch_size"] or 5.0,
+        seed=seed,
     )
+    found = list(replay.findings)
     if cfg["sampler"] not in (None, "full_batch"):
         found += sampler_check(cfg["sampler"], seed=seed)
-    return found
+    return found, replay
 
 
 def _path_tests(ledger: Ledger, cfg: dict[str, Any]) -> list[SelfTest]:
-    """The self-tests of what the run used beyond one process's DP-SGD step
-    (:mod:`dpfy.audit.selftests`): several processes (metadata ``workers``; ``sharded``:
-    FSDP2), DP-FedAvg rounds (metadata ``trainer``) and correlated noise (a ``matrix_run``
-    record, with its plan)."""
+    """The self-tests of the release paths the run used (:mod:`dpfy.audit.selftests`):
+    several processes (metadata ``workers``; ``sharded``: FSDP2), DP-FedAvg rounds (metadata
+    ``trainer``), correlated noise (a ``matrix_run`` record, with its plan), and otherwise one
+    process's DP-SGD steps (fresh noise at every step)."""
     c, z = cfg["clip_norm"], cfg["noise_multiplier"]
     meta = ledger.metadata
     done: list[SelfTest] = []
     workers = meta.get("workers")
-    if isinstance(workers, int) and not isinstance(workers, bool) and workers > 1:
+    several = isinstance(workers, int) and not isinstance(workers, bool) and workers > 1
+    fed = meta.get("trainer") == "dpfy.fed.DPFedAvg"
+    matrix = [r for r in ledger.entries if isinstance(r, MatrixRunRecord)]
+    if not (several or fed or matrix):
+        done.append(dpsgd_selftest(clip_norm=c, noise_multiplier=z))
+    if several:
         done.append(distributed_selftest(2, clip_norm=c, noise_multiplier=z))
     if meta.get("sharded") is True:  # FSDP2: each rank noises its own shard
         done.append(sharded_selftest(2, clip_norm=c, noise_multiplier=z))
-    if meta.get("trainer") == "dpfy.fed.DPFedAvg":
+    if fed:
         done.append(federated_selftest(clip_norm=c, noise_multiplier=z))
-    for rec in ledger.entries:
-        if isinstance(rec, MatrixRunRecord):
-            done.append(correlated_selftest(
-                rec.plan, clip_norm=rec.clip_norm, noise_multiplier=rec.noise_multiplier
-            ))
+    for rec in matrix:
+        done.append(correlated_selftest(
+            rec.plan, clip_norm=rec.clip_norm, noise_multiplier=rec.noise_multiplier
+        ))
     return done
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunChecks:
+    """What the gray-box checks of a run found (every check of ``dpfy audit`` but the attack).
+
+    Attributes:
+      findings: breaches, one sentence each, prefixed with the self-test's name where one
+        found it (empty: none found).
+      tests_run: the checks that ran, in order.
+      replayed_layer_types: the layer types replayed on probe models.
+      not_replayed_layer_types: layer types the run recorded that have no probe model.
+    """
+
+    findings: tuple[str, ...]
+    tests_run: tuple[str, ...]
+    replayed_layer_types: tuple[str, ...]
+    not_replayed_layer_types: tuple[str, ...]
+
+
+def check_run(
+    ledger: Ledger, summary: Mapping[str, Any] | None = None, *, seed: int = 0
+) -> RunChecks:
+    """The gray-box checks of a run: a replay of its query on its layer types, its sampler
+    against its spec, the ledger's step and release counts against the sampler's plan and
+    ``summary`` (the run's ``summary.json``; :mod:`dpfy.audit.counts`), and the self-tests of
+    its release paths, among them step-to-step noise independence.
+
+    Raises:
+      ValueError: the ledger records no noisy release.
+    """
+    cfg = _configuration(ledger)
+    found, replay = _self_tests(cfg, ledger.metadata.get("layer_types"), seed)
+    found += ledger_count_check(ledger, summary)
+    paths = _path_tests(ledger, cfg)
+    found += [f"{t.name}: {f}" for t in paths for f in t.findings]
+    return RunChecks(
+        tuple(found),
+        ("replay", "sampler", "ledger counts", *(t.name for t in paths)),
+        replay.replayed,
+        replay.not_replayed,
+    )
 
 
 def audit_run(
@@ -190,8 +232,11 @@ def audit_run(
     )
     out = Path(run_dir)
     ledger, report = _load(out)
-    cfg = _configuration(ledger, report)
-    z, c, delta = cfg["noise_multiplier"], cfg["clip_norm"], cfg["delta"]
+    cfg = _configuration(ledger)
+    delta = report.get("delta")
+    if not isinstance(delta, int | float) or not 0 < delta < 1:
+        raise ValueError(f"the run's report.json has no valid delta, got delta={delta!r}")
+    z, c = cfg["noise_multiplier"], cfg["clip_norm"]
     audited = float(accounting.epsilon(ev.Gaussian(z), delta).epsilon)
     start = time.perf_counter()
     section: dict[str, Any] = {"method": method, "confidence": confidence, "seed": seed}
@@ -253,15 +298,16 @@ def audit_run(
     section.update(
         audited_claim=audited,
         audited_release=f"one Gaussian release, z = {z:.6g}, no subsampling, delta = {delta:g}",
-        run_epsilon=cfg["run_epsilon"],
+        run_epsilon=report.get("epsilon"),
         noise_multiplier=z,
         clip_norm=c,
-        self_tests=_self_tests(cfg, seed),
     )
-    paths = _path_tests(ledger, cfg)
-    section["self_tests"] += [f"{t.name}: {f}" for t in paths for f in t.findings]
+    checks = check_run(ledger, _summary(out), seed=seed)
     section.update(
-        self_tests_run=["replay", "sampler"] + [t.name for t in paths],
+        self_tests=list(checks.findings),
+        self_tests_run=list(checks.tests_run),
+        replayed_layer_types=list(checks.replayed_layer_types),
+        not_replayed_layer_types=list(checks.not_replayed_layer_types),
         seconds=time.perf_counter() - start,
     )
     broken = (

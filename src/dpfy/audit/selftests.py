@@ -12,11 +12,14 @@ correct implementation fails with probability at most about ``alpha``; ``1e-6`` 
   ``(s_hat / s - 1) sqrt(2 n)`` with ``s`` the *recorded* std. Noise added twice (``sqrt 2``
   times the std), at half the std, or not at all (``s_hat = 0``) is far outside for the sizes
   used here (``n`` in the thousands).
-* **Whiteness** (correlated noise). For two independent ``N(0, s^2)`` vectors of ``P``
-  values, ``<x, y> / (P s^2)`` has standard error ``1 / sqrt(P)``; the statistic is that
-  correlation times ``sqrt(P)``.
+* **Whiteness** (correlated noise) and **independence** (every other path). For two
+  independent ``N(0, s^2)`` vectors of ``P`` values, ``<x, y> / (P s^2)`` has standard error
+  ``1 / sqrt(P)``; the statistic is that correlation times ``sqrt(P)``. Applied to every two
+  steps (rounds) of independent noise it is about ``sqrt(P)`` when one draw is used twice,
+  which neither the std test nor a replay with identical seeds can see.
 
-:func:`distributed_selftest` spawns a gloo process group on this machine (rank 0 is the
+:func:`dpsgd_selftest` checks one process's DP-SGD steps (the recorded std, fresh noise at
+every step). :func:`distributed_selftest` spawns a gloo process group on this machine (rank 0 is the
 calling process) and checks that the noise of a data-parallel DP-SGD step is added once, at
 the recorded std, and that every rank receives the same gradient (docs/architecture.md 5.18).
 :func:`sharded_selftest` does the same for a model sharded with FSDP2 (``fully_shard``): each
@@ -137,12 +140,38 @@ def _linear_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return outputs[:, 0] * targets
 
 
-def _distributed_worker(d: Distributed, cfg: _DistConfig) -> SelfTest:
+def _independence(noise: list[np.ndarray], std: float) -> list[tuple[float, int, int]]:
+    """``(z, s, t)`` for every two steps ``s < t`` of ``noise`` (one vector of ``P`` values
+    per step, recorded std ``std``): ``z = <x_s, x_t> / (std^2 sqrt(P))``, about N(0, 1) for
+    independent draws and ``sqrt(P)`` for the same noise used again."""
+    if not noise or not std > 0.0:
+        return []
+    mat = np.stack(noise) / std
+    corr = mat @ mat.T / math.sqrt(mat.shape[1])
+    return [(float(corr[s, t]), s, t) for t in range(len(noise)) for s in range(t)]
+
+
+def _independence_finding(pairs: list[tuple[float, int, int]], thr: float, unit: str,
+                          size: int) -> list[str]:
+    """One finding for the most correlated pair above ``thr`` (none when all are below)."""
+    if not pairs:
+        return []
+    z, s, t = max(pairs, key=lambda p: abs(p[0]))
+    if abs(z) <= thr:
+        return []
+    return [
+        f"independence: the noise of {unit}s {s} and {t} is correlated ({z:.3g} standard "
+        f"errors; 0 for independent draws, {math.sqrt(size):.3g} for the same noise used twice)"
+    ]
+
+
+def _distributed_worker(d: Distributed | None, cfg: _DistConfig) -> SelfTest:
     torch.set_num_threads(1)
+    rank, world = (0, 1) if d is None else (d.rank, d.world_size)
     x = _rows(cfg.rows, cfg.dim, cfg.clip_norm, seed=0)
     known = _clipped_sum(x, cfg.clip_norm)
-    mine = torch.from_numpy(x[d.rank :: d.world_size]).float()
-    reducer = d if cfg.make_reducer is None else cfg.make_reducer(d)
+    mine = torch.from_numpy(x[rank::world]).float()
+    reducer = None if d is None else d if cfg.make_reducer is None else cfg.make_reducer(d)
     rng = Randomness.secure_mode() if cfg.make_randomness is None else cfg.make_randomness()
     model = nn.Linear(cfg.dim, 1, bias=False)
     pg = PrivateGradient(
@@ -158,10 +187,12 @@ def _distributed_worker(d: Distributed, cfg: _DistConfig) -> SelfTest:
         assert model.weight.grad is not None
         g = model.weight.grad.detach().reshape(-1).double().clone()
         noise.append(g.numpy() - known)  # the denominator is 1
-        first = g.clone()
-        d.share_([first])  # rank 0's gradient on every rank
-        spread = max(spread, float((g - first).abs().max()))
-    spread = d.sum_numbers([spread])[0]
+        if d is not None:
+            first = g.clone()
+            d.share_([first])  # rank 0's gradient on every rank
+            spread = max(spread, float((g - first).abs().max()))
+    if d is not None:
+        spread = d.sum_numbers([spread])[0]
     findings: list[str] = []
     recs = [r for r in ledger.entries if isinstance(r, SumQueryRecord)]
     if len(recs) != cfg.steps:
@@ -173,13 +204,18 @@ def _distributed_worker(d: Distributed, cfg: _DistConfig) -> SelfTest:
     if spread != 0.0:
         findings.append(f"ranks: the released gradients differ by up to {spread:.3g}")
     ratio, z = _std_z(np.concatenate(noise), std)
-    if not abs(z) <= _threshold(cfg.alpha, 1):
+    pairs = _independence(noise, std)
+    thr = _threshold(cfg.alpha, 1 + len(pairs))
+    if not abs(z) <= thr:
         findings.append(
             f"noise: the released gradient minus the clipped sum has std {ratio:.4g} x the "
-            f"recorded {std:.6g} (1 when added once; {math.sqrt(d.world_size):.3g} when every "
-            "rank adds it; 0 when skipped)"
+            f"recorded {std:.6g} (1 when added once"
+            + ("" if d is None else f"; {math.sqrt(world):.3g} when every rank adds it")
+            + "; 0 when skipped)"
         )
-    return _result("distributed", [z], _threshold(cfg.alpha, 1), findings)
+    findings += _independence_finding(pairs, thr, "step", cfg.dim)
+    name = "dpsgd" if d is None else "distributed"
+    return _result(name, [z] + [p[0] for p in pairs], thr, findings)
 
 
 def distributed_selftest(
@@ -201,8 +237,9 @@ def distributed_selftest(
     loss ``w . x_i`` (example i's gradient is ``x_i``; norms from 0.2 C to 3 C, so clipping
     acts), each rank holding every ``world_size``-th row. Over ``steps`` releases with
     denominator 1 the released gradient minus the closed-form clipped sum must have the
-    per-coordinate std the ledger records (``steps x dim`` values), every step must have one
-    release record, and every rank must hold the same gradient bit for bit.
+    per-coordinate std the ledger records (``steps x dim`` values), every two steps' noise
+    must be uncorrelated (as in :func:`dpsgd_selftest`), every step must have one release
+    record, and every rank must hold the same gradient bit for bit.
 
     ``make_reducer`` (module-level, picklable: it runs in the spawned ranks) wraps each rank's
     :class:`~dpfy.training.distributed.Distributed`, and ``make_randomness`` builds each rank's
@@ -224,6 +261,39 @@ def distributed_selftest(
         torch.set_num_threads(threads)
     assert isinstance(result, SelfTest)
     return result
+
+
+def dpsgd_selftest(
+    *,
+    dim: int = 512,
+    rows: int = 16,
+    steps: int = 8,
+    clip_norm: float = 1.0,
+    noise_multiplier: float = 1.0,
+    alpha: float = 1e-6,
+    randomness: Randomness | None = None,
+) -> SelfTest:
+    """One process's DP-SGD steps draw fresh noise at the recorded std at every step.
+
+    The model and data of :func:`distributed_selftest` in this process (no reducer): over
+    ``steps`` releases of :class:`~dpfy.training.PrivateGradient` with denominator 1, the
+    released gradient minus the closed-form clipped sum must have the recorded std (one test
+    over ``steps x dim`` values), each step must have one release record, and every two
+    steps' noise vectors (``dim`` values each) must be uncorrelated (``steps (steps - 1) / 2``
+    tests: noise used again at a later step, which the replay's identical seeds cannot see,
+    has standardised correlation ``sqrt(dim)``). ``randomness``: the noise (default: secure).
+    """
+    check_int("dim", dim)
+    check_int("rows", rows)
+    check_int("steps", steps, 2)
+    _check_common(alpha, clip_norm, noise_multiplier)
+    cfg = _DistConfig(dim, rows, steps, float(clip_norm), float(noise_multiplier), float(alpha),
+                      None, None if randomness is None else lambda: randomness)
+    threads = torch.get_num_threads()  # the worker sets 1 thread
+    try:
+        return _distributed_worker(None, cfg)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- 1b. sharded (FSDP2) DP-SGD: each coordinate noised once, on the rank holding it ----------
@@ -381,7 +451,9 @@ def federated_selftest(
     a fixed vector of ``dim`` values and norm between 0.2 C and 3 C. Each round's mean delta
     times the expected cohort, minus the closed-form clipped sum of the cohort's deltas, must
     have the std that round's release records declare (``rounds + 1`` tests: each round and
-    all rounds together), and each round must have exactly one release record.
+    all rounds together), every two rounds' noise must be uncorrelated (``rounds (rounds - 1)
+    / 2`` tests, as in :func:`dpsgd_selftest`), and each round must have exactly one release
+    record.
     ``randomness``: the server's noise randomness (default: secure).
     """
     check_int("num_clients", num_clients, 2)
@@ -395,7 +467,7 @@ def federated_selftest(
     server = DPFedAvg(cohort, client_update_query(clip_norm, noise_multiplier), ledger,
                       randomness=randomness)
     template = {"w": torch.zeros(dim, dtype=torch.float64)}
-    thr = _threshold(alpha, rounds + 1)
+    thr = _threshold(alpha, rounds + 1 + rounds * (rounds - 1) // 2)
     findings: list[str] = []
     zs: list[float] = []
     noises: list[np.ndarray] = []
@@ -427,6 +499,9 @@ def federated_selftest(
         zs.append(z)
         if not abs(z) <= thr:
             findings.append(f"all rounds: the noise has std {ratio:.4g} x the recorded one")
+    pairs = _independence(noises, 1.0)  # already in units of each round's recorded std
+    findings += _independence_finding(pairs, thr, "round", dim)
+    zs += [p[0] for p in pairs]
     total = sum(isinstance(r, SumQueryRecord) for r in ledger.entries)
     if total != rounds:
         findings.append(f"ledger: {total} release records for {rounds} rounds")

@@ -1,0 +1,94 @@
+"""The ledger's steps and releases against the sampler's plan and the run's own count.
+
+Every figure of a report is accounted from the ledger's sample and release records. A ledger
+that misses a step is still a valid hash chain and accounts fewer steps (a smaller epsilon)
+than the run took, so no accountant or chain check sees it. This check compares what the
+ledger holds with two facts recorded apart from the release records:
+
+* **the sampler's plan**: the trainer's run facts (``epochs``, ``steps_per_epoch``: the
+  sampler's steps per epoch). A run that ran to its end (final metadata
+  ``stopped = "completed"``) took ``epochs x steps_per_epoch`` steps; a run stopped by the
+  budget guard or ``max_steps`` took fewer, and only the other checks apply;
+* **the run's own count**: ``steps`` in the run directory's ``summary.json`` (the trainer's
+  step counter, written beside the model).
+
+It also checks that the steps the ledger numbers (``SampleRecord.step``) have no gap
+(``0 .. last``; a step recorded twice, e.g. around a resume, charges it twice and is allowed)
+and that every step has at least one release record (sum query, non-private release or
+correlated-noise step) unless the file was resumed after a crash, when the step cut short
+may hold only its sample. The functions return findings (sentences); empty: none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dpfy.ledger import Ledger
+from dpfy.ledger.records import (
+    MatrixStepRecord,
+    NonPrivateRecord,
+    ResumeRecord,
+    SumQueryRecord,
+)
+
+
+def _count(value: Any) -> int | None:
+    """``value`` when it is a non-negative int (not a bool), else ``None``."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def planned_steps(metadata: Mapping[str, Any]) -> int | None:
+    """``epochs x steps_per_epoch`` of the run facts when the run completed, else ``None``."""
+    epochs, per = _count(metadata.get("epochs")), _count(metadata.get("steps_per_epoch"))
+    if metadata.get("stopped") != "completed" or epochs is None or per is None:
+        return None
+    return epochs * per
+
+
+def ledger_count_check(
+    ledger: Ledger, summary: Mapping[str, Any] | None = None
+) -> tuple[str, ...]:
+    """Findings on the ledger's step and release counts (see the module docstring).
+
+    Args:
+      ledger: the run's ledger (its metadata holds the run facts).
+      summary: the run's ``summary.json`` (its ``steps``), or ``None`` when there is none.
+    """
+    samples = ledger.samples
+    steps = [s.step for s in samples]
+    numbered = all(s is not None for s in steps)
+    distinct = len(set(steps)) if numbered else len(samples)
+    findings: list[str] = []
+    if numbered and steps:
+        last = max(s for s in steps if s is not None)
+        gaps = sorted(set(range(last + 1)) - set(steps))
+        if gaps:
+            findings.append(
+                f"ledger: step(s) {gaps[:5]} of 0..{last} have no sample record "
+                f"({len(gaps)} missing): their releases are not accounted"
+            )
+    released = {
+        r.sample_id
+        for r in ledger.entries
+        if isinstance(r, SumQueryRecord | NonPrivateRecord | MatrixStepRecord)
+    }
+    bare = [s.step if s.step is not None else s.sample_id for s in samples
+            if s.sample_id not in released]
+    if bare and not any(isinstance(r, ResumeRecord) for r in ledger.entries):
+        findings.append(f"ledger: step(s) {bare[:5]} have a sample record and no release record")
+    plan = planned_steps(ledger.metadata)
+    if plan is not None and distinct != plan:
+        meta = ledger.metadata
+        findings.append(
+            f"ledger: {distinct} steps recorded, but the run completed the sampler's plan of "
+            f"{meta['epochs']} epochs x {meta['steps_per_epoch']} steps = {plan}"
+        )
+    own = _count(summary.get("steps")) if summary is not None else None
+    if own is not None and distinct != own:
+        findings.append(
+            f"ledger: {distinct} steps recorded, but the run's summary.json counts {own} steps"
+        )
+    return tuple(findings)
