@@ -437,3 +437,15 @@ def test_accounting_the_ledger_equals_accounting_the_event(spec, direct, method)
         assert delta(ledger, got.epsilon, method=method).delta == pytest.approx(
             delta(direct, got.epsilon, method=method).delta, rel=1e-12
         )
+
+
+def test_a_ledger_whose_directory_is_missing_fails_with_one_error(tmp_path, monkeypatch):
+    """The open fails; the half-built file object then closes quietly (no second error)."""
+    import gc
+
+    unraisable: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(FileNotFoundError):
+        Ledger(str(tmp_path / "missing" / "ledger.jsonl"))
+    gc.collect()
+    assert unraisable == []

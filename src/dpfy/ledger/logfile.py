@@ -54,7 +54,8 @@ class AppendFile:
         self.fsync = fsync
         self.failed: str | None = None
         self._pending: list[bytes] = []
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = None  # set first: __del__ runs even if the open below fails
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             _lock(self._fd, path)
             self.size = os.fstat(self._fd).st_size
