@@ -52,6 +52,8 @@ def test_audit_writes_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert section["self_tests"] == [] and section["verdict"] == "no violation found"
     md = (run / "report.md").read_text()
     assert "## Audit" in md and "Ceiling of the method" in md and "no violation found" in md
+    assert "| Layer types replayed | Linear |" in md  # no types recorded: the Linear probe
+    assert section["self_tests_run"] == ["replay", "sampler", "ledger counts", "dpsgd"]
     report = json.loads((run / "report.json").read_text())
     assert report["audit"]["epsilon_lower"] == section["epsilon_lower"]
     assert report["epsilon"] > 0  # the rest of the report is kept
@@ -69,6 +71,20 @@ def test_one_run_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert section["epsilon_lower"] < section["fdp_epsilon_lower"] <= section["fdp_ceiling"]
     assert 0.0 < section["fdp_mu_lower"] <= section["audited_mu"]
     assert section["verdict"] == "no violation found"
+
+
+def test_a_ledger_short_of_the_plan_is_a_violation(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path)  # 20 steps recorded
+    ledger = Ledger(run / "ledger.jsonl")  # reopened: the run facts of a 3 x 10 step plan
+    ledger.record_metadata(epochs=3, steps_per_epoch=10, stopped="completed")
+    ledger.close()
+    (run / "summary.json").write_text(json.dumps({"steps": 30}))
+    section = runs.audit_and_report(run, method="one-run", trials=1000)
+    assert section["verdict"].startswith("VIOLATION")
+    assert "ledger: 20 steps recorded, but the run's summary.json counts 30 steps" in (
+        section["self_tests"]
+    )
+    assert any("sampler's plan of 3 epochs x 10 steps = 30" in f for f in section["self_tests"])
 
 
 @pytest.mark.parametrize(

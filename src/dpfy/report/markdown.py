@@ -210,6 +210,10 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
         )
     if audit.get("self_tests_run"):
         rows.append(("Self-tests run", ", ".join(str(t) for t in audit["self_tests_run"])))
+    for key, label in (("replayed_layer_types", "Layer types replayed"),
+                       ("not_replayed_layer_types", "Layer types not replayed (no probe model)")):
+        if audit.get(key):
+            rows.append((label, ", ".join(str(t).rsplit(".", 1)[-1] for t in audit[key])))
     if audit.get("guesses") is not None:
         rows.append(("Guesses (correct)", f"{audit['guesses']} ({audit.get('correct')})"))
     if audit.get("mu_lower") is not None:
