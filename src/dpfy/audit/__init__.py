@@ -17,8 +17,12 @@ this attack did not find one. Modules:
 * :mod:`~dpfy.audit.replay` - gray-box record-and-replay checks (Cebere et al. 2026): two
   neighbouring batches, identical randomness, and what entered the noise compared with what the
   ledger declares.
-* :mod:`~dpfy.audit.selftests` - white-box self-tests of the distributed (noise once across
-  ranks), federated (one release per round) and correlated-noise (``C W`` white) releases.
+* :mod:`~dpfy.audit.probes` - the replay on a probe model of each layer type a run recorded.
+* :mod:`~dpfy.audit.counts` - the ledger's steps and releases against the sampler's plan and
+  the run's own step count.
+* :mod:`~dpfy.audit.selftests` - white-box self-tests of one process's DP-SGD steps and the
+  distributed (noise once across ranks), federated (one release per round) and
+  correlated-noise (``C W`` white) releases; independent noise is also tested step to step.
 * :mod:`~dpfy.audit.run` - ``dpfy audit RUN_DIR``: the audit of a run's configuration and its
   section of the report.
 """
