@@ -90,6 +90,7 @@ from dpfy.training.losses import (
     sequence_classification_loss,
     token_classification_loss,
 )
+from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import Precision, check_precision
 from dpfy.training.step import PrivateGradient, StepStats
 from dpfy.training.validate import validate_module
@@ -350,6 +351,7 @@ class DPTrainingMixin:
             "secure_randomness": bool(rng.secure),
             "sampling_randomness": _describe(getattr(sampler, "randomness", None)),
             "noise_randomness": rng.describe(),
+            "layer_types": list(layer_type_names(p.module for p in self._dp_gradient.plans_)),
             "calibrated": calibrated,
             "model": type(self.model).__name__,
             "precision": self._dp_gradient.precision,
