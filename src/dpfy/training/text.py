@@ -14,7 +14,8 @@ snippet unit. With ``unit="movie"`` the unit is one movie instead (user-level DP
 :mod:`dpfy.training.users`): the sampler draws movies (N = 429 in the train split), each
 movie's snippet gradients are summed (or averaged) and clipped as one vector, optionally
 capped at ``max_examples_per_user`` snippets per movie; ``batch_size`` is then the expected
-number of movies per batch.
+number of movies per batch (default: at most N // 8, :func:`dpfy.training.users.
+recipe_batch_size`), checked against the movies before the tokenizer and model load.
 
 Fine-tuning modes (``lora``):
 
