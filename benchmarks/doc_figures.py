@@ -126,6 +126,7 @@ def user_level_mnist() -> tuple[str, int, str]:
     return f"{z:.2f}", epochs * int(sampler.steps_per_epoch), f"{example:.1f}"
 
 
+@functools.cache
 def user_level_default_batch() -> tuple[int, int]:
     import numpy as np
 
@@ -197,6 +198,8 @@ FIGURES = [
            "is epsilon {}.", user_level_mnist),
     Figure("README.md", "default user-level batch",
            "an epoch has at least 8 steps ({} of the {} movies)", user_level_default_batch),
+    Figure("docs/architecture.md", "default user-level batch",
+           "at least 8 steps an epoch; {} of the {} movies)", user_level_default_batch),
     Figure("README.md", "tree prefix noise",
            "prefix noise with an RMS of {} instead of {} (T = 64) and {} instead of {} "
            "(T = 1024)", tree_rms(2, by_strategy=False)),
