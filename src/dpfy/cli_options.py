@@ -193,7 +193,8 @@ CompareMechanisms = Annotated[
     bool,
     typer.Option("--compare-mechanisms", help="Also calibrate DP-SGD (Poisson, shuffle) and "
                  "the correlated-noise mechanisms (BandMF, BLT, tree, efficient tree; cyclic "
-                 "order) side by side at the same epsilon."),
+                 "order) side by side at the same epsilon, each with the tightest accountant "
+                 "it supports (named in the method column)."),
 ]
 
 
