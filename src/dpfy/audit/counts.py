@@ -12,11 +12,13 @@ ledger holds with two facts recorded apart from the release records:
 * **the run's own count**: ``steps`` in the run directory's ``summary.json`` (the trainer's
   step counter, written beside the model).
 
-It also checks that the steps the ledger numbers (``SampleRecord.step``) have no gap
-(``0 .. last``; a step recorded twice, e.g. around a resume, charges it twice and is allowed)
-and that every step has at least one release record (sum query, non-private release or
-correlated-noise step) unless the file was resumed after a crash, when the step cut short
-may hold only its sample. The functions return findings (sentences); empty: none.
+The ledger's steps are its distinct step numbers (``SampleRecord.step``; samples without one,
+such as a tuning trial's validation score, are other releases). It also checks that they have
+no gap (``0 .. last``; a step recorded twice, e.g. around a resume, charges it twice and is
+allowed) and that every step has at least one release record (sum query, non-private release
+or correlated-noise step); a sample a crash left without one is allowed when its step was
+taken again with a release (a resumed run). The functions return findings (sentences); empty:
+none.
 """
 
 from __future__ import annotations
@@ -25,12 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dpfy.ledger import Ledger
-from dpfy.ledger.records import (
-    MatrixStepRecord,
-    NonPrivateRecord,
-    ResumeRecord,
-    SumQueryRecord,
-)
+from dpfy.ledger.records import MatrixStepRecord, NonPrivateRecord, SumQueryRecord
 
 
 def _count(value: Any) -> int | None:
@@ -58,13 +55,14 @@ def ledger_count_check(
       summary: the run's ``summary.json`` (its ``steps``), or ``None`` when there is none.
     """
     samples = ledger.samples
-    steps = [s.step for s in samples]
-    numbered = all(s is not None for s in steps)
-    distinct = len(set(steps)) if numbered else len(samples)
+    steps = {s.step for s in samples if s.step is not None}
+    # the step count: distinct step numbers (a sample without one is a release outside the
+    # step loop, e.g. a tuning trial's validation score); a ledger numbering none: its samples
+    distinct = len(steps) if steps else len(samples)
     findings: list[str] = []
-    if numbered and steps:
-        last = max(s for s in steps if s is not None)
-        gaps = sorted(set(range(last + 1)) - set(steps))
+    if steps:
+        last = max(steps)
+        gaps = sorted(set(range(last + 1)) - steps)
         if gaps:
             findings.append(
                 f"ledger: step(s) {gaps[:5]} of 0..{last} have no sample record "
@@ -75,9 +73,10 @@ def ledger_count_check(
         for r in ledger.entries
         if isinstance(r, SumQueryRecord | NonPrivateRecord | MatrixStepRecord)
     }
+    retaken = {s.step for s in samples if s.step is not None and s.sample_id in released}
     bare = [s.step if s.step is not None else s.sample_id for s in samples
-            if s.sample_id not in released]
-    if bare and not any(isinstance(r, ResumeRecord) for r in ledger.entries):
+            if s.sample_id not in released and (s.step is None or s.step not in retaken)]
+    if bare:
         findings.append(f"ledger: step(s) {bare[:5]} have a sample record and no release record")
     plan = planned_steps(ledger.metadata)
     if plan is not None and distinct != plan:
