@@ -26,6 +26,7 @@ from dpfy.audit.selftests import (
     SelfTest,
     correlated_selftest,
     distributed_selftest,
+    dpsgd_selftest,
     federated_selftest,
     sharded_selftest,
 )
@@ -53,6 +54,36 @@ class ScaledNoise(Randomness):
         self, tensors: Sequence[Any], stds: Sequence[float], *, add: Sequence[Any] | None = None
     ) -> None:
         super().normal_(tensors, [s * self.factor for s in stds], add=add)
+
+
+class ReusedNoise(Randomness):
+    """Broken secure randomness: every second call repeats the previous call's noise (the std
+    is right; only the step-to-step independence test can see it)."""
+
+    def __init__(self) -> None:
+        super().__init__(secure=True)
+        self.calls = 0
+        self.last: list[torch.Tensor] | None = None
+
+    def normal_(
+        self, tensors: Sequence[Any], stds: Sequence[float], *, add: Sequence[Any] | None = None
+    ) -> None:
+        super().normal_(tensors, stds)  # the noise alone, drawn as usual
+        last = self.last
+        if self.calls % 2 == 1 and last is not None and [t.shape for t in last] == [
+            t.shape for t in tensors
+        ]:
+            for t, old in zip(tensors, last, strict=True):
+                t.copy_(old)
+        self.last = [t.detach().clone() for t in tensors]
+        self.calls += 1
+        for t, a in zip(tensors, add or [None] * len(tensors), strict=True):
+            if a is not None:
+                t.add_(a)
+
+
+def reused_noise(rank: int) -> Randomness:
+    return ReusedNoise()
 
 
 def _failed(result: SelfTest, what: str) -> None:
@@ -181,6 +212,30 @@ def test_federated_flags_noise_added_twice_per_round(monkeypatch) -> None:
     assert result.statistic <= result.threshold  # the noise is what the two records declare
 
 
+def test_federated_flags_noise_used_in_two_rounds() -> None:
+    result = federated_selftest(randomness=ReusedNoise())
+    _failed(result, "independence: the noise of rounds")
+    assert not any("std" in f.split("(")[0] for f in result.findings), result.findings
+
+
+# -- one process's DP-SGD steps ----------------------------------------------------------------
+def test_dpsgd_passes() -> None:
+    _passed(dpsgd_selftest())
+
+
+@pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0)])
+def test_dpsgd_flags_the_wrong_std(factor: float) -> None:
+    result = dpsgd_selftest(randomness=ScaledNoise(factor))
+    _failed(result, "noise: the released gradient minus the clipped sum")
+    assert _ratio(result) == pytest.approx(factor, abs=0.05)
+
+
+def test_dpsgd_flags_noise_used_on_two_steps() -> None:
+    result = dpsgd_selftest(randomness=ReusedNoise())
+    _failed(result, "independence: the noise of steps")
+    assert not any(f.startswith("noise:") for f in result.findings), result.findings
+
+
 def test_federated_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="clients_per_round"):
         federated_selftest(num_clients=4, clients_per_round=5)
@@ -276,6 +331,10 @@ def test_sharded_passes_and_flags_broken_variants() -> None:
     assert _ratio(result) < 1e-6  # skipped on rank 1 (float32 rounding of the clipped sum)
     result = sharded_selftest(make_randomness=same_stream)
     _failed(result, "ranks 0 and 1 drew correlated noise")
+    assert not any("shard of the released" in f for f in result.findings)  # std still right
+    result = sharded_selftest(make_randomness=reused_noise)
+    _failed(result, "rank 0: independence: the noise of steps")
+    _failed(result, "rank 1: independence: the noise of steps")
     assert not any("shard of the released" in f for f in result.findings)  # std still right
 
 

@@ -363,7 +363,8 @@ def _sharded_worker(d: Distributed, cfg: _ShardConfig) -> SelfTest:
         findings.append(f"shards: {sum(sizes)} coordinates over the ranks, the parameter has "
                         f"{cfg.out * cfg.dim} (each must be noised exactly once)")
     zs: list[float] = []
-    tests = w + w * (w - 1) // 2
+    per_rank = [_independence(list(every[k, :, : sizes[k]].numpy()), std) for k in range(w)]
+    tests = w + w * (w - 1) // 2 + sum(len(p) for p in per_rank)
     thr = _threshold(cfg.alpha, tests)
     for k in range(w):  # each rank's shard at the recorded std: twice, half or none is caught
         ratio, z = _std_z(every[k, :, : sizes[k]].numpy().reshape(-1), std)
@@ -383,6 +384,10 @@ def _sharded_worker(d: Distributed, cfg: _ShardConfig) -> SelfTest:
             if not abs(z) <= thr:
                 findings.append(f"noise: ranks {k} and {j} drew correlated noise "
                                 f"(standardised correlation {z:.3g}; 0 for independent streams)")
+    for k, pairs in enumerate(per_rank):  # and each rank's steps from one another
+        zs += [p[0] for p in pairs]
+        findings += [f"rank {k}: {f}" for f in _independence_finding(pairs, thr, "step",
+                                                                       sizes[k])]
     return _result("sharded", zs, thr, findings)
 
 
@@ -407,8 +412,9 @@ def sharded_selftest(
     0.2 C and 3 C). Over ``steps`` releases with denominator 1 each rank's shard of the
     released gradient minus its shard of the closed-form clipped sum must have the recorded
     per-coordinate std (one test per rank), every pair of ranks' noise must be uncorrelated (one
-    test per pair), the shards must cover every coordinate once, and each step must have one
-    release record at one std.
+    test per pair), so must every two steps' noise on each rank (as in :func:`dpsgd_selftest`),
+    the shards must cover every coordinate once, and each step must have one release record at
+    one std.
 
     ``make_randomness(rank)`` (module-level, picklable) builds each rank's noise randomness
     (default: secure); it exists to show that a broken variant is caught.
