@@ -77,3 +77,17 @@ def test_training_without_a_terminal_prints_progress_lines(monkeypatch, capsys):
     assert f"step 1/{total} " in printed[1] and "epoch 0" in printed[1]
     assert printed[-1].startswith(f"DP-SGD: step {total}/{total} (100%), epoch 1, ")
     assert "eps " in printed[-1]  # the ledger's epsilon after the first epoch
+
+
+def test_feature_extraction_without_a_terminal_prints_lines_too(monkeypatch, capsys):
+    from dpfy.features.extract import _progress
+
+    _no_terminal(monkeypatch)
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.0)
+    with _progress("ScatterNet features", 100, True) as advance:
+        for _ in range(4):
+            advance(25)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("ScatterNet features: 100 images; a progress line every")
+    assert printed[-1].startswith("ScatterNet features: image 100/100 (100%), 0:00 elapsed")
+    assert not any("epoch" in p for p in printed)  # no epochs in an extraction

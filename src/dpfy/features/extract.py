@@ -57,10 +57,28 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _progress(description: str, total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar (when ``enabled``) for one task; yields ``advance(steps)``."""
+def _progress(
+    description: str, total: int, enabled: bool, unit: str = "image"
+) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar (when ``enabled``) for one task; yields ``advance(steps)``. Without
+    a terminal, a plain line about every 30 s (:mod:`dpfy.training.progress`)."""
     if not enabled:
         yield lambda steps: None
+        return
+    from dpfy.training.progress import ProgressLines, is_terminal
+
+    if not is_terminal():
+        lines = ProgressLines(description, total, unit=unit)
+        done = [0]
+
+        def advance(steps: int) -> None:
+            done[0] += steps
+            lines.update(done[0])
+
+        try:
+            yield advance
+        finally:
+            lines.close()
         return
     from rich.progress import (
         BarColumn,
@@ -333,7 +351,7 @@ def text_features(
     encoder = SentenceEncoder.from_package()
     order = np.argsort([len(t) for t in texts], kind="stable")
     features = np.empty((len(texts), encoder.dim), np.float32)
-    with _progress("rotten tomatoes / MiniLM", total=len(texts), enabled=progress) as advance:
+    with _progress("rotten tomatoes / MiniLM", len(texts), progress, "snippet") as advance:
         for b in range(0, len(texts), batch_size):
             idx = order[b : b + batch_size]
             features[idx] = encoder.encode([texts[i] for i in idx])

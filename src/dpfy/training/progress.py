@@ -47,6 +47,7 @@ class ProgressLines:
       total: steps of the whole run; completed: steps already done (a resumed run).
       fields: the names of the fields shown, in their order on the line (others given to
         :meth:`update` are ignored).
+      unit: what is counted (``"step"``; ``"image"`` for feature extraction, with no epoch).
       interval: seconds between lines (None: :data:`INTERVAL_S`, read when the run starts).
       stream: where the lines go (None: standard output, as the bar and the run's summary).
       clock: monotonic seconds (tests pass their own).
@@ -59,6 +60,7 @@ class ProgressLines:
         completed: int = 0,
         *,
         fields: tuple[str, ...] = (),
+        unit: str = "step",
         interval: float | None = None,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -67,18 +69,20 @@ class ProgressLines:
         self._interval = INTERVAL_S if interval is None else float(interval)
         self._stream, self._clock = stream, clock
         self._fields: dict[str, str] = dict.fromkeys(fields, "-")
-        self._step, self._epoch = int(completed), 0
+        self._step, self._epoch = int(completed), None if unit != "step" else 0
+        self._unit = unit
         self._start = self._last = clock()
         self._printed_step = -1
         self._write(
-            f"{label}: {self._total} steps"
+            f"{label}: {self._total} {unit}s"
             + (f" ({self._step} done)" if self._step else "")
             + f"; a progress line every {_clock(self._interval)} (no terminal)"
         )
 
-    def update(self, completed: int, epoch: int, **fields: str) -> None:
+    def update(self, completed: int, epoch: int | None = None, **fields: str) -> None:
         """Record the state after a step or an epoch; print a line if one is due."""
-        self._step, self._epoch = int(completed), int(epoch)
+        self._step = int(completed)
+        self._epoch = None if epoch is None else int(epoch)
         self._fields.update((k, v) for k, v in fields.items() if k in self._fields)
         now = self._clock()
         if now - self._last >= self._interval:
@@ -93,8 +97,10 @@ class ProgressLines:
     def _print(self, now: float) -> None:
         elapsed = now - self._start
         done, total = self._step, self._total
-        parts = [f"step {done}/{total} ({100 * done // max(total, 1)}%)", f"epoch {self._epoch}",
-                 f"{_clock(elapsed)} elapsed"]
+        parts = [f"{self._unit} {done}/{total} ({100 * done // max(total, 1)}%)"]
+        if self._epoch is not None:
+            parts.append(f"epoch {self._epoch}")
+        parts.append(f"{_clock(elapsed)} elapsed")
         ran = done - self._start_step
         if 0 < ran and done < total:
             parts.append(f"about {_clock(elapsed / ran * (total - done))} left")
