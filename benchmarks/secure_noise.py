@@ -13,7 +13,12 @@ load from other processes hits them alike; medians and ratios are reported:
   generator in torch integer ops (``device_noise=True``) against the host SFC64 path, and
   the host side of secure noise for a device: the keystream words of both draws written
   into the staging buffer plus the deep-tail scan (what the host does per step; on a GPU the
-  words then travel by an asynchronous copy, estimated in docs/randomness.md, not measured).
+  words then travel by an asynchronous copy, estimated in docs/randomness.md, not measured);
+* ``--sections profile``: the stages of one float32 Box-Muller draw of 2M values (the host
+  noise block), timed alone on reused buffers: the words (SFC64, AES-256-CTR), the radius
+  (bits to float, log, sqrt and the element-wise steps), the angle, cos, sin and the fused
+  add; and from them the smallest secure / seeded ratio any two-draw mitigation could reach
+  with these kernels (docs/randomness.md, "Costs").
 
 Usage::
 
@@ -39,6 +44,8 @@ import dpsgd_step  # noqa: E402  (the step builders and the interleaved timer)
 
 import dpfy.randomness as R  # noqa: E402
 from dpfy.randomness import Randomness, _Keystream  # noqa: E402
+
+_TWO_PI_2_32 = 2.0 * np.pi * 2.0**-32
 
 
 def secure_dpfy_step(model, x, y):
@@ -85,6 +92,59 @@ def device_variants(n: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def profile_variants(n: int) -> dict[str, Callable[[], object]]:
+    """The stages of ``_box_muller32`` on one block of ``n`` values (m = n / 2 pairs)."""
+    m = n // 2
+    sfc, stream = np.random.SFC64(0), _Keystream()
+    words = np.empty(2 * m, dtype=np.int32)
+    stream.fill(words)
+    bits32 = torch.from_numpy(words)
+    bits = torch.empty(m, dtype=torch.int32)
+    radius, theta, trig = torch.rand(m) + 0.5, torch.rand(m), torch.empty(m)
+    out, add = torch.empty(n), torch.randn(n)
+    work = (torch.empty(m, dtype=torch.int32), torch.empty(m), torch.empty(m))
+    return {
+        "words_sfc64": lambda: sfc.random_raw(m),
+        "words_aes_ctr": lambda: stream.fill(words),
+        "radius_bits": lambda: radius.copy_(torch.bitwise_and(bits32[:m], 0x7FFFFFFF, out=bits)),
+        "radius_affine": lambda: radius.add_(0.5).mul_(0.5),  # (k + 1/2) 2^-31, then x -2
+        "radius_log": lambda: torch.log(radius, out=trig),
+        "radius_sqrt": lambda: torch.sqrt(radius, out=trig),
+        "angle": lambda: theta.copy_(bits32[m:]).mul_(_TWO_PI_2_32),
+        "cos": lambda: torch.cos(theta, out=trig),
+        "sin": lambda: torch.sin(theta, out=trig),
+        "fused_add_first": lambda: torch.addcmul(add[:m], trig, radius, value=0.5, out=out[:m]),
+        "fused_add_second": lambda: out[:m].addcmul_(trig, radius, value=0.5),
+        "tail_scan": lambda: int(bits.min()),
+        "transform": lambda: R._box_muller32(bits32, out, *work, std=0.5, add=add),
+    }
+
+
+def profile_floor(med: dict[str, float]) -> dict[str, float]:
+    """What the stages imply (milliseconds per block, from the medians).
+
+    seeded = SFC64 words + transform; secure = two draws, each AES words + transform (+ the
+    deep-tail scan); floor = the first secure draw as it is, and a second independent 2-D
+    draw reduced to what it cannot skip: its words, one log and one sqrt per pair, cos, sin and
+    one add per value (no conversions, no scaling): a lower bound for any sum of two
+    independent Box-Muller draws with these kernels.
+    """
+    seeded = med["words_sfc64"] + med["transform"]
+    first = med["words_aes_ctr"] + med["transform"] + med["tail_scan"]
+    second_floor = (
+        med["words_aes_ctr"] + med["radius_log"] + med["radius_sqrt"] + med["cos"] + med["sin"]
+        + 2 * med["fused_add_second"]
+    )
+    return {
+        "seeded_ms": seeded,
+        "secure_ms": 2 * first,
+        "secure_one_draw_ms": first,
+        "second_draw_floor_ms": second_floor,
+        "ratio_secure": 2 * first / seeded,
+        "ratio_floor": (first + second_floor) / seeded,
+    }
+
+
 def bits_variants(nbytes: int) -> dict[str, Callable[[], object]]:
     stream, sfc = _Keystream(), np.random.SFC64(0)
     buf = np.empty(nbytes, dtype=np.uint8)
@@ -115,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sections",
         default="step,noise,device,bits",
-        help="comma-separated subset of step,noise,device,bits to run",
+        help="comma-separated subset of step,noise,device,bits,profile to run",
     )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
-    if not sections <= {"step", "noise", "device", "bits"}:
-        parser.error(f"--sections must name step, noise, device or bits, got {args.sections!r}")
+    if not sections <= {"step", "noise", "device", "bits", "profile"}:
+        parser.error(
+            f"--sections must name step, noise, device, bits or profile, got {args.sections!r}"
+        )
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     report: dict = {
@@ -157,9 +219,19 @@ def main(argv: list[str] | None = None) -> int:
             f()
         times = interleaved(fns, args.device_rounds, clock)
         report["device_path_on_cpu"][str(n)] = summary(times, "seeded")
+    report["profile"] = {}
+    if "profile" in sections:
+        n = R.NOISE_BLOCK
+        fns = profile_variants(n)
+        for f in fns.values():
+            f()
+        res = summary(interleaved(fns, args.noise_rounds, clock), "transform")
+        report["profile"] = {"values": n, "stages": res, "implied": profile_floor(
+            {k: r["median_ms"] for k, r in res.items()}
+        )}
     nbytes = 4 * 22_600_000
     fns = bits_variants(nbytes) if "bits" in sections else {}
-    times = interleaved(fns, args.noise_rounds, clock)
+    times = interleaved(fns, args.noise_rounds, clock) if fns else {}
     report["bits"] = summary(times, "sfc64") if fns else {}
     for r in report["bits"].values():
         r["GB_per_s"] = nbytes / (r["median_ms"] * 1e-3) / 1e9
@@ -180,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     for n, res in report["device_path_on_cpu"].items():
         for k, r in res.items():
             print(f"  {int(n):10d} {k:17s} {r['median_ms']:10.2f} {r['ratio_to_seeded']:9.3f}")
+    if report["profile"]:
+        print(f"\none float32 Box-Muller draw of {report['profile']['values']} values, by stage")
+        for k, r in report["profile"]["stages"].items():
+            print(f"  {k:17s} {r['median_ms']:8.3f} ms")
+        for k, v in report["profile"]["implied"].items():
+            print(f"  {k:21s} {v:8.3f}")
     print(f"\nraw bits ({nbytes / 1e6:.0f} MB)")
     for k, r in report["bits"].items():
         print(f"  {k:8s} {r['median_ms']:8.2f} ms {r['GB_per_s']:6.2f} GB/s")
