@@ -151,7 +151,7 @@ def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys)
         (3, [], "max_physical_batch_size must be a multiple of the world size 3"),
         (1, ["--shard"], "shard needs workers >= 2 (processes to shard over), or a torchrun"),
         (2, ["--mechanism", "bandmf"], "needs mechanism='dpsgd'"),
-        (2, ["--unit", "user", "--users", "8"], "needs unit='example'"),
+        (2, ["--unit", "user", "--users", "64"], "needs unit='example'"),
         (2, ["--audit-canaries", "10"], "needs no one-run audit"),
     ],
 )
