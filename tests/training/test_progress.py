@@ -32,7 +32,7 @@ def test_lines_come_every_interval_with_step_epoch_and_time_and_only_public_fiel
     lines.close()
     printed = out.getvalue().splitlines()
     assert printed[0] == "DP-SGD: 100 steps; a progress line every 0:30 (no terminal)"
-    assert printed[1] == ("DP-SGD: step 30/100 (30%), epoch 1, 0:30 elapsed, about 1:10 left, "
+    assert printed[1] == ("DP-SGD: step 30/100 (30%), epoch 2, 0:30 elapsed, about 1:10 left, "
                           "test 0.9000, eps 0.300")
     assert [p.split(",")[0] for p in printed[2:]] == [
         "DP-SGD: step 60/100 (60%)", "DP-SGD: step 90/100 (90%)", "DP-SGD: step 100/100 (100%)"]
@@ -74,8 +74,8 @@ def test_training_without_a_terminal_prints_progress_lines(monkeypatch, capsys):
     printed = [p for p in capsys.readouterr().out.splitlines() if p.startswith("DP-SGD:")]
     total = trainer.total_steps
     assert printed[0].startswith(f"DP-SGD: {total} steps; a progress line every")
-    assert f"step 1/{total} " in printed[1] and "epoch 0" in printed[1]
-    assert printed[-1].startswith(f"DP-SGD: step {total}/{total} (100%), epoch 1, ")
+    assert f"step 1/{total} " in printed[1] and "epoch 1," in printed[1]
+    assert printed[-1].startswith(f"DP-SGD: step {total}/{total} (100%), epoch 2, ")  # of 2
     assert "eps " in printed[-1]  # the ledger's epsilon after the first epoch
 
 

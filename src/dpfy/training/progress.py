@@ -4,7 +4,7 @@ Without a terminal (``make demo > log``, CI, ``nohup``) rich draws nothing until
 so a run of minutes would print nothing while it trains. There :class:`ProgressLines` prints a
 line when the run starts, one about every :data:`INTERVAL_S` seconds and one at the end::
 
-    DP-SGD: step 240/590 (41%), epoch 4, 0:48 elapsed, about 1:10 left, test 0.9612, eps 1.920
+    DP-SGD: step 240/590 (41%), epoch 5, 0:48 elapsed, about 1:10 left, test 0.9612, eps 1.920
 
 A line shows the fields that are safe in a file that outlives the run (test accuracy, the
 ledger's epsilon so far), each once known; the training batches' loss and accuracy, which are
@@ -80,7 +80,8 @@ class ProgressLines:
         )
 
     def update(self, completed: int, epoch: int | None = None, **fields: str) -> None:
-        """Record the state after a step or an epoch; print a line if one is due."""
+        """Record the state after a step (``epoch``: its 0-based epoch, shown counting from 1);
+        print a line if one is due."""
         self._step = int(completed)
         self._epoch = None if epoch is None else int(epoch)
         self._fields.update((k, v) for k, v in fields.items() if k in self._fields)
@@ -99,7 +100,7 @@ class ProgressLines:
         done, total = self._step, self._total
         parts = [f"{self._unit} {done}/{total} ({100 * done // max(total, 1)}%)"]
         if self._epoch is not None:
-            parts.append(f"epoch {self._epoch}")
+            parts.append(f"epoch {self._epoch + 1}")
         parts.append(f"{_clock(elapsed)} elapsed")
         ran = done - self._start_step
         if 0 < ran and done < total:
@@ -137,11 +138,11 @@ class ProgressBar:
         self._progress.start()
         start: dict[str, Any] = dict.fromkeys(fields, "-")
         self._task = self._progress.add_task(
-            "train", total=total, completed=completed, epoch=0, **start
+            "train", total=total, completed=completed, epoch=1, **start
         )
 
     def update(self, completed: int, epoch: int, **fields: str) -> None:
-        shown: dict[str, Any] = {"epoch": epoch, **fields}
+        shown: dict[str, Any] = {"epoch": epoch + 1, **fields}  # counted from 1
         self._progress.update(self._task, completed=completed, **shown)
 
     def close(self) -> None:
