@@ -61,6 +61,9 @@ ANCHORS = {
 }
 DPSGD = ("scatternet-linear", "scatternet-cnn")
 ESTIMATORS = ("dp-ls", "dp-newton", "dp-fc")
+#: One colour per method on every panel of the figure.
+COLORS = {"scatternet-linear": "C3", "scatternet-cnn": "C4", "dp-fc": "C0", "dp-ls": "C1",
+          "dp-newton": "C2"}
 #: Validation grids. DP-SGD: (epochs, learning rate) at expected batch 4096 unless stated,
 #: clip 0.1, SGD with momentum 0.9 (Tramer & Boneh's setting for the linear model).
 GRIDS: dict[str, list[dict[str, Any]]] = {
@@ -251,10 +254,15 @@ def write_figure(results: list[dict[str, Any]], out: Path) -> None:
         for method in sorted({m for d, m, _ in summary if d == dataset}):
             pts = sorted((e, s) for (d, m, e), s in summary.items() if d == dataset and m == method)
             ax.errorbar([e for e, _ in pts], [s["mean"] for _, s in pts],
-                        yerr=[s["spread"] for _, s in pts], marker="o", capsize=3, label=method)
-        for label, value in ANCHORS.get(dataset, {}).items():
-            ax.plot([3.0], [value], marker="*", markersize=12, linestyle="none", label=label)
+                        yerr=[s["spread"] for _, s in pts], marker="o", capsize=3, label=method,
+                        color=COLORS.get(method))
+        for (label, value), color in zip(ANCHORS.get(dataset, {}).items(), ("black", "grey"),
+                                         strict=False):
+            ax.plot([3.0], [value], marker="*", markersize=12, linestyle="none", label=label,
+                    color=color)
         ax.set_xscale("log")
+        ax.set_xticks([0.5, 1, 2, 3, 8], ["0.5", "1", "2", "3", "8"])
+        ax.minorticks_off()
         ax.set_xlabel("epsilon (delta 1e-5)")
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(dataset)
