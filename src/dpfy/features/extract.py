@@ -65,39 +65,19 @@ def _progress(
     if not enabled:
         yield lambda steps: None
         return
-    from dpfy.training.progress import ProgressLines, is_terminal
+    from dpfy.training.progress import progress_display
 
-    if not is_terminal():
-        lines = ProgressLines(description, total, unit=unit)
-        done = [0]
+    display = progress_display(description, total, unit=unit)
+    done = [0]
 
-        def advance(steps: int) -> None:
-            done[0] += steps
-            lines.update(done[0])
+    def advance(steps: int) -> None:
+        done[0] += steps
+        display.update(done[0])
 
-        try:
-            yield advance
-        finally:
-            lines.close()
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda steps: bar.advance(task, steps)
+    try:
+        yield advance
+    finally:
+        display.close()
 
 
 # ----------------------------------------------------------------------------- images

@@ -114,10 +114,11 @@ class ProgressLines:
 
 
 class ProgressBar:
-    """A rich progress bar: epoch, steps, the given fields, elapsed and remaining time."""
+    """A rich progress bar: epoch, steps, the given fields, elapsed and remaining time
+    (``unit`` other than ``"step"``: the label instead of the epoch, as :class:`ProgressLines`)."""
 
     def __init__(self, label: str, total: int, completed: int = 0, *,
-                 fields: tuple[str, ...] = ()) -> None:
+                 fields: tuple[str, ...] = (), unit: str = "step") -> None:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -127,8 +128,10 @@ class ProgressBar:
             TimeRemainingColumn,
         )
 
+        self._epochs = unit == "step"
+        head = f"[bold]{label}[/bold] epoch {{task.fields[epoch]}}" if self._epochs else label
         self._progress = Progress(
-            TextColumn(f"[bold]{label}[/bold] epoch {{task.fields[epoch]}}"),
+            TextColumn(head),
             BarColumn(),
             MofNCompleteColumn(),
             *(TextColumn(f"{name} {{task.fields[{name}]}}") for name in fields),
@@ -137,12 +140,14 @@ class ProgressBar:
         )
         self._progress.start()
         start: dict[str, Any] = dict.fromkeys(fields, "-")
-        self._task = self._progress.add_task(
-            "train", total=total, completed=completed, epoch=1, **start
-        )
+        if self._epochs:
+            start["epoch"] = 1
+        self._task = self._progress.add_task("train", total=total, completed=completed, **start)
 
-    def update(self, completed: int, epoch: int, **fields: str) -> None:
-        shown: dict[str, Any] = {"epoch": epoch + 1, **fields}  # counted from 1
+    def update(self, completed: int, epoch: int | None = None, **fields: str) -> None:
+        shown: dict[str, Any] = dict(fields)
+        if self._epochs and epoch is not None:
+            shown["epoch"] = epoch + 1  # counted from 1
         self._progress.update(self._task, completed=completed, **shown)
 
     def close(self) -> None:
@@ -156,11 +161,13 @@ def progress_display(
     *,
     fields: tuple[str, ...] = (),
     line_fields: tuple[str, ...] = ("test", "eps"),
+    unit: str = "step",
 ) -> ProgressBar | ProgressLines:
     """A rich bar with ``fields`` on a terminal, else plain lines with those of ``line_fields``
-    (module docstring) about every :data:`INTERVAL_S` seconds."""
+    (module docstring) about every :data:`INTERVAL_S` seconds; ``unit``: what ``total``
+    counts (``"step"``, with epochs; ``"image"`` or ``"snippet"`` for feature extraction)."""
     if is_terminal():
-        return ProgressBar(label, total, completed, fields=fields)
+        return ProgressBar(label, total, completed, fields=fields, unit=unit)
     return ProgressLines(
-        label, total, completed, fields=tuple(f for f in fields if f in line_fields)
+        label, total, completed, fields=tuple(f for f in fields if f in line_fields), unit=unit
     )
