@@ -165,6 +165,18 @@ def _independence_finding(pairs: list[tuple[float, int, int]], thr: float, unit:
     ]
 
 
+def _keeping_threads(run: Callable[[], object]) -> SelfTest:
+    """``run()`` (a worker, here or as rank 0 of a local launch: it sets 1 torch thread), with
+    the caller's torch thread count restored afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        result = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(result, SelfTest)
+    return result
+
+
 def _distributed_worker(d: Distributed | None, cfg: _DistConfig) -> SelfTest:
     torch.set_num_threads(1)
     rank, world = (0, 1) if d is None else (d.rank, d.world_size)
@@ -254,13 +266,9 @@ def distributed_selftest(
     _check_common(alpha, clip_norm, noise_multiplier)
     cfg = _DistConfig(dim, rows, steps, float(clip_norm), float(noise_multiplier), float(alpha),
                       make_reducer, make_randomness)
-    threads = torch.get_num_threads()  # rank 0 runs here and sets 1 thread
-    try:
-        result = run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
-    finally:
-        torch.set_num_threads(threads)
-    assert isinstance(result, SelfTest)
-    return result
+    return _keeping_threads(
+        lambda: run_local(_distributed_worker, world_size, (cfg,), timeout=timeout)
+    )
 
 
 def dpsgd_selftest(
@@ -289,11 +297,7 @@ def dpsgd_selftest(
     _check_common(alpha, clip_norm, noise_multiplier)
     cfg = _DistConfig(dim, rows, steps, float(clip_norm), float(noise_multiplier), float(alpha),
                       None, None if randomness is None else lambda: randomness)
-    threads = torch.get_num_threads()  # the worker sets 1 thread
-    try:
-        return _distributed_worker(None, cfg)
-    finally:
-        torch.set_num_threads(threads)
+    return _keeping_threads(lambda: _distributed_worker(None, cfg))
 
 
 # -- 1b. sharded (FSDP2) DP-SGD: each coordinate noised once, on the rank holding it ----------
@@ -428,13 +432,9 @@ def sharded_selftest(
     _check_common(alpha, clip_norm, noise_multiplier)
     cfg = _ShardConfig(dim, out, rows, steps, float(clip_norm), float(noise_multiplier),
                        float(alpha), make_randomness)
-    threads = torch.get_num_threads()
-    try:
-        result = run_local(_sharded_worker, world_size, (cfg,), timeout=timeout)
-    finally:
-        torch.set_num_threads(threads)
-    assert isinstance(result, SelfTest)
-    return result
+    return _keeping_threads(
+        lambda: run_local(_sharded_worker, world_size, (cfg,), timeout=timeout)
+    )
 
 
 # -- 2. DP-FedAvg: one record and one noise draw per round ------------------------------------
