@@ -41,6 +41,8 @@ def test_defaults_are_valid_and_the_cli_shows_the_same_defaults():
         ({"shard": True}, "shard needs workers >= 2"),
         ({"audit_guesses": 5}, "audit_guesses needs audit_canaries"),
         ({"mechanism": "laplace"}, "mechanism must be one of"),
+        ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:<index>'"),
+        ({"device": "cuda:99"}, r"device='cuda:99' needs CUDA device 99, but this process"),
     ],
 )
 def test_bad_values_are_refused_in_one_line(changes, needle):
@@ -104,3 +106,18 @@ def test_train_from_a_config_file_records_it_in_ledger_and_report(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["reproduce"]["config"] == recorded.to_dict()
     assert f"dpfy train --config {out / 'run.toml'}" in (out / "report.md").read_text()
+
+
+def test_device_cpu_trains_a_text_run_and_the_cli_refuses_an_unseen_device(tmp_path: Path,
+                                                                            capsys):
+    from dpfy.training.text import train_text_classifier
+
+    summary = train_text_classifier(RunConfig(
+        dataset="rotten-tomatoes", device="cpu", seed=0, epochs=1, train_limit=64,
+        test_limit=32, batch_size=16, max_length=16, bias_only=True, target_epsilon=8.0))
+    assert 0.0 <= summary.test_accuracy <= 1.0 and summary.steps >= 1
+    out = tmp_path / "never"
+    assert main(["train", "mnist", "--device", "cuda:7", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "device='cuda:7' needs CUDA device 7" in err and "Traceback" not in err
+    assert not out.exists()

@@ -452,6 +452,14 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     ],
         None,
     ),
+    "device": (
+        Annotated[
+        str | None,
+        typer.Option("--device", help="Where to train: cpu (default), cuda or cuda:<index> "
+                     "(one process)."),
+    ],
+        None,
+    ),
     "precision": (
         Annotated[
         TrainPrecision,

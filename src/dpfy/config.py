@@ -29,6 +29,7 @@ from typing import Any
 from dpfy._validate import (
     MAX_EPSILON,
     MAX_SCALE,
+    check_device,
     check_int,
     check_output_path,
     check_positive,
@@ -62,6 +63,10 @@ class RunConfig:
         a reproducible seeded experiment, which is NOT a DP release.
       train_limit, test_limit: use only the first this many training / test examples.
       threads: torch threads, in [1, cpu count].
+      device: where one process trains: ``"cpu"`` (``None``, the default), ``"cuda"`` or
+        ``"cuda:<index>"`` (checked to be visible). The model, the batches and the noise go
+        there (docs/devices.md); data loading, sampling and the ledger stay on the host.
+        One-process runs only (not with ``workers``, ``shard`` or a torchrun launch).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward pass.
       model: the model: text datasets, the pretrained model (``"minilm"``); images, one of
         ``dpfy.training.recipes.IMAGE_MODELS`` (``"tanh-cnn"`` by default; ``"scatternet-linear"``
@@ -110,6 +115,7 @@ class RunConfig:
     train_limit: int | None = None
     test_limit: int | None = None
     threads: int | None = None
+    device: str | None = None
     precision: str = "fp32"
     model: str | None = None
     lora: bool = False
@@ -269,6 +275,12 @@ class RunConfig:
         if self.threads is not None:
             check_int("threads", self.threads, 1, os.cpu_count() or 1)
         check_precision(self.precision)
+        if self.device is not None:
+            check_device("device", self.device)
+            if self.device != "cpu" and (workers > 1 or self.shard
+                                         or _launched_world_size() > 1):
+                raise ValueError(f"device={self.device!r} applies only to one-process runs, "
+                                 f"got workers={workers!r}, shard={self.shard!r}")
 
     def _check_text_recipe(self) -> None:
         from dpfy.training.text import LORA_TARGETS

@@ -65,8 +65,9 @@ class Probe:
 def embed(net: nn.Module, data: TokenDataset, batch_size: int = 128) -> torch.Tensor:
     """L2-normalised masked means of the encoder's last hidden states, ``[N, width]`` float32.
 
-    ``net`` is a :class:`dpfy.models.heads.MeanPooledClassifier` (its ``encoder``); eval mode
-    for the pass, the mode is restored.
+    ``net`` is a :class:`dpfy.models.heads.MeanPooledClassifier` (its ``encoder``, on any
+    device; the embeddings come back on the CPU); eval mode for the pass, the mode is
+    restored.
     """
     from dpfy.models.heads import mean_pool
     from dpfy.training.text import trim_padding
@@ -75,12 +76,14 @@ def embed(net: nn.Module, data: TokenDataset, batch_size: int = 128) -> torch.Te
     assert isinstance(encoder, nn.Module)
     was_training = net.training
     net.eval()
+    device = next(net.parameters()).device
     rows = []
     for i in range(0, len(data), batch_size):
-        batch = trim_padding({k: v[i : i + batch_size] for k, v in data.tokens.items()})
+        batch = trim_padding({k: v[i : i + batch_size].to(device)
+                              for k, v in data.tokens.items()})
         out = encoder(**batch)
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        rows.append(mean_pool(hidden, batch["attention_mask"]).float())
+        rows.append(mean_pool(hidden, batch["attention_mask"]).float().cpu())
     net.train(was_training)
     x = torch.cat(rows) if rows else torch.zeros(0, 0)
     normalised: torch.Tensor = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)

@@ -397,7 +397,8 @@ def train_image_classifier(
         )
         trainer_cls = users.UserLevelTrainer
     batch_size = users.recipe_batch_size(batch_size, recipe.batch_size, units, unit)
-    net = make_model(model)
+    device = torch.device(config.device or "cpu")  # RunConfig: one process when not the CPU
+    net = make_model(model).to(device)
     if shard and distributed is not None:
         shard_model(net, distributed)
     if step_observer is not None:
@@ -443,6 +444,7 @@ def train_image_classifier(
             precision=checked_precision,
             distributed=distributed,
             correlated=plan,
+            device=None if device.type == "cpu" else device,
         ),
     )
     # Calibrate before anything is written: an unreachable target is refused while out_dir
@@ -497,7 +499,8 @@ def train_image_classifier(
         model=result.model,
         ledger=ledger,
     )
-    state = full_state_dict(result.model) if shard else result.model.state_dict()
+    state = full_state_dict(result.model) if shard else {
+        n: t.detach().cpu() for n, t in result.model.state_dict().items()}
     if model_path is not None:  # set exactly when out_dir is
         torch.save(state, model_path)
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:

@@ -315,11 +315,13 @@ def evaluate_text(model: nn.Module, data: TokenDataset, batch_size: int = 128) -
     """Accuracy of ``model`` on ``data`` (eval mode; the mode is restored)."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     correct = 0
     for i in range(0, len(data), batch_size):
-        batch = trim_padding({k: v[i : i + batch_size] for k, v in data.tokens.items()})
+        batch = trim_padding({k: v[i : i + batch_size].to(device)
+                              for k, v in data.tokens.items()})
         logits = model(**batch).logits
-        correct += int((logits.argmax(1) == data.labels[i : i + batch_size]).sum())
+        correct += int((logits.argmax(1).cpu() == data.labels[i : i + batch_size]).sum())
     model.train(was_training)
     return correct / max(len(data), 1)
 
@@ -379,7 +381,8 @@ class TextRecipe:
     Attributes:
       head_learning_rate: Adam's rate for the head (None: :data:`TEXT_DEFAULTS`, 1e-2); the
         RunConfig's ``learning_rate`` is the encoder's (:func:`text_optimizer`).
-      max_physical_batch_size: rows per forward/backward pass (memory bound).
+      max_physical_batch_size: rows per forward/backward pass (memory bound); None: 64 on
+        the CPU, 256 on a CUDA device (the whole expected batch in one or two passes).
       accounting: accountant of calibration, guard and statement (default: the sampler's).
       clip_head_separately: clip the head and the encoder (or its LoRA factors) as two groups
         at the privacy cost of one clip norm (:func:`dpfy.queries.separate_clipping`); None:
@@ -387,7 +390,7 @@ class TextRecipe:
     """
 
     head_learning_rate: float | None = None
-    max_physical_batch_size: int = 64
+    max_physical_batch_size: int | None = None
     accounting: str | None = None
     clip_head_separately: bool | None = None
 
@@ -421,7 +424,10 @@ def train_text_classifier(
     learning_rate, clip_norm = config.learning_rate, config.clip_norm
     head_learning_rate = recipe.head_learning_rate
     max_length = 64 if config.max_length is None else config.max_length
+    device = torch.device(config.device or "cpu")
     max_physical_batch_size, accounting = recipe.max_physical_batch_size, recipe.accounting
+    if max_physical_batch_size is None:
+        max_physical_batch_size = 64 if device.type == "cpu" else 256
     out_dir, progress, seed, threads = config.out, hooks.progress, config.seed, config.threads
     train_limit, test_limit, callbacks = config.train_limit, config.test_limit, hooks.callbacks
     precision, unit = config.precision, config.unit
@@ -477,7 +483,7 @@ def train_text_classifier(
     net = make_text_model(
         model, lora=lora, lora_rank=LORA_RANK if config.lora_rank is None else config.lora_rank,
         lora_targets=config.lora_targets, bias_only=config.bias_only,
-    )
+    ).to(device)
     trainable = [p for p in net.parameters() if p.requires_grad]
     units = len(train_data)
     trainer_cls: type[_TextTrainer] = _TextTrainer
@@ -533,6 +539,7 @@ def train_text_classifier(
             ledger=Ledger(),
             randomness=noise_rng,
             precision=checked_precision,
+            device=None if device.type == "cpu" else device,
             callbacks=callbacks,
             collate_fn=collate_trimmed,
             clip_groups=("head.",) if clip_head_separately else (),
@@ -612,9 +619,9 @@ def train_text_classifier(
         }),  # read from the training snippets without noise: never beside the model
     )
     if model_path is not None:
-        state = result.model.state_dict() if mode == "full" else {
-            n: p.detach() for n, p in result.model.named_parameters() if p.requires_grad
-        }
+        state = {n: t.detach().cpu() for n, t in result.model.state_dict().items()} if (
+            mode == "full") else {n: p.detach().cpu() for n, p in
+                                  result.model.named_parameters() if p.requires_grad}
         torch.save(state, model_path)
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)

@@ -56,8 +56,10 @@ def clipped_sum_reference(
       groups: ``{group: names}`` for separate clipping per group.
       microbatch_size: k > 1 clips averages ``(1/k) sum w_i g_i`` of consecutive rows.
     """
-    batch = next(iter(per_example.values())).shape[0]
-    w = torch.ones(batch, dtype=torch.float64) if weights is None else weights.double()
+    first = next(iter(per_example.values()))
+    batch = first.shape[0]
+    w = (torch.ones(batch, dtype=torch.float64) if weights is None else weights.double()).to(
+        first.device)
     k = microbatch_size
     units = {}
     for n, g in per_example.items():
