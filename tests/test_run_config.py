@@ -41,6 +41,9 @@ def test_defaults_are_valid_and_the_cli_shows_the_same_defaults():
         ({"shard": True}, "shard needs workers >= 2"),
         ({"audit_guesses": 5}, "audit_guesses needs audit_canaries"),
         ({"mechanism": "laplace"}, "mechanism must be one of"),
+        ({"tan_steps": 50, "epochs": 3}, "tan_steps chooses batch_size and epochs"),
+        ({"tan_steps": 50, "sampler": "shuffle"}, "tan_steps plans Poisson DP-SGD"),
+        ({"tan_steps": 0}, "tan_steps must be"),
         ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:<index>'"),
         ({"device": "cuda:99"}, r"device='cuda:99' needs CUDA device 99, but this process"),
     ],
@@ -121,3 +124,26 @@ def test_device_cpu_trains_a_text_run_and_the_cli_refuses_an_unseen_device(tmp_p
     err = capsys.readouterr().err
     assert "device='cuda:7' needs CUDA device 7" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_path: Path):
+    from dpfy.planning import plan, tan_scaled
+    from dpfy.training.recipes import train_image_classifier
+    from dpfy.training.text import train_text_classifier
+
+    # the planner's recommendation: the smallest batch with z >= 2 for the most steps <= S
+    rec = plan(512, 8.0, 1e-5, max_steps=20).recommendation
+    assert rec.noise_multiplier >= 2.0
+    assert tan_scaled(512, 8.0, 1e-5, 20) == (rec.batch_size,
+                                              round(rec.batch_size * rec.steps / 512))
+    text = train_text_classifier(RunConfig(
+        dataset="rotten-tomatoes", seed=0, train_limit=128, test_limit=16, max_length=16,
+        bias_only=True, target_epsilon=8.0, tan_steps=6, out=tmp_path / "text"))
+    batch, epochs = tan_scaled(128, 8.0, 1e-5, 6)
+    assert (text.batch_size, text.epochs) == (batch, epochs)
+    assert text.ledger.metadata["tan_steps"] == 6
+    assert text.noise_multiplier > 1.0  # near the planned z >= 2 (calibrated to the steps run)
+    image = train_image_classifier(RunConfig(
+        dataset="mnist", seed=0, train_limit=256, test_limit=16, target_epsilon=8.0,
+        tan_steps=4))
+    assert (image.batch_size, image.epochs) == tan_scaled(256, 8.0, 1e-5, 4)

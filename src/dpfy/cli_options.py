@@ -612,6 +612,16 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
     ],
         None,
     ),
+    "tan_steps": (
+        Annotated[
+        int | None,
+        typer.Option("--tan-steps", help="A TAN-scaled run of about this many steps (Sander et "
+                     "al. 2023): batch size and epochs from `dpfy plan` (the smallest batch "
+                     "whose noise multiplier reaches 2); not with --batch-size or --epochs.",
+                     parser=count_option("tan_steps")),
+    ],
+        None,
+    ),
     "validation": (
         Annotated[
         bool,

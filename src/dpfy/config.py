@@ -92,6 +92,10 @@ class RunConfig:
         calibrated to ``share x target_epsilon`` alone), then DP fine-tuning from the probe's
         head with its noise calibrated so that the ledger of both stages meets
         ``target_epsilon``.
+      tan_steps: a TAN-scaled run (Sander et al. 2023) of about this many steps: the batch size
+        and the epochs come from :func:`dpfy.planning.tan_scaled` on the training units (the
+        smallest expected batch whose noise multiplier reaches 2 at the target); not with
+        ``batch_size`` or ``epochs``; Poisson sampling, one example as the unit, DP-SGD.
       validation: train on the training units outside the validation split and measure
         accuracy on that split instead of the test split (hyperparameter search; the test
         split is never read): :func:`dpfy.datasets.split_rotten_tomatoes` (by movie),
@@ -136,6 +140,7 @@ class RunConfig:
     warmup: float = 0.0
     adam_eps: float | None = None
     linear_probe: float | None = None
+    tan_steps: int | None = None
     validation: bool = False
     private_diagnostics: str | os.PathLike[str] | None = None
 
@@ -186,8 +191,22 @@ class RunConfig:
                 check_positive(name, scale, MAX_SCALE)
         if self.seed is not None:  # None: a secure run
             check_seed("seed", self.seed)
+        if self.tan_steps is not None:
+            self._check_tan()
         if self.sampler is not None and not isinstance(self.sampler, str):
             raise ValueError(f"sampler must be a sampler kind's name, got sampler={self.sampler!r}")
+
+    def _check_tan(self) -> None:
+        check_int("tan_steps", self.tan_steps)
+        for name in ("batch_size", "epochs"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"tan_steps chooses batch_size and epochs: give one or the "
+                                 f"other, got tan_steps={self.tan_steps!r} and "
+                                 f"{name}={getattr(self, name)!r}")
+        if (self.sampler_kind, self.unit, self.mechanism) != ("poisson", "example", "dpsgd"):
+            raise ValueError(f"tan_steps plans Poisson DP-SGD with one example as the unit, got "
+                             f"sampler={self.sampler_kind!r}, unit={self.unit!r}, "
+                             f"mechanism={self.mechanism!r}")
 
     @property
     def text(self) -> bool:

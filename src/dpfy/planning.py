@@ -562,3 +562,21 @@ def _explain(
         "(e.g. a random number of trials, Papernot & Steinke 2022)."
     )
     return tuple(lines)
+
+
+def tan_scaled(dataset_size: int, target_epsilon: float, delta: float,
+               steps: int) -> tuple[int, int]:
+    """The expected batch size and the epochs of a TAN-scaled run of about ``steps`` steps.
+
+    TAN (Sander et al. 2023) keeps the noise per example, ``z / B``, where the budget puts it and
+    grows the batch (and with it ``z``) until ``z >= 2``, out of the privacy wall. This is
+    :func:`plan`'s recommendation with ``max_steps=steps`` and no compute cap: the smallest such
+    batch for the most steps up to ``steps``. The epochs are the examples it processes over
+    ``dataset_size``, rounded (at least 1), so the run takes about that many Poisson steps; its
+    noise multiplier is then calibrated to the target for the steps it really takes.
+    """
+    check_int("steps", steps)
+    option = plan(dataset_size, target_epsilon, delta, max_steps=steps, runner_ups=0).recommendation
+    epochs = max(1, round(option.batch_size * option.steps / dataset_size))
+    return option.batch_size, epochs
+

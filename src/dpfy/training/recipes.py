@@ -396,6 +396,10 @@ def train_image_classifier(
             randomness=sample_rng,
         )
         trainer_cls = users.UserLevelTrainer
+    if config.tan_steps is not None:  # RunConfig: Poisson, one image as the unit
+        from dpfy.planning import tan_scaled
+
+        batch_size, epochs = tan_scaled(units, target_epsilon, delta, config.tan_steps)
     batch_size = users.recipe_batch_size(batch_size, recipe.batch_size, units, unit)
     device = torch.device(config.device or "cpu")  # RunConfig: one process when not the CPU
     net = make_model(model).to(device)
@@ -461,6 +465,7 @@ def train_image_classifier(
         batch_size=batch_size,
         unit_of_privacy=users.unit_description(unit, max_examples_per_user, "training image"),
         mechanism=mechanism,
+        tan_steps=config.tan_steps,
         released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
         data_accesses="final training run only (hyperparameter tuning not accounted)",
     )

@@ -466,6 +466,10 @@ def train_text_classifier(
     # the batch against the units (snippets, or movies) before the tokenizer and model load
     num_units = len(np.unique(train_split.movies)) if unit != "example" else len(
         train_split.labels)
+    if config.tan_steps is not None:  # RunConfig: Poisson, one snippet as the unit
+        from dpfy.planning import tan_scaled
+
+        batch_size, epochs = tan_scaled(num_units, target_epsilon, delta, config.tan_steps)
     batch_size = users.recipe_batch_size(batch_size, defaults["batch_size"], num_units, unit)
     from dpfy.models.pretrained import load_minilm_tokenizer
 
@@ -569,6 +573,7 @@ def train_text_classifier(
         fine_tuning=mode,
         warmup=config.warmup,
         adam_eps=adam_eps,
+        tan_steps=config.tan_steps,
         lora_rank=(LORA_RANK if config.lora_rank is None else config.lora_rank) if lora else None,
         lora_targets=list(LORA_TARGETS[config.lora_targets]) if lora else None,
         evaluated_on="validation movies of the training split" if config.validation
