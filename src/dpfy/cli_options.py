@@ -11,23 +11,37 @@ written. ``dpfy train`` has one option per field of :class:`dpfy.config.RunConfi
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import os
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, Any, TypeAlias
 
-import click
 import typer
-from click.core import ParameterSource
 
 # The argument rules every pipeline applies (dpfy._validate).
 from dpfy import _validate as _rules
 
+
+def _typer_click(module: str) -> ModuleType:
+    """A module (``types``, ``shell_completion``) of the click package typer builds its
+    commands with: the installed ``click`` in older typer releases, typer's own copy
+    (``typer._click``, whose classes are not click's) in newer ones. Classes a command hands to
+    typer, or compares with what typer returns, must come from it."""
+    package = typer.BadParameter.__module__.rpartition(".")[0]
+    return importlib.import_module(f"{package}.{module}")
+
+
 if TYPE_CHECKING:
+    from click import ParamType as _ParamType
+
     from dpfy.config import RunConfig
+else:
+    _ParamType = _typer_click("types").ParamType
 
 
 def _sampler_enum(name: str, *, train: bool) -> Any:
@@ -56,18 +70,33 @@ def _method_names() -> tuple[str, ...]:
     return ("auto", *accountants(), "all")
 
 
-class _RegistryChoice(click.Choice):  # type: ignore[type-arg]
-    """A ``click.Choice`` whose choices are read from a registry whenever they are needed
-    (help, parsing, completion), so an accountant registered after ``dpfy.cli`` was imported
-    is offered and one never registered is refused with the usual one-line error."""
+class _RegistryChoice(_ParamType):  # type: ignore[type-arg]
+    """A choice among names read from a registry whenever they are needed (help, parsing,
+    completion), so an accountant registered after ``dpfy.cli`` was imported is offered and
+    one never registered is refused with the usual one-line error. A parameter type of typer's
+    own click, written out: newer typer copies of click have no ``Choice`` to subclass."""
+
+    name = "choice"
 
     def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
         self._names = names
-        self.case_sensitive = True
 
     @property
-    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
         return self._names()
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return f"[{'|'.join(self.choices)}]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+        choices = self.choices
+        if value in choices:
+            return str(value)
+        self.fail(f"{value!r} is not one of {', '.join(map(repr, choices))}.", param, ctx)
+
+    def shell_complete(self, ctx: Any, param: Any, incomplete: str) -> list[Any]:
+        item = _typer_click("shell_completion").CompletionItem
+        return [item(name) for name in self.choices if name.startswith(incomplete)]
 
 
 class UsageProblem(Exception):
@@ -256,8 +285,15 @@ class TrainPrecision(StrEnum):
 
 
 #: Where an option's value came from when it counts as given (the command line, or the
-#: environment).
-_GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+#: environment): names of click's ``ParameterSource`` members, compared by name because typer's
+#: copy of click has its own ``ParameterSource`` enum, never equal to the installed click's.
+_GIVEN = frozenset({"COMMANDLINE", "ENVIRONMENT"})
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given (command line or environment), not left at its
+    default."""
+    return getattr(ctx.get_parameter_source(name), "name", None) in _GIVEN
 
 
 def _config_value(name: str, value: Any) -> Any:
@@ -280,7 +316,7 @@ def run_config(
     values = {
         name: _config_value(name, value)
         for name, value in given.items()
-        if ctx.get_parameter_source(name) in _GIVEN
+        if _given(ctx, name)
     }
     if dataset is not None:
         values["dataset"] = dataset.value
