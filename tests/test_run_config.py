@@ -136,14 +136,21 @@ def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_pa
     assert rec.noise_multiplier >= 2.0
     assert tan_scaled(512, 8.0, 1e-5, 20) == (rec.batch_size,
                                               round(rec.batch_size * rec.steps / 512))
-    text = train_text_classifier(RunConfig(
-        dataset="rotten-tomatoes", seed=0, train_limit=128, test_limit=16, max_length=16,
-        bias_only=True, target_epsilon=8.0, tan_steps=6, out=tmp_path / "text"))
+    from dpfy.runs import batch_plan
+    from dpfy.training.recipes import RunHooks
+
+    config = RunConfig(dataset="rotten-tomatoes", seed=0, train_limit=128, test_limit=16,
+                       max_length=16, bias_only=True, target_epsilon=8.0, tan_steps=6,
+                       out=tmp_path / "text")
+    with pytest.raises(ValueError, match="tan_steps=6 needs hooks.batch_plan"):
+        train_text_classifier(config.replace(out=None))
+    text = train_text_classifier(config, hooks=RunHooks(batch_plan=batch_plan(config)))
     batch, epochs = tan_scaled(128, 8.0, 1e-5, 6)
     assert (text.batch_size, text.epochs) == (batch, epochs)
     assert text.ledger.metadata["tan_steps"] == 6
     assert text.noise_multiplier > 1.0  # near the planned z >= 2 (calibrated to the steps run)
-    image = train_image_classifier(RunConfig(
-        dataset="mnist", seed=0, train_limit=256, test_limit=16, target_epsilon=8.0,
-        tan_steps=4))
+    image_config = RunConfig(dataset="mnist", seed=0, train_limit=256, test_limit=16,
+                             target_epsilon=8.0, tan_steps=4)
+    image = train_image_classifier(image_config,
+                                   hooks=RunHooks(batch_plan=batch_plan(image_config)))
     assert (image.batch_size, image.epochs) == tan_scaled(256, 8.0, 1e-5, 4)

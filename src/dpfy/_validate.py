@@ -163,25 +163,6 @@ def _is_pseudo_fs(path: str) -> bool:
     return any(real == p or real.startswith(p + os.sep) for p in ("/proc", "/sys"))
 
 
-def check_device(name: str, value: Any) -> None:
-    """A torch device for one process's training: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"``,
-    and, for CUDA, one this process can see (torch is imported only then)."""
-    import re
-
-    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", value):
-        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:<index>', "
-                         f"got {name}={_short_repr(value)}")
-    if value == "cpu":
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(value.partition(":")[2] or 0)
-    if index >= count:
-        raise ValueError(f"{name}={value!r} needs CUDA device {index}, but this process sees "
-                         f"{count} (torch.cuda.is_available() is {torch.cuda.is_available()})")
-
-
 def check_input_file(name: str, value: Any) -> None:
     """An existing, readable regular file with a UTF-8 name; ``ValueError`` naming ``name``
     otherwise (the file is opened for reading once, so a permission problem is one line)."""

@@ -29,7 +29,6 @@ from typing import Any
 from dpfy._validate import (
     MAX_EPSILON,
     MAX_SCALE,
-    check_device,
     check_int,
     check_output_path,
     check_positive,
@@ -203,6 +202,8 @@ class RunConfig:
                 raise ValueError(f"tan_steps chooses batch_size and epochs: give one or the "
                                  f"other, got tan_steps={self.tan_steps!r} and "
                                  f"{name}={getattr(self, name)!r}")
+        if self.workers > 1:
+            raise ValueError(f"tan_steps plans a one-process run, got workers={self.workers!r}")
         if (self.sampler_kind, self.unit, self.mechanism) != ("poisson", "example", "dpsgd"):
             raise ValueError(f"tan_steps plans Poisson DP-SGD with one example as the unit, got "
                              f"sampler={self.sampler_kind!r}, unit={self.unit!r}, "
@@ -295,6 +296,8 @@ class RunConfig:
             check_int("threads", self.threads, 1, os.cpu_count() or 1)
         check_precision(self.precision)
         if self.device is not None:
+            from dpfy.training.devices import check_device
+
             check_device("device", self.device)
             if self.device != "cpu" and (workers > 1 or self.shard
                                          or _launched_world_size() > 1):

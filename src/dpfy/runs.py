@@ -195,6 +195,7 @@ def _train_into(
                 distributed=distributed,
                 extra_train=None if canaries is None else canaries.training_rows(),
                 step_observer=tracker,
+                batch_plan=batch_plan(c),
             ),
         )
     accuracy_by_step = [
@@ -263,8 +264,19 @@ def _train_text(c: RunConfig, progress: bool) -> Any:
     from dpfy.training import recipes
     from dpfy.training import text as text_recipe
 
-    hooks = recipes.RunHooks(progress=progress)
+    hooks = recipes.RunHooks(progress=progress, batch_plan=batch_plan(c))
     return text_recipe.train_text_classifier(c, None, hooks)
+
+
+def batch_plan(c: RunConfig) -> Any:
+    """The recipes' ``batch_plan`` of a ``tan_steps`` run (None without one): the planner's
+    batch and epochs for the training units (:func:`dpfy.planning.tan_scaled`)."""
+    if c.tan_steps is None:
+        return None
+    from dpfy.planning import tan_scaled
+
+    steps = c.tan_steps
+    return lambda units: tan_scaled(units, c.target_epsilon, c.delta, steps)
 
 
 def _image_recipe(c: RunConfig) -> ImageRecipe | None:
@@ -370,7 +382,7 @@ def train_rank(config: RunConfig, distributed: Distributed) -> None:
 
     recipes.train_image_classifier(
         config.replace(out=None), _image_recipe(config),
-        recipes.RunHooks(distributed=distributed),
+        recipes.RunHooks(distributed=distributed, batch_plan=batch_plan(config)),
     )
 
 

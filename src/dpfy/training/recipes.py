@@ -258,6 +258,9 @@ class RunHooks:
         training examples, sampled, clipped and counted in N like the rest.
       step_observer: ``step_observer(model)`` is called once with the freshly initialised
         model and returns a callback added to ``callbacks`` (the white-box audit's view).
+      batch_plan: with ``RunConfig.tan_steps``, ``batch_plan(units)`` gives the expected batch
+        size and the epochs for the run's number of training units (``dpfy.runs`` passes
+        :func:`dpfy.planning.tan_scaled` for the run's budget and steps).
     """
 
     progress: bool = False
@@ -265,6 +268,14 @@ class RunHooks:
     distributed: Distributed | None = None
     extra_train: tuple[torch.Tensor, torch.Tensor] | None = None
     step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None
+    batch_plan: Callable[[int], tuple[int, int]] | None = None
+
+    def planned_batch(self, config: RunConfig, units: int) -> tuple[int, int]:
+        """``(batch_size, epochs)`` of a ``tan_steps`` run over ``units`` training units."""
+        if self.batch_plan is None:
+            raise ValueError(f"tan_steps={config.tan_steps!r} needs hooks.batch_plan (dpfy.runs "
+                             "gives the planner's; `dpfy train --tan-steps` goes through it)")
+        return self.batch_plan(units)
 
 
 def train_image_classifier(
@@ -397,9 +408,7 @@ def train_image_classifier(
         )
         trainer_cls = users.UserLevelTrainer
     if config.tan_steps is not None:  # RunConfig: Poisson, one image as the unit
-        from dpfy.planning import tan_scaled
-
-        batch_size, epochs = tan_scaled(units, target_epsilon, delta, config.tan_steps)
+        batch_size, epochs = hooks.planned_batch(config, units)
     batch_size = users.recipe_batch_size(batch_size, recipe.batch_size, units, unit)
     device = torch.device(config.device or "cpu")  # RunConfig: one process when not the CPU
     net = make_model(model).to(device)

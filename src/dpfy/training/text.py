@@ -467,9 +467,7 @@ def train_text_classifier(
     num_units = len(np.unique(train_split.movies)) if unit != "example" else len(
         train_split.labels)
     if config.tan_steps is not None:  # RunConfig: Poisson, one snippet as the unit
-        from dpfy.planning import tan_scaled
-
-        batch_size, epochs = tan_scaled(num_units, target_epsilon, delta, config.tan_steps)
+        batch_size, epochs = hooks.planned_batch(config, num_units)
     batch_size = users.recipe_batch_size(batch_size, defaults["batch_size"], num_units, unit)
     from dpfy.models.pretrained import load_minilm_tokenizer
 
