@@ -106,13 +106,11 @@ def split(
     return x, y, test_x, test_y
 
 
-def run_dpsgd(method: str, data: dict[str, torch.Tensor], eps: float, seed: int,
-              hp: dict[str, Any], validation: bool) -> dict[str, Any]:
-    x_fit, y_fit, x_eval, y_eval = split(
-        data["x_train"], data["y_train"], data["x_test"], data["y_test"], validation
-    )
-    torch.manual_seed(seed)
-    net = make_model(method.replace("-", "_"))
+def dpsgd_fit(net: nn.Module, x_fit: Any, y_fit: Any, x_eval: Any, y_eval: Any, eps: float,
+              seed: int, hp: dict[str, Any], physical: int) -> dict[str, Any]:
+    """DP-SGD as every row here trains it (Poisson batches, clip 0.1, SGD with momentum 0.9,
+    noise calibrated to ``eps`` by the trainer, seeded sampling and noise), scored on
+    ``x_eval``; also what benchmarks/mehta_ordering.py trains on projected features."""
     optimizer = torch.optim.SGD(net.parameters(), lr=hp["learning_rate"], momentum=0.9)
     trainer = PrivateTrainer(
         net, optimizer, nn.CrossEntropyLoss(reduction="none"), x_fit, y_fit,
@@ -120,7 +118,7 @@ def run_dpsgd(method: str, data: dict[str, torch.Tensor], eps: float, seed: int,
                      randomness=Randomness(seed=seed)),
         options=TrainerOptions(
             clip_norm=0.1, epochs=hp["epochs"], delta=DELTA, target_epsilon=eps,
-            max_physical_batch_size=4096 if method == "scatternet-linear" else 512,
+            max_physical_batch_size=physical,
             randomness=Randomness(seed=10_000 + seed), ema_decay=None,
             test_data=(x_eval, y_eval),
         ),
@@ -128,10 +126,22 @@ def run_dpsgd(method: str, data: dict[str, torch.Tensor], eps: float, seed: int,
     start = time.perf_counter()
     result = trainer.fit()
     accuracy = trainer.evaluate()
+    assert accuracy is not None  # the trainer has test_data
     per_epoch = [e.test_accuracy for e in result.history.epochs if e.test_accuracy is not None]
     return {"accuracy": 100 * float(accuracy), "epsilon": float(result.privacy.epsilon),
             "noise_multiplier": result.noise_multiplier, "per_epoch": per_epoch,
             "seconds": time.perf_counter() - start}
+
+
+def run_dpsgd(method: str, data: dict[str, torch.Tensor], eps: float, seed: int,
+              hp: dict[str, Any], validation: bool) -> dict[str, Any]:
+    x_fit, y_fit, x_eval, y_eval = split(
+        data["x_train"], data["y_train"], data["x_test"], data["y_test"], validation
+    )
+    torch.manual_seed(seed)
+    net = make_model(method.replace("-", "_"))
+    return dpsgd_fit(net, x_fit, y_fit, x_eval, y_eval, eps, seed, hp,
+                     4096 if method == "scatternet-linear" else 512)
 
 
 def run_estimator(method: str, flat: dict[str, np.ndarray], eps: float, seed: int,

@@ -84,8 +84,9 @@ from dpfy.features.stats import SufficientStats, sufficient_statistics
 from dpfy.ledger import Ledger
 from dpfy.ledger.records import SumQueryRecord
 from dpfy.randomness import Randomness
-from dpfy.sampling import make_sampler
-from dpfy.training import PrivateTrainer, TrainerOptions
+
+sys.path.insert(0, str(Path(__file__).parent))
+import images  # noqa: E402  (benchmarks/images.py: the DP-SGD fit both benchmarks share)
 
 DELTA = 1e-5
 VALIDATION = 10_000
@@ -210,30 +211,15 @@ def fit_estimator(method: str, eps: float, seed: int, ridge: float, stats: Suffi
 
 def fit_dpsgd(eps: float, seed: int, hp: dict[str, Any], x_fit: np.ndarray, y_fit: np.ndarray,
               x_eval: np.ndarray, y_eval: np.ndarray) -> dict[str, Any]:
-    """A linear layer trained by DP-SGD as ``scatternet-linear`` in benchmarks/images.py."""
+    """A linear layer trained by DP-SGD as ``scatternet-linear`` in benchmarks/images.py
+    (its :func:`images.dpsgd_fit`)."""
     scale = math.sqrt(FULL_D)  # the GroupNorm output's scale: rows of norm ~sqrt(3969)
-    inputs = torch.from_numpy(x_fit * scale)
-    targets = torch.from_numpy(y_fit)
     torch.manual_seed(seed)
     net = nn.Linear(x_fit.shape[1], 10)
-    optimizer = torch.optim.SGD(net.parameters(), lr=hp["learning_rate"], momentum=0.9)
-    trainer = PrivateTrainer(
-        net, optimizer, nn.CrossEntropyLoss(reduction="none"), inputs, targets,
-        make_sampler("poisson", len(inputs), hp.get("batch_size", 4096),
-                     randomness=Randomness(seed=seed)),
-        options=TrainerOptions(
-            clip_norm=0.1, epochs=hp["epochs"], delta=DELTA, target_epsilon=eps,
-            max_physical_batch_size=4096, randomness=Randomness(seed=10_000 + seed),
-            ema_decay=None,
-            test_data=(torch.from_numpy(x_eval * scale), torch.from_numpy(y_eval)),
-        ),
-    )
-    start = time.perf_counter()
-    result = trainer.fit()
-    accuracy = trainer.evaluate()
-    assert accuracy is not None
-    return {"accuracy": 100 * float(accuracy), "epsilon": float(result.privacy.epsilon),
-            "noise_multiplier": result.noise_multiplier, "seconds": time.perf_counter() - start}
+    result = images.dpsgd_fit(
+        net, torch.from_numpy(x_fit * scale), torch.from_numpy(y_fit),
+        torch.from_numpy(x_eval * scale), torch.from_numpy(y_eval), eps, seed, hp, 4096)
+    return {k: result[k] for k in ("accuracy", "epsilon", "noise_multiplier", "seconds")}
 
 
 def estimator_fit(method: str, eps: float, parts: dict[bool, tuple[Any, ...]]) -> Any:
