@@ -9,7 +9,6 @@ load on the CPU.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -40,10 +39,7 @@ def _zoo_cases():
 
 @pytest.mark.parametrize("name", _zoo_cases())
 def test_exact_layer_on_cuda_matches_the_per_example_loop(name):
-    from dpfy.queries.sum import NoPrivacyQuery
-    from dpfy.training import PrivateGradient
-    from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
-    from tests.training.test_layer_zoo import DT, EXACT, WEIGHTS, B, Net, _loss, _packed
+    from tests.training.test_layer_zoo import DT, EXACT, Net, _compare, _packed
 
     make, body, make_inputs, _ = EXACT[name]
     torch.manual_seed(0)
@@ -57,30 +53,15 @@ def test_exact_layer_on_cuda_matches_the_per_example_loop(name):
     # pack_padded_sequence takes its lengths on the CPU (the LSTM case's second input)
     inputs = (_to(inputs[0], CUDA), *(t if body is _packed else _to(t, CUDA)
                                       for t in inputs[1:]))
-    y = torch.randn(B, 1, dtype=DT, device=CUDA)
-    per_ex = per_example_gradients(model, inputs, y, _loss)
-    norms = torch.stack([g.reshape(B, -1).pow(2).sum(1) for g in per_ex.values()]).sum(0).sqrt()
-    clip = float(norms[:3].median())
-    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=float(B))
-    stats = pg.accumulate(inputs, y, _loss, weights=WEIGHTS, return_norms=True)
-    assert stats.norms is not None
-    torch.testing.assert_close(stats.norms[:3].cpu(), norms[:3].cpu(), rtol=1e-6, atol=1e-12)
-    ref = clipped_sum_reference(per_ex, clip, weights=WEIGHTS.to(CUDA))
-    got = pg.clipped_sum()
-    assert all(got[n].device.type == CUDA.type for n in ref)
-    num = math.sqrt(sum(float((got[n] - ref[n]).pow(2).sum()) for n in ref))
-    den = math.sqrt(sum(float(ref[n].pow(2).sum()) for n in ref))
-    assert num <= 1e-6 * den, f"relative error {num / den:.3g}"
+    got = _compare(model, inputs)  # the zoo's comparison, run where the model is
+    assert all(g.device.type == CUDA.type for g in got.values())
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("arch", ["bert", "gpt2", "llama"])
 def test_transformers_on_cuda_match_the_per_example_loop(arch, lora):
-    from dpfy.queries.sum import NoPrivacyQuery
-    from dpfy.training import PrivateGradient
     from dpfy.training.losses import causal_lm_loss, sequence_classification_loss
-    from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
-    from tests.training.test_transformers import CASES, _batch, _close, _lora
+    from tests.training.test_transformers import CASES, _batch, _check_exact, _lora
 
     torch.manual_seed(0)
     build, task, targets, token_types = CASES[arch]
@@ -93,16 +74,8 @@ def test_transformers_on_cuda_match_the_per_example_loop(arch, lora):
         labels, loss_fn = torch.tensor([0, 2, 1, 2]), sequence_classification_loss
     else:
         loss_fn = causal_lm_loss
-    inputs, labels = _to(inputs, CUDA), labels.to(CUDA)
-    ref = per_example_gradients(model, inputs, labels, loss_fn)
-    ref_sq = sum(g.double().flatten(1).square().sum(1) for g in ref.values())
-    clip = float(ref_sq.sqrt().median())
-    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=4)
-    stats = pg.accumulate(inputs, labels, loss_fn, return_norms=True)
-    _close(stats.norms.cpu(), ref_sq.sqrt().cpu())
-    got, want = pg.clipped_sum(), clipped_sum_reference(ref, clip)
-    for name in want:
-        _close(got[name].cpu(), want[name].cpu())
+    pg = _check_exact(model, _to(inputs, CUDA), labels.to(CUDA), loss_fn)
+    assert all(g.device.type == CUDA.type for g in pg.clipped_sum().values())
 
 
 def test_seeded_noise_on_cuda_has_the_stated_moments_and_fresh_draws():

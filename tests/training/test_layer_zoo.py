@@ -313,10 +313,13 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out - y).pow(2).sum(1)
 
 
-def _compare(model: nn.Module, inputs: Any, coverage: str = "every") -> None:
-    """Clipped sum and norms of the fast path against the per-example loop (float64)."""
+def _compare(model: nn.Module, inputs: Any, coverage: str = "every") -> dict[str, torch.Tensor]:
+    """Clipped sum and norms of the fast path against the per-example loop (float64); returns
+    the fast path's clipped sum."""
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    y = torch.randn(B, 1, dtype=DT)
+    device = next(model.parameters()).device  # tests/test_cuda.py runs this on a GPU
+    y = torch.randn(B, 1, dtype=DT).to(device)
+    weights = WEIGHTS.to(device)
     per_ex = per_example_gradients(model, inputs, y, _loss)
     norms = torch.stack(
         [g.reshape(B, -1).pow(2).sum(1) for g in per_ex.values()]
@@ -325,14 +328,15 @@ def _compare(model: nn.Module, inputs: Any, coverage: str = "every") -> None:
     pg = PrivateGradient(
         model, NoPrivacyQuery(clip), expected_batch_size=float(B), coverage_check=coverage
     )
-    stats = pg.accumulate(inputs, y, _loss, weights=WEIGHTS, return_norms=True)
+    stats = pg.accumulate(inputs, y, _loss, weights=weights, return_norms=True)
     assert stats.norms is not None
     torch.testing.assert_close(stats.norms[:3], norms[:3], rtol=1e-6, atol=1e-12)
-    ref = clipped_sum_reference(per_ex, clip, weights=WEIGHTS)
+    ref = clipped_sum_reference(per_ex, clip, weights=weights)
     got = pg.clipped_sum()
     num = math.sqrt(sum(float((got[n] - ref[n]).pow(2).sum()) for n in ref))
     den = math.sqrt(sum(float(ref[n].pow(2).sum()) for n in ref))
     assert num <= 1e-6 * den, f"relative error {num / den:.3g}"
+    return got
 
 
 @pytest.mark.parametrize("name,mode", _exact_cases())
