@@ -38,6 +38,7 @@ from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.sampling.kinds import kind_names
 from dpfy.sampling.spec import SampleSpec
 from dpfy.training import users
+from dpfy.training.devices import host_copy
 from dpfy.training.distributed import Distributed, per_process_batch
 from dpfy.training.history import History, ProgressInfo
 from dpfy.training.launch import run_local
@@ -513,8 +514,8 @@ def train_image_classifier(
         model=result.model,
         ledger=ledger,
     )
-    state = full_state_dict(result.model) if shard else {
-        n: t.detach().cpu() for n, t in result.model.state_dict().items()}
+    state = full_state_dict(result.model) if shard else host_copy(
+        result.model.state_dict().items())
     if model_path is not None:  # set exactly when out_dir is
         torch.save(state, model_path)
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:

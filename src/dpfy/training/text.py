@@ -82,6 +82,7 @@ from dpfy.sampling import make_sampler
 from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.training import users
 from dpfy.training.budget import spent
+from dpfy.training.devices import host_copy
 from dpfy.training.history import ProgressInfo
 from dpfy.training.losses import sequence_classification_loss
 from dpfy.training.precision import check_precision
@@ -622,9 +623,8 @@ def train_text_classifier(
         }),  # read from the training snippets without noise: never beside the model
     )
     if model_path is not None:
-        state = {n: t.detach().cpu() for n, t in result.model.state_dict().items()} if (
-            mode == "full") else {n: p.detach().cpu() for n, p in
-                                  result.model.named_parameters() if p.requires_grad}
+        state = host_copy(result.model.state_dict().items() if mode == "full" else (
+            (n, p) for n, p in result.model.named_parameters() if p.requires_grad))
         torch.save(state, model_path)
         with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
             json.dump(summary.to_dict(), f, indent=2, default=str)
