@@ -21,7 +21,8 @@ the chosen configuration would add the tuning cost, see ``dpfy.accounting`` ``rd
 
 Writes ``table.md`` (method x dataset x epsilon: mean over seeds, +- half the range, wall
 minutes), ``results.json`` (every run, validation included) and ``accuracy_vs_epsilon.png``
-(published anchors as points) to ``--out``. Progress lines go to stderr.
+(published anchors as points) to ``--out``. Progress lines go to stderr. ``--probe`` scores
+extra configurations on the validation split only (recorded, never chosen).
 
     PYTHONPATH=src python benchmarks/images.py                       # everything (~1-2 h CPU)
     PYTHONPATH=src python benchmarks/images.py --datasets mnist --methods scatternet-linear \\
@@ -172,6 +173,10 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/images"))
+    parser.add_argument("--probe", nargs="+", type=json.loads, metavar="JSON",
+                        help="only score these configurations (JSON objects such as "
+                             "'{\"epochs\": 120, \"learning_rate\": 8.0}') on the validation "
+                             "split: recorded as phase 'probe', never chosen, no test run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -190,6 +195,18 @@ def main() -> None:
             run = run_dpsgd if method in DPSGD else run_estimator
             source: Any = data if method in DPSGD else flat
             for eps in args.epsilons:
+                for hp in args.probe or []:  # validation only, outside the grid
+                    key = (dataset, method, eps, "probe", 0, json.dumps(hp, sort_keys=True))
+                    if key not in done:
+                        row = run(method, source, eps, 0, hp, True)
+                        results.append({"dataset": dataset, "method": method,
+                                        "epsilon_target": eps, "phase": "probe", "seed": 0,
+                                        "hp": hp, **row})
+                        results_path.write_text(json.dumps(results, indent=1))
+                        done.add(key)
+                        log(f"{dataset} {method} eps {eps} probe {hp}: {row['accuracy']:.2f} %")
+                if args.probe:
+                    continue
                 scored = []
                 tune_eps = TUNED_AT.get(method, eps)
                 for hp in GRIDS[method]:  # 1. validation, seed 0
