@@ -35,6 +35,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,44 @@ def run_estimator(method: str, flat: dict[str, np.ndarray], eps: float, seed: in
             "seconds": time.perf_counter() - start}
 
 
+class Results:
+    """``results.json`` under ``--out``: every run, found again by (dataset, method, epsilon,
+    phase, seed, configuration), so that a rerun skips what is already there."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = json.loads(path.read_text()) if path.exists() else []
+
+    @staticmethod
+    def key(row: dict[str, Any]) -> tuple[Any, ...]:
+        return (row["dataset"], row["method"], float(row["epsilon_target"]), row["phase"],
+                row["seed"], json.dumps(row["hp"], sort_keys=True))
+
+    def get_or_run(self, cell: dict[str, Any], fit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The stored row of ``cell`` (dataset, method, epsilon_target, phase, seed, hp), else
+        ``fit()``'s, stored at once (a crash loses only the run in progress)."""
+        found = [r for r in self.rows if self.key(r) == self.key(cell)]
+        if found:
+            return found[0]
+        row = {**cell, **fit()}
+        self.rows.append(row)
+        self.path.write_text(json.dumps(self.rows, indent=1))
+        log(f"{cell['dataset']} {cell['method']} eps {cell['epsilon_target']:g} {cell['phase']} "
+            f"seed {cell['seed']} {cell['hp']}: {row['accuracy']:.2f} % "
+            f"(epsilon {row['epsilon']:.3f})")
+        return row
+
+
+def fit_cell(results: Results, source: Any, dataset: str, method: str, eps: float, phase: str,
+             seed: int, hp: dict[str, Any]) -> dict[str, Any]:
+    """One run of ``method`` (``phase`` "test": fitted on all training images and scored on the
+    test images; else on the validation split), or its stored row."""
+    run = run_dpsgd if method in DPSGD else run_estimator
+    cell = {"dataset": dataset, "method": method, "epsilon_target": eps, "phase": phase,
+            "seed": seed, "hp": hp}
+    return results.get_or_run(cell, lambda: run(method, source, eps, seed, hp, phase != "test"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--datasets", nargs="+", default=["mnist", "fashion-mnist"])
@@ -180,63 +219,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    results_path = args.out / "results.json"
-    results: list[dict[str, Any]] = (
-        json.loads(results_path.read_text()) if results_path.exists() else []
-    )
-    done = {(r["dataset"], r["method"], r["epsilon_target"], r["phase"], r["seed"],
-             json.dumps(r["hp"], sort_keys=True)) for r in results}
+    results = Results(args.out / "results.json")
     for dataset in args.datasets:
         log(f"{dataset}: ScatterNet features")
         data = features(dataset)
         flat = {"x_train": flat_normalised(data["x_train"]), "y_train": data["y_train"].numpy(),
                 "x_test": flat_normalised(data["x_test"]), "y_test": data["y_test"].numpy()}
         for method in args.methods:
-            run = run_dpsgd if method in DPSGD else run_estimator
-            source: Any = data if method in DPSGD else flat
+            source = data if method in DPSGD else flat
             for eps in args.epsilons:
-                for hp in args.probe or []:  # validation only, outside the grid
-                    key = (dataset, method, eps, "probe", 0, json.dumps(hp, sort_keys=True))
-                    if key not in done:
-                        row = run(method, source, eps, 0, hp, True)
-                        results.append({"dataset": dataset, "method": method,
-                                        "epsilon_target": eps, "phase": "probe", "seed": 0,
-                                        "hp": hp, **row})
-                        results_path.write_text(json.dumps(results, indent=1))
-                        done.add(key)
-                        log(f"{dataset} {method} eps {eps} probe {hp}: {row['accuracy']:.2f} %")
-                if args.probe:
+                if args.probe:  # validation only, outside the grid
+                    for hp in args.probe:
+                        fit_cell(results, source, dataset, method, eps, "probe", 0, hp)
                     continue
-                scored = []
+                # 1. validation (seed 0), at TUNED_AT's epsilon for the methods listed there
                 tune_eps = TUNED_AT.get(method, eps)
-                for hp in GRIDS[method]:  # 1. validation, seed 0
-                    key = (dataset, method, tune_eps, "validation", 0,
-                           json.dumps(hp, sort_keys=True))
-                    if key not in done:
-                        row = run(method, source, tune_eps, 0, hp, True)
-                        results.append({"dataset": dataset, "method": method,
-                                        "epsilon_target": tune_eps, "phase": "validation",
-                                        "seed": 0, "hp": hp, **row})
-                        results_path.write_text(json.dumps(results, indent=1))
-                        done.add(key)
-                        log(f"{dataset} {method} eps {tune_eps} validation {hp}: "
-                            f"{row['accuracy']:.2f} %")
-                    scored.append(next(r for r in results if (
-                        r["dataset"], r["method"], r["epsilon_target"], r["phase"], r["seed"],
-                        json.dumps(r["hp"], sort_keys=True)) == key))
+                scored = [fit_cell(results, source, dataset, method, tune_eps, "validation", 0, hp)
+                          for hp in GRIDS[method]]
                 best = max(scored, key=lambda r: r["accuracy"])["hp"]
                 for seed in args.seeds:  # 2. the chosen configuration on the test set
-                    key = (dataset, method, eps, "test", seed, json.dumps(best, sort_keys=True))
-                    if key in done:
-                        continue
-                    row = run(method, source, eps, seed, best, False)
-                    results.append({"dataset": dataset, "method": method, "epsilon_target": eps,
-                                    "phase": "test", "seed": seed, "hp": best, **row})
-                    results_path.write_text(json.dumps(results, indent=1))
-                    log(f"{dataset} {method} eps {eps} TEST seed {seed} {best}: "
-                        f"{row['accuracy']:.2f} % (epsilon {row['epsilon']:.3f})")
-    write_table(results, args.out)
-    write_figure(results, args.out)
+                    fit_cell(results, source, dataset, method, eps, "test", seed, best)
+    write_table(results.rows, args.out)
+    write_figure(results.rows, args.out)
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[tuple[str, str, float], dict[str, Any]]:
