@@ -7,6 +7,8 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from dpfy._validate import _short_repr
+
 if TYPE_CHECKING:
     import torch
 
@@ -16,7 +18,7 @@ def check_device(name: str, value: Any) -> None:
     and, for CUDA, one this process can see (torch is imported only then)."""
     if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", value):
         raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:<index>', "
-                         f"got {name}={value!r}")
+                         f"got {name}={_short_repr(value)}")
     if value == "cpu":
         return
     import torch
