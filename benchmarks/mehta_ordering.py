@@ -185,10 +185,8 @@ def auto_for(method: str, eps: float, d: int) -> float:
     """The estimator's own ``ridge="auto"`` at this epsilon and d (its calibration code)."""
     if method == "dp-ls":
         z = DPLeastSquaresClassifier(epsilon=eps, delta=DELTA)._noise_multipliers([1.0] * 3)[0]
-    else:
-        z = DPFeatureCovarianceClassifier(epsilon=eps, delta=DELTA)._noise_multipliers(
-            [1.0] * (FC["steps"] + 1))[0]
-    return auto_ridge(z, 1.0, d)
+        return auto_ridge(z, 1.0, d)
+    return images.fc_auto_ridge(eps, FC["steps"], d)
 
 
 def fit_estimator(method: str, eps: float, seed: int, ridge: float, stats: SufficientStats,
