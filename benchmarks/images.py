@@ -256,22 +256,45 @@ def main() -> None:
                     continue
                 # 1. validation (seed 0), at TUNED_AT's epsilon for the methods listed there
                 tune_eps = TUNED_AT.get(method, eps)
-                scored = [fit_cell(results, source, dataset, method, tune_eps, "validation", 0, hp)
-                          for hp in GRIDS[method]]
-                best = max(scored, key=lambda r: r["accuracy"])["hp"]
+                for hp in GRIDS[method]:
+                    fit_cell(results, source, dataset, method, tune_eps, "validation", 0, hp)
+                best = chosen_hp(results.rows, dataset, method, eps)
+                assert best is not None  # the search above has run
                 for seed in args.seeds:  # 2. the chosen configuration on the test set
                     fit_cell(results, source, dataset, method, eps, "test", seed, best)
     write_table(results.rows, args.out)
     write_figure(results.rows, args.out)
 
 
+def chosen_hp(results: list[dict[str, Any]], dataset: str, method: str,
+              eps: float) -> dict[str, Any] | None:
+    """The configuration of ``GRIDS[method]`` with the best validation score (seed 0) at the
+    epsilon it is searched at, as ``main`` chooses it; None before the search has run."""
+    tune_eps = TUNED_AT.get(method, eps)
+    best: tuple[float, dict[str, Any]] | None = None
+    for hp in GRIDS[method]:
+        cell = {"dataset": dataset, "method": method, "epsilon_target": tune_eps,
+                "phase": "validation", "seed": 0, "hp": hp}
+        found = [r for r in results if Results.key(r) == Results.key(cell)]
+        if found and (best is None or found[0]["accuracy"] > best[0]):
+            best = (found[0]["accuracy"], hp)
+    return None if best is None else best[1]
+
+
 def _summary(results: list[dict[str, Any]]) -> dict[tuple[str, str, float], dict[str, Any]]:
+    """Per (dataset, method, epsilon): the test rows of the configuration the current grid
+    chooses (rows of configurations a grid no longer picks stay in results.json only)."""
     cells: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for r in results:
         if r["phase"] == "test":
             cells.setdefault((r["dataset"], r["method"], r["epsilon_target"]), []).append(r)
     out = {}
     for key, rows in cells.items():
+        hp = chosen_hp(results, *key)
+        if hp is not None:
+            rows = [r for r in rows if r["hp"] == hp]
+        if not rows:
+            continue
         acc = np.array([r["accuracy"] for r in rows])
         tuning = [r for r in results if r["phase"] == "validation"
                   and (r["dataset"], r["method"], r["epsilon_target"]) == key]

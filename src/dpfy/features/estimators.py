@@ -60,7 +60,8 @@ from dpfy.randomness import Randomness
 #: ``c = 1`` was chosen on validation splits of both datasets of benchmarks/features.py (MiniLM
 #: text embeddings, 384-d; EfficientNet image features, 1280-d) at most epsilons for DP-LS and
 #: DP-FC; a fixed ridge of 1 instead leaves the noisy covariance badly conditioned (DP-FC on the
-#: text embeddings at epsilon 8: 63 % instead of 76 %).
+#: text embeddings at epsilon 8: 63 % instead of 76 %). On 3969-d ScatterNet features 1/16 of the
+#: auto value did best for DP-FC (docs/architecture.md, 5.12): search the ridge on validation data.
 AUTO_RIDGE_SCALE = 1.0
 
 
