@@ -35,6 +35,7 @@ images take about 5 s on one H100 and hours on two CPU cores.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -47,7 +48,7 @@ from torch.nn import functional as nnf
 
 from dpfy import datasets
 from dpfy.accounting.calibrate import calibrate_noise_multiplier
-from dpfy.features.scatternet import GROUPS, ScatterNet
+from dpfy.features.scatternet import GROUPS, transform_images
 from dpfy.randomness import Randomness
 from dpfy.sampling import make_sampler
 
@@ -103,14 +104,11 @@ class Features:
     """ScatterNet features of the views, GroupNorm-ed with a given number of groups."""
 
     def __init__(self, views: list[torch.Tensor], scored: torch.Tensor, device: str) -> None:
-        net = ScatterNet((28, 28)).to(device)
-        self.device = device
-        self.raw = [self._transform(net, v) for v in views]  # each [N, 81, 7, 7]
-        self.raw_scored = [self._transform(net, scored), self._transform(net, scored.flip(-1))]
+        def transform(images: torch.Tensor) -> torch.Tensor:
+            return transform_images(images, chunk_size=8192, device=device)
 
-    def _transform(self, net: ScatterNet, images: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-        return torch.cat([net(images[s : s + chunk].to(self.device))
-                          for s in range(0, len(images), chunk)])
+        self.raw = [transform(v) for v in views]  # each [N, 81, 7, 7]
+        self.raw_scored = [transform(scored), transform(scored.flip(-1))]
 
     def flat(self, groups: int, views: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """([N, views, d] fitting features, [scored, scored mirrored] as [n, d])."""
@@ -121,7 +119,10 @@ class Features:
                 [norm(x) for x in self.raw_scored])
 
 
+@functools.cache
 def noise_multiplier(n: int, batch: int, epochs: int) -> float:
+    """z for Poisson batches of expected size ``batch`` from ``n`` images over ``epochs`` at
+    (EPSILON, DELTA); cached, since most levers share one (n, batch, epochs)."""
     sampler = make_sampler("poisson", n, batch, randomness=Randomness(seed=0))
     return calibrate_noise_multiplier(lambda z: sampler.privacy_event(z, epochs=epochs),
                                       EPSILON, DELTA)

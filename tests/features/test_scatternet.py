@@ -36,6 +36,13 @@ def test_features_equal_kymatios_numpy_transform():
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
 
 
+def test_the_transform_runs_on_the_device_it_is_given():
+    x = _images(4)
+    out = transform_images(x, device="cpu")
+    assert out.device.type == "cpu"
+    torch.testing.assert_close(out, transform_images(x), rtol=0, atol=0)
+
+
 def test_the_transform_has_no_parameters_and_checks_its_input():
     net = ScatterNet((28, 28))
     assert list(net.parameters()) == [] and net.output_shape(3) == (243, 7, 7)

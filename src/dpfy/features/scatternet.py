@@ -112,21 +112,25 @@ def transform_images(
     orientations: int = DEFAULT_L,
     chunk_size: int = 1024,
     progress: Callable[[int], None] | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """ScatterNet features of ``images`` ``[N, C, H, W]``, computed ``chunk_size`` at a time.
 
-    ``progress(n)`` is called after each chunk with the number of images it held.
+    ``progress(n)`` is called after each chunk with the number of images it held. ``device``
+    (default: the images') is where the transform runs and the features are returned: each
+    chunk is moved there, so the images may stay on the CPU while a GPU computes.
     """
     check_int("chunk_size", chunk_size, low=1)
-    net = ScatterNet((int(images.shape[-2]), int(images.shape[-1])), j, orientations)
+    device = images.device if device is None else torch.device(device)
+    net = ScatterNet((int(images.shape[-2]), int(images.shape[-1])), j, orientations).to(device)
     parts = []
     for start in range(0, len(images), chunk_size):
         chunk = images[start : start + chunk_size]
-        parts.append(net(chunk))
+        parts.append(net(chunk.to(device)))
         if progress is not None:
             progress(len(chunk))
     if not parts:
-        return torch.empty((0, *net.output_shape(int(images.shape[1]))))
+        return torch.empty((0, *net.output_shape(int(images.shape[1]))), device=device)
     return torch.cat(parts)
 
 
