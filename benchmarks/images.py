@@ -201,12 +201,17 @@ class Results:
         return (row["dataset"], row["method"], float(row["epsilon_target"]), row["phase"],
                 row["seed"], json.dumps(row["hp"], sort_keys=True))
 
+    @staticmethod
+    def find(rows: list[dict[str, Any]], cell: dict[str, Any]) -> dict[str, Any] | None:
+        """The first row of ``rows`` with ``cell``'s key, or None."""
+        return next((r for r in rows if Results.key(r) == Results.key(cell)), None)
+
     def get_or_run(self, cell: dict[str, Any], fit: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The stored row of ``cell`` (dataset, method, epsilon_target, phase, seed, hp), else
         ``fit()``'s, stored at once (a crash loses only the run in progress)."""
-        found = [r for r in self.rows if self.key(r) == self.key(cell)]
-        if found:
-            return found[0]
+        found = self.find(self.rows, cell)
+        if found is not None:
+            return found
         row = {**cell, **fit()}
         self.rows.append(row)
         self.path.write_text(json.dumps(self.rows, indent=1))
@@ -275,9 +280,9 @@ def chosen_hp(results: list[dict[str, Any]], dataset: str, method: str,
     for hp in GRIDS[method]:
         cell = {"dataset": dataset, "method": method, "epsilon_target": tune_eps,
                 "phase": "validation", "seed": 0, "hp": hp}
-        found = [r for r in results if Results.key(r) == Results.key(cell)]
-        if found and (best is None or found[0]["accuracy"] > best[0]):
-            best = (found[0]["accuracy"], hp)
+        found = Results.find(results, cell)
+        if found is not None and (best is None or found["accuracy"] > best[0]):
+            best = (found["accuracy"], hp)
     return None if best is None else best[1]
 
 
