@@ -58,11 +58,12 @@ def _fit_all(eps: float):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(200, 4, generator=g, dtype=torch.float64)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    kw = dict(epsilon=eps, classes=[0, 1, 2], random_state=0)
     return {
-        "dp_ls": est.DPLeastSquaresClassifier(epsilon=eps, random_state=0).fit(x, y),
-        "dp_newton": est.DPNewtonClassifier(epsilon=eps, steps=3, random_state=0).fit(x, y),
-        "dp_fc": est.DPFeatureCovarianceClassifier(epsilon=eps, steps=4, random_state=0).fit(x, y),
-        "dp_adam": est.DPAdamClassifier(epsilon=eps, steps=5, random_state=0).fit(x, y),
+        "dp_ls": est.DPLeastSquaresClassifier(**kw).fit(x, y),
+        "dp_newton": est.DPNewtonClassifier(steps=3, **kw).fit(x, y),
+        "dp_fc": est.DPFeatureCovarianceClassifier(steps=4, **kw).fit(x, y),
+        "dp_adam": est.DPAdamClassifier(steps=5, **kw).fit(x, y),
     }
 
 
@@ -92,18 +93,18 @@ def test_paper_zcdp_figures_match_the_ledger():
     """Theorems 2.1-2.3 give rho = mu^2 / 2 when every release has the same sigma."""
     x = torch.randn(100, 3, dtype=torch.float64)
     y = torch.randint(0, 3, (100,))
-    sigma, T = 2.5, 4
+    sigma, T, m = 2.5, 4, 3
     cases = {
         "dp_ls": (alg.dp_least_squares((x, y), noise_multiplier=sigma, clip_norm=1.0,
-                                       randomness=Randomness(0)), 1),
+                                       num_classes=m, randomness=Randomness(0)), 1),
         "dp_newton": (alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=sigma, steps=T,
-                                    randomness=Randomness(0)), T),
+                                    num_classes=m, randomness=Randomness(0)), T),
         "dp_fc": (alg.dp_feature_covariance(x, y,
                                             preconditioner=alg.Preconditioner(clip_norm=1.0),
                                             gradient_clip_norm=1.0, noise_multiplier=sigma,
-                                            steps=T, randomness=Randomness(0)), T),
+                                            steps=T, num_classes=m, randomness=Randomness(0)), T),
         "dp_adam": (alg.dp_adam(x, y, clip_norm=1.0, noise_multiplier=sigma, steps=T,
-                                randomness=Randomness(0)), T),
+                                num_classes=m, randomness=Randomness(0)), T),
     }
     for name, (fitted, steps) in cases.items():
         mu = acc.gdp_figures(fitted.ledger).mu
@@ -127,7 +128,7 @@ def test_covariance_share_moves_budget_but_keeps_epsilon():
     x = torch.randn(100, 3, generator=g, dtype=torch.float64)
     y = (x[:, 0] > 0).long()
     m = est.DPFeatureCovarianceClassifier(epsilon=1.0, steps=3, covariance_share=0.5,
-                                          random_state=0).fit(x, y)
+                                          classes=[0, 1], random_state=0).fit(x, y)
     ratios = [r.sensitivity / r.noise_std for r in m.ledger_.entries
               if type(r).__name__ == "SumQueryRecord"]
     assert ratios[0] ** 2 == pytest.approx(sum(r * r for r in ratios[1:]))

@@ -79,7 +79,7 @@ def test_least_squares_sensitivity_matches_ledger(k):
 def test_newton_sensitivity_matches_ledger():
     x, y = _data()
     m, clip = 3, 1.5
-    fitted = alg.dp_newton(x, y, clip_norm=clip, noise_multiplier=1.0, steps=1,
+    fitted = alg.dp_newton(x, y, clip_norm=clip, noise_multiplier=1.0, steps=1, num_classes=m,
                            randomness=Randomness(0))
     rec = _recorded(fitted.ledger)
     assert rec == pytest.approx({"gradient": math.sqrt(m) * clip,
@@ -90,11 +90,11 @@ def test_newton_sensitivity_matches_ledger():
         (torch.zeros(d, m, dtype=F64), torch.zeros(1, m, dtype=F64), "hessian"),  # s(1-s) = 1/4
         (torch.full((d, m), 40.0, dtype=F64), torch.zeros(1, m, dtype=F64), "gradient"),  # s -> 1
     ]:
-        g0, h0 = alg.newton_statistics(xc, Y, w, hessian_dtype=F64)
+        g0, h0 = alg.newton_statistics(xc, Y, w)
         worst = 0.0
         for row in _worst_rows(d, clip):
             xn = torch.cat([xc, clip_rows(row[None], clip)])
-            g1, h1 = alg.newton_statistics(xn, torch.cat([Y, label]), w, hessian_dtype=F64)
+            g1, h1 = alg.newton_statistics(xn, torch.cat([Y, label]), w)
             dg, dh = float(torch.linalg.norm(g1 - g0)), float(torch.linalg.norm(h1 - h0))
             assert dg <= rec["gradient"] * (1 + 1e-9)
             assert dh <= rec["hessian"] * (1 + 1e-9)
@@ -121,12 +121,12 @@ def test_gradient_sum_sensitivity(loss):
             worst = max(worst, diff)
     assert worst == pytest.approx(clip, rel=1e-9)
     fc = alg.dp_feature_covariance(x, y, preconditioner=alg.Preconditioner(clip_norm=2.0),
-                                   gradient_clip_norm=clip,
+                                   gradient_clip_norm=clip, num_classes=m,
                                    noise_multiplier=1.0, steps=2, loss=loss,
                                    randomness=Randomness(0))
     assert _recorded(fc.ledger) == pytest.approx({"covariance": 4.0, "gradient": clip})
     adam = alg.dp_adam(x, y, clip_norm=clip, noise_multiplier=1.0, steps=2, loss=loss,
-                       randomness=Randomness(0))
+                       num_classes=m, randomness=Randomness(0))
     assert _recorded(adam.ledger) == pytest.approx({"gradient": clip})
 
 
@@ -148,12 +148,12 @@ def test_per_example_gradient_norm_is_exact():
 def test_ledger_records_before_release_and_counts_every_release():
     x, y = _data()
     fc = alg.dp_feature_covariance(x, y, preconditioner=alg.Preconditioner(clip_norm=1.0),
-                                   gradient_clip_norm=1.0,
+                                   gradient_clip_norm=1.0, num_classes=3,
                                    noise_multiplier=2.0, steps=5, randomness=Randomness(0))
     queries = [r for r in fc.ledger.entries if isinstance(r, SumQueryRecord)]
     assert len(queries) == 6
     assert all(r.noise_std == pytest.approx(2.0 * r.sensitivity) for r in queries)
-    nt = alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=(1.0, 3.0), steps=3,
+    nt = alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=(1.0, 3.0), steps=3, num_classes=3,
                        randomness=Randomness(0))
     stds = [(r.name, round(r.noise_std / r.sensitivity, 12)) for r in nt.ledger.entries
             if isinstance(r, SumQueryRecord)]
@@ -167,7 +167,7 @@ def test_least_squares_without_noise_is_the_closed_form():
     x, y = _data(n=400, d=5, m=3)
     clip, alpha, ridge = 4.0, 0.3, 2.0
     fitted = alg.dp_least_squares((x, y), noise_multiplier=0.0, clip_norm=clip, alpha=alpha,
-                                  ridge=ridge)
+                                  ridge=ridge, num_classes=3)
     xc = clip_rows(x, clip).numpy()
     Y = np.eye(3)[y.numpy()]
     G = xc.T @ xc
@@ -184,7 +184,7 @@ def test_newton_without_noise_reaches_the_logistic_optimum():
     x, y = _data(n=400, d=5, m=3, scale=1.0)
     clip, ridge = 2.0, 3.0
     fitted = alg.dp_newton(x, y, clip_norm=clip, noise_multiplier=0.0, steps=12, ridge=ridge,
-                           hessian_dtype=F64)
+                           num_classes=3)
     xc = clip_rows(x, clip).numpy()
     for j in range(3):  # one-vs-rest: class j against the rest, L2 penalty 1/C = ridge
         lr = sklearn.LogisticRegression(C=1.0 / ridge, fit_intercept=False, tol=1e-12,
@@ -199,9 +199,9 @@ def test_feature_covariance_without_noise_reaches_the_logistic_optimum(loss):
     x, y = _data(n=400, d=5, m=3, scale=1.0)
     l2 = 2.0
     fitted = alg.dp_feature_covariance(
-        x, y, preconditioner=alg.Preconditioner(clip_norm=100.0, ridge=1.0, dtype=F64),
+        x, y, preconditioner=alg.Preconditioner(clip_norm=100.0, ridge=1.0),
         gradient_clip_norm=1e6, noise_multiplier=0.0, steps=300, learning_rate=2.0, l2=l2,
-        loss=loss,
+        loss=loss, num_classes=3,
     )
     xn = x.numpy()
     if loss == "softmax":
@@ -222,7 +222,7 @@ def test_adam_without_noise_approaches_the_optimum():
     sklearn = pytest.importorskip("sklearn.linear_model")
     x, y = _data(n=400, d=5, m=3, scale=1.0)
     fitted = alg.dp_adam(x, y, clip_norm=1e6, noise_multiplier=0.0, steps=1500,
-                         learning_rate=0.02, l2=2.0)
+                         learning_rate=0.02, l2=2.0, num_classes=3)
     lr = sklearn.LogisticRegression(C=0.5, fit_intercept=False, tol=1e-12, max_iter=10_000)
     lr.fit(x.numpy(), y.numpy())
     np.testing.assert_allclose(fitted.weights.numpy(), lr.coef_.T, atol=2e-2)
@@ -249,9 +249,9 @@ def test_psd_solver_projects_indefinite_matrices():
 
 def test_noisy_release_is_symmetrised_and_seeded():
     x, y = _data()
-    a = alg.dp_least_squares((x, y), noise_multiplier=5.0, clip_norm=1.0,
+    a = alg.dp_least_squares((x, y), noise_multiplier=5.0, clip_norm=1.0, num_classes=3,
                              randomness=Randomness(7))
-    b = alg.dp_least_squares((x, y), noise_multiplier=5.0, clip_norm=1.0,
+    b = alg.dp_least_squares((x, y), noise_multiplier=5.0, clip_norm=1.0, num_classes=3,
                              randomness=Randomness(7))
     assert torch.equal(a.weights, b.weights)
     assert torch.isfinite(a.weights).all()
@@ -260,28 +260,39 @@ def test_noisy_release_is_symmetrised_and_seeded():
 def test_bad_arguments_raise():
     x, y = _data()
     with pytest.raises(ValueError, match="noise_multiplier must be in"):
-        alg.dp_least_squares((x, y), noise_multiplier=-1.0, clip_norm=1.0)
+        alg.dp_least_squares((x, y), noise_multiplier=-1.0, clip_norm=1.0, num_classes=3)
     with pytest.raises(ValueError, match="clip_norm must be given"):
-        alg.dp_least_squares((x, y), noise_multiplier=1.0)
+        alg.dp_least_squares((x, y), noise_multiplier=1.0, num_classes=3)
     with pytest.raises(ValueError, match="loss must be one of"):
-        alg.dp_adam(x, y, clip_norm=1.0, noise_multiplier=1.0, loss="hinge")
+        alg.dp_adam(x, y, clip_norm=1.0, noise_multiplier=1.0, loss="hinge", num_classes=3)
     with pytest.raises(ValueError, match="steps must be an integer in"):
-        alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=1.0, steps=0)
+        alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=1.0, steps=0, num_classes=3)
+    # the class list is public: never read from the labels
+    for fit in (lambda: alg.dp_least_squares((x, y), noise_multiplier=1.0, clip_norm=1.0),
+                lambda: alg.dp_newton(x, y, clip_norm=1.0, noise_multiplier=1.0),
+                lambda: alg.dp_adam(x, y, clip_norm=1.0, noise_multiplier=1.0),
+                lambda: alg.dp_feature_covariance(
+                    x, y, preconditioner=alg.Preconditioner(clip_norm=1.0),
+                    gradient_clip_norm=1.0, noise_multiplier=1.0)):
+        with pytest.raises(ValueError, match="num_classes must be the public number"):
+            fit()
 
 
 def test_shared_covariance_statistics_give_identical_runs():
     x, y = _data()
     stats = sufficient_statistics([(x, y)], clip_norm=1.0, num_classes=3)
-    fresh = alg.Preconditioner(clip_norm=1.0, dtype=F64)
-    shared = alg.Preconditioner(clip_norm=1.0, dtype=F64, stats=stats)
+    fresh = alg.Preconditioner(clip_norm=1.0)
+    shared = alg.Preconditioner(clip_norm=1.0, stats=stats)
     fc = [alg.dp_feature_covariance(x, y, preconditioner=p, gradient_clip_norm=1.0, steps=3,
+                                    num_classes=3,
                                     noise_multiplier=1.0, randomness=Randomness(4))
           for p in (fresh, shared)]
-    kw = dict(clip_norm=1.0, steps=2, hessian_dtype=F64)
+    kw = dict(clip_norm=1.0, steps=2, num_classes=3)
     newton = [alg.dp_newton(x, y, noise_multiplier=1.0, randomness=Randomness(4), **kw),
               alg.dp_newton(x, y, noise_multiplier=1.0, randomness=Randomness(4),
                             covariance_stats=stats, **kw)]
     for a, b in (fc, newton):
         assert torch.allclose(a.weights, b.weights, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="clipped with clip_norm"):
-        alg.dp_newton(x, y, clip_norm=2.0, noise_multiplier=1.0, covariance_stats=stats)
+        alg.dp_newton(x, y, clip_norm=2.0, noise_multiplier=1.0, covariance_stats=stats,
+                      num_classes=3)

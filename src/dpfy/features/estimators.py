@@ -18,10 +18,15 @@ exact GDP curve and split evenly over the releases (as the paper's theorems assu
 explicit ``noise_multiplier``. ``epsilon=math.inf`` (or ``noise_multiplier=0``) trains the
 non-private model with the same code; its ``privacy_.epsilon`` is then ``inf``.
 
-The unit of privacy is one row of ``X`` with its label. The class list ``classes_`` is taken
-from ``y`` (pass public ``classes`` to avoid revealing which classes occur). Feature extraction
-and any per-row transform before ``fit`` (e.g. ``sklearn.preprocessing.Normalizer``) are public
-and cost no privacy; a transform fitted on the private data (e.g. ``StandardScaler``) is not.
+The unit of privacy is one row of ``X`` with its label. The class list is public and required:
+``classes`` (the labels of the data set's definition) becomes ``classes_``; ``fit`` refuses
+``classes=None``, since a list taken from ``y`` would release which labels occur (removing the
+only example of a class would change the shape of the output). A row whose label is not in
+``classes`` adds nothing to any release (a zero row, :func:`dpfy.features.stats.usable_rows`):
+it is never the reason a fit stops. The data set size N is recorded in the ledger and treated
+as public (docs/architecture.md, 5.12). Feature extraction and any per-row transform before
+``fit`` (e.g. ``sklearn.preprocessing.Normalizer``) are public and cost no privacy; a transform
+fitted on the private data (e.g. ``StandardScaler``) is not.
 
 scikit-learn is not needed at run time; when it is installed the estimators also derive from
 its ``BaseEstimator`` and ``ClassifierMixin`` so that ``clone``, ``Pipeline`` and the grid-search
@@ -32,7 +37,8 @@ Example:
     >>> from dpfy.features.estimators import DPLeastSquaresClassifier
     >>> rng = np.random.default_rng(0)
     >>> X = rng.normal(size=(1000, 8)); y = (X[:, 0] > 0).astype(int)
-    >>> clf = DPLeastSquaresClassifier(epsilon=1.0, delta=1e-5, random_state=0).fit(X, y)
+    >>> clf = DPLeastSquaresClassifier(epsilon=1.0, delta=1e-5, classes=[0, 1],
+    ...                                random_state=0).fit(X, y)
     >>> round(clf.privacy_.epsilon, 3)
     1.0
 """
@@ -197,9 +203,41 @@ def _labels(y: ArrayOrTensor | None) -> npt.NDArray[Any]:
         labels = labels.ravel()
     if labels.ndim != 1:
         raise ValueError(f"y must be 1-d class labels, got shape {labels.shape}")
-    if labels.dtype.kind == "f" and np.any(labels != np.round(labels)):
-        raise ValueError("Unknown label type: continuous (classification needs class labels)")
     return labels
+
+
+def public_classes(classes: npt.ArrayLike | None) -> npt.NDArray[Any]:
+    """The sorted, distinct public class labels; ``None`` or fewer than 2 are refused.
+
+    Raises:
+      ValueError: ``classes`` is None (the list must come from the data set's definition,
+        never from the private labels) or names fewer than 2 labels.
+    """
+    if classes is None:
+        raise ValueError(
+            "classes must be the public list of class labels (from the data set's definition; "
+            "taking it from y would release which labels occur), got classes=None"
+        )
+    out = np.unique(np.asarray(classes))
+    if out.ndim != 1 or len(out) < 2:
+        raise ValueError(f"classes must list at least 2 distinct labels, got classes={classes!r}")
+    return out
+
+
+def class_indices(labels: npt.NDArray[Any], classes: npt.NDArray[Any]) -> torch.Tensor:
+    """Index of each label in ``classes``; -1 for a label not in it (a zero row in the fit).
+
+    A lookup per label, so no label (of any type, NaN included) can make it fail.
+    """
+    index = {c: i for i, c in enumerate(classes.tolist())}
+
+    def find(label: Any) -> int:
+        try:
+            return index.get(label, -1)
+        except TypeError:  # unhashable
+            return -1
+
+    return torch.tensor([find(v) for v in labels.tolist()], dtype=torch.long)
 
 
 class _DPFeatureClassifier(_EstimatorBase):
@@ -258,19 +296,14 @@ class _DPFeatureClassifier(_EstimatorBase):
     def _prepare(
         self, X: ArrayOrTensor, y: ArrayOrTensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        classes = public_classes(self.classes)
         x = _features(X)
         yy = _labels(y)
         if len(yy) != x.shape[0]:
             raise ValueError(f"X and y must have the same length, got {x.shape[0]} and {len(yy)}")
-        classes = np.unique(yy) if self.classes is None else np.unique(np.asarray(self.classes))
-        idx = np.searchsorted(classes, yy)
-        if np.any(idx >= len(classes)) or np.any(classes[np.minimum(idx, len(classes) - 1)] != yy):
-            raise ValueError("y holds a label that is not in classes")
-        if len(classes) < 2:
-            raise ValueError("y holds only 1 class (one class); at least 2 are needed")
         self.classes_ = classes
         self.n_features_in_ = x.shape[1]
-        return x, torch.as_tensor(idx, dtype=torch.long)
+        return x, class_indices(yy, classes)
 
     def fit(self, X: ArrayOrTensor, y: ArrayOrTensor | None) -> Self:
         """Train on features ``X`` ``[n, d]`` (NumPy or torch) and labels ``y``; returns self."""
@@ -286,7 +319,8 @@ class _DPFeatureClassifier(_EstimatorBase):
     def _train(
         self, x: torch.Tensor, idx: torch.Tensor, m: int, ledger: Ledger, rng: Randomness
     ) -> alg.Fitted:
-        """Run the algorithm on features ``x`` and class indices ``idx`` in ``[0, m)``."""
+        """Run the algorithm on features ``x`` and class indices ``idx`` in ``[0, m)`` (-1: a
+        label not in ``classes``, a zero row)."""
         raise NotImplementedError
 
     def _finish(self, fitted: alg.Fitted) -> None:
@@ -371,7 +405,8 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
       alpha: weight of the negative-label term.
       ridge: ``lambda`` added to ``A_j + alpha G`` (sum units), or ``"auto"`` (default):
         :func:`auto_ridge` of the covariance release's noise.
-      classes: the public list of classes (default: the sorted labels in ``y``).
+      classes: the public list of class labels, required (``fit`` refuses None: a list read
+        from ``y`` would release which labels occur); a row labelled otherwise is a zero row.
       random_state: None (default: the secure generator, a DP release), a seed (int: a
         reproducible experiment, not a DP release) or a :class:`dpfy.randomness.Randomness`.
     """
@@ -418,6 +453,7 @@ class DPLeastSquaresClassifier(_DPFeatureClassifier):
                 f"stats must be clipped with clip_norm={self.clip_norm} and max_positives=1, got "
                 f"clip_norm={stats.clip_norm}, max_positives={stats.max_positives}"
             )
+        public_classes(classes)  # refuses None and fewer than 2; the order names the columns
         self.classes_ = np.asarray(classes)
         if len(self.classes_) != stats.class_sums.shape[1]:
             raise ValueError("classes must name every column of the statistics")
