@@ -1,4 +1,5 @@
-"""Shared test setup: private ledger-signing keys go to a temporary directory.
+"""Shared test setup: private ledger-signing keys go to a temporary directory, and
+``fixed_os_key`` keys secure randomness reproducibly for statistical checks.
 
 Every file ledger draws an Ed25519 key and stores its private half under ``$DPFY_KEY_DIR``
 (``dpfy.ledger.signing``); tests must not fill the user's ``~/.config/dpfy/keys``.
@@ -7,7 +8,9 @@ Every file ledger draws an Ed25519 key and stores its private half under ``$DPFY
 from __future__ import annotations
 
 import os
+import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,3 +24,29 @@ def _ledger_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("DPFY_KEY_DIR", None)
     else:
         os.environ["DPFY_KEY_DIR"] = old
+
+
+class _SeededOS:
+    """``os`` as :mod:`dpfy.randomness` sees it, with ``urandom`` replaced by a seeded byte
+    stream: every secure :class:`~dpfy.randomness.Randomness` created meanwhile gets a fixed
+    AES key (a fresh key per stream, in creation order) and every unseeded one a fixed seed, so
+    the secure code paths run exactly as in production, but reproducibly."""
+
+    def __init__(self, seed: int) -> None:
+        self._bytes = random.Random(seed)
+
+    def urandom(self, n: int) -> bytes:
+        return self._bytes.randbytes(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+@pytest.fixture
+def fixed_os_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Secure randomness keyed from a seeded stream instead of the OS, in this process only
+    (spawned ranks key their own). For statistical checks on the secure path: deterministic,
+    where an OS key would fail a check at level alpha in a fraction alpha of the runs."""
+    import dpfy.randomness
+
+    monkeypatch.setattr(dpfy.randomness, "os", _SeededOS(0))

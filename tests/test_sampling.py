@@ -55,6 +55,7 @@ def _chi_square_binomial_pvalue(sizes: np.ndarray, n: int, p: float) -> float:
     return float(stats.chisquare(bins_o, np.asarray(bins_e) * sum(bins_o) / sum(bins_e)).pvalue)
 
 
+# statistical: fixed seed 11 (deterministic)
 def test_poisson_batch_sizes_are_binomial():
     n, q = 300, 0.05
     s = PoissonSampler(n, q, steps_per_epoch=1000, randomness=Randomness(11))
@@ -68,6 +69,7 @@ def test_poisson_batch_sizes_are_binomial():
     assert _chi_square_binomial_pvalue(counts.astype(int), 1000, q) > FALSE_FAILURE
 
 
+# statistical: fixed seed 3 (deterministic)
 def test_balls_and_bins_every_index_once_and_binomial_marginals():
     n, t = 120, 6
     s = BallsAndBinsSampler(n, t, randomness=Randomness(3))

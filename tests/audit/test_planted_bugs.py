@@ -239,8 +239,10 @@ def _plant_reuse(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(query_base, "_draw", reuse)
 
 
+# statistical: self-test noise under a fixed OS key (fixed_os_key; rank 0 draws): deterministic
 @pytest.mark.parametrize("run", ["mlp", "federated",
                                  pytest.param("multi_worker", marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("fixed_os_key")
 def test_noise_used_on_two_steps_is_flagged(run: str, monkeypatch: pytest.MonkeyPatch) -> None:
     _plant_reuse(monkeypatch)
     name = {"mlp": "dpsgd", "federated": "federated", "multi_worker": "distributed"}[run]
@@ -288,8 +290,10 @@ _LAYERS = {
 }
 
 
+# statistical: self-test noise under a fixed OS key (fixed_os_key; rank 0 draws): deterministic
 @pytest.mark.parametrize("run", ["mlp", "cnn_groupnorm", "text_layernorm", "federated",
                                  pytest.param("multi_worker", marks=pytest.mark.slow)])
+@pytest.mark.usefixtures("fixed_os_key")
 def test_unmodified_runs_pass(run: str) -> None:
     checks = _run(run)
     assert checks.findings == ()

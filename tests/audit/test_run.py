@@ -39,6 +39,8 @@ def test_the_report_has_no_audit_until_one_runs() -> None:
     assert "audit" in fields
 
 
+# statistical: dpsgd self-test under a fixed OS key (fixed_os_key), attack seed 0: deterministic
+@pytest.mark.usefixtures("fixed_os_key")
 def test_audit_writes_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _run_dir(tmp_path)
     assert "## Audit" not in (run / "report.md").read_text()
@@ -59,6 +61,8 @@ def test_audit_writes_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert report["epsilon"] > 0  # the rest of the report is kept
 
 
+# statistical: dpsgd self-test under a fixed OS key (fixed_os_key), attack seed 0: deterministic
+@pytest.mark.usefixtures("fixed_os_key")
 def test_one_run_method(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = _run_dir(tmp_path)
     code = main(["audit", str(run), "--method", "one-run", "--trials", "5000", "--json"])

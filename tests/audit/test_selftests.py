@@ -4,7 +4,11 @@ Each self-test must pass on dpfy's own code and FAIL on a deliberately broken va
 exists only here: noise at half or sqrt(2) times the recorded std, noise skipped, noise added
 on every rank, two releases per round, independent noise recorded as BandMF, and the noise of
 the wrong band. The thresholds are Bonferroni-corrected at alpha = 1e-6, so a pass on the real
-code is not luck, and every broken variant lands many thresholds away.
+code is not luck, and every broken variant lands many thresholds away. Here, on top, every
+self-test's noise is reproducible: secure streams are keyed from a seeded stream in this process
+(the ``fixed_os_key`` fixture, autouse below) and with a fixed key per rank in spawned ranks
+(:func:`keyed`), and the broken variants built on seeded streams have fixed seeds, so no
+assertion here, passing or failing variant, can fail by chance.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
+import dpfy.randomness as R
 from dpfy import runs
 from dpfy.audit.run import audit_run
 from dpfy.audit.selftests import (
@@ -43,11 +49,36 @@ from dpfy.training.distributed import Distributed
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _fixed_keys(fixed_os_key: None) -> None:
+    """Every test here: secure streams in this process (rank 0 of the spawned runs included)
+    keyed from a seeded stream, so the self-tests' statistics are the same in every run."""
+
+
+def keyed(rng: Randomness, rank: int) -> Randomness:
+    """``rng`` (secure) keyed now with a fixed per-rank key instead of one from the OS: for the
+    ranks the self-tests spawn, out of the fixture's reach (the ranks' streams still differ)."""
+    key = bytes([rank + 1]) * 32
+    with mock.patch.object(R.os, "urandom", lambda n: key[:n]):
+        rng.uniform(1)  # the keystream reads its key at its first draw
+    return rng
+
+
+def keyed_secure() -> Randomness:
+    """``make_randomness`` of :func:`distributed_selftest`: the default secure stream, keyed."""
+    return keyed(Randomness(secure=True), torch.distributed.get_rank())
+
+
+def keyed_secure_rank(rank: int) -> Randomness:
+    """``make_randomness`` of :func:`sharded_selftest`: the default secure stream, keyed."""
+    return keyed(Randomness(secure=True), rank)
+
+
 class ScaledNoise(Randomness):
-    """Broken randomness: every noise std multiplied by ``factor`` (secure draws)."""
+    """Broken randomness: every noise std multiplied by ``factor`` (seeded draws, seed 1)."""
 
     def __init__(self, factor: float) -> None:
-        super().__init__(seed=None)
+        super().__init__(seed=1)
         self.factor = factor
 
     def normal_(
@@ -83,7 +114,7 @@ class ReusedNoise(Randomness):
 
 
 def reused_noise(rank: int) -> Randomness:
-    return ReusedNoise()
+    return keyed(ReusedNoise(), rank)
 
 
 def _failed(result: SelfTest, what: str) -> None:
@@ -107,11 +138,13 @@ def _plan(strategy: str, band: int = 4, schema: Any = None) -> CorrelatedPlan:
     return make_plan(strategy, 12, schema or Cyclic(4), band=band, buffers=2, maxiter=50)
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 @pytest.mark.parametrize("strategy", ["bandmf", "blt", "tree", "tree-efficient"])
 def test_correlated_passes_on_every_strategy(strategy: str) -> None:
     _passed(correlated_selftest(_plan(strategy)))
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_correlated_passes_for_one_epoch() -> None:
     _passed(correlated_selftest(make_plan("bandmf", 10, SingleEpoch(), band=4, maxiter=50)))
 
@@ -123,6 +156,7 @@ def _stream_of(plan: CorrelatedPlan, monkeypatch: pytest.MonkeyPatch) -> None:
                         lambda _plan, size, like: real(plan, size, like))
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_correlated_flags_independent_noise_recorded_as_bandmf(monkeypatch) -> None:
     recorded = _plan("bandmf")
     assert recorded.params["coeffs"][1] > 0.1  # a real band: C is not the identity
@@ -130,6 +164,7 @@ def test_correlated_flags_independent_noise_recorded_as_bandmf(monkeypatch) -> N
     _failed(correlated_selftest(recorded), "whiteness")
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 @pytest.mark.parametrize("strategy", ["bandmf", "tree", "tree-efficient"])
 def test_correlated_tests_a_prefix_of_a_long_plan(strategy: str, monkeypatch) -> None:
     long = make_plan(strategy, 100, SingleEpoch(), band=4, maxiter=20)
@@ -150,16 +185,19 @@ def test_correlated_tests_a_prefix_of_a_long_plan(strategy: str, monkeypatch) ->
     assert not correlated_selftest(long, max_steps=16).passed
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_correlated_flags_the_noise_of_the_wrong_band(monkeypatch) -> None:
     _stream_of(_plan("bandmf", band=2), monkeypatch)
     _failed(correlated_selftest(_plan("bandmf", band=4)), "whiteness")
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_correlated_flags_tree_noise_recorded_as_blt(monkeypatch) -> None:
     _stream_of(_plan("tree"), monkeypatch)
     assert not correlated_selftest(_plan("blt")).passed
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 @pytest.mark.parametrize(("real", "recorded"), [("tree", "tree-efficient"),
                                                 ("tree-efficient", "tree")])
 def test_correlated_flags_one_tree_recorded_as_the_other(
@@ -171,6 +209,7 @@ def test_correlated_flags_one_tree_recorded_as_the_other(
     assert not correlated_selftest(CorrelatedPlan(recorded, {}, 32, SingleEpoch())).passed
 
 
+# statistical: fixed seed 1 (ScaledNoise): deterministic
 @pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0), 0.0])
 def test_correlated_flags_the_wrong_std(factor: float) -> None:
     result = correlated_selftest(_plan("blt"), randomness=ScaledNoise(factor))
@@ -189,10 +228,12 @@ def test_correlated_refuses_bad_arguments() -> None:
 
 
 # -- federated ---------------------------------------------------------------------------------
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_federated_passes() -> None:
     _passed(federated_selftest())
 
 
+# statistical: fixed seed 1 (ScaledNoise): deterministic
 @pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0), 0.0])
 def test_federated_flags_the_wrong_std(factor: float) -> None:
     result = federated_selftest(randomness=ScaledNoise(factor))
@@ -200,6 +241,7 @@ def test_federated_flags_the_wrong_std(factor: float) -> None:
     assert _ratio(result) == pytest.approx(factor, abs=0.15)
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_federated_flags_noise_added_twice_per_round(monkeypatch) -> None:
     real = GaussianSumQuery.add_noise
 
@@ -212,6 +254,7 @@ def test_federated_flags_noise_added_twice_per_round(monkeypatch) -> None:
     assert result.statistic <= result.threshold  # the noise is what the two records declare
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_federated_flags_noise_used_in_two_rounds() -> None:
     result = federated_selftest(randomness=ReusedNoise())
     _failed(result, "independence: the noise of rounds")
@@ -219,10 +262,12 @@ def test_federated_flags_noise_used_in_two_rounds() -> None:
 
 
 # -- one process's DP-SGD steps ----------------------------------------------------------------
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_dpsgd_passes() -> None:
     _passed(dpsgd_selftest())
 
 
+# statistical: fixed seed 1 (ScaledNoise): deterministic
 @pytest.mark.parametrize("factor", [0.5, math.sqrt(2.0)])
 def test_dpsgd_flags_the_wrong_std(factor: float) -> None:
     result = dpsgd_selftest(randomness=ScaledNoise(factor))
@@ -230,6 +275,7 @@ def test_dpsgd_flags_the_wrong_std(factor: float) -> None:
     assert _ratio(result) == pytest.approx(factor, abs=0.05)
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_dpsgd_flags_noise_used_on_two_steps() -> None:
     result = dpsgd_selftest(randomness=ReusedNoise())
     _failed(result, "independence: the noise of steps")
@@ -267,10 +313,11 @@ def skipped_noise() -> Randomness:
     return ScaledNoise(0.0)
 
 
+# statistical: a fixed key per rank (keyed_secure), or seed 1: deterministic
 @pytest.mark.slow
 def test_distributed_passes_and_flags_broken_variants() -> None:
-    _passed(distributed_selftest())
-    result = distributed_selftest(make_reducer=EveryRankAddsNoise)
+    _passed(distributed_selftest(make_randomness=keyed_secure))
+    result = distributed_selftest(make_reducer=EveryRankAddsNoise, make_randomness=keyed_secure)
     _failed(result, "noise:")
     assert _ratio(result) == pytest.approx(math.sqrt(2.0), abs=0.1)  # noise added twice
     result = distributed_selftest(make_randomness=skipped_noise)
@@ -293,11 +340,11 @@ class SecureScaled(Randomness):
 
 
 def every_shard_doubled(rank: int) -> Randomness:
-    return SecureScaled(math.sqrt(2.0))
+    return keyed(SecureScaled(math.sqrt(2.0)), rank)
 
 
 def rank1_skips(rank: int) -> Randomness:
-    return SecureScaled(0.0 if rank == 1 else 1.0)
+    return keyed(SecureScaled(0.0 if rank == 1 else 1.0), rank)
 
 
 class SameStreamEverywhere(Randomness):
@@ -318,12 +365,14 @@ def same_stream(rank: int) -> Randomness:
     return SameStreamEverywhere()
 
 
+# statistical: a fixed key per rank (keyed_secure_rank): deterministic
 @pytest.mark.slow
 def test_sharded_passes() -> None:
-    _passed(sharded_selftest())
+    _passed(sharded_selftest(make_randomness=keyed_secure_rank))
 
 
 # one case per test: each spawns two processes, so the test workers share them out
+# statistical: a fixed key per rank (keyed), or seed 11 (same_stream): deterministic
 @pytest.mark.parametrize("variant", ["doubled", "rank1_skips", "same_stream", "reused"])
 def test_sharded_flags_broken_variants(variant: str) -> None:
     if variant == "doubled":
@@ -380,6 +429,7 @@ def _correlated_fed_run(tmp_path: Path) -> Path:
     return run
 
 
+# statistical: fixed OS key (fixed_os_key): deterministic
 def test_audit_run_runs_the_self_tests_of_the_run(tmp_path: Path, monkeypatch) -> None:
     run = _correlated_fed_run(tmp_path)
     section = audit_run(run, method="one-run", trials=1000)

@@ -169,6 +169,7 @@ def test_per_layer_clipping_with_nested_query():
     assert _rel_err(pg.clipped_sum(), ref) <= 1e-5
 
 
+# statistical: fixed seeds (torch 2, Randomness 3): deterministic
 def test_noise_std_matches_ledger_and_reaches_unused_parameters():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(40, 60), nn.Tanh(), nn.Linear(60, 2))
