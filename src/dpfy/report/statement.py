@@ -229,6 +229,9 @@ def build_report(
     if unit != "example":  # the sampler drew units (users, movies), not examples
         sampling = sampling.replace("examples", f"{unit}s").replace("example", unit)
     assumptions = [sampling]
+    public_size = public_size_assumption(n, result.adjacency, unit)
+    if public_size is not None:
+        assumptions.append(public_size)
     assumptions.extend(result.notes)
     others = _other_methods(event, delta, result.method)
     if sampler_kind == "shuffle":
@@ -269,7 +272,9 @@ def build_report(
         statement = (
             f"{subject} ({result.epsilon:.5g}, {delta:g})-differential privacy "
             f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
-            f", accounted with {result.method}{confidence}."
+            + (f", with the {_size_name(unit)} (N = {n}) treated as public"
+               if public_size is not None else "")
+            + f", accounted with {result.method}{confidence}."
         ) + (unsigned_note(verification) or "")
         statement = incomplete_statement(verification, result.epsilon, delta) or statement
     reproduce: dict[str, Any] = {
@@ -321,6 +326,30 @@ def build_report(
         sampling_randomness=sampling_randomness,
         noise_randomness=noise_randomness,
         user_level=_user_level(meta.get("user_level"), ledger, result, delta, n),
+    )
+
+
+def _size_name(unit: str) -> str:
+    return "data set size" if unit == "example" else f"number of {unit}s"
+
+
+def public_size_assumption(n: int | None, adjacency: str, unit: str = "example") -> str | None:
+    """What the report assumes about the data set size N, or None where nothing is assumed.
+
+    The ledger's sample entries record N (``dataset_size``) and the report prints it (``delta x
+    N``), both exactly. Under add-or-remove adjacency neighbouring data sets differ in size, so an
+    exact N is not covered by the (epsilon, delta) statement: the report says that N is treated
+    as public, and the statement bounds what the released model reveals about one unit to
+    someone who knows N. Under replace-one or zero-out adjacency N is the same for neighbours.
+    """
+    if n is None or adjacency != ev.Adjacency.ADD_OR_REMOVE:
+        return None
+    size = _size_name(unit)
+    return (
+        f"The {size} N = {n} is treated as public: the ledger records it and this report prints "
+        f"it exactly, without noise. Under add_or_remove adjacency neighbouring data sets differ "
+        f"in size, so N itself is not protected; the (epsilon, delta) statement bounds what the "
+        f"released output reveals about any one {unit} to someone who already knows N."
     )
 
 
