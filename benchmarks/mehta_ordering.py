@@ -156,10 +156,10 @@ def project(x: np.ndarray, r: np.ndarray | None) -> np.ndarray:
 
 
 def statistics(x: np.ndarray, y: np.ndarray) -> SufficientStats:
-    """Clipped sums ``G``, ``A``, ``b`` of DP-LS (clip 1; float32 products, float64 sums)."""
+    """Clipped sums ``G``, ``A``, ``b`` of DP-LS (clip 1; float64 products and sums)."""
     chunks = [(torch.from_numpy(x[i : i + 10_000]), torch.from_numpy(y[i : i + 10_000]))
               for i in range(0, len(x), 10_000)]
-    return sufficient_statistics(chunks, clip_norm=1.0, num_classes=10, dtype=torch.float32)
+    return sufficient_statistics(chunks, clip_norm=1.0, num_classes=10)
 
 
 def add_stats(a: SufficientStats, b: SufficientStats) -> SufficientStats:

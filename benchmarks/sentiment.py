@@ -239,6 +239,7 @@ def _dpfc_ridge(eps: float, d: int) -> float:
 
 
 def run_dpfc(config: str, args: argparse.Namespace) -> dict[str, Any]:
+    from dpfy.datasets import CLASSES
     from dpfy.features import DPFeatureCovarianceClassifier, extract
 
     _, eps = _parse(config)
@@ -252,6 +253,7 @@ def run_dpfc(config: str, args: argparse.Namespace) -> dict[str, Any]:
     ridge = _dpfc_ridge(eps, x_tr.shape[1])
     est = DPFeatureCovarianceClassifier(epsilon=eps, delta=DELTA, steps=DPFC_STEPS,
                                         learning_rate=DPFC_LR, ridge=ridge,
+                                        classes=CLASSES["rotten-tomatoes"],
                                         random_state=args.seed).fit(x_tr, y_tr)
     acc = float(np.mean(est.predict(x_te) == np.asarray(y_te)))
     return {"test_accuracy": acc, "epsilon": eps, "steps": DPFC_STEPS,

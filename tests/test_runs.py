@@ -66,7 +66,7 @@ def test_features_and_report_on_given_features(tmp_path):
     y = (x[:, 0] > 0).astype(int) + (x[:, 1] > 0).astype(int)
     run = runs.features_and_report(
         "toy", method="dp-ls", target_epsilon=2.0, out=tmp_path / "run",
-        data=(x[:300], y[:300], x[300:], y[300:]), limit=250,
+        data=(x[:300], y[:300], x[300:], y[300:]), limit=250, classes=[0, 1, 2],
     )
     assert type(run.model).__name__ == "DPLeastSquaresClassifier"
     assert 0.0 <= run.test_accuracy <= 1.0 and run.seconds >= 0.0
@@ -80,6 +80,18 @@ def test_features_and_report_on_given_features(tmp_path):
     assert run.report.release.startswith("DP release")
 
 
+def test_features_and_report_takes_the_class_list_from_the_dataset_definition(tmp_path):
+    """The classes of `dpfy features mnist` are the ten digits whatever the labels hold."""
+    rng = __import__("numpy").random.default_rng(1)
+    x = rng.normal(size=(120, 4))
+    y = (x[:, 0] > 0).astype(int)  # only digits 0 and 1 occur
+    run = runs.features_and_report(
+        "mnist", method="dp-newton", target_epsilon=2.0, out=tmp_path / "run",
+        data=(x[:100], y[:100], x[100:], y[100:]),
+    )
+    assert list(run.model.classes_) == list(range(10)) and run.model.coef_.shape == (10, 4)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
@@ -87,6 +99,7 @@ def test_features_and_report_on_given_features(tmp_path):
         ({"delta": 1.0}, "delta"),
         ({"method": "dp-sgd"}, "method"),
         ({"dataset": "cifar"}, "dataset"),
+        ({"dataset": "toy", "data": ([[0.0]], [0], [[0.0]], [0])}, "classes"),
     ],
 )
 def test_features_and_report_refuses_bad_input_before_writing(tmp_path, kwargs, needle):

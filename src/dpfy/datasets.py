@@ -58,6 +58,13 @@ _STATS = {"mnist": (0.1307, 0.3081), "fashion-mnist": (0.2860, 0.3530)}
 DATASETS = tuple(_STATS)
 #: Training images of each image dataset (before any ``limit``).
 TRAIN_SIZES = {"mnist": 60_000, "fashion-mnist": 60_000}
+#: The class labels of each dataset, part of its definition (public, never read from the data):
+#: the digits / the ten Fashion-MNIST categories, and rotten (0) / fresh (1).
+CLASSES: dict[str, tuple[int, ...]] = {
+    "mnist": tuple(range(10)),
+    "fashion-mnist": tuple(range(10)),
+    "rotten-tomatoes": (0, 1),
+}
 
 
 def pixel_stats(name: str) -> tuple[float, float]:

@@ -24,7 +24,7 @@ import math
 import os
 import shlex
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -484,6 +484,7 @@ def features_and_report(
     out: str | os.PathLike[str] | None = None,
     data: FeatureData | None = None,
     extractor: str = "pretrained",
+    classes: Sequence[int] | None = None,
 ) -> TrainedRun:
     """Fit a DP linear classifier on pretrained features, then write its ledger and report.
 
@@ -505,6 +506,9 @@ def features_and_report(
       extractor: one of :data:`FEATURE_EXTRACTORS`: ``"pretrained"`` (the networks above) or
         ``"scatternet"`` (images only; rows normalised per example by
         :func:`dpfy.features.scatternet.flat_normalised`).
+      classes: the public class labels; default: the dataset's definition
+        (:data:`dpfy.datasets.CLASSES`), never the training labels. Required with ``data`` for a
+        dataset not listed there.
 
     Raises:
       ValueError: a bad argument, or ``out`` already holds a ledger (nothing is written then).
@@ -526,6 +530,16 @@ def features_and_report(
     if extractor == "scatternet" and dataset == "rotten-tomatoes":
         raise ValueError("extractor='scatternet' is for images; rotten-tomatoes has text "
                          "features only (extractor='pretrained')")
+    from dpfy.datasets import CLASSES
+
+    if classes is None:
+        if dataset not in CLASSES:
+            raise ValueError(
+                f"classes must be the public class labels of dataset={dataset!r} (it is not in "
+                "dpfy.datasets.CLASSES; they are never read from the training labels), got "
+                "classes=None"
+            )
+        classes = CLASSES[dataset]
     out_dir = _new_run_dir(out, f"features-{dataset}")
 
     import numpy as np
@@ -538,7 +552,7 @@ def features_and_report(
     if limit is not None:
         x_train, y_train = x_train[:limit], y_train[:limit]
     estimator = getattr(feats, FEATURE_METHODS[method])(
-        epsilon=target_epsilon, delta=delta, random_state=seed
+        epsilon=target_epsilon, delta=delta, classes=list(classes), random_state=seed
     )
     start = time.perf_counter()
     estimator.fit(x_train, y_train)
