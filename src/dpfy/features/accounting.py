@@ -21,7 +21,8 @@ states a fitted ledger's epsilon (:func:`ledger_statement`) and the figures the 
 beside it (:func:`gdp_figures`, :func:`paper_zcdp_rho`).
 
 Adjacency is add-or-remove one example; the unit of privacy is one example (one feature vector
-with its labels). The released sums never divide by the (private) dataset size.
+with its labels). The released sums never divide by the dataset size; the ledger records it and
+the report states that it is treated as public.
 
 This module imports NumPy/SciPy and the ledger only (no torch).
 """
