@@ -339,9 +339,12 @@ def torchrun_rank(config: RunConfig) -> Iterator[Distributed | None]:
     distributed = from_env(backend="gloo")
     try:
         yield distributed
-    finally:
-        if dist.is_initialized():
+    except BaseException:
+        if dist.is_initialized():  # no barrier: the other ranks may never reach it
             dist.destroy_process_group()
+        raise
+    dist.barrier(group=distributed.group)  # every rank is done before any leaves the group
+    dist.destroy_process_group()
 
 
 @dataclasses.dataclass(frozen=True)

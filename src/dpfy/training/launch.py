@@ -11,6 +11,13 @@ Failures are reported, never hidden: a helper that raises sends its error to the
 raises :class:`~dpfy.training.distributed.DistributedError` naming the rank and the error. When
 rank 0 fails the helpers are stopped at once (they would otherwise wait out the collective
 timeout).
+
+A run that succeeds ends in one order on every rank: a barrier (every rank has finished
+``fn``), then each helper leaves the process group and tells rank 0 through a semaphore, and
+only then does rank 0 destroy its group, which hosts the TCP store the helpers talked to; the
+parent finally joins the helper processes. Without that order a helper still tearing down
+its gloo connections could find the store gone and end in a C++ ``terminate`` (exit -6),
+sometimes, under load.
 """
 
 from __future__ import annotations
@@ -62,21 +69,42 @@ def _child(
     backend: str | None,
     args: tuple[Any, ...],
     errors: Any,
+    closed: Any,
 ) -> None:
     try:
         d = init_process_group(rank, world_size, master_port=port, backend=backend, timeout=timeout)
         try:
             fn(d, *args)
-        finally:
-            _shutdown()
+        except BaseException:
+            _shutdown(closed)  # no barrier: the other ranks may never reach it
+            raise
+        _close(d, closed)
     except BaseException as e:  # reported to the parent, then a non-zero exit
         errors.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
         raise SystemExit(1) from None
 
 
-def _shutdown() -> None:
+def _close(d: Distributed, closed: Any) -> None:
+    """End a rank's part in the group in one order on every rank (see the module docstring):
+    a barrier (every rank has finished ``fn``), then the helper ranks leave the group and
+    say so, and only then rank 0, which hosts the TCP store, destroys its own. Tearing the
+    store down while a helper still talks to it ends that helper with a C++ ``terminate``."""
+    dist.barrier(group=d.group)
+    if d.rank == 0:
+        for _ in range(d.world_size - 1):  # each helper says it has left
+            if not closed.acquire(timeout=d.timeout):
+                break  # a helper hung while leaving: its exit code will tell
+        _shutdown(None)
+    else:
+        _shutdown(closed)
+
+
+def _shutdown(closed: Any) -> None:
+    """Leave the process group (if joined); then tell rank 0 through ``closed``."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    if closed is not None:
+        closed.release()
 
 
 def _check(world_size: int, timeout: float) -> None:
@@ -92,19 +120,20 @@ def _start(
     timeout: float,
     backend: str | None,
     args: tuple[Any, ...],
-) -> tuple[list[Any], Any]:
+) -> tuple[list[Any], Any, Any]:
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
+    closed = ctx.Semaphore(0)  # released once by each helper rank that has left the group
     procs = []
     for rank in ranks:
         p = ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, timeout, backend, args, errors),
+            args=(fn, rank, world_size, port, timeout, backend, args, errors, closed),
             daemon=True,
         )
         p.start()
         procs.append(p)
-    return procs, errors
+    return procs, errors, closed
 
 
 def _drain(errors: Any) -> dict[int, str]:
@@ -149,18 +178,19 @@ def run_local(
     """
     _check(world_size, timeout)
     port = free_port()
-    procs, errors = _start(fn, range(1, world_size), world_size, port, timeout, backend, args)
+    procs, errors, closed = _start(
+        fn, range(1, world_size), world_size, port, timeout, backend, args
+    )
     try:
         d: Distributed = init_process_group(
             0, world_size, master_port=port, backend=backend, timeout=timeout
         )
-        try:
-            result = fn(d, *(args if rank0_args is None else rank0_args))
-        finally:
-            _shutdown()
+        result = fn(d, *(args if rank0_args is None else rank0_args))
+        _close(d, closed)
     except BaseException as e:
         found = _drain(errors)
         _stop(procs, 1.0)  # rank 0 failed: the helpers are of no use any more
+        _shutdown(None)  # after the helpers: the store they talk to lives here
         found.update(_drain(errors))
         if found:
             lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(found.items()))
@@ -197,7 +227,9 @@ def spawn_workers(
     still running then is stopped and reported with exit code ``None``.
     """
     _check(world_size, timeout)
-    procs, errors = _start(fn, range(world_size), world_size, free_port(), timeout, backend, args)
+    procs, errors, _ = _start(
+        fn, range(world_size), world_size, free_port(), timeout, backend, args
+    )
     deadline = time.monotonic() + (timeout + START_TIMEOUT if wait is None else float(wait))
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
