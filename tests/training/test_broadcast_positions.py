@@ -4,10 +4,13 @@ A model that embeds ``arange(T)[None]`` once and adds it to every row (GPT-2 doe
 ``position_ids`` are given) calls its position embedding on a batch-1 input. The chunk that
 make_private opens must know the physical batch size so that call is recorded per example:
 the clipped sum must equal the per-example loop (to 1e-5 relative), padding rows included.
+A module called on batch-1 slices more than once in one forward (a per-example loop in the
+model) cannot be read so, and is refused before its backward.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -53,8 +56,6 @@ class PositionLM(nn.Module):
 
 
 def _gpt2() -> nn.Module:
-    import pytest
-
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(
         vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=T, bos_token_id=V - 1,
@@ -104,3 +105,42 @@ def test_broadcast_position_embedding_is_per_example():
 def test_gpt2_default_position_ids_are_per_example():
     torch.manual_seed(0)
     _first_chunk_matches_loop(_gpt2(), lambda m, b: m(**b))
+
+
+class LoopedHead(nn.Module):
+    """A per-example loop written in forward: the head is called on x[i:i+1] for each i."""
+
+    def __init__(self, concatenate: bool) -> None:
+        super().__init__()
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        self.concatenate = concatenate
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        if self.concatenate:
+            return torch.cat([self.head(h[i : i + 1]) for i in range(h.shape[0])])
+        out = torch.zeros(h.shape[0], 3)
+        for i in range(h.shape[0]):
+            out = out + self.head(h[i : i + 1]) * (torch.arange(h.shape[0]) == i)[:, None]
+        return out
+
+
+
+@pytest.mark.parametrize("concatenate", [False, True])
+def test_per_example_loop_in_forward_is_refused_before_backward(concatenate):
+    # Read as one shared call, the head's batch-1 calls were widened to the batch and each
+    # example's gradient took other examples' rows (one example moved the clipped sum by 1.10 C).
+    from dpfy.queries import GaussianSumQuery
+    from dpfy.training import PrivateGradient
+
+    torch.manual_seed(0)
+    model = LoopedHead(concatenate)
+    pg = PrivateGradient(model, GaussianSumQuery(1.0, 1.0), expected_batch_size=4.0)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match=r"module 'head' \(Linear\) was called more than once"):
+        pg.accumulate(x, y, nn.CrossEntropyLoss(reduction="none"))
+    assert all(p.grad is None for p in model.parameters())
+    # a batch of one is one example: nothing to attribute, and it matches the loop
+    pg.reset()
+    pg.accumulate(x[:1], y[:1], nn.CrossEntropyLoss(reduction="none"))

@@ -199,6 +199,7 @@ class _Call:
     versions: list[int]
     spec: Any
     extra: Any = None
+    widened: bool = False  # a batch-1 call read as shared by the batch (see rule_hook)
 
 
 class LayerCapture:
@@ -232,10 +233,25 @@ class LayerCapture:
                 # embeddings of ids [1, T]): registered layers act row by row, so the output
                 # on the expanded input is the expanded output; handing *that* on gives each
                 # example its own output gradient.
+                # That reading holds for one such call; a second batch-1 call of the module in
+                # the same forward is what a per-example loop written in ``forward`` makes
+                # (``layer(x[i:i + 1])`` for each i), where widening would hand every example
+                # the rows of another one: refused before any backward or release.
+                if any(c.widened for c in calls):
+                    raise ValueError(
+                        f"module {plan.name or '<root>'!r} ({type(module).__name__}) was called "
+                        "more than once on a batch-1 input in one forward pass, as a per-example "
+                        "loop in forward() does (layer(x[i:i+1]) for each i); its calls cannot be "
+                        "attributed to examples. Call it once on the whole batch (vectorise the "
+                        "loop), or, for an input shared by every example such as position ids, "
+                        "expand it to the batch first (ids.expand(batch_size, -1))"
+                    )
                 x = x.expand(batch, *x.shape[1:])
                 output = output.expand(batch, *output.shape[1:])
                 extra = None if on_forward is None else on_forward(module, x, output)
-                calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
+                calls.append(
+                    _Call((x.detach(),), {}, [output], [output._version], None, extra, True)
+                )
                 return output
             extra = None if on_forward is None else on_forward(module, x, output)
             calls.append(_Call((x.detach(),), {}, [output], [output._version], None, extra))
