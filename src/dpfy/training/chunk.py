@@ -9,11 +9,13 @@ clipped sums exactly as :meth:`dpfy.training.step.PrivateGradient.accumulate` do
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from dpfy.training.norms.capture import LayerCapture, capture_layers
+from dpfy.training.norms.layout import permute_batch
 from dpfy.training.precision import check_loss_scale
 
 if TYPE_CHECKING:
@@ -35,6 +37,28 @@ class OpenChunk:
         self._recorder: LayerCapture | None = self._stack.enter_context(
             capture_layers(private_gradient._hooked(), batch_size)
         )
+        if batch_size is not None and private_gradient._sharded is None:
+            # the caller's call of the model, kept so that a layout probe can run it again
+            # with the examples reordered (dpfy.training.norms.layout); a loop that calls
+            # submodules itself leaves the probe without a forward pass to rerun
+            handle = private_gradient.model.register_forward_pre_hook(
+                self._keep_call, with_kwargs=True
+            )
+            self._stack.callback(handle.remove)
+        self._batch_size = batch_size
+
+    def _keep_call(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        recorder = self._recorder
+        if recorder is None or not recorder.active or recorder.rerun is not None:
+            return  # the first call of the chunk is the one to replay
+        pg, batch = self._pg, self._batch_size
+        assert batch is not None
+
+        def rerun(perm: torch.Tensor | None) -> None:
+            with pg.autocast():
+                module(*permute_batch(args, perm, batch), **permute_batch(kwargs, perm, batch))
+
+        recorder.rerun = rerun
 
     @property
     def open(self) -> bool:

@@ -151,6 +151,7 @@ def upcast_captures(captures: list[Capture], loss_scale: float = 1.0) -> list[Ca
                 tuple(_unscale(g, inv) for g in cap.grad_outputs),
                 cap.output_spec,
                 cap.extra,
+                cap.batched,
             )
         )
     return out

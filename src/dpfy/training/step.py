@@ -101,6 +101,7 @@ from dpfy.training.norms.capture import (
 )
 from dpfy.training.norms.coverage import TOLERANCE, CoverageGuard
 from dpfy.training.norms.fallback import fallback_rule
+from dpfy.training.norms.layout import LayoutBook, permute_batch
 from dpfy.training.norms.registry import (
     Capture,
     LayerGrads,
@@ -318,6 +319,7 @@ class PrivateGradient:
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = getattr(query, "fused_release", False) is True
+        self._layouts = LayoutBook()
         self._coverage = CoverageGuard(
             model, self.plans_, self._qnames, self._params,
             every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
@@ -418,7 +420,15 @@ class PrivateGradient:
         loss_scale: float = 1.0,
     ) -> ChunkStats:
         guard = self._sharded.collectives() if self._sharded else contextlib.nullcontext()
-        with guard, capture_layers(self._hooked(), _batch_size(inputs)) as recorder:
+        batch = _batch_size(inputs)
+        with guard, capture_layers(self._hooked(), batch) as recorder:
+            if self._sharded is None:  # FSDP2: a probe's forward would need every rank
+
+                def rerun(perm: torch.Tensor | None) -> None:
+                    with self.autocast():
+                        self._forward(permute_batch(inputs, perm, batch))
+
+                recorder.rerun = rerun
             with self.autocast():
                 losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
@@ -486,6 +496,10 @@ class PrivateGradient:
         else:
             mask, weights_ok = _check_weights(weights, batch, losses)
             scale = mask if seed == 1.0 else mask * seed
+        if losses.device.type != "meta":  # which dimension is the batch (norms.layout)
+            mine = recorder.calls[: len(self.plans_)]  # not the coverage check's ancestors
+            self._layouts.settle(self.plans_, mine, batch, self.model, recorder.rerun,
+                                 recorder.paused)
         guard = self._coverage if self._coverage.due else None
         guard = None if losses.device.type == "meta" else guard  # meta: no values to compare
         checked = guard.params if guard is not None else []

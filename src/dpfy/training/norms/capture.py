@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from dpfy.training.norms.layout import Rerun
 from dpfy.training.norms.registry import (
     Capture,
     NormRule,
@@ -200,6 +201,7 @@ class _Call:
     spec: Any
     extra: Any = None
     widened: bool = False  # a batch-1 call read as shared by the batch (see rule_hook)
+    batched: tuple[bool, ...] | None = None  # generic calls: per-example tensor leaves (layout)
 
 
 class LayerCapture:
@@ -210,6 +212,17 @@ class LayerCapture:
         self.calls: list[list[_Call]] = [[] for _ in plans]
         self.active = True
         self.batch_size = batch_size
+        #: the chunk's forward again with its examples reordered (:mod:`.layout`), if known
+        self.rerun: Rerun | None = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing is recorded inside the block (a probe's extra forward passes)."""
+        was, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = was
 
     def _hook(self, index: int) -> _ForwardHook:
         plan = self.plans[index]
@@ -368,7 +381,9 @@ class LayerCapture:
                 gouts = tuple(
                     next(grads) if o.requires_grad else torch.zeros_like(o) for o in call.outputs
                 )
-                caps.append(Capture(call.args, call.kwargs, gouts, call.spec, call.extra))
+                caps.append(
+                    Capture(call.args, call.kwargs, gouts, call.spec, call.extra, call.batched)
+                )
             result.append(caps)
         for calls in self.calls:
             calls.clear()

@@ -4,9 +4,12 @@ For a module m called on batch-first inputs x with output gradient g (the gradie
 summed loss w.r.t. m's output), example n's gradient of m's *own* parameters (``recurse=False``;
 children have their own rules) is ``grad_theta <m_theta(x_n), g_n>``. It is computed with
 ``functional_call`` over those parameters only, vectorised with ``vmap`` in chunks of
-``chunk_size`` examples to bound memory. Assumptions: every tensor input whose first dimension
-is the batch size and every tensor output is batch-first, and the module is deterministic
-(``vmap`` refuses random operations such as dropout inside it).
+``chunk_size`` examples to bound memory. Which tensor inputs are per example (mapped over
+their first dimension) and which are shared by the batch is decided by reordering the
+examples (:mod:`dpfy.training.norms.layout`); where that could not be decided, every tensor
+input whose first dimension is the batch size is taken as per example. Every tensor output is
+batch-first, and the module is deterministic (``vmap`` refuses random operations such as
+dropout inside it).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows, tensor_sum
 
@@ -42,15 +45,23 @@ def fallback_rule(
         params[name] = module.get_parameter(name).detach()
     total: dict[str, torch.Tensor] | None = None
     for cap in captures:
-        leaves, _ = tree_flatten((cap.args, cap.kwargs))
-        batch = next(
-            (x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None
-        )
+        leaves, spec = tree_flatten((cap.args, cap.kwargs))
+        if cap.batched is not None:  # decided by reordering the examples (norms.layout)
+            flags = iter(cap.batched)
+            dims = [
+                (0 if next(flags) else None) if isinstance(x, torch.Tensor) else None
+                for x in leaves
+            ]
+            batch = next((x.shape[0] for x, d in zip(leaves, dims, strict=True) if d == 0), None)
+        else:
+            batch = next(
+                (x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None
+            )
+            dims = [_batch_dim(x, batch) for x in leaves]
         if batch is None:
             raise ValueError(f"{type(module).__name__}: no batched tensor input to vmap over")
 
-        in_args = tree_map(lambda x, b=batch: _batch_dim(x, b), cap.args)
-        in_kwargs = tree_map(lambda x, b=batch: _batch_dim(x, b), cap.kwargs)
+        in_args, in_kwargs = tree_unflatten(dims, spec)
         for g in cap.grad_outputs:
             if g.dim() == 0 or g.shape[0] != batch:
                 raise ValueError(
@@ -84,7 +95,7 @@ def fallback_rule(
     return MaterializedGrads({k: fold_rows(v, group_size) for k, v in total.items()})
 
 
-def _batch_dim(x: Any, batch: int) -> int | None:
+def _batch_dim(x: Any, batch: int | None) -> int | None:
     return 0 if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else None
 
 

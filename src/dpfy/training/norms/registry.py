@@ -35,6 +35,10 @@ class Capture:
       output_spec: pytree spec of the outputs (used by the generic fallback rule).
       extra: what the rule's optional ``on_forward(module, input, output)`` returned during
         the forward pass (e.g. statistics autograd saved), else ``None``.
+      batched: for the generic rule, one flag per tensor leaf of ``(args, kwargs)``: per
+        example (mapped over) or shared by the batch, as :mod:`dpfy.training.norms.layout`
+        decided; ``None``: not decided (a leaf with the batch size as first dimension is
+        then taken as per example).
     """
 
     args: tuple[Any, ...]
@@ -42,6 +46,7 @@ class Capture:
     grad_outputs: tuple[torch.Tensor, ...]
     output_spec: Any = None
     extra: Any = None
+    batched: tuple[bool, ...] | None = None
 
 
 class LayerGrads(Protocol):
