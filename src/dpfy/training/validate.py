@@ -5,8 +5,10 @@ mixes examples of one batch (BatchNorm normalises each example with the *batch* 
 variance) or that changes state from the data outside the gradient (running statistics,
 in-place weight renormalisation) lets one example influence the others' outputs or the released
 model without passing through clipping and noise (Ponomareva et al. 2023, Table 5). Such layers
-are errors. Layers without a fast per-example norm rule still work through the ``vmap(grad)``
-fallback; they are reported as notes because they are slower.
+are errors, as are the layers refused by :func:`dpfy.training.norms.registry.
+register_unsupported` (spectral normalisation, Opacus' recurrent layers). Layers without a fast
+per-example norm rule still work through the ``vmap(grad)`` fallback (a parametrized module
+through its parametrizations); they are reported as notes because they are slower.
 
 :func:`check_module` returns every problem at once, :func:`validate_module` raises one error that
 lists them all, and :func:`fix_module` returns a fixed *copy* (BatchNorm -> GroupNorm, running
@@ -72,8 +74,11 @@ class ModuleIssue:
     fix: str
 
     def __str__(self) -> str:
-        where = self.path or "<root>"
-        return f"[{self.severity}] {where} ({self.module_type}): {self.reason} Fix: {self.fix}"
+        where = repr(self.path) if self.path else "<root>"
+        return (
+            f"[{self.severity}] module {where} ({self.module_type}): {self.reason} "
+            f"Fix: {self.fix}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,13 +165,14 @@ def _fast_layers() -> tuple[type[nn.Module], ...]:
 
 
 def _has_rule(module: nn.Module, fast: tuple[type[nn.Module], ...], engine: bool) -> bool:
+    from dpfy.training.norms.registry import norm_rule_for, rewriting_hooks
+
+    if rewriting_hooks(module):  # torch.nn.utils.weight_norm: no rule reads weight_g, weight_v
+        return False
     if type(module) in fast:
         return True
-    if not engine:
-        return False
-    from dpfy.training.norms.registry import norm_rule_for  # rules registered by class name
-
-    return norm_rule_for(module) is not None
+    # rules registered by class name
+    return engine and norm_rule_for(module) is not None
 
 
 def _covers_subtree(module: nn.Module) -> bool:
@@ -176,7 +182,9 @@ def _covers_subtree(module: nn.Module) -> bool:
 
 
 def _own_trainable(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+    from dpfy.training.norms.registry import own_parameters  # with its parametrizations'
+
+    return any(p.requires_grad for _, p in own_parameters(module))
 
 
 def check_module(
@@ -219,12 +227,20 @@ def check_module(
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (PyTorch).",
             )
         )
+    from dpfy.training.norms.registry import layer_label, parametrization_subtree, unsupported
+
     covered: list[str] = []  # modules whose norm rule covers their whole subtree
+    held: list[str] = []  # the parametrizations of parametrized modules: their owner's
     for path, module in model.named_modules(remove_duplicate=False):
-        name = type(module).__name__
+        if any(path == top or path.startswith(top + ".") for top in held):
+            continue
+        name = layer_label(module)
         inside = any(path.startswith(top + ".") or top == "" for top in covered)
         if not inside and fast_layers is None and _covers_subtree(module):
             covered.append(path)
+        holder = parametrization_subtree(module)
+        if holder is not None:
+            held.append(f"{path}.{holder}" if path else holder)
         for pname, p in module.named_parameters(recurse=False):
             if isinstance(p, nn.parameter.UninitializedParameter):
                 issues.append(
@@ -239,26 +255,34 @@ def check_module(
                 )
                 continue
         found = [f for check in module_checks_for(module) for f in check(module)]
+        trainable = _own_trainable(module) and not inside
+        refusal = unsupported(module) if trainable else None  # register_unsupported
+        if refusal is not None:
+            found.append(Finding(*refusal))
         issues.extend(ModuleIssue(path, name, f.severity, f.reason, f.fix) for f in found)
         refused = any(f.severity is Severity.ERROR for f in found)
-        if (
-            _own_trainable(module)
-            and not inside
-            and not _has_rule(module, fast, fast_layers is None)
-            and not refused
-        ):
-            issues.append(
-                ModuleIssue(
-                    path,
-                    name,
-                    Severity.NOTE,
-                    "no dedicated per-example norm rule for this layer type; its per-example "
-                    "gradients come from the generic rule (torch.func vmap(grad) over the "
-                    "module's call, chunked): exact, but slower.",
-                    "nothing required; use a layer with a rule for speed.",
-                )
-            )
+        if trainable and not _has_rule(module, fast, fast_layers is None) and not refused:
+            issues.append(ModuleIssue(path, name, Severity.NOTE, _generic_note(module), _FASTER))
     return issues
+
+
+_FASTER = "nothing required; use a layer with a rule for speed."
+
+
+def _generic_note(module: nn.Module) -> str:
+    from dpfy.training.norms.registry import parametrization_subtree
+
+    what = (
+        "no per-example norm rule reads a parametrized weight"
+        if parametrization_subtree(module) is not None
+        else "no dedicated per-example norm rule for this layer type"
+    )
+    return (
+        f"{what}; its per-example gradients come from the generic rule (torch.func "
+        "vmap(grad) over the module's call, chunked): exact, but slower. A call torch.func "
+        "cannot transform (dropout inside the module, an autograd.Function without a vmap "
+        "rule) is refused in the first chunk, before anything is released."
+    )
 
 
 # --------------------------------------------------------------------------------------------

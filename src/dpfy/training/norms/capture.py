@@ -29,9 +29,12 @@ from dpfy.training.norms.registry import (
     NormRule,
     Recompute,
     covers_subtree,
+    layer_label,
     norm_rule_for,
+    own_parameters,
+    parametrization_subtree,
     recompute_for,
-    unsupported_reason,
+    unsupported,
 )
 
 #: A forward hook registered with ``with_kwargs=True``: (module, args, kwargs, output).
@@ -103,15 +106,23 @@ def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[Modul
             continue
         rule = norm_rule_for(module)
         subtree = rule is not None and covers_subtree(module)
-        local = [(n, p) for n, p in module.named_parameters(recurse=subtree) if p.requires_grad]
+        # a parametrized module's own parameters include its parametrizations' (the tensors
+        # its weight is computed from); the generic rule differentiates them through its call
+        owned = module.named_parameters(recurse=True) if subtree else own_parameters(module)
+        local = [(n, p) for n, p in owned if p.requires_grad]
         if subtree:
             inside.append(mname)
+        held = parametrization_subtree(module)
+        if held is not None:
+            inside.append(f"{mname}.{held}" if mname else held)
         if not local:
             continue
-        label = f"{mname or '<root>'!r} ({type(module).__name__})"
-        reason = unsupported_reason(module)
-        if reason is not None:
-            raise ValueError(f"module {label} cannot be trained with DP-SGD: {reason}")
+        label = f"{mname or '<root>'!r} ({layer_label(module)})"
+        refusal = unsupported(module)
+        if refusal is not None:
+            raise ValueError(
+                f"module {label} cannot be trained with DP-SGD: {refusal[0]} Fix: {refusal[1]}"
+            )
         if rule is None and fallback == "error":
             missing.append(label)
         names = tuple(canonical[id(p)] for _, p in local)

@@ -21,7 +21,16 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from dpfy.training.norms.registry import Capture, MaterializedGrads, fold_rows, tensor_sum
+from dpfy.training.norms.registry import (
+    Capture,
+    MaterializedGrads,
+    fold_rows,
+    layer_label,
+    own_parameters,
+    parametrization_subtree,
+    rewriting_hooks,
+    tensor_sum,
+)
 
 
 def fallback_rule(
@@ -34,13 +43,18 @@ def fallback_rule(
 ) -> MaterializedGrads:
     """Per-example gradients of ``module``'s direct trainable parameters by vmap(grad).
 
+    A parametrized module's own parameters include its parametrizations' (the tensors its
+    weight is computed from, :func:`~dpfy.training.norms.registry.own_parameters`).
     ``adopt``: names (relative to ``module``) of descendants' parameters to differentiate as
     well -- those of descendants not called in this chunk, which the module's own forward may
     use directly (``F.linear(x, self.child.weight)``); an unused one gets zero gradients.
+
+    Raises:
+      ValueError: ``torch.func`` refuses the call (random numbers such as dropout, an
+        ``autograd.Function`` without a vmap rule); the message says why and what to do.
     """
-    params = {
-        name: p.detach() for name, p in module.named_parameters(recurse=False) if p.requires_grad
-    }
+    # a parametrized module's own parameters include its parametrizations' (registry.py)
+    params = {name: p.detach() for name, p in own_parameters(module) if p.requires_grad}
     for name in adopt:
         params[name] = module.get_parameter(name).detach()
     total: dict[str, torch.Tensor] | None = None
@@ -84,15 +98,64 @@ def fallback_rule(
             outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
             return tensor_sum((o * g.unsqueeze(0)).sum() for o, g in zip(outs, gouts, strict=True))
 
-        per_ex = vmap(
-            grad(inner), in_dims=(None, in_args, in_kwargs, 0), chunk_size=chunk_size
-        )(params, cap.args, cap.kwargs, tuple(cap.grad_outputs))
+        # torch.nn.utils.weight_norm's pre-hook sets `module.weight` on each call: inside the
+        # transforms to a wrapped tensor that must not outlive them
+        saved = {h.name: getattr(module, h.name) for h in rewriting_hooks(module)}
+        try:
+            per_ex = vmap(
+                grad(inner), in_dims=(None, in_args, in_kwargs, 0), chunk_size=chunk_size
+            )(params, cap.args, cap.kwargs, tuple(cap.grad_outputs))
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # refused by torch.func: say why and what to do
+            raise ValueError(_cannot_transform(module, err)) from err
+        finally:
+            for name, value in saved.items():
+                setattr(module, name, value)
         if total is None:
             total = dict(per_ex)
         else:
             total = {k: total[k] + v for k, v in per_ex.items()}
     assert total is not None
     return MaterializedGrads({k: fold_rows(v, group_size) for k, v in total.items()})
+
+
+def _cannot_transform(module: nn.Module, err: RuntimeError) -> str:
+    """Why torch.func refused ``module``'s call, and the fix (the step adds the module path)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "random" in text:
+        why = (
+            "it draws random numbers (dropout inside the module), and its per-example "
+            "gradients come from recomputing the call, which cannot draw the numbers the "
+            "forward pass drew"
+        )
+        fix = (
+            "apply the dropout outside this module (e.g. an nn.Dropout on its input or output "
+            "in the parent module), or set its probability to 0"
+        )
+    elif "autograd.Function" in text or "vmap support" in text:
+        why = (
+            "it calls an autograd.Function that torch.func cannot transform (one with a "
+            "non-static forward, or without setup_context and a vmap rule)"
+        )
+        fix = (
+            "give the Function a static forward, a setup_context and generate_vmap_rule = True "
+            "or a vmap staticmethod (PyTorch's notes 'Extending torch.func with "
+            "autograd.Function')"
+        )
+    else:
+        why, fix = "torch.func cannot transform its call", "change the call so that it can"
+    if parametrization_subtree(module) is not None:
+        fix += (
+            "; or remove its parametrization before training (torch.nn.utils.parametrize."
+            "remove_parametrizations)"
+        )
+    return (
+        f"{layer_label(module)} is handled by the generic rule (torch.func vmap(grad) over the "
+        f"module's call), but {why}: {text}. Fix: {fix}; or register a norm rule for "
+        f"{type(module).__name__} (dpfy.training.norms.register_norm_rule); or freeze its "
+        "parameters (module.requires_grad_(False))"
+    )
 
 
 def _batch_dim(x: Any, batch: int | None) -> int | None:

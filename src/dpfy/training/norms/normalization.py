@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from dpfy.training.norms.registry import (
     Capture,
@@ -18,6 +20,7 @@ from dpfy.training.norms.registry import (
     fold_rows,
     register_norm_rule,
     register_norm_rule_by_name,
+    register_unsupported,
     tensor_sum,
 )
 
@@ -176,3 +179,32 @@ def hf_rms_norm_rule(
         pairs.append((xhat.to(gy.dtype), gy))
     dims = tuple(range(1, captures[0].args[0].dim() - 1))
     return _affine_grads(module, pairs, dims, group_size)
+
+
+# Spectral normalisation (Miyato et al. 2018, Alg. 1) runs a step of power iteration in each
+# training forward pass and writes its vectors u, v into buffers: each use of the weight
+# divides by a different sigma. The generic rule would recompute the call with yet another
+# sigma and advance the buffers once more, and even a loop over the examples would see a
+# different weight per example; there is no per-example gradient to match.
+_SPECTRAL = (
+    "spectral normalisation updates its power-iteration buffers (u, v) in every training "
+    "forward pass, so each use of the weight divides by a different sigma and no "
+    "recomputation per example can reproduce the weight the batch used."
+)
+register_unsupported(
+    parametrizations._SpectralNorm,
+    reason=_SPECTRAL,
+    fix=(
+        "remove the parametrization before training (torch.nn.utils.parametrize."
+        "remove_parametrizations(module, 'weight')), or freeze the module "
+        "(module.requires_grad_(False))."
+    ),
+)
+register_unsupported(
+    SpectralNorm,
+    reason=_SPECTRAL,
+    fix=(
+        "remove it before training (torch.nn.utils.remove_spectral_norm(module)), or freeze "
+        "the module (module.requires_grad_(False))."
+    ),
+)

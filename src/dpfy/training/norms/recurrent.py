@@ -52,6 +52,7 @@ from dpfy.training.norms.registry import (
     LayerGrads,
     Recomputed,
     register_norm_rule,
+    register_unsupported,
 )
 
 #: The recurrence of a layer: RNN with tanh or ReLU, LSTM, GRU.
@@ -469,3 +470,23 @@ def recurrent_rule(module: nn.Module, captures: list[Capture], group_size: int) 
 
 register_norm_rule(*_RECURRENT, recompute=recompute_recurrent)(recurrent_rule)
 register_norm_rule(*_CELLS, recompute=recompute_cell)(recurrent_rule)
+
+
+# Opacus rebuilds nn.RNN / nn.GRU / nn.LSTM from one Linear module per gate so that its hooks
+# see each weight; its final states are [layers * directions, batch, hidden] whatever
+# batch_first says, so no per-example rule can read the call. torch's classes are clipped
+# exactly above, with the same constructor and state_dict keys.
+for _opacus, _torch in (("DPRNN", "RNN"), ("DPGRU", "GRU"), ("DPLSTM", "LSTM")):
+    register_unsupported(
+        f"opacus.layers.dp_rnn.{_opacus}",
+        reason=(
+            f"Opacus' {_opacus} rebuilds nn.{_torch} from one Linear module per gate and "
+            "returns its final states as [layers * directions, batch, hidden] even with "
+            "batch_first=True, so its per-example gradients cannot be taken from its calls."
+        ),
+        fix=(
+            f"use torch.nn.{_torch} (dpfy.opacus.layers.{_opacus} is torch.nn.{_torch}), which "
+            "dpfy clips exactly, with the same constructor arguments; it loads the layer's "
+            f"weights as they are: new.load_state_dict(old.state_dict())."
+        ),
+    )

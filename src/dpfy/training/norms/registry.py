@@ -210,7 +210,14 @@ def norm_rule_for(module: nn.Module) -> NormRule | None:
     A module sharded by FSDP2's ``fully_shard`` has a generated class ``FSDP<Name>`` whose
     bases are ``(FSDPModule, Name)``; its rule is the one of ``Name`` (the layer's arithmetic
     is unchanged: FSDP2 only gathers the parameters around the forward and backward).
+
+    A module whose weight a forward pre-hook recomputes from other parameters before each call
+    (``torch.nn.utils.weight_norm``, the API before parametrizations) has none: a rule reads
+    ``module.weight`` as the parameter, and its parameters are ``weight_g`` and ``weight_v``;
+    the generic rule differentiates those through the hook.
     """
+    if rewriting_hooks(module):
+        return None
     kind = _unsharded_type(type(module))
     rule = _RULES.get(kind)
     if rule is None and _BY_NAME:
@@ -259,27 +266,142 @@ def registered_names() -> tuple[str, ...]:
     return tuple(_BY_NAME)
 
 
-_UNSUPPORTED: dict[type[nn.Module], str] = {}
+_UNSUPPORTED: dict[type | str, tuple[str, str]] = {}
+
+#: The fix of a refusal registered without one.
+_FREEZE = "freeze its parameters (module.requires_grad_(False)) or replace the layer."
 
 
-def register_unsupported(*module_types: type[nn.Module], reason: str) -> None:
-    """Mark module types (and their subclasses) whose trainable parameters cannot be clipped
-    per example at all (e.g. BatchNorm mixes the examples of a batch).
+def register_unsupported(*kinds: type | str, reason: str, fix: str = "") -> None:
+    """Mark layers whose trainable parameters cannot be clipped per example at all (e.g.
+    BatchNorm mixes the examples of a batch).
 
-    :func:`dpfy.training.norms.plan_modules` refuses a model with such a trainable module when
-    the step is built, naming the module and ``reason`` (which should say what to do).
+    Args:
+      kinds: module types (and their subclasses); qualified class names
+        ``"package.module.ClassName"`` of optional libraries (nothing is imported); or the
+        types of parametrizations (``torch.nn.utils.parametrize``) and of forward pre-hooks
+        that rewrite a parameter before each call (``torch.nn.utils.spectral_norm``'s), which
+        refuse every module they act on.
+      reason: why (when no ``fix`` is given, it should also say what to do).
+      fix: what to do about it.
+
+    :func:`dpfy.training.check_module` reports such a trainable module as an error and
+    :func:`dpfy.training.norms.plan_modules` refuses it when the step is built, both naming
+    the module, ``reason`` and ``fix``.
     """
-    for t in module_types:
-        _UNSUPPORTED[t] = reason
+    for kind in kinds:
+        _UNSUPPORTED[kind] = (reason, fix)
+
+
+def unsupported(module: nn.Module) -> tuple[str, str] | None:
+    """``(reason, fix)`` when ``module``'s trainable parameters cannot be handled, else ``None``."""
+    for kind in type(module).__mro__:
+        found = _UNSUPPORTED.get(kind) or _UNSUPPORTED.get(f"{kind.__module__}.{kind.__qualname__}")
+        if found is not None:
+            return found[0], found[1] or _FREEZE
+    for _, parametrization in _parametrizations(module):
+        found = _UNSUPPORTED.get(type(parametrization))
+        if found is not None:
+            return found[0], found[1] or _FREEZE
+    for hook in rewriting_hooks(module):
+        found = _UNSUPPORTED.get(type(hook))
+        if found is not None:
+            return found[0], found[1] or _FREEZE
+    return None
 
 
 def unsupported_reason(module: nn.Module) -> str | None:
-    """Why ``module``'s trainable parameters cannot be handled, or ``None``."""
-    for t in type(module).__mro__:
-        reason = _UNSUPPORTED.get(t)
-        if reason is not None:
-            return reason
-    return None
+    """Why ``module``'s trainable parameters cannot be handled and what to do, or ``None``."""
+    found = unsupported(module)
+    return None if found is None else f"{found[0]} Fix: {found[1]}"
+
+
+# ---- parametrized modules --------------------------------------------------------------
+# ``torch.nn.utils.parametrize`` swaps a module's class for a generated subclass
+# (``ParametrizedLinear``) whose ``weight`` is a property computing the tensor from the
+# parameters under ``module.parametrizations.weight`` (``original`` or ``original0``,
+# ``original1``..., and those of the parametrization modules themselves). No rule is
+# registered for the generated class, so the generic rule handles the module, differentiating
+# its call with respect to those parameters: they are the module's own.
+
+
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``module``'s direct parameters and, if it is parametrized, its parametrizations' (the
+    tensors each parametrized weight is computed from), by local name."""
+    own = list(module.named_parameters(recurse=False))
+    holder = getattr(module, "parametrizations", None)
+    if _is_parametrized(module) and isinstance(holder, nn.Module):
+        own += list(holder.named_parameters(prefix="parametrizations"))
+    return own
+
+
+def parametrization_subtree(module: nn.Module) -> str | None:
+    """Local name of the submodule holding ``module``'s parametrizations (its parameters are
+    ``module``'s own, see :func:`own_parameters`), or ``None``."""
+    return "parametrizations" if _is_parametrized(module) else None
+
+
+def layer_label(module: nn.Module) -> str:
+    """The layer's class name, with what reparametrizes its parameters: ``"Linear with a
+    weight_norm parametrization of 'weight'"``, ``"Linear with torch.nn.utils.weight_norm"``."""
+    if _is_parametrized(module):
+        from torch.nn.utils import parametrize
+
+        base = parametrize.type_before_parametrizations(module).__name__
+        kinds = ", ".join(
+            f"{_article(name)} {name} parametrization of {t!r}"
+            for t, name in ((t, _parametrization_name(p)) for t, p in _parametrizations(module))
+        )
+        return f"{base} with {kinds}"
+    hooks = rewriting_hooks(module)
+    if hooks:
+        names = ", ".join(f"torch.nn.utils.{_snake(type(h).__name__)}" for h in hooks)
+        return f"{type(module).__name__} with {names}"
+    return _unsharded_type(type(module)).__name__
+
+
+def _is_parametrized(module: nn.Module) -> bool:
+    from torch.nn.utils import parametrize
+
+    return parametrize.is_parametrized(module)
+
+
+def _parametrizations(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(tensor name, parametrization module)`` of each parametrization of ``module``."""
+    if not _is_parametrized(module):
+        return []
+    holder = cast(nn.ModuleDict, module.parametrizations)
+    return [(name, p) for name, chain in holder.items() for p in cast(nn.ModuleList, chain)]
+
+
+def rewriting_hooks(module: nn.Module) -> list[Any]:
+    """Forward pre-hooks of ``torch.nn.utils.weight_norm`` / ``spectral_norm`` (the API before
+    parametrizations): each sets ``module.<name>`` from other parameters before every call."""
+    if not module._forward_pre_hooks:
+        return []
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return [
+        h for h in module._forward_pre_hooks.values() if isinstance(h, WeightNorm | SpectralNorm)
+    ]
+
+
+def _parametrization_name(parametrization: nn.Module) -> str:
+    """``weight_norm`` for torch's ``_WeightNorm`` (as its constructor is called), else the
+    class name."""
+    kind = type(parametrization)
+    if kind.__module__.startswith("torch."):
+        return _snake(kind.__name__.lstrip("_"))
+    return kind.__name__
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 #: ``cross(lg_a, name_a, lg_b, name_b) -> [N]``: per-example inner products
