@@ -223,6 +223,8 @@ class LayerCapture:
         self.calls: list[list[_Call]] = [[] for _ in plans]
         self.active = True
         self.batch_size = batch_size
+        #: plans with a call that ran with autograd off, so recorded nothing (_without_grad)
+        self.skipped: set[int] = set()
         #: the chunk's forward again with its examples reordered (:mod:`.layout`), if known
         self.rerun: Rerun | None = None
 
@@ -234,6 +236,22 @@ class LayerCapture:
             yield
         finally:
             self.active = was
+
+    def _without_grad(self, index: int) -> bool:
+        """Whether plan ``index``'s call ran with autograd off; then nothing is recorded.
+
+        Such a call adds nothing to any gradient, in the step as in a loop over the examples
+        (a frozen target network, statistics under ``torch.no_grad()``), unless its module is
+        run again with autograd on during the backward pass, as reentrant activation
+        checkpointing does, whose gradient would escape the rules. That is refused: here when
+        the call runs inside an ``autograd.Function``'s forward (:func:`_check_grad_mode`),
+        and in :meth:`backward` for a module re-run with autograd on.
+        """
+        if torch.is_grad_enabled():
+            return False
+        _check_grad_mode(self.plans[index])
+        self.skipped.add(index)
+        return True
 
     def _hook(self, index: int) -> _ForwardHook:
         plan = self.plans[index]
@@ -248,7 +266,7 @@ class LayerCapture:
             if not self.active:
                 return None
             if not output.requires_grad:
-                _check_grad_mode(plan)
+                self._without_grad(index)
                 return None
             x = args[0] if args else kwargs["input"]
             batch = self.batch_size
@@ -286,7 +304,8 @@ class LayerCapture:
         ) -> Any:
             if not self.active:
                 return None
-            _check_grad_mode(plan)  # raises when autograd is off in the step
+            if self._without_grad(index):
+                return None
             leaves, spec = tree_flatten(output)
             if not any(_differentiable(o) for o in leaves):
                 return None
@@ -314,7 +333,8 @@ class LayerCapture:
         ) -> Any:
             if not self.active:
                 return None
-            _check_grad_mode(plan)  # raises when autograd is off in the step
+            if self._without_grad(index):
+                return None
             assert plan.recompute is not None
             redone = plan.recompute(module, args, kwargs, output)
             if redone is None:
@@ -374,11 +394,27 @@ class LayerCapture:
                         targets.append(o)
         n_targets = len(targets)
         wanted = targets + [p for p in params if p.requires_grad]
-        everything = (
-            torch.autograd.grad(losses, wanted, grad_outputs=scale, allow_unused=True)
-            if wanted
-            else ()
-        )
+        if self.skipped and not losses.requires_grad:
+            raise ValueError(
+                "the per-example losses carry no gradient: the forward pass ran with autograd "
+                f"off (modules {self._names(self.skipped)}); run the private step with "
+                "gradients enabled (not inside torch.no_grad() or torch.inference_mode())"
+            )
+        with self._reruns() as rerun:
+            everything = (
+                torch.autograd.grad(losses, wanted, grad_outputs=scale, allow_unused=True)
+                if wanted
+                else ()
+            )
+        if rerun:
+            raise ValueError(
+                f"module(s) {self._names(rerun)} ran with autograd off in the forward pass and "
+                "again with autograd on during the backward pass, as reentrant activation "
+                "checkpointing does: their gradients come from calls that cannot be recorded, "
+                "so nothing was released. Fix: use the non-reentrant variant "
+                "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False)), or do not call "
+                "these modules under torch.no_grad() when they are to be trained"
+            )
         batch_grads = iter(everything[n_targets:])
         param_grads = [next(batch_grads) if p.requires_grad else None for p in params]
         grads = iter(
@@ -400,23 +436,81 @@ class LayerCapture:
             calls.clear()
         return result, param_grads
 
+    @contextlib.contextmanager
+    def _reruns(self) -> Iterator[set[int]]:
+        """The skipped plans (:meth:`_without_grad`) whose module runs with autograd on inside
+        the block (the backward pass).
+
+        Non-reentrant checkpointing re-runs, during the backward pass, calls that were
+        recorded with autograd on; a module re-run there after a call with autograd off is
+        what reentrant checkpointing (done by hand outside an ``autograd.Function``) does.
+        The coverage check cannot see it: that gradient is accumulated into ``.grad`` by the
+        re-run's own backward, not returned by this pass's ``autograd.grad``. A module both
+        checkpointed (non-reentrant) and called elsewhere under ``torch.no_grad()`` is
+        refused too (the safe side). Such a re-run's backward writes ``.grad`` of the
+        module's parameters; those are put back as they were, so a refusal writes nothing.
+        """
+        seen: set[int] = set()
+        watch = {id(self.plans[i].module): i for i in self.skipped}
+        if not watch:
+            yield seen
+            return
+        params = {id(p): p for i in self.skipped for p in self.plans[i].module.parameters()}
+        grads = [(p, None if p.grad is None else p.grad.clone()) for p in params.values()]
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            index = watch.get(id(module))
+            if index is not None and torch.is_grad_enabled():
+                seen.add(index)
+
+        handle = nn.modules.module.register_module_forward_pre_hook(pre_hook)
+        try:
+            yield seen
+        finally:
+            handle.remove()
+            if seen:
+                for p, g in grads:
+                    p.grad = g
+
+    def _names(self, indices: set[int], most: int = 3) -> str:
+        """``'a' (Linear), 'b' (Conv2d) and 2 more``."""
+        named = [
+            f"{self.plans[i].name or '<root>'!r} ({type(self.plans[i].module).__name__})"
+            for i in sorted(indices)
+        ]
+        more = f" and {len(named) - most} more" if len(named) > most else ""
+        return ", ".join(named[:most]) + more
+
 
 def _differentiable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad
 
 
 def _check_grad_mode(plan: ModulePlan) -> None:
-    """Refuse a trainable module run without autograd inside the step (it would get no
-    gradient, silently): reentrant activation checkpointing runs its segments so."""
-    if not torch.is_grad_enabled():
-        raise RuntimeError(
-            f"module {plan.name or '<root>'!r} ({type(plan.module).__name__}) ran with gradients "
-            "disabled during the private step, so its per-example gradients cannot be "
-            "recorded; with activation checkpointing use the non-reentrant variant "
-            "(torch.utils.checkpoint(..., use_reentrant=False); transformers: "
-            "model.gradient_checkpointing_enable() or gradient_checkpointing_kwargs="
-            "{'use_reentrant': False})"
-        )
+    """Refuse a trainable module run with autograd off inside an ``autograd.Function``'s
+    forward: reentrant activation checkpointing runs its segments so and computes their
+    gradients in the Function's backward by running them again, where nothing is recorded.
+
+    ``torch.no_grad()`` turns reverse-mode autograd off and leaves forward-mode AD on (its
+    documentation: "This API does not apply to forward-mode AD"); ``Function.apply`` runs the
+    forward with both off (``tests/training/test_refusals.py`` fails if that changes), and so
+    does ``torch.inference_mode()``, whose tensors can carry no gradient at all. A call with
+    only reverse mode off is the user's ``torch.no_grad()``: it adds nothing to the gradient
+    and is accepted (:meth:`LayerCapture._without_grad`).
+    """
+    from torch.autograd.forward_ad import _is_fwd_grad_enabled
+
+    if _is_fwd_grad_enabled() or torch.is_inference_mode_enabled():
+        return
+    raise ValueError(
+        f"module {plan.name or '<root>'!r} ({type(plan.module).__name__}) ran with gradients "
+        "disabled inside an autograd.Function's forward during the private step, as "
+        "reentrant activation checkpointing runs it, so its gradient would be computed where "
+        "it cannot be recorded; with activation checkpointing use the non-reentrant variant "
+        "(torch.utils.checkpoint(..., use_reentrant=False); transformers: "
+        "model.gradient_checkpointing_enable() or gradient_checkpointing_kwargs="
+        "{'use_reentrant': False})"
+    )
 
 
 @contextlib.contextmanager
