@@ -136,6 +136,14 @@ def _flags(checks: RunChecks, *needles: str) -> None:
         assert any(needle in f for f in checks.findings), (needle, checks.findings)
 
 
+def _without_attribution_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm rule that under-reports is refused at run time by the attribution check
+    (tests/training/test_attribution.py); here the audit must find it on its own."""
+    from dpfy.training.norms.attribution import AttributionCheck
+
+    monkeypatch.setattr(AttributionCheck, "due", lambda self: False)
+
+
 # -- 1. noise at half the recorded std ----------------------------------------------------------
 def test_half_the_noise_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
     draw = query_base._draw
@@ -150,6 +158,7 @@ def test_half_the_noise_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- 2. the Linear bias left out of clipping ----------------------------------------------------
 def test_linear_bias_out_of_clipping_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    _without_attribution_check(monkeypatch)
     norms = LinearForm.squared_norms
 
     def without_bias(self: LinearForm) -> dict[str, torch.Tensor]:
@@ -208,6 +217,7 @@ def _unclipped(rule: Callable[..., Any]) -> Callable[..., Any]:
 def test_norm_layers_out_of_clipping_are_flagged(
     run: str, kind: type[nn.Module], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _without_attribution_check(monkeypatch)
     for t in (nn.LayerNorm, nn.GroupNorm):
         monkeypatch.setitem(registry._RULES, t, _unclipped(registry._RULES[t]))
     checks = _run(run)

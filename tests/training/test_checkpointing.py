@@ -59,7 +59,8 @@ MODELS = {"bert": (_bert, sequence_classification_loss), "gpt2": (_gpt2, causal_
 
 
 def _clipped_sum(model, inputs, labels, loss_fn, clip, path):
-    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B)
+    # no attribution check: its alone pass would call the counted layer too
+    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B, attribution_check=0)
     if path == "accumulate":
         pg.accumulate(inputs, labels, loss_fn)
     else:
@@ -94,7 +95,8 @@ def test_non_reentrant_checkpointing_matches_plain_and_loop(arch, path):
         model.bert.encoder.layer[0].attention.self.query if arch == "bert"
         else model.transformer.h[0].attn.c_attn
     )
-    inner.register_forward_hook(lambda *a: calls.append(1))
+    # calls with autograd on: the layout probe's passes run without it
+    inner.register_forward_hook(lambda *a: calls.append(1) if torch.is_grad_enabled() else None)
     checkpointed = _clipped_sum(model, inputs, labels, loss_fn, clip, path)
     assert len(calls) == 2  # the forward ran again inside backward: checkpointing was active
     assert set(checkpointed) == set(plain) == set(want)

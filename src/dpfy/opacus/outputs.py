@@ -87,6 +87,14 @@ class OutputGradients:
                 handed.append(o)
         return tree_unflatten(handed, spec)
 
+    #: The losses are read off the user's backward, not recomputed from the outputs, so the
+    #: attribution check (dpfy.training.norms.attribution) cannot rerun them on one example.
+    recomputable = False
+
+    def __call__(self, outputs: Any = None, targets: Any = None) -> torch.Tensor:
+        """:meth:`per_example_losses`: the object serves as ``make_private``'s ``loss_fn``."""
+        return self.per_example_losses(outputs, targets)
+
     def per_example_losses(self, _outputs: Any = None, _targets: Any = None) -> torch.Tensor:
         """The surrogate losses ``[B]`` of the batch's forward passes (module docstring).
 

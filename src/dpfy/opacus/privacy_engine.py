@@ -295,7 +295,7 @@ class PrivacyEngine:
         outputs = None
         if r.grad_sample_mode != "ghost":
             outputs = OutputGradients(r.module, r.loss_reduction)
-            loss_fn: Any = outputs.per_example_losses
+            loss_fn: Any = outputs  # its per_example_losses, marked not recomputable
         else:
             loss_fn = nn.CrossEntropyLoss() if r.criterion is None else r.criterion
         workers = int(loader.num_workers)

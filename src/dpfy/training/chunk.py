@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from dpfy.training.norms.attribution import recomputable
 from dpfy.training.norms.capture import LayerCapture, capture_layers
 from dpfy.training.norms.layout import permute_batch
 from dpfy.training.precision import check_loss_scale
@@ -54,11 +55,31 @@ class OpenChunk:
         pg, batch = self._pg, self._batch_size
         assert batch is not None
 
-        def rerun(perm: torch.Tensor | None) -> None:
+        def rerun(perm: torch.Tensor | None) -> Any:
             with pg.autocast():
-                module(*permute_batch(args, perm, batch), **permute_batch(kwargs, perm, batch))
+                return module(
+                    *permute_batch(args, perm, batch), **permute_batch(kwargs, perm, batch)
+                )
 
         recorder.rerun = rerun
+
+    def set_loss(self, loss_fn: Any, targets: Any) -> None:
+        """The caller's per-example loss and this chunk's targets (after its forward pass), so
+        that the attribution check can recompute one example's loss alone."""
+        recorder, batch = self._recorder, self._batch_size
+        if recorder is None or recorder.rerun is None or batch is None:
+            return
+        if not recomputable(loss_fn):
+            return
+        rerun = recorder.rerun
+
+        def loss_of(rows: torch.Tensor) -> torch.Tensor:
+            out = rerun(rows)
+            with self._pg.autocast():
+                losses: torch.Tensor = loss_fn(out, permute_batch(targets, rows, batch))
+            return losses
+
+        recorder.loss_of = loss_of
 
     @property
     def open(self) -> bool:

@@ -399,6 +399,7 @@ class PrivateCriterion:
         if engine.steps == 0 and engine.sample_id is None:  # the first batch, nothing written
             check_class_labels(self.loss_fn, outputs, targets)
         losses = self.loss_fn(outputs, targets)
+        engine.chunk.set_loss(self.loss_fn, targets)  # for the attribution check
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             raise ValueError(
                 "loss_fn must return per-example losses of shape [B] (reduction='none'), got "
@@ -525,6 +526,9 @@ class PrivateOptions:
         ``target_epsilon`` only arms the budget guard and may be None (no guard), and
         ``epochs`` may be None (no planned end). z = 0 releases without noise and the ledger
         says epsilon = infinity (debugging only).
+      attribution_check: check every n-th physical batch that one random example's gradient
+        computed alone matches what the per-example rules recorded for it (1, the default:
+        every batch; 0: never; :mod:`dpfy.training.norms.attribution`).
     """
 
     max_physical_batch_size: int | None = None
@@ -540,6 +544,7 @@ class PrivateOptions:
     precision: Precision = "fp32"
     loss_scale: float | None = None
     noise_multiplier: float | None = None
+    attribution_check: int = 1
 
 
 def make_private(
@@ -709,6 +714,7 @@ def make_private(
         expected_batch_size=sampler.expected_batch_size,
         precision=precision,
         loss_scale=loss_scale,
+        attribution_check=o.attribution_check,
     )
     facts = {
         "trainer": "dpfy.make_private",

@@ -473,8 +473,8 @@ class PrivateTrainer:
 
         def on_chunk(chunk: Any, stats: Any) -> None:
             nonlocal correct
-            if hits:
-                correct += int((torch.cat(hits) & (chunk.weights > 0)).sum())
+            if hits:  # the chunk's own loss comes first (the attribution check's follows)
+                correct += int((hits[0] & (chunk.weights > 0)).sum())
                 hits.clear()
 
         accumulate_logical_batch(

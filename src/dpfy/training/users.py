@@ -482,6 +482,8 @@ class UserLevelTrainer(PrivateTrainer):
                 assert scale is not None  # set with the chunk being accumulated
                 return base(outputs, targets) * scale.to(dtype=torch.float32)
 
+            # its row scales belong to the whole chunk: not recomputable on one user's rows
+            mean_loss.recomputable = False  # type: ignore[attr-defined]
             self.loss_fn = mean_loss
 
     def _run_facts(self) -> dict[str, Any]:

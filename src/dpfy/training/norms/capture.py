@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from dpfy.training.norms.attribution import LossOf
 from dpfy.training.norms.layout import Rerun
 from dpfy.training.norms.registry import (
     Capture,
@@ -227,6 +228,8 @@ class LayerCapture:
         self.skipped: set[int] = set()
         #: the chunk's forward again with its examples reordered (:mod:`.layout`), if known
         self.rerun: Rerun | None = None
+        #: the caller's per-example losses of some rows from a fresh forward (attribution)
+        self.loss_of: LossOf | None = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -46,14 +46,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 #: A forward pass of the chunk with its examples reordered by ``perm`` (``None``: as given).
-Rerun = Callable[[torch.Tensor | None], None]
+Rerun = Callable[[torch.Tensor | None], Any]
 
 #: Relative tolerance of the comparison (batched kernels round differently per order).
 RTOL = 1e-4
 
 
 def permute_batch(x: Any, perm: torch.Tensor | None, batch: int) -> Any:
-    """``x`` with every tensor whose first dimension is ``batch`` reordered by ``perm``.
+    """``x`` with every tensor whose first dimension is ``batch`` indexed by ``perm`` (rows
+    reordered, or a subset of rows: the attribution check's one example).
 
     The model's own inputs are batch-first by the API's contract (``PrivateGradient.accumulate``
     and ``make_private``'s loader); anything else is passed as it is.

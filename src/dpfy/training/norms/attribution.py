@@ -1,0 +1,189 @@
+"""The attribution check: one example's gradient computed alone against what the rules gave it.
+
+The coverage check (:mod:`dpfy.training.norms.coverage`) proves that the recorded per-example
+gradients *sum* to the batch gradient. It cannot see a gradient given to the wrong example:
+rows exchanged between examples still sum right, yet one example may then move the clipped sum
+by more than the clip norm. This check closes that gap on the chunks it runs on. It picks one
+real unit ``j`` of the chunk at random (an example, or the ``k`` rows of a microbatch or user
+group), runs the model's forward and the caller's loss again on that unit's rows alone, takes
+the gradient of its loss with respect to every trainable parameter, and compares each
+parameter's norm with the per-example norm the rules reported for unit ``j`` (the norm that
+decides its clip weight). A parameter whose norms differ by more than the working precision's
+tolerance (relative 1e-3 in fp32, 5e-2 under bf16/fp16 autocast, with a floor of 1e-2 times
+that of the whole gradient's norm, as in the coverage check) refuses the step before its
+release, naming the parameter and its module. The message carries no number computed from the
+data (no norm, no batch size, no index).
+
+Randomness. The alone pass runs with the random streams forked, so a seeded run draws the same
+numbers with the check on or off. A model with dropout or other randomness in training mode
+(``nn.Dropout`` or ``F.dropout`` alike) cannot be compared: its masks for one example differ
+between a batch pass and an alone pass. On its first run the check therefore does the alone
+pass twice under two different seeds; if the gradients differ, the model is stochastic, and
+the check stands down for the run (:attr:`AttributionCheck.stochastic`; the layout probe of
+:mod:`dpfy.training.norms.layout` still runs, in ``eval`` mode). Modules that change buffers in
+forward (``spectral_norm``'s power iteration, BatchNorm's running statistics) would change
+them again in the alone pass; the generic rule refuses the first and ``check_module`` the
+second, before the check could run.
+
+Cost: one forward and backward on ``k`` rows (one example) per checked chunk -- about ``1 / B``
+of the step plus the fixed cost of a forward call -- and a parameter-sized gradient, freed at
+once. ``every`` sets the frequency (every chunk by default; 0 turns it off). A loss that
+cannot be recomputed on one example's rows (:func:`recomputable`; ``dpfy.opacus``' hooks mode,
+whose losses come from the user's backward) is not checked.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from collections.abc import Callable, Mapping
+
+import torch
+
+#: The caller's per-example losses of the given rows of the chunk, from a fresh forward pass.
+LossOf = Callable[[torch.Tensor], torch.Tensor]
+
+#: Rounding floor, relative to the whole gradient's norm (the coverage check's).
+ABSOLUTE = 1e-2
+
+_PICK = random.SystemRandom()  # which unit is checked: never the training streams
+
+
+def recomputable(loss_fn: object) -> bool:
+    """Whether ``loss_fn(outputs, targets)`` can be recomputed on a subset of the rows. A loss
+    read off something other than the outputs (``dpfy.opacus``' surrogate, built from the
+    gradient the user's own backward left on them) declares ``recomputable = False``; the
+    check then stands down for that loop."""
+    return getattr(loss_fn, "recomputable", True) is not False
+
+
+class AttributionCheckWarning(UserWarning):
+    """The attribution check could not run on this loop and is off for the run."""
+
+
+class AttributionError(ValueError):
+    """A per-example gradient was given to the wrong example: the step is refused."""
+
+
+class AttributionCheck:
+    """Runs the check every ``every`` chunks (0: never); see the module docstring."""
+
+    def __init__(self, every: int = 1) -> None:
+        self.every = int(every)
+        self.chunks = 0
+        self.stochastic: bool | None = None  # learnt on the first check
+
+    def due(self) -> bool:
+        """Whether the next chunk is checked (counts the chunk)."""
+        self.chunks += 1
+        if self.every <= 0 or self.stochastic:
+            return False
+        return (self.chunks - 1) % self.every == 0
+
+    def run(
+        self,
+        loss_of: LossOf,
+        params: Mapping[str, torch.Tensor],
+        squared: Mapping[str, torch.Tensor],
+        real: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        group_size: int,
+        unit_scale: float,
+        tolerance: float,
+        owner: Callable[[str], str],
+    ) -> None:
+        """Check one random real unit; raises :class:`AttributionError` on a mismatch.
+
+        Args:
+          loss_of: per-example losses of the given rows, from a fresh forward pass.
+          params: the trainable parameters, by name.
+          squared: per parameter, the squared per-unit norms the rules reported ([n]).
+          real: [n] 1 for real units, 0 for padding (``None``: all real).
+          mask: [B] the rows' weights (0 for a padding row inside a unit; ``None``: all 1).
+          group_size: rows per unit.
+          unit_scale: what a unit's summed loss is multiplied by (1/k in average mode).
+          tolerance: relative tolerance of the working precision.
+          owner: the module label of a parameter name, for the message.
+        """
+        n = next(iter(squared.values())).shape[0] if squared else 0
+        units = list(range(n)) if real is None else torch.nonzero(real > 0).flatten().tolist()
+        if not units:
+            return
+        j = _PICK.choice(units)
+        device = next(iter(params.values())).device
+        rows = torch.arange(j * group_size, (j + 1) * group_size, device=device)
+        weights = None if mask is None else mask.index_select(0, rows.to(mask.device))
+        try:
+            alone = self._alone(loss_of, params, rows, weights, unit_scale, seed=1)
+            if self.stochastic is None:
+                again = self._alone(loss_of, params, rows, weights, unit_scale, seed=2)
+        except (RuntimeError, ValueError, IndexError, TypeError) as err:
+            # the forward or the loss does not run on one unit's rows alone (a loss that
+            # closes over per-batch state): the check stands down for the run, saying so
+            self.every = 0
+            warnings.warn(
+                "the attribution check cannot run the forward pass and loss on one example's "
+                f"rows alone (they raised {type(err).__name__}; the message is not shown, as it "
+                "may hold sizes of the private batch); it is off for this run. A loss_fn that "
+                "needs the whole batch can say so with loss_fn.recomputable = False",
+                AttributionCheckWarning,
+                stacklevel=2,
+            )
+            return
+        if self.stochastic is None:
+            self.stochastic = any(
+                not torch.allclose(a, b, rtol=1e-6, atol=0.0) for a, b in zip(alone, again,
+                                                                               strict=True)
+            )
+            if self.stochastic:
+                return
+        names = list(params)
+        mine = torch.stack([g.double().square().sum() for g in alone]).sqrt().tolist()
+        theirs = [
+            math.sqrt(max(float(squared[name][j]), 0.0)) if name in squared else 0.0
+            for name in names
+        ]
+        whole = math.sqrt(sum(v * v for v in mine))
+        wrong = [
+            name
+            for name, a, b in zip(names, mine, theirs, strict=True)
+            if not abs(a - b) <= tolerance * max(a, b) + ABSOLUTE * tolerance * whole
+        ]
+        if wrong:
+            shown = ", ".join(f"{name!r} of {owner(name)}" for name in wrong[:4])
+            more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
+            raise AttributionError(
+                "per-example gradients were given to the wrong examples, so nothing was "
+                f"released: the gradient of one example computed alone differs from the one "
+                f"the per-example rules recorded for it, for parameter(s) {shown}{more}. "
+                "Likely causes: an operation that mixes the examples of a batch (statistics "
+                "over the batch dimension), a tensor whose batch dimension is not the first, "
+                "or a loss term computed outside the model's forward call. Make the forward act "
+                "on each example alone (batch dimension first), or report the model if it does"
+            )
+
+    @staticmethod
+    def _alone(
+        loss_of: LossOf,
+        params: Mapping[str, torch.Tensor],
+        rows: torch.Tensor,
+        weights: torch.Tensor | None,
+        unit_scale: float,
+        seed: int,
+    ) -> list[torch.Tensor]:
+        devices = sorted({p.device.index for p in params.values()
+                          if p.device.type == "cuda" and p.device.index is not None})
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.manual_seed(seed)
+            losses = loss_of(rows).float()
+            if losses.shape != rows.shape:  # a loss over the whole chunk's rows, broadcast
+                raise ValueError("the loss does not give one value per row of the unit")
+            if weights is not None:  # padding rows of the unit count for nothing, as in the step
+                losses = losses * weights.to(losses.device, losses.dtype)
+            loss = losses.sum() * unit_scale
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        return [
+            torch.zeros_like(p) if g is None else g.detach()
+            for p, g in zip(params.values(), grads, strict=True)
+        ]

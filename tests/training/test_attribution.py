@@ -1,0 +1,136 @@
+"""The attribution check: one example's gradient computed alone against what the rules gave it.
+
+The coverage check proves the recorded per-example gradients *sum* right; rows given to the
+wrong example still sum right. These tests plant such faults in a norm rule and check that the
+step is refused before anything is released, that correct models (dropout, user-level groups
+with padding rows, seeded runs) are never refused, and that the check changes no result.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dpfy
+from dpfy.queries import GaussianSumQuery
+from dpfy.randomness import Randomness
+from dpfy.training import PrivateGradient
+from dpfy.training.norms.attribution import AttributionCheckWarning, AttributionError
+from dpfy.training.norms.linear import LinearForm
+
+LOSS = nn.CrossEntropyLoss(reduction="none")
+B = 6
+
+
+def _mlp(dropout: float = 0.0) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Dropout(dropout), nn.Linear(5, 3))
+
+
+def _data(n: int = B) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _pg(model: nn.Module, **kw) -> PrivateGradient:
+    return PrivateGradient(model, GaussianSumQuery(0.5, 1.0), expected_batch_size=float(B), **kw)
+
+
+def _exchange_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that gives example i the norm of example i + 1: the sum is unchanged."""
+    norms = LinearForm.squared_norms
+
+    def rolled(self: LinearForm) -> dict[str, torch.Tensor]:
+        return {k: v.roll(1) for k, v in norms(self).items()}
+
+    monkeypatch.setattr(LinearForm, "squared_norms", rolled)
+
+
+def test_rows_given_to_the_wrong_example_are_refused_before_any_release(monkeypatch):
+    _exchange_rows(monkeypatch)
+    model = _mlp()
+    pg = _pg(model)
+    x, y = _data()
+    with pytest.raises(AttributionError, match=r"'0.weight' of module '0' \(Linear\)") as err:
+        pg.accumulate(x, y, LOSS)
+    assert str(B) not in str(err.value)  # no fact of the private batch in the message
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_without_the_check_the_same_fault_goes_through(monkeypatch):
+    # the coverage check compares sums only: exchanged rows pass it
+    _exchange_rows(monkeypatch)
+    pg = _pg(_mlp(), attribution_check=0)
+    pg.accumulate(*_data(), LOSS)
+
+
+def test_the_check_is_refused_through_make_private_too(monkeypatch):
+    _exchange_rows(monkeypatch)
+    x, y = _data(24)
+    model = _mlp()
+    model, optimizer, criterion, loader = dpfy.make_private(
+        model, torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.utils.data.TensorDataset(x, y), target_epsilon=4.0, delta=1e-5, epochs=1,
+        clip_norm=0.5, expected_batch_size=6, loss_fn=LOSS, randomness=Randomness(0),
+    )
+    batches = iter(loader)
+    xb, yb = next(batches)
+    with pytest.raises(AttributionError):
+        criterion(model(xb), yb).backward()
+    batches.close()
+
+
+def test_dropout_stands_the_check_down_instead_of_refusing():
+    model = _mlp(dropout=0.5)
+    pg = _pg(model)
+    pg.accumulate(*_data(), LOSS)
+    assert pg._attribution.stochastic is True
+    pg.accumulate(*_data(), LOSS)  # no further alone passes
+
+
+def test_user_level_groups_with_padding_rows_are_not_refused():
+    for mode, unit in (("sum", "example"), ("average", "microbatch_average")):
+        pg = PrivateGradient(
+            _mlp(), GaussianSumQuery(0.5, 1.0, clipped_unit=unit), expected_batch_size=3.0,
+            microbatch_size=2, microbatch_mode=mode,
+        )
+        x, y = _data()
+        for _ in range(8):  # a random unit each time
+            pg.accumulate(x, y, LOSS, weights=torch.tensor([1.0, 0, 1, 1, 1, 0]))
+
+
+def test_the_check_changes_neither_the_result_nor_the_random_streams():
+    x, y = _data()
+    sums, draws = [], []
+    for every in (1, 0):
+        torch.manual_seed(0)
+        model = _mlp(dropout=0.2)
+        pg = _pg(model, attribution_check=every)
+        torch.manual_seed(1)
+        pg.accumulate(x, y, LOSS)
+        draws.append(torch.rand(3))
+        sums.append(pg.clipped_sum())
+    assert all(torch.equal(sums[0][k], sums[1][k]) for k in sums[0])
+    assert torch.equal(draws[0], draws[1])
+
+
+def test_a_loss_that_needs_the_whole_batch_turns_the_check_off_with_a_warning():
+    scale = torch.arange(1.0, B + 1)
+
+    def scaled(outputs, targets):  # closes over one scale per row of the chunk
+        return LOSS(outputs, targets) * scale
+
+    pg = _pg(_mlp())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pg.accumulate(*_data(), scaled)
+    assert any(issubclass(w.category, AttributionCheckWarning) for w in seen)
+    assert str(B) not in str(seen[-1].message)
+    assert pg._attribution.every == 0
+
+
+def test_attribution_check_must_be_a_non_negative_integer():
+    with pytest.raises(ValueError, match="attribution_check"):
+        _pg(_mlp(), attribution_check=-1)
