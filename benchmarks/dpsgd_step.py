@@ -8,8 +8,9 @@ interleaved rounds (every method once per round, in a rotating order) so that lo
 processes hits them alike; the figure of merit is the median step time divided by the plain
 median (DESIGN.md section 9).
 
-``dpfy_bandmf``, ``dpfy_blt`` and ``dpfy_tree`` are dpfy's step with correlated DP-FTRL noise
-(their ratio to ``dpfy`` is the overhead of the noise streams).
+``dpfy_attr`` is dpfy's step with the attribution check on every step (its ratio to ``dpfy``
+is the check's cost). ``dpfy_bandmf``, ``dpfy_blt`` and ``dpfy_tree`` are dpfy's step with
+correlated DP-FTRL noise (their ratio to ``dpfy`` is the overhead of the noise streams).
 
 Models (``--models``; the default is the two image models at batch 256):
 
@@ -180,10 +181,13 @@ def plain_step(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
     return step
 
 
-def dpfy_step(model: nn.Module, x: Inputs, y: torch.Tensor) -> Step:
+def dpfy_step(
+    model: nn.Module, x: Inputs, y: torch.Tensor, attribution_check: int = 0
+) -> Step:
     batch = _args(x)[0].shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=batch)
+    pg.attribution.every = attribution_check
     loss_fn = nn.CrossEntropyLoss(reduction="none")
     ledger, rng = Ledger(), Randomness(seed=0)
     spec = SampleSpec("poisson", dataset_size=60_000, sampling_rate=batch / 60_000)
@@ -283,6 +287,8 @@ def opacus_step(mode: str) -> Callable[[nn.Module, Inputs, torch.Tensor], Step]:
 METHODS = {
     "plain": plain_step,
     "dpfy": dpfy_step,
+    # with the attribution check on every step (off by default): its cost
+    "dpfy_attr": lambda model, x, y: dpfy_step(model, x, y, attribution_check=1),
     "dpfy_bandmf": dpfy_correlated_step("bandmf"),
     "dpfy_blt": dpfy_correlated_step("blt"),
     "dpfy_tree": dpfy_correlated_step("tree"),

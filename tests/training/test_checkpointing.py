@@ -59,8 +59,8 @@ MODELS = {"bert": (_bert, sequence_classification_loss), "gpt2": (_gpt2, causal_
 
 
 def _clipped_sum(model, inputs, labels, loss_fn, clip, path):
-    # no attribution check: its alone pass would call the counted layer too
-    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B, attribution_check=0)
+    pg = PrivateGradient(model, NoPrivacyQuery(clip), expected_batch_size=B)
+    pg.attribution.every = 0  # its alone pass would call the counted layer too
     if path == "accumulate":
         pg.accumulate(inputs, labels, loss_fn)
     else:

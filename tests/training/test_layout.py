@@ -98,11 +98,8 @@ def _float64():
     torch.set_default_dtype(old)
 
 
-def _pg(model: nn.Module, attribution_check: int = 1) -> PrivateGradient:
-    return PrivateGradient(
-        model, GaussianSumQuery(CLIP, 1.0), expected_batch_size=5.0,
-        attribution_check=attribution_check,
-    )
+def _pg(model: nn.Module) -> PrivateGradient:
+    return PrivateGradient(model, GaussianSumQuery(CLIP, 1.0), expected_batch_size=5.0)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +122,8 @@ def test_time_major_with_sequence_length_equal_to_the_batch_is_refused(model, x,
 
 def test_batch_first_with_sequence_length_equal_to_the_batch_is_exact_and_probed_once():
     model = BatchFirst()
-    pg = _pg(model, attribution_check=0)  # its alone pass would be counted too
+    pg = _pg(model)
+    pg.attribution.every = 0  # its alone pass would be counted too
     x, y = torch.randn(5, 5, 3), torch.randint(0, 2, (5,))
     calls: list[int] = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))

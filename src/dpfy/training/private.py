@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dpfy._validate import check_range
+from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
@@ -60,6 +60,7 @@ from dpfy.training.loader import (
     check_sampler,
     collated,
 )
+from dpfy.training.norms.attribution import DEFAULT_EVERY
 from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import (
     Precision,
@@ -527,8 +528,8 @@ class PrivateOptions:
         ``epochs`` may be None (no planned end). z = 0 releases without noise and the ledger
         says epsilon = infinity (debugging only).
       attribution_check: check every n-th physical batch that one random example's gradient
-        computed alone matches what the per-example rules recorded for it (1, the default:
-        every batch; 0: never; :mod:`dpfy.training.norms.attribution`).
+        computed alone matches what the per-example rules recorded for it (1: every batch;
+        0, the default for now: never; :mod:`dpfy.training.norms.attribution`).
     """
 
     max_physical_batch_size: int | None = None
@@ -544,7 +545,7 @@ class PrivateOptions:
     precision: Precision = "fp32"
     loss_scale: float | None = None
     noise_multiplier: float | None = None
-    attribution_check: int = 1
+    attribution_check: int = DEFAULT_EVERY
 
 
 def make_private(
@@ -600,6 +601,7 @@ def make_private(
     from dpfy.sampling.kinds import kind as sampler_kind
 
     o = PrivateOptions() if options is None else options
+    check_int("attribution_check", o.attribution_check, 0, 2**31)
     max_physical_batch_size, max_batch_size = o.max_physical_batch_size, o.max_batch_size
     collate_fn, ledger, accounting = o.collate_fn, o.ledger, o.accounting
     num_workers, device, on_budget, validate = o.num_workers, o.device, o.on_budget, o.validate
@@ -714,8 +716,8 @@ def make_private(
         expected_batch_size=sampler.expected_batch_size,
         precision=precision,
         loss_scale=loss_scale,
-        attribution_check=o.attribution_check,
     )
+    pg.attribution.every = o.attribution_check
     facts = {
         "trainer": "dpfy.make_private",
         "noise_multiplier": z,

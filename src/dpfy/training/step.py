@@ -90,7 +90,7 @@ from dpfy.training.distributed import (
     data_parallel_model,
     mirror_release,
 )
-from dpfy.training.norms.attribution import AttributionCheck, recomputable
+from dpfy.training.norms.attribution import AttributionCheck
 from dpfy.training.norms.capture import (
     Fallback,
     LayerCapture,
@@ -102,7 +102,7 @@ from dpfy.training.norms.capture import (
 )
 from dpfy.training.norms.coverage import TOLERANCE, CoverageGuard
 from dpfy.training.norms.fallback import fallback_rule
-from dpfy.training.norms.layout import LayoutBook, permute_batch
+from dpfy.training.norms.layout import LayoutBook, replays
 from dpfy.training.norms.registry import (
     Capture,
     LayerGrads,
@@ -217,10 +217,8 @@ class PrivateGradient:
         query must be a stateless :class:`dpfy.queries.QueryBase`; ``model`` may be a
         ``DistributedDataParallel`` (its ``.module`` is used; DDP's own all-reduce never runs).
       coverage_check: ``"first"`` (the first chunk) or ``"every"`` chunk
-        (:mod:`dpfy.training.norms.coverage`).
-      attribution_check: check every n-th chunk that one random example's gradient computed
-        alone matches what the rules recorded for it (:mod:`dpfy.training.norms.attribution`);
-        1 (default) every chunk, 0 never.
+        (:mod:`dpfy.training.norms.coverage`); the attribution check's frequency is
+        ``attribution.every`` (:mod:`dpfy.training.norms.attribution`).
 
     Parameters used by several modules (tied input/output embeddings) get the exact
     per-example norm of the *sum* of their contributions (own norms plus cross terms,
@@ -247,10 +245,8 @@ class PrivateGradient:
         loss_scale: float | None = None,
         reducer: GradientReducer | None = None,
         coverage_check: CoverageCheck = "first",
-        attribution_check: int = 1,
     ) -> None:
         self.precision: Precision = check_precision(precision)
-        check_int("attribution_check", attribution_check, 0, 2**31)
         if coverage_check not in ("first", "every"):
             raise ValueError(
                 "coverage_check must be 'first' or 'every', got "
@@ -328,12 +324,7 @@ class PrivateGradient:
         # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = getattr(query, "fused_release", False) is True
         self._layouts = LayoutBook()
-        self._attribution = AttributionCheck(attribution_check)
-        self._owners = {
-            qn: f"module {plan.name or '<root>'!r} ({type(plan.module).__name__})"
-            for plan, names in zip(self.plans_, self._qnames, strict=True)
-            for qn in names.values()
-        }
+        self.attribution = AttributionCheck(self.plans_, self._qnames)
         self._coverage = CoverageGuard(
             model, self.plans_, self._qnames, self._params,
             every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
@@ -437,19 +428,9 @@ class PrivateGradient:
         batch = _batch_size(inputs)
         with guard, capture_layers(self._hooked(), batch) as recorder:
             if self._sharded is None:  # FSDP2: a probe's forward would need every rank
-
-                def rerun(perm: torch.Tensor | None) -> None:
-                    with self.autocast():
-                        self._forward(permute_batch(inputs, perm, batch))
-
-                def loss_of(rows: torch.Tensor) -> torch.Tensor:
-                    with self.autocast():
-                        out = self._forward(permute_batch(inputs, rows, batch))
-                        return loss_fn(out, permute_batch(targets, rows, batch))
-
-                recorder.rerun = rerun
-                if recomputable(loss_fn):
-                    recorder.loss_of = loss_of
+                recorder.rerun, recorder.loss_of = replays(
+                    self._forward, self.autocast, inputs, targets, loss_fn, batch
+                )
             with self.autocast():
                 losses = loss_fn(self._forward(inputs), targets)
             return self._accumulate_losses(recorder, losses, weights, return_norms, loss_scale)
@@ -588,18 +569,11 @@ class PrivateGradient:
                 total_sq = torch.where(bad, inf, total_sq)
             weights_by_param = self._clip_weights(sq, total_sq, real, n, wd)
             self._add_weighted_sums(layers, weights_by_param, sq)
-        if (
-            self._attribution.due()
-            and recorder.loss_of is not None
-            and self._sharded is None
-            and losses.device.type != "meta"
-            and math.isfinite(host[0])
-        ):
-            self._attribution.run(
+        if self.attribution.due() and recorder.loss_of is not None and math.isfinite(host[0]):
+            self.attribution.run(
                 recorder.loss_of, self._params, sq, real, mask, k,
                 1.0 / k if self.microbatch_mode == "average" else 1.0,
                 TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3),
-                lambda name: self._owners.get(name, "the model"),
             )
         self._loss_sum += loss_sum
         self._examples += n_real

@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 import random
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ LossOf = Callable[[torch.Tensor], torch.Tensor]
 
 #: Rounding floor, relative to the whole gradient's norm (the coverage check's).
 ABSOLUTE = 1e-2
+
+#: Chunks between two checks by default (0: off). Off until it stops refusing the MiniLM text
+#: recipe (docs/architecture.md, "The attribution check").
+DEFAULT_EVERY = 0
 
 _PICK = random.SystemRandom()  # which unit is checked: never the training streams
 
@@ -67,12 +72,24 @@ class AttributionError(ValueError):
 
 
 class AttributionCheck:
-    """Runs the check every ``every`` chunks (0: never); see the module docstring."""
+    """Runs the check every ``every`` chunks (0: never); see the module docstring.
 
-    def __init__(self, every: int = 1) -> None:
+    Built by ``PrivateGradient`` over its plans and their parameters' model names (for the
+    message); ``every`` may be set at any time (``make_private``'s ``PrivateOptions``).
+    """
+
+    def __init__(
+        self, plans: Sequence[Any] = (), qualified: Sequence[Mapping[str, str]] = (),
+        every: int = DEFAULT_EVERY,
+    ) -> None:
         self.every = int(every)
         self.chunks = 0
         self.stochastic: bool | None = None  # learnt on the first check
+        self._owners = {
+            qn: f"module {plan.name or '<root>'!r} ({type(plan.module).__name__})"
+            for plan, names in zip(plans, qualified, strict=True)
+            for qn in names.values()
+        }
 
     def due(self) -> bool:
         """Whether the next chunk is checked (counts the chunk)."""
@@ -91,7 +108,6 @@ class AttributionCheck:
         group_size: int,
         unit_scale: float,
         tolerance: float,
-        owner: Callable[[str], str],
     ) -> None:
         """Check one random real unit; raises :class:`AttributionError` on a mismatch.
 
@@ -104,7 +120,6 @@ class AttributionCheck:
           group_size: rows per unit.
           unit_scale: what a unit's summed loss is multiplied by (1/k in average mode).
           tolerance: relative tolerance of the working precision.
-          owner: the module label of a parameter name, for the message.
         """
         n = next(iter(squared.values())).shape[0] if squared else 0
         units = list(range(n)) if real is None else torch.nonzero(real > 0).flatten().tolist()
@@ -151,7 +166,9 @@ class AttributionCheck:
             if not abs(a - b) <= tolerance * max(a, b) + ABSOLUTE * tolerance * whole
         ]
         if wrong:
-            shown = ", ".join(f"{name!r} of {owner(name)}" for name in wrong[:4])
+            shown = ", ".join(
+                f"{name!r} of {self._owners.get(name, 'the model')}" for name in wrong[:4]
+            )
             more = f" and {len(wrong) - 4} more" if len(wrong) > 4 else ""
             raise AttributionError(
                 "per-example gradients were given to the wrong examples, so nothing was "

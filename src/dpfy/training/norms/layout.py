@@ -71,6 +71,30 @@ def permute_batch(x: Any, perm: torch.Tensor | None, batch: int) -> Any:
     return tree_unflatten(out, spec)
 
 
+def replays(
+    forward: Callable[[Any], Any],
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch: int,
+) -> tuple[Rerun, Callable[[torch.Tensor], torch.Tensor] | None]:
+    """The chunk's forward on reordered rows (the layout probe) and the caller's per-example
+    losses of some rows (the attribution check; ``None`` for a loss that is not
+    :func:`~dpfy.training.norms.attribution.recomputable`)."""
+    from dpfy.training.norms.attribution import recomputable
+
+    def rerun(perm: torch.Tensor | None) -> Any:
+        with autocast():
+            return forward(permute_batch(inputs, perm, batch))
+
+    def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            return loss_fn(rerun(rows), permute_batch(targets, rows, batch))
+
+    return rerun, loss_of if recomputable(loss_fn) else None
+
+
 def _leaves(args: Any, kwargs: Any) -> list[Any]:
     return tree_flatten((args, kwargs))[0]
 
