@@ -50,3 +50,15 @@ def fixed_os_key(monkeypatch: pytest.MonkeyPatch) -> None:
     import dpfy.randomness
 
     monkeypatch.setattr(dpfy.randomness, "os", _SeededOS(0))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the test: for hundreds of passes over a few rows, a thread
+    pool's start-up would dominate them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

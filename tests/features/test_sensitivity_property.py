@@ -47,13 +47,7 @@ LEARNERS: dict[str, Callable[[], est._DPFeatureClassifier]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Hundreds of fits of a few rows: a thread pool's start-up would dominate them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # hundreds of tiny passes
 
 
 @dataclass

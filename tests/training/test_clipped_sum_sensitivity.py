@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,13 +61,7 @@ EXTREME = 1e3
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]  # inputs, targets, weights
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Hundreds of passes over a few rows: a thread pool's start-up would dominate them."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # hundreds of tiny passes
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,14 @@ clipped sums exactly as :meth:`dpfy.training.step.PrivateGradient.accumulate` do
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from dpfy.training.norms.attribution import recomputable
 from dpfy.training.norms.capture import LayerCapture, capture_layers
-from dpfy.training.norms.layout import permute_batch
+from dpfy.training.norms.layout import replays
 from dpfy.training.precision import check_loss_scale
 
 if TYPE_CHECKING:
@@ -47,39 +47,27 @@ class OpenChunk:
             )
             self._stack.callback(handle.remove)
         self._batch_size = batch_size
+        #: the caller's model call (forward, its (args, kwargs)), kept for the replays
+        self._kept: tuple[Callable[[Any], Any], Any] | None = None
 
     def _keep_call(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         recorder = self._recorder
         if recorder is None or not recorder.active or recorder.rerun is not None:
             return  # the first call of the chunk is the one to replay
-        pg, batch = self._pg, self._batch_size
-        assert batch is not None
-
-        def rerun(perm: torch.Tensor | None) -> Any:
-            with pg.autocast():
-                return module(
-                    *permute_batch(args, perm, batch), **permute_batch(kwargs, perm, batch)
-                )
-
-        recorder.rerun = rerun
+        assert self._batch_size is not None
+        forward: Callable[[Any], Any] = lambda call: module(*call[0], **call[1])  # noqa: E731
+        self._kept = (forward, (args, kwargs))
+        recorder.rerun, _ = replays(forward, self._pg.autocast, (args, kwargs), None, None,
+                                    self._batch_size)
 
     def set_loss(self, loss_fn: Any, targets: Any) -> None:
         """The caller's per-example loss and this chunk's targets (after its forward pass), so
         that the attribution check can recompute one example's loss alone."""
         recorder, batch = self._recorder, self._batch_size
-        if recorder is None or recorder.rerun is None or batch is None:
+        if recorder is None or self._kept is None or batch is None:
             return
-        if not recomputable(loss_fn):
-            return
-        rerun = recorder.rerun
-
-        def loss_of(rows: torch.Tensor) -> torch.Tensor:
-            out = rerun(rows)
-            with self._pg.autocast():
-                losses: torch.Tensor = loss_fn(out, permute_batch(targets, rows, batch))
-            return losses
-
-        recorder.loss_of = loss_of
+        forward, inputs = self._kept
+        _, recorder.loss_of = replays(forward, self._pg.autocast, inputs, targets, loss_fn, batch)
 
     @property
     def open(self) -> bool:

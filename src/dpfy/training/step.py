@@ -502,6 +502,8 @@ class PrivateGradient:
             mine = recorder.calls[: len(self.plans_)]  # not the coverage check's ancestors
             self._layouts.settle(self.plans_, mine, batch, self.model, recorder.rerun,
                                  recorder.paused)
+        # the working precision's tolerance of the coverage and attribution checks
+        tol = TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3)
         guard = self._coverage if self._coverage.due else None
         guard = None if losses.device.type == "meta" else guard  # meta: no values to compare
         checked = guard.params if guard is not None else []
@@ -552,7 +554,6 @@ class PrivateGradient:
                     again, seen = guard.measure(layers, batch_grads, n, loss_scale, like)
                     return again.reshape(-1).tolist(), seen
 
-                tol = TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3)
                 planned = len(self.plans_)
                 guard.settle(host[len(host) - coverage.numel():], recorded, tol, promoted)
                 if len(self.plans_) > planned:  # an ancestor took a parameter: norms anew
@@ -572,8 +573,7 @@ class PrivateGradient:
         if self.attribution.due() and recorder.loss_of is not None and math.isfinite(host[0]):
             self.attribution.run(
                 recorder.loss_of, self._params, sq, real, mask, k,
-                1.0 / k if self.microbatch_mode == "average" else 1.0,
-                TOLERANCE[torch.bfloat16] if half else TOLERANCE.get(losses.dtype, 1e-3),
+                1.0 / k if self.microbatch_mode == "average" else 1.0, tol,
             )
         self._loss_sum += loss_sum
         self._examples += n_real

@@ -76,12 +76,12 @@ def replays(
     autocast: Callable[[], contextlib.AbstractContextManager[Any]],
     inputs: Any,
     targets: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
     batch: int,
 ) -> tuple[Rerun, Callable[[torch.Tensor], torch.Tensor] | None]:
     """The chunk's forward on reordered rows (the layout probe) and the caller's per-example
-    losses of some rows (the attribution check; ``None`` for a loss that is not
-    :func:`~dpfy.training.norms.attribution.recomputable`)."""
+    losses of some rows (the attribution check; ``None`` without a loss, or for one that is
+    not :func:`~dpfy.training.norms.attribution.recomputable`)."""
     from dpfy.training.norms.attribution import recomputable
 
     def rerun(perm: torch.Tensor | None) -> Any:
@@ -89,10 +89,11 @@ def replays(
             return forward(permute_batch(inputs, perm, batch))
 
     def loss_of(rows: torch.Tensor) -> torch.Tensor:
+        assert loss_fn is not None
         with autocast():
             return loss_fn(rerun(rows), permute_batch(targets, rows, batch))
 
-    return rerun, loss_of if recomputable(loss_fn) else None
+    return rerun, loss_of if loss_fn is not None and recomputable(loss_fn) else None
 
 
 def _leaves(args: Any, kwargs: Any) -> list[Any]:
