@@ -87,7 +87,7 @@ def test_trains_writes_the_ledger_and_the_saved_card(tmp_path):
     card = (saved / "README.md").read_text()
     privacy = card[card.index("## Privacy") :]
     for text in ("DP release", "Formal statement", "Unit of privacy: example",
-                 "Ledger integrity: verified", "delta: 1e-05"):
+                 "Ledger integrity: intact and signed", "delta: 1e-05"):
         assert text in privacy, text
     again = transformers.BertForSequenceClassification.from_pretrained(saved)
     assert torch.equal(again.classifier.weight, trainer.model.classifier.weight)

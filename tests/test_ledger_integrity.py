@@ -51,7 +51,7 @@ def test_every_line_is_chained_and_close_writes_the_end_record(tmp_path):
     v = Ledger.load(path).verification
     assert v.status == "verified" and v.lines == len(objs) and v.run_id == objs[0]["run_id"]
     assert v.head == ledger.head == ledger.verification.head
-    assert "verified (hash chain over" in v.describe()
+    assert "intact and signed (hash chain over" in v.describe()
 
 
 def test_resuming_continues_the_chain_and_an_open_ledger_is_not_verified(tmp_path):
@@ -280,7 +280,8 @@ def test_the_report_states_the_chain_and_dpfy_report_refuses_a_tampered_ledger(t
     rep = build_report(Ledger.load(path), delta=DELTA, method="rdp", ledger_path=str(path))
     assert rep.ledger_integrity["status"] == "verified"
     assert rep.ledger_integrity["head"] == ledger.head
-    line = f"- Ledger integrity: verified (hash chain over 16 lines, run {ledger.run_id[:8]}…"
+    line = (f"- Ledger integrity: intact and signed (hash chain over 16 lines, run "
+            f"{ledger.run_id[:8]}…")
     assert line in rep.to_markdown()
     assert rep.to_dict()["ledger_integrity"]["run_id"] == ledger.run_id
     forensic_copy = tmp_path / "copy.jsonl"

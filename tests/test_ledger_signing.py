@@ -340,7 +340,7 @@ def test_a_ledger_re_signed_with_another_key_is_refused_under_the_kept_key(tmp_p
     args = ["report", str(forged), "--delta", "1e-5", "--method", "rdp", "--no-figures"]
     assert main([*args, "--public-key", kept]) == 2
     err = capsys.readouterr().err.strip()
-    assert "not the key kept apart from the file" in err and "\n" not in err
+    assert "not by the key you trust, kept apart from the file" in err and "\n" not in err
     assert not (forged.parent / "report.json").exists()  # nothing written
     assert main([*args, "--public-key", "abc"]) == 2
     assert "64 lowercase hex digits" in capsys.readouterr().err

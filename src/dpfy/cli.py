@@ -62,6 +62,46 @@ app = typer.Typer(
 )
 
 
+PublicKeyOption = Annotated[
+    str | None,
+    typer.Option("--public-key", help="An Ed25519 public key (64 hex digits) you hold apart "
+                 "from the run: the run's own key (its released report or model card names it) "
+                 "or a long-lived key that endorsed it. A ledger signed by a key that is "
+                 "neither is refused (exit 2)."),
+]
+TrustOption = Annotated[
+    Path | None,
+    typer.Option("--trust", help="A file holding the public key you trust (KEY.pub of "
+                 "`dpfy keys new`, or PEM): as --public-key."),
+]
+
+keys_app = typer.Typer(help="Long-lived signing keys, kept outside runs.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("new")
+def keys_new(
+    path: Annotated[Path, typer.Argument(help="Where to write the private key (mode 0600); "
+                                        "its public key goes to PATH.pub.")],
+) -> None:
+    """Draw a long-lived Ed25519 key that signs the keys of your runs (`dpfy train
+    --signing-key PATH`); give readers PATH.pub (`dpfy report --trust PATH.pub`)."""
+    from dpfy.ledger.trust import fingerprint, new_long_lived_key
+
+    public = new_long_lived_key(path)
+    print(f"private key: {path} (keep it outside every run directory; back it up)")
+    print(f"public key:  {path}.pub  {public}  ({fingerprint(public)})")
+
+
+def _warn_unless_trusted(trust: Any) -> None:
+    """One warning line on standard error unless the ledger's key was checked against the key
+    the reader trusts (``trust``: :meth:`dpfy.ledger.trust.KeyTrust.to_dict`)."""
+    from dpfy.ledger.trust import TRUSTED
+
+    if isinstance(trust, dict) and trust.get("level") != TRUSTED:
+        print(f"dpfy: warning: ledger key: {trust.get('summary')}", file=sys.stderr)
+
+
 def _print_mechanisms(rows: list[dict[str, Any]], title: str) -> None:
     print(title)
     print(f"{'mechanism':<16}{'sampler':<10}{'method':<10}{'z':>9}{'epsilon':>9}"
@@ -248,25 +288,26 @@ def report(
                      parser=out_dir_option("out")),
     ] = None,
     figures: Annotated[bool, typer.Option("--figures/--no-figures")] = True,
-    public_key: Annotated[
-        str | None,
-        typer.Option("--public-key", help="The run's Ed25519 public key (64 hex digits) as "
-                     "kept from its released report or model card: a ledger signed by "
-                     "another key is refused."),
-    ] = None,
+    public_key: PublicKeyOption = None,
+    trust: TrustOption = None,
     as_json: AsJson = False,
 ) -> None:
-    """Re-account a ledger with every applicable method and write the privacy report."""
+    """Re-account a ledger with every applicable method and write the privacy report.
+
+    Exit code 0: the ledger is verified against the key you trust, or intact under a key
+    nobody checked (one warning line on standard error); 2: broken or refused (one line)."""
     from dpfy import runs
 
     if method == "all":
         raise UsageProblem("--method all is for `dpfy epsilon`; reports list every method anyway")
     run = runs.report_ledger(
-        ledger_path, delta=delta, method=method, out=out, figures=figures, public_key=public_key
+        ledger_path, delta=delta, method=method, out=out, figures=figures, public_key=public_key,
+        trust=trust,
     )
     rep = run.report
     if run.diverted is not None:
         print(run.diverted, file=sys.stderr)
+    _warn_unless_trusted(rep.ledger_integrity.get("trust"))
     if as_json:
         print(rep.to_json())
         return
@@ -307,15 +348,21 @@ def audit(
         typer.Option("--seed", help="Seed of the audit's canaries and noise.",
                      parser=seed_option()),
     ] = 0,
+    public_key: PublicKeyOption = None,
+    trust: TrustOption = None,
     as_json: AsJson = False,
 ) -> None:
-    """Measure an empirical epsilon lower bound for a run's release; add it to its report."""
+    """Measure an empirical epsilon lower bound for a run's release; add it to its report.
+
+    Exit codes as `dpfy report`: 0 verified or intact (one warning line), 2 broken or
+    refused."""
     from dpfy import runs
 
     section = runs.audit_and_report(
         run_dir, method=method.value, trials=trials, confidence=confidence, seed=seed,
-        progress=not as_json,
+        progress=not as_json, public_key=public_key, trust=trust,
     )
+    _warn_unless_trusted(section.get("ledger_trust"))
     if as_json:
         print(json.dumps({k: _num(v) for k, v in section.items()}, default=str))
         return
@@ -403,6 +450,12 @@ def train(
         typer.Option("--config", help="A TOML file of the run's options (a run directory's "
                      "run.toml); options given here override it."),
     ] = None,
+    signing_key: Annotated[
+        Path | None,
+        typer.Option("--signing-key", help="A long-lived Ed25519 private key kept outside "
+                     "runs (`dpfy keys new`): it endorses the run's own key in the ledger, so "
+                     "`dpfy report --trust KEY.pub` verifies the run. Never in run.toml."),
+    ] = None,
     **given: Any,
 ) -> None:
     """Train a CNN with DP-SGD (images) or DP fine-tune MiniLM (rotten-tomatoes), then write
@@ -413,7 +466,7 @@ def train(
     from dpfy import runs
 
     chosen = run_config(ctx, dataset, config, given)
-    run = runs.train_launched(chosen, progress=True)  # torchrun: this process's rank
+    run = runs.train_launched(chosen, progress=True, signing_key=signing_key)  # torchrun: a rank
     if isinstance(run, runs.HelperRank):
         print(f"rank {run.rank} of {run.world_size}: done; rank 0 wrote the ledger, model and "
               "report")

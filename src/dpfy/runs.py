@@ -130,7 +130,11 @@ class TrainedRun(ReportedRun):
 
 
 def train_and_report(
-    config: RunConfig, *, progress: bool = False, distributed: Distributed | None = None
+    config: RunConfig,
+    *,
+    progress: bool = False,
+    distributed: Distributed | None = None,
+    signing_key: str | os.PathLike[str] | None = None,
 ) -> TrainedRun:
     """Train with :func:`dpfy.training.recipes.train_image_classifier` (images) or
     :func:`dpfy.training.text.train_text_classifier` (text), then account the ledger and write
@@ -142,6 +146,10 @@ def train_and_report(
       distributed: rank 0 of a ``torchrun`` launch (:func:`torchrun_rank`): it writes the run
         directory while the other ranks run :func:`train_rank`; ``None``: this process alone
         (or with its ``config.workers`` local helpers).
+      signing_key: a long-lived Ed25519 private key file, kept outside runs (``dpfy keys
+        new``): it endorses the run's key in the ledger (:mod:`dpfy.ledger.trust`), so a reader
+        who trusts its public key verifies the run. Read before anything is written; not part
+        of the configuration (``run.toml`` never names it).
 
     Raises:
       ValueError: ``config.out`` already holds a ledger (nothing is written then), or
@@ -153,12 +161,17 @@ def train_and_report(
             f"{distributed.rank}: the other ranks of a launch call train_rank"
         )
     c = config
+    endorser = None
+    if signing_key is not None:
+        from dpfy.ledger.trust import load_long_lived_key
+
+        endorser = load_long_lived_key(signing_key)
     out_dir = _new_run_dir(c.out, c.dataset)
     from dpfy.publication import check_diagnostics_dir, claimed_run_dir
 
     diagnostics = check_diagnostics_dir(c.private_diagnostics, out_dir)
     with claimed_run_dir(out_dir):  # one `dpfy train` per run directory at a time
-        return _train_into(c, out_dir, diagnostics, progress, distributed)
+        return _train_into(c, out_dir, diagnostics, progress, distributed, endorser)
 
 
 def _train_into(
@@ -167,8 +180,10 @@ def _train_into(
     diagnostics: Path | None,
     progress: bool,
     distributed: Distributed | None,
+    endorser: Any = None,
 ) -> TrainedRun:
-    """:func:`train_and_report` in the run directory ``out_dir`` it holds."""
+    """:func:`train_and_report` in the run directory ``out_dir`` it holds; ``endorser``: the
+    long-lived key that endorses the run key (None: none)."""
     dataset, target_epsilon, delta, seed = c.dataset, c.target_epsilon, c.delta, c.seed
     sampler, precision, lora, unit = c.sampler_kind, c.precision, c.lora, c.unit
     workers, shard, mechanism = c.workers, c.shard, c.mechanism
@@ -231,6 +246,11 @@ def _train_into(
         **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
         **({"launcher": "torchrun"} if distributed is not None else {}),
     )
+    trusted_key = None
+    if endorser is not None:  # the long-lived key signs the run key, inside the signed chain
+        from dpfy.ledger.trust import endorse
+
+        trusted_key = endorse(summary.ledger, endorser)["key"]
     summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
     from dpfy.ledger import Ledger
     from dpfy.publication import publishing_section, write_private_diagnostics
@@ -248,6 +268,7 @@ def _train_into(
         target_epsilon=target_epsilon,
         accuracy_by_step=accuracy_by_step,
         publishing=publishing_section(out_dir, diagnostics),
+        trusted_key=trusted_key,
     )
     if canaries is not None and tracker is not None and audit_guesses is not None:
         report = _one_run_audit(
@@ -355,7 +376,12 @@ class HelperRank:
     world_size: int
 
 
-def train_launched(config: RunConfig, *, progress: bool = False) -> TrainedRun | HelperRank:
+def train_launched(
+    config: RunConfig,
+    *,
+    progress: bool = False,
+    signing_key: str | os.PathLike[str] | None = None,
+) -> TrainedRun | HelperRank:
     """``dpfy train``: :func:`train_and_report`, or this process's rank of a ``torchrun`` launch.
 
     Outside a launch this is :func:`train_and_report`. Under ``torchrun``
@@ -367,7 +393,8 @@ def train_launched(config: RunConfig, *, progress: bool = False) -> TrainedRun |
         if rank is not None and not rank.releases:
             train_rank(config, rank)
             return HelperRank(rank.rank, rank.world_size)
-        return train_and_report(config, progress=progress, distributed=rank)
+        return train_and_report(config, progress=progress, distributed=rank,
+                                signing_key=signing_key)
 
 
 def train_rank(config: RunConfig, distributed: Distributed) -> None:
@@ -598,6 +625,7 @@ def report_ledger(
     out: str | os.PathLike[str] | None = None,
     figures: bool = True,
     public_key: str | None = None,
+    trust: str | os.PathLike[str] | None = None,
 ) -> ReportedRun:
     """Re-account a ledger file with every applicable method and write its report.
 
@@ -610,10 +638,14 @@ def report_ledger(
       out: directory for ``report.md``, ``report.json`` and figures (default: the ledger's).
       figures: draw the figures (their data comes from the ledger; utility and the target
         epsilon from its metadata).
-      public_key: the run's Ed25519 public key (64 hex digits) as kept apart from the
-        ledger (the released report or model card names it): a ledger whose header names
-        another key is refused, as a rewritten and re-signed one. Without it the header's
-        own key is used, which shows the file unchanged since signing, not who signed it.
+      public_key: an Ed25519 public key (64 hex digits) you hold apart from the ledger: the
+        run's own key (the released report or model card names it) or a long-lived key that
+        endorsed it (:mod:`dpfy.ledger.trust`). A ledger whose key is neither it nor endorsed
+        by it is refused, as a rewritten and re-signed one. Without it (or ``trust``) the
+        header's own key is used, which shows the file self-consistent, not who signed it:
+        the report says "key not checked".
+      trust: a file holding the public key you trust (``dpfy keys new`` writes ``KEY.pub``);
+        as ``public_key``, of which at most one is given.
 
     Raises:
       ValueError: no such ledger file, a malformed ledger or metadata field (named), a
@@ -629,8 +661,9 @@ def report_ledger(
     check_output_path("out", out_dir)
     from dpfy.ledger import Ledger, LedgerFormatError
 
+    trusted_key = _trusted_key(public_key, trust)
     try:
-        ledger = Ledger.load(path, public_key=public_key)
+        ledger = Ledger.load(path)
     except UnicodeDecodeError as err:
         raise ValueError(
             f"ledger_path must be a UTF-8 dpfy ledger, got {str(path)!r}: {err}"
@@ -655,8 +688,22 @@ def report_ledger(
         target_epsilon=facts["target_epsilon"],
         accuracy_by_step=facts["accuracy_by_step"],
         note=note,
+        trusted_key=trusted_key,
     )
     return ReportedRun(out_dir, path, report, report_name=name, diverted=diverted)
+
+
+def _trusted_key(
+    public_key: str | None, trust: str | os.PathLike[str] | None
+) -> str | None:
+    """The key a reader trusts, from ``--public-key HEX`` or ``--trust KEYFILE`` (one of them)."""
+    from dpfy.ledger.trust import check_public_key, read_trusted_key
+
+    if public_key is not None and trust is not None:
+        raise ValueError("public_key and trust name the key you trust twice: give one of them")
+    if public_key is not None:
+        return check_public_key("public_key", public_key)
+    return None if trust is None else read_trusted_key(trust)
 
 
 def _recorded_facts(meta: Mapping[str, Any], *, need_delta: bool) -> dict[str, Any]:
@@ -743,6 +790,7 @@ def _report_files(
     accuracy_by_step: list[tuple[int, float]] | None = None,
     note: str | None = None,
     publishing: dict[str, Any] | None = None,
+    trusted_key: str | None = None,
 ) -> PrivacyReport:
     """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
     into ``out_dir`` (beside, never over, a ``report.json`` of another chain head:
@@ -754,7 +802,8 @@ def _report_files(
 
     name, diverted = report_name(out_dir, ledger.head)
     report = build_report(
-        ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path)
+        ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path),
+        trusted_key=trusted_key,
     )
     if publishing is not None:
         report = dataclasses.replace(report, publishing=publishing)
@@ -847,19 +896,24 @@ def audit_and_report(
     confidence: float = 0.95,
     seed: int = 0,
     progress: bool = False,
+    public_key: str | None = None,
+    trust: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """``dpfy audit``: audit a run directory and add the Audit section to its report.
 
     See :func:`dpfy.audit.run.audit_run` (the method, what is audited, what a result means);
-    ``progress`` shows a rich progress bar over the audit's releases.
+    ``progress`` shows a rich progress bar over the audit's releases. ``public_key`` /
+    ``trust``: the key you trust, as in :func:`report_ledger`.
     """
     from dpfy.audit.run import METHODS, audit_run
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {set(METHODS)}, got method={method!r}")
+    trusted_key = _trusted_key(public_key, trust)
     if not progress:
         return audit_run(
-            run_dir, method=method, trials=trials, confidence=confidence, seed=seed  # type: ignore[arg-type]
+            run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]
+            trusted_key=trusted_key,
         )
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -874,5 +928,5 @@ def audit_and_report(
 
         return audit_run(
             run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]
-            progress=step,
+            progress=step, trusted_key=trusted_key,
         )

@@ -167,7 +167,7 @@ def test_the_ledger_is_the_accountant_and_the_randomness_is_secure_by_default():
     with pytest.raises(NotImplementedError, match="never stepped by hand"):
         engine.accountant.step(noise_multiplier=1.0, sample_rate=0.25)
     report = engine.write_report(1e-5) / "report.md"
-    assert "Ledger integrity: verified" in report.read_text(encoding="utf-8")
+    assert "Ledger integrity: intact and signed" in report.read_text(encoding="utf-8")
 
 
 def test_a_seed_makes_a_reproducible_experiment_recorded_as_one(tmp_path):

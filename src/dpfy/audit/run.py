@@ -41,6 +41,7 @@ from dpfy.audit.selftests import (
 )
 from dpfy.ledger import Ledger
 from dpfy.ledger.records import MatrixRunRecord, SumQueryRecord
+from dpfy.ledger.trust import assess
 from dpfy.report.statement import PrivacyReport
 
 AuditMethod = Literal["canary", "one-run"]
@@ -203,6 +204,7 @@ def audit_run(
     confidence: float = 0.95,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    trusted_key: str | None = None,
 ) -> dict[str, Any]:
     """Audit a run directory's release configuration; write the Audit section; return it.
 
@@ -215,9 +217,13 @@ def audit_run(
       confidence: of the lower bound, in (0, 1).
       seed: seeds the audit's canaries and noise (an experiment, never the run's release).
       progress: ``progress(done, total)`` per release (canary method).
+      trusted_key: an Ed25519 public key (64 hex digits) held apart from the run: its own
+        key or a long-lived key that endorsed it (:mod:`dpfy.ledger.trust`). The section's
+        ``ledger_trust`` says which level the ledger reached.
 
     Raises:
       ValueError: a bad argument or a directory that is not a dpfy run (named).
+      LedgerIntegrityError: ``trusted_key`` neither signed nor endorsed the ledger's key.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {set(METHODS)}, got method={method!r}")
@@ -232,6 +238,8 @@ def audit_run(
     )
     out = Path(run_dir)
     ledger, report = _load(out)
+    trust = assess(ledger.verification, ledger.metadata, trusted_key,
+                   source=f"ledger {str(out / 'ledger.jsonl')!r}")
     cfg = _configuration(ledger)
     delta = report.get("delta")
     if not isinstance(delta, int | float) or not 0 < delta < 1:
@@ -321,6 +329,7 @@ def audit_run(
         else "no violation found"
     )
     section["meaning"] = MEANING
+    section["ledger_trust"] = trust.to_dict()
     write_section(out, report, section)
     return section
 

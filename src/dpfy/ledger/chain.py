@@ -104,10 +104,10 @@ class Verification:
         if self.status in (VERIFIED, OPEN, UNSIGNED):
             run = f"run {self.run_id[:8]}…, " if self.run_id else ""
             head = f"head {self.head[:12]}…" if self.head else ""
+            if self.status == VERIFIED:  # whose key it is, the reader checks (ledger.trust)
+                return (f"intact and signed (hash chain over {self.lines} lines, {run}{head}), "
+                        f"signed at line {self.signed_lines} by Ed25519 key {self.public_key}")
             text = f"{self.status} (hash chain over {self.lines} lines, {run}{head})"
-            if self.status == VERIFIED:
-                return (f"{text}, signed at line {self.signed_lines} by Ed25519 key "
-                        f"{self.public_key}")
             return f"{text}: {self.reason}"
         return f"{self.status}: {self.reason}" if self.reason else self.status
 
@@ -160,7 +160,13 @@ class ChainChecker:
         """A complete line (parsed to ``obj``) at 1-based ``lineno``."""
         kind = obj.get("type")
         if lineno == 1:
-            self.version = obj.get("version", 0)
+            version = obj.get("version", 0)
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise LedgerFormatError(
+                    f"ledger {self.source!r} line 1: version must be an integer, got "
+                    f"version={version!r}"
+                )
+            self.version = version
             self.run_id = obj.get("run_id")
             self.public_key = obj.get("public_key")
             if self.expected_key is not None and self.public_key != self.expected_key:

@@ -25,7 +25,8 @@ from typing import Any
 
 from dpfy import accounting
 from dpfy.ledger import Ledger, LedgerIntegrityError, Verification
-from dpfy.ledger.chain import BROKEN, OPEN, UNSIGNED, UNVERIFIED
+from dpfy.ledger.chain import BROKEN, OPEN, UNSIGNED, UNVERIFIED, VERIFIED
+from dpfy.ledger.trust import KeyTrust, fingerprint
 
 #: Relative tolerance between the recorded and the recomputed epsilon (same method and delta):
 #: both come from the same deterministic accountant, so only float noise separates them.
@@ -111,6 +112,17 @@ def unsigned_note(verification: Verification) -> str | None:
             "whether releases were removed from its tail cannot be checked."
         )
     return None
+
+
+def trust_note(verification: Verification, trust: KeyTrust) -> str:
+    """What the statement of a closed, signed ledger adds about whose key signed it: verified
+    against the key the reader trusts, or intact under a key nobody checked."""
+    if verification.status != VERIFIED or trust.run_key is None:
+        return ""
+    if trust.verified:
+        return f" The ledger is {trust.describe()}."
+    return (f" The ledger is intact and signed by run key {fingerprint(trust.run_key)}, but that "
+            "key was not checked against one you trust: this proves self-consistency only.")
 
 
 def signature_line(integrity: Mapping[str, Any]) -> str:

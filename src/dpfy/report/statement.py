@@ -31,9 +31,11 @@ from dpfy.accounting.risk import AttackRisk, attack_risk
 from dpfy.ledger import Ledger
 from dpfy.ledger.hyperparameters import ledger_hyperparameters
 from dpfy.ledger.records import NonPrivateRecord
+from dpfy.ledger.trust import assess
 from dpfy.report.consistency import (
     check_recorded_epsilon,
     incomplete_statement,
+    trust_note,
     unsigned_note,
 )
 from dpfy.report.markdown import to_markdown
@@ -187,6 +189,7 @@ def build_report(
     released_output: str | None = None,
     ledger_path: str | None = None,
     reproduce_command: str | None = None,
+    trusted_key: str | None = None,
 ) -> PrivacyReport:
     """Account ``ledger`` at ``delta`` and assemble the checklist of Ponomareva et al. 2023.
 
@@ -199,6 +202,14 @@ def build_report(
       data_accesses / released_output: what the statement covers, in words; default: what the
         run recorded in the ledger's metadata, else the final run and the final model.
       ledger_path / reproduce_command: how a reader re-derives the statement.
+      trusted_key: an Ed25519 public key (64 hex digits) the reader holds apart from the
+        file: the run's own key or a long-lived key that endorsed it
+        (:mod:`dpfy.ledger.trust`). None: the signing key is not checked and the statement
+        says so (self-consistency only).
+
+    Raises:
+      LedgerIntegrityError: ``trusted_key`` was given and neither signed nor endorsed the
+        ledger's key, or the lines account to less than the recorded epsilon.
     """
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
     meta = ledger.metadata
@@ -219,6 +230,7 @@ def build_report(
     result = accounting.epsilon(ledger, delta, method)
     check_recorded_epsilon(ledger, result, delta)  # refuses a tail rewritten after the run
     verification = ledger.verification
+    trust = assess(verification, meta, trusted_key, source=f"ledger {ledger.path!r}")
     hyper = ledger_hyperparameters(ledger)
     spec = hyper.pop("_spec", {})
     n = spec.get("dataset_size")
@@ -275,8 +287,11 @@ def build_report(
             + (f", with the {_size_name(unit)} (N = {n}) treated as public"
                if public_size is not None else "")
             + f", accounted with {result.method}{confidence}."
-        ) + (unsigned_note(verification) or "")
+        ) + (unsigned_note(verification) or trust_note(verification, trust))
         statement = incomplete_statement(verification, result.epsilon, delta) or statement
+        if (ledger.ended or "").startswith("early"):  # the end record says the plan did not run
+            statement += (f" The run ended {ledger.ended}; the statement covers the releases "
+                          "made, not the planned run.")
     reproduce: dict[str, Any] = {
         "ledger": ledger_path,
         "command": reproduce_command
@@ -320,7 +335,8 @@ def build_report(
         ledger_integrity={
             **dataclasses.asdict(verification),
             "complete": verification.complete,
-            "summary": verification.describe(),
+            "summary": f"{verification.describe()}; {trust.describe()}",
+            "trust": trust.to_dict(),
         },
         release=release,
         sampling_randomness=sampling_randomness,
