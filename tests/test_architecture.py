@@ -24,15 +24,40 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, absolute names (``from x import y`` counts ``x.y`` too)."""
+def _loaded_by_call(node: ast.Call, package: list[str]) -> str | None:
+    """The module an ``importlib.import_module("x")`` / ``import_module(".x", "pkg")`` /
+    ``__import__("x")`` call loads, when its name is a string literal (else None)."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    first = node.args[0]
+    if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+        return None
+    target = first.value
+    if name == "import_module" and target.startswith("."):
+        anchor = node.args[1] if len(node.args) > 1 else next(
+            (k.value for k in node.keywords if k.arg == "package"), None)
+        base = anchor.value.split(".") if isinstance(anchor, ast.Constant) else package
+        level = len(target) - len(target.lstrip("."))
+        parent = ".".join(base[: len(base) - level + 1])
+        target = f"{parent}.{target.lstrip('.')}" if target.lstrip(".") else parent
+    return target
+
+
+def _imports(path: Path, name: str | None = None) -> set[str]:
+    """Every module ``path`` (the module ``name``, by default its own) imports, absolute names
+    (``from x import y`` counts ``x.y`` too; ``importlib.import_module`` and ``__import__`` of a
+    string literal count as imports)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    package = _module_name(path).split(".")
+    package = (name or _module_name(path)).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
     out: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and (loaded := _loaded_by_call(node, package)):
+            out.add(loaded)
+        elif isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -135,17 +160,88 @@ def test_every_package_under_src_dpfy_has_a_layer() -> None:
     assert not missing, f"add to LAYERS (and docs/architecture.md, section 2): {missing}"
 
 
-def test_every_import_goes_to_the_same_layer_or_one_it_may_import() -> None:
+def _layer_violations(imports: dict[str, set[str]]) -> list[str]:
+    """Imports of a layer above the importer's (or one it may not import), and imports within
+    a layer that :data:`WITHIN_LAYER` does not list."""
     bad = []
-    for module, imported in IMPORTS.items():
-        layer = LAYER_OF[_top(module)]
+    for module, imported in imports.items():
+        top = _top(module)
+        layer = LAYER_OF[top]
         allowed = (layer, *MAY_IMPORT[layer])
         for target in sorted(imported):
             if not target.startswith("dpfy.") or target.split(".")[1] not in LAYER_OF:
                 continue  # third-party, the bare ``dpfy`` namespace, or a name, not a module
-            if LAYER_OF[_top(target)] not in allowed:
-                bad.append(f"{module} ({layer}) imports {target} ({LAYER_OF[_top(target)]})")
+            other = _top(target)
+            if LAYER_OF[other] not in allowed:
+                bad.append(f"{module} ({layer}) imports {target} ({LAYER_OF[other]})")
+            elif LAYER_OF[other] == layer and other != top and not any(
+                _in(target, f"dpfy.{w}") for w in WITHIN_LAYER[top]
+            ):
+                bad.append(f"{module} imports {target}: within the {layer} layer, dpfy.{top} "
+                           f"may import only {WITHIN_LAYER[top] or 'nothing'}")
+    return bad
+
+
+#: Within its layer, what each package or top-level module may import besides itself
+#: (packages, or single modules where only one is needed); nothing else of its layer. The
+#: configuration is a leaf: the recipes import its tables, never the other way round.
+WITHIN_LAYER: dict[str, tuple[str, ...]] = {
+    "_validate": (), "events": ("_validate",), "randomness": ("_philox", "_validate"),
+    "_philox": (), "datasets": ("_validate",), "models": (),
+    "accounting": (), "sampling": (), "correlated": (), "ledger": (),
+    "config": (), "queries": (),
+    "training": ("config", "queries", "features"),  # LP-FT's probe, ScatterNet features
+    "features": ("training.progress",),
+    "fed": ("queries", "training.checkpoint"),
+    "planning": (), "publication": (), "report": ("planning",), "audit": ("report",),
+    "hf": ("report",), "opacus": ("report",), "run_accounting": ("planning", "report"),
+    "runs": ("audit", "planning", "publication", "report"), "tuning_runs": ("runs",),
+    "cli": ("cli_options",), "cli_options": (), "": (),
+}
+
+
+def test_every_import_goes_to_the_same_layer_or_one_it_may_import() -> None:
+    assert sorted(WITHIN_LAYER) == sorted(LAYER_OF)
+    bad = _layer_violations(IMPORTS)
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "caught"),
+    [
+        ("import dpfy.training.text\n", "dpfy.training.text"),
+        ("from dpfy.training import recipes\n", "dpfy.training.recipes"),
+        ("def f():\n    from .training import text\n", "dpfy.training.text"),
+        ("import importlib\nimportlib.import_module('dpfy.training.recipes')\n",
+         "dpfy.training.recipes"),
+        ("from importlib import import_module\nimport_module('.training.text', 'dpfy')\n",
+         "dpfy.training.text"),
+        ("__import__('dpfy.runs')\n", "dpfy.runs"),
+    ],
+)
+def test_the_layering_check_sees_a_planted_import_however_it_is_written(
+    source: str, caught: str, tmp_path: Path
+) -> None:
+    """An import into ``dpfy.config`` (a leaf of the release layer) from the layer's own
+    training package or from above, written as a statement, lazily, or through importlib."""
+    planted = tmp_path / "dpfy" / "config.py"
+    planted.parent.mkdir()
+    planted.write_text(source, encoding="utf-8")
+    imported = _imports(planted, "dpfy.config")
+    assert caught in imported
+    assert any(caught in line for line in _layer_violations({"dpfy.config": imported}))
+
+
+def test_building_a_run_configuration_imports_no_torch() -> None:
+    """``dpfy.config`` is a leaf: a RunConfig is built and checked without torch or a recipe."""
+    code = ("import sys, dpfy.config as c; c.RunConfig(); c.RunConfig(dataset='rotten-tomatoes',"
+            " lora=True, precision='bf16'); print('torch' in sys.modules,"
+            " any(m.startswith('dpfy.training') for m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "False"]
 
 
 def test_features_reach_accounting_only_through_their_accounting_module() -> None:

@@ -30,6 +30,23 @@ def test_defaults_are_valid_and_the_cli_shows_the_same_defaults():
         assert value == fields[name], name
 
 
+def test_the_option_tables_of_the_configuration_are_the_recipes_own():
+    """The configuration holds the names (it imports no recipe); each recipe builds from them."""
+    from dpfy import config
+    from dpfy.training import precision, recipes, text
+
+    assert config.IMAGE_MODELS == tuple(name.replace("_", "-") for name in recipes.MODELS)
+    for name in config.IMAGE_MODELS:
+        assert recipes.default_recipe(name).model == name.replace("-", "_")
+    assert set(config.LORA_TARGETS) == {"attention", "all-linear"}
+    assert text.text_model_name(RunConfig(dataset=config.TEXT_DATASETS[0])) == "minilm"
+    assert [precision.check_precision(p) for p in config.PRECISIONS] == list(config.PRECISIONS)
+    with pytest.raises(ValueError, match="precision must be one of {fp32, bf16, fp16}"):
+        RunConfig(precision="fp8")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or 'cuda:<index>'"):
+        RunConfig(device="tpu")
+
+
 @pytest.mark.parametrize(
     ("changes", "needle"),
     [

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 from dpfy._validate import (
     MAX_EPSILON,
     MAX_SCALE,
+    _short_repr,
     check_int,
     check_output_path,
     check_positive,
@@ -40,11 +42,31 @@ __all__ = [
     "RunConfig",
 ]
 
+# The names a run's options take. They live here, with the record that checks them, so that
+# building a RunConfig imports no recipe (and no torch); the recipes import them from here and
+# tests/test_run_config.py holds each recipe's own tables equal to them.
+
 #: Noise mechanisms of a run: DP-SGD, or correlated DP-FTRL noise (image datasets).
 MECHANISMS = ("dpsgd", "bandmf", "blt", "tree", "tree-efficient")
-
-#: Units of privacy of ``dpfy train`` on the image datasets (text: ``training.text.TEXT_UNITS``).
+#: Units of privacy of ``dpfy train`` on the image datasets.
 IMAGE_UNITS = ("example", "user")
+#: Image models as ``--model`` names them (``dpfy.training.recipes.MODELS``, dashed).
+IMAGE_MODELS = ("tanh-cnn", "gn-cnn", "scatternet-linear", "scatternet-cnn")
+#: Text datasets (:func:`dpfy.training.text.train_text_classifier`).
+TEXT_DATASETS = ("rotten-tomatoes",)
+#: Units of privacy on the text datasets: one snippet, or one movie.
+TEXT_UNITS = ("example", "movie")
+#: Pretrained text models by name.
+TEXT_MODELS = ("minilm",)
+#: The modules that get LoRA factors (BERT module names), by ``lora_targets``: the attention
+#: query and value projections, or every linear layer of the encoder (query, key, value, the
+#: attention output and both feed-forward layers: the BERT modules named ``dense``).
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "attention": ("query", "value"),
+    "all-linear": ("query", "key", "value", "dense"),
+}
+#: Precisions of the forward and backward pass (the DP arithmetic is fp32 in all three).
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +90,7 @@ class RunConfig:
         One-process runs only (not with ``workers``, ``shard`` or a torchrun launch).
       precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` autocast of the forward pass.
       model: the model: text datasets, the pretrained model (``"minilm"``); images, one of
-        ``dpfy.training.recipes.IMAGE_MODELS`` (``"tanh-cnn"`` by default; ``"scatternet-linear"``
+        :data:`IMAGE_MODELS` (``"tanh-cnn"`` by default; ``"scatternet-linear"``
         and ``"scatternet-cnn"`` train on ScatterNet features, Tramer & Boneh 2021).
       lora, max_length: text datasets only: LoRA instead of full fine-tuning, tokens per
         example in [2, 512].
@@ -153,8 +175,6 @@ class RunConfig:
         if self.private_diagnostics is not None:
             check_output_path("private_diagnostics", self.private_diagnostics)
         from dpfy.datasets import DATASETS
-        from dpfy.training.recipes import IMAGE_MODELS
-        from dpfy.training.text import TEXT_DATASETS, TEXT_MODELS
 
         if self.dataset not in (*DATASETS, *TEXT_DATASETS):
             allowed = ", ".join((*DATASETS, *TEXT_DATASETS))
@@ -212,8 +232,6 @@ class RunConfig:
     @property
     def text(self) -> bool:
         """Whether the dataset is a text dataset (fine-tuning a pretrained model)."""
-        from dpfy.training.text import TEXT_DATASETS
-
         return self.dataset in TEXT_DATASETS
 
     @property
@@ -226,8 +244,6 @@ class RunConfig:
     def _check_unit(self) -> None:
         text, unit, users, cap = self.text, self.unit, self.users, self.cap
         reduction = self.user_reduction
-        from dpfy.training.text import TEXT_UNITS
-
         allowed = TEXT_UNITS if text else IMAGE_UNITS
         if unit not in allowed:
             raise ValueError(
@@ -267,8 +283,6 @@ class RunConfig:
             check_batch_size(self.batch_size, users, unit)  # users per step, named as such
 
     def _check_execution(self) -> None:
-        from dpfy.training.precision import check_precision
-
         text, mechanism, workers = self.text, self.mechanism, self.workers
         if mechanism not in MECHANISMS:
             raise ValueError(
@@ -294,10 +308,10 @@ class RunConfig:
                              f"dataset={self.dataset!r} with workers={workers!r}")
         if self.threads is not None:
             check_int("threads", self.threads, 1, os.cpu_count() or 1)
-        check_precision(self.precision)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {{{', '.join(PRECISIONS)}}}, got "
+                             f"precision={self.precision!r}")
         if self.device is not None:
-            from dpfy.training.devices import check_device
-
             check_device("device", self.device)
             if self.device != "cpu" and (workers > 1 or self.shard
                                          or _launched_world_size() > 1):
@@ -305,8 +319,6 @@ class RunConfig:
                                  f"got workers={workers!r}, shard={self.shard!r}")
 
     def _check_text_recipe(self) -> None:
-        from dpfy.training.text import LORA_TARGETS
-
         text_only = (("bias_only", self.bias_only), ("lora_rank", self.lora_rank is not None),
                      ("lora_targets", self.lora_targets != "attention"),
                      ("warmup", self.warmup != 0.0), ("adam_eps", self.adam_eps is not None),
@@ -471,9 +483,29 @@ def default_guesses(canaries: int) -> int:
     return max(2, 2 * (canaries // 10))
 
 
-def _launched_world_size() -> int:
-    """Processes of the ``torchrun`` launch this process belongs to (1 outside a launch)."""
-    from dpfy.training.torchrun import torchrun_env
+def check_device(name: str, value: Any) -> None:
+    """A torch device for one process's training: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"``,
+    and, for CUDA, one this process can see (torch is imported only then)."""
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", value):
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:<index>', "
+                         f"got {name}={_short_repr(value)}")
+    if value == "cpu":
+        return
+    import torch
 
-    launch = torchrun_env()
-    return 1 if launch is None else launch.world_size
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(value.partition(":")[2] or 0)
+    if index >= count:
+        raise ValueError(f"{name}={value!r} needs CUDA device {index}, but this process sees "
+                         f"{count} (torch.cuda.is_available() is {torch.cuda.is_available()})")
+
+
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` of the ``torchrun`` launch this process belongs to (1 outside a launch).
+
+    Read as it is: the launch as a whole (every variable, their ranges) is checked where a run
+    joins it (:func:`dpfy.training.torchrun.torchrun_env`, through
+    :func:`dpfy.runs.torchrun_rank`), before anything is written.
+    """
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    return int(text) if text.isdigit() else 1

@@ -1,33 +1,13 @@
-"""Where a one-process run trains: the device check of ``RunConfig.device``, and host copies
-of what a run writes next to its model."""
+"""Host copies of what a run writes next to its model, whichever device trained it (the
+device a run names is checked by :func:`dpfy.config.check_device`)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
-from dpfy._validate import _short_repr
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-
-def check_device(name: str, value: Any) -> None:
-    """A torch device for one process's training: ``"cpu"``, ``"cuda"`` or ``"cuda:<index>"``,
-    and, for CUDA, one this process can see (torch is imported only then)."""
-    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:[0-9]{1,4})?", value):
-        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:<index>', "
-                         f"got {name}={_short_repr(value)}")
-    if value == "cpu":
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(value.partition(":")[2] or 0)
-    if index >= count:
-        raise ValueError(f"{name}={value!r} needs CUDA device {index}, but this process sees "
-                         f"{count} (torch.cuda.is_available() is {torch.cuda.is_available()})")
 
 
 def host_copy(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

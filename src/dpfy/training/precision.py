@@ -35,11 +35,11 @@ from typing import Any, Literal
 import torch
 from torch.utils._pytree import tree_map
 
+from dpfy.config import PRECISIONS
 from dpfy.training.norms.registry import Capture
 
-#: Precision of the forward and backward pass (the DP arithmetic is fp32 in all three).
+#: Precision of the forward and backward pass (the names: :data:`dpfy.config.PRECISIONS`).
 Precision = Literal["fp32", "bf16", "fp16"]
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 #: Default fixed loss scale under fp16: 2**8. Per-example cross-entropy output gradients are

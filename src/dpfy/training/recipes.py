@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dpfy import datasets
-from dpfy.config import RunConfig
+from dpfy.config import IMAGE_MODELS, RunConfig
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.ledger import Ledger
@@ -117,8 +117,6 @@ MODELS = {
 }
 #: Models trained on ScatterNet features of the images (:mod:`dpfy.features.scatternet`).
 SCATTERNET_MODELS = ("scatternet_linear", "scatternet_cnn")
-#: The models as ``dpfy train --model`` names them.
-IMAGE_MODELS = tuple(name.replace("_", "-") for name in MODELS)
 
 
 def make_model(name: str = "tanh_cnn") -> nn.Module:

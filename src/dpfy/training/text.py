@@ -76,7 +76,7 @@ from torch.utils.data import Dataset, default_collate
 
 from dpfy import datasets
 from dpfy._validate import check_int, check_range
-from dpfy.config import RunConfig
+from dpfy.config import LORA_TARGETS, TEXT_DATASETS, TEXT_MODELS, RunConfig
 from dpfy.ledger import Ledger
 from dpfy.sampling import make_sampler
 from dpfy.sampling.kinds import kind as sampler_kind
@@ -93,19 +93,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-#: Text datasets of :func:`train_text_classifier`.
-TEXT_DATASETS = ("rotten-tomatoes",)
-#: Units of privacy of :func:`train_text_classifier`: one snippet, or one movie.
-TEXT_UNITS = ("example", "movie")
-#: Pretrained text models by name.
-TEXT_MODELS = ("minilm",)
-#: The modules that get LoRA factors (BERT module names), by ``lora_targets``: the attention
-#: query and value projections, or every linear layer of the encoder (query, key, value, the
-#: attention output and both feed-forward layers: the BERT modules named ``dense``).
-LORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "attention": ("query", "value"),
-    "all-linear": ("query", "key", "value", "dense"),
-}
 #: LoRA rank when ``lora_rank`` is not given; alpha is always twice the rank (scale 2).
 LORA_RANK = 8
 #: Defaults per mode: learning rate (Adam) and epochs; batch size and clip norm are shared.
