@@ -1,8 +1,8 @@
 """The table of sampler kinds: a new kind is one sampler class plus one registered row.
 
-The first test is the worked example of ``docs/architecture.md`` ("How to add a sampler"): a
-"strided" sampler (batch t of every epoch holds examples t, t + T, t + 2T, ...) is defined here
-and nowhere else, and works end to end: make_sampler, the ledger, the accountant.
+The first test is the worked example of ``docs/architecture.md`` (section 4.1, "A sampler"):
+a "strided" sampler (batch t of every epoch holds examples t, t + T, t + 2T, ...) is defined
+here and nowhere else, and works end to end: make_sampler, the ledger, the accountant.
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ def plan(
       ValueError: a parameter out of range.
 
     Example:
-      >>> p = plan(60_000, 3.0, 1e-5, max_steps=2_000)
+      >>> p = plan(60_000, 3.0, 1e-5, max_steps=2_000, runner_ups=0)
       >>> p.recommendation.steps, p.recommendation.noise_multiplier >= 1.9
       (2000, True)
     """

@@ -29,7 +29,8 @@ sum (for one example's clipped gradient: the clip norm), noise stds are in the s
 This module imports no torch.
 
 Example:
-    >>> from dpfy.ledger import Ledger, SampleSpec
+    >>> from dpfy.ledger import Ledger
+    >>> from dpfy.sampling import SampleSpec
     >>> ledger = Ledger()                      # in memory; Ledger("run.jsonl") writes a file
     >>> spec = SampleSpec("poisson", dataset_size=60_000, sampling_rate=0.01)
     >>> for step in range(3):

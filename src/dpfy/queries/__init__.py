@@ -8,8 +8,9 @@ weights. The family (McMahan et al. 2018; Andrew et al. 2021):
 
 * :class:`GaussianSumQuery` - flat clipping of all tensors as one vector to ``clip_norm`` and
   N(0, (noise_multiplier x S)^2) noise per coordinate, S = C (or 2C for microbatch averages).
-* :class:`AverageQuery` / :func:`gaussian_average_query` - a query's release divided by a
-  *fixed* denominator (the expected batch size; never the realised size of a Poisson batch).
+* :class:`dpfy.queries.sum.AverageQuery` / :func:`dpfy.queries.sum.gaussian_average_query` -
+  a query's release divided by a *fixed* denominator (the expected batch size; never the
+  realised size of a Poisson batch).
 * :class:`NestedQuery` - one query per parameter group (per-layer or any grouping), each with
   its own clip norm C_j and noise std s_j (McMahan Sec. 2, "separate clipping"); the sample's
   effective noise multiplier is ``(sum_j C_j^2 / s_j^2)^(-1/2)`` (Sec. 3, Eq. 1).
@@ -19,19 +20,20 @@ weights. The family (McMahan et al. 2018; Andrew et al. 2021):
   per-example norms (Andrew et al. 2021); the noisy count of unclipped examples is a second
   Gaussian part of the release, recorded in the ledger, and the gradient noise is raised so
   that the two together have exactly the requested effective noise multiplier.
-* :class:`AdaptiveNestedQuery` - per-group clipping, each group's clip norm following the
-  target quantile of that group's norms, with its own noisy count.
-* :class:`NoPrivacyQuery` - clip (optionally) and sum without noise, for debugging; it records a
-  non-private entry, so the ledger reports epsilon = infinity.
-* Noise allocation (McMahan Sec. 4): :func:`proportional_noise`, :func:`dimension_adjusted_noise`
-  and clip splitting :func:`split_clip_norm`.
+* :class:`dpfy.queries.adaptive.AdaptiveNestedQuery` - per-group clipping, each group's clip
+  norm following the target quantile of that group's norms, with its own noisy count.
+* :class:`dpfy.queries.sum.NoPrivacyQuery` - clip (optionally) and sum without noise, for
+  debugging; it records a non-private entry, so the ledger reports epsilon = infinity.
+* Noise allocation (McMahan Sec. 4), in :mod:`dpfy.queries.nested`: ``proportional_noise``,
+  ``dimension_adjusted_noise`` and clip splitting ``split_clip_norm``.
 
 Every query offers the materialised path ``release(per_example, ...)`` and the trainer's fast
 path ``clip_weights`` -> weighted sum -> ``add_noise(..., out=, scale=)``; see :class:`Query`.
 
 Example:
     >>> import torch
-    >>> from dpfy.ledger import Ledger, SampleSpec
+    >>> from dpfy.ledger import Ledger
+    >>> from dpfy.sampling import SampleSpec
     >>> from dpfy.queries import GaussianSumQuery
     >>> from dpfy.randomness import Randomness
     >>> ledger, rng = Ledger(), Randomness(seed=0)

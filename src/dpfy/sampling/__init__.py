@@ -24,7 +24,7 @@ Modules: :mod:`~dpfy.sampling.kinds` (the table and its registry), :mod:`~dpfy.s
 holds the sampler and registers the kind's row. (``dpfy.sampling.kinds`` as an attribute is
 the function listing the rows; import the module's names with ``from dpfy.sampling.kinds
 import ...``.) Adding a kind is one such module (see
-``docs/architecture.md``, "How to add a sampler").
+``docs/architecture.md``, section 4.1, "A sampler").
 
 All randomness comes from an injected :class:`dpfy.randomness.Randomness` (seeded or secure).
 This package imports neither torch nor :mod:`dpfy.accounting`.

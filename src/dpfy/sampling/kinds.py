@@ -7,7 +7,7 @@ which accountant suits it, how its ``(spec, z, count)`` becomes a :mod:`dpfy.eve
 and how :func:`dpfy.sampling.make_sampler` builds its sampler. The
 ledger, the report, the command line and the training recipes all read this table, so adding
 a sampler kind is one module holding the sampler and one :func:`register_kind` call (see
-``docs/architecture.md``, "How to add a sampler").
+``docs/architecture.md``, section 4.1, "A sampler").
 
 Each built-in kind registers its own row in its module (``dpfy.sampling.poisson`` and so on).
 This module imports neither torch nor :mod:`dpfy.accounting`.

@@ -55,7 +55,8 @@ gradients were recorded exactly once (``docs/architecture.md``, section 4.2).
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from dpfy.ledger import Ledger, SampleSpec
+    >>> from dpfy.ledger import Ledger
+    >>> from dpfy.sampling import SampleSpec
     >>> from dpfy.queries import GaussianSumQuery
     >>> from dpfy.randomness import Randomness
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
