@@ -1,4 +1,4 @@
-"""The figures that README.md and docs/architecture.md quote, computed again from the code.
+"""The figures that README.md and docs/*.md quote, computed again from the code.
 
 Accounting only (no training, a few seconds): the demo's epsilon by PLD and by RDP, its
 attack-risk bounds, the user-level example's noise multiplier and its example-level reading,
@@ -193,14 +193,14 @@ FIGURES = [
     Figure("README.md", "demo re-train line",
            "`dpfy train mnist --target-epsilon {} --delta {} --out runs/demo --sampler {} "
            "--epochs {} --batch-size {} --learning-rate {} --clip-norm {}`", demo_retrain),
-    Figure("README.md", "user-level MNIST run",
+    Figure("docs/cli.md", "user-level MNIST run",
            "per user (z = {}, {} steps); the labelled example-level reading of the same run "
            "is epsilon {}.", user_level_mnist),
-    Figure("README.md", "default user-level batch",
+    Figure("docs/cli.md", "default user-level batch",
            "an epoch has at least 8 steps ({} of the {} movies)", user_level_default_batch),
     Figure("docs/architecture.md", "default user-level batch",
            "at least 8 steps an epoch; {} of the {} movies)", user_level_default_batch),
-    Figure("README.md", "tree prefix noise",
+    Figure("docs/usage.md", "tree prefix noise",
            "prefix noise with an RMS of {} instead of {} (T = 64) and {} instead of {} "
            "(T = 1024)", tree_rms(2, by_strategy=False)),
     Figure("docs/architecture.md", "tree prefix noise",

@@ -1,4 +1,4 @@
-"""The accounting figures README.md and docs/architecture.md quote are what the code computes
+"""The accounting figures README.md and docs/*.md quote are what the code computes
 now (``benchmarks/doc_figures.py``: accounting only, no training)."""
 
 from __future__ import annotations

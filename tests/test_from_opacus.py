@@ -1,4 +1,4 @@
-"""The README's "From Opacus" section: the scripts it shows are the files it names, its diffs
+"""docs/from_opacus.md: the scripts it shows are the files it names, its diffs
 are the real diffs, the one-line port runs and reads its epsilon from its ledger, and both the
 Opacus and the native scripts run."""
 
@@ -22,14 +22,13 @@ from dpfy import accounting
 from dpfy.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "from_opacus.md"
 OPACUS = "docs/examples/from_opacus_opacus.py"
 DPFY = "docs/examples/from_opacus_dpfy.py"
 
 
 def _section() -> str:
-    text = README.read_text(encoding="utf-8")
-    return text[text.index("### From Opacus\n") : text.index("### Hugging Face Trainer\n")]
+    return PAGE.read_text(encoding="utf-8")
 
 
 def _read(path: str) -> str:
@@ -109,6 +108,6 @@ def test_the_native_script_runs():
 
 def test_the_opacus_script_runs():
     if importlib.util.find_spec("opacus") is None:
-        pytest.skip("opacus is not installed: the Opacus side of the README cannot be run")
+        pytest.skip("opacus is not installed: the Opacus side of docs/from_opacus.md cannot be run")
     eps = float(re.search(r"epsilon = ([\d.]+)", _run(OPACUS)).group(1))
     assert 2.99 <= eps <= 3.0  # within Opacus' epsilon_tolerance of the target

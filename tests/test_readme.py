@@ -1,5 +1,7 @@
 """Every Python block of README.md and docs/*.md runs as written, each one alone (a reader
-copies one block), or says in a marker on the line above it why and where else it runs:
+copies one block), or says in a marker on the line above it why and where else it runs
+(README.md's blocks all run; its shell lines run in tests/test_doc_commands.py), and every
+relative link of those documents resolves:
 
 * ``<!-- example: NAME -->``: a worked example of docs/architecture.md, run in a fresh
   interpreter by ``tests/test_architecture.py`` (NAME must be one of its ``EXAMPLES``);
@@ -46,8 +48,49 @@ def _tests_naming(name: str) -> list[Path]:
 
 
 def test_the_documents_have_examples():
-    assert sum(where.startswith("README.md") for where, _ in RUN) >= 5
-    assert any(where.startswith("docs/") for where, _ in RUN)
+    assert sum(where.startswith("README.md") for where, _ in RUN) >= 2
+    assert sum(where.startswith("docs/") for where, _ in RUN) >= 5
+
+
+def test_the_readme_is_short_and_every_block_in_it_runs():
+    """At most 300 lines; its python blocks run here as written (none is an excerpt), and its
+    shell blocks hold only lines that tests/test_doc_commands.py runs (``dpfy`` lines) or dry-runs
+    (``make`` targets)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    fenced = re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+    assert {lang for lang, _ in fenced} <= {"python", "bash"}, "a README block nothing runs"
+    python = [where for where, _, _, _ in BLOCKS if where.startswith("README.md")]
+    assert len(python) == sum(lang == "python" for lang, _ in fenced)
+    assert all(where in dict(RUN) for where in python), "README python blocks all run here"
+    for lang, code in fenced:
+        for line in code.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            assert lang != "bash" or not line or line.split()[0] in ("dpfy", "make"), line
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but ``-`` and ``_`` dropped, spaces
+    made ``-`` (fenced code skipped: its ``#`` lines are comments)."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    """A link to a file names one that exists; a ``#anchor`` names a heading of its page."""
+    for target in LINK.findall(doc.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        page = (doc.parent / path).resolve() if path else doc
+        assert page.exists(), f"{doc.relative_to(ROOT)}: {target} does not exist"
+        if anchor and page.suffix == ".md":
+            assert anchor in _anchors(page), f"{doc.relative_to(ROOT)}: no heading for {target}"
 
 
 @pytest.mark.parametrize(("where", "code"), RUN, ids=[w.split(" (")[0] for w, _ in RUN])

@@ -111,5 +111,5 @@ def test_the_accountants_agree_with_opacus_to_their_tolerance(q, z, steps):
     assert rdp <= opacus(RDPAccountant) <= rdp * (1 + 1e-3)  # finer orders, same bound
     assert abs(opacus(PRVAccountant) - pld) <= 0.011  # Opacus' PRV error band, eps_error=0.01
     # Opacus' gdp (a central-limit estimate) falls below the PLD bound, which is within 0.2 %
-    # of the true epsilon (README, "Oracles"): it understates the privacy loss.
+    # of the true epsilon (docs/guarantee.md, "Oracles"): it understates the privacy loss.
     assert opacus(GaussianAccountant) < 0.95 * pld
