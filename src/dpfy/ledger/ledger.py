@@ -57,6 +57,7 @@ from dpfy.ledger.chain import (
     IN_MEMORY,
     ChainChecker,
     LedgerFormatError,
+    LedgerIntegrityError,
     Verification,
     line_hash,
     new_run_id,
@@ -184,6 +185,8 @@ class Ledger:
         self._lines = 0  # lines in the file (header, markers and cut lines included)
         self._version = VERSION
         self._closed = False  # closed by close(), with its end record
+        self._ended: str | None = None  # how the run ended, as the last end record says
+        self._reopen_on_write = False  # close(reopen=True): the next append resumes
         self._verification: Verification | None = None  # set by load()
         self._cut_tail: str | None = None  # hash of a cut last line
         self._releases = 0  # sum queries, non-private releases and matrix steps
@@ -277,6 +280,8 @@ class Ledger:
         """
         if isinstance(record, HeaderRecord | ResumeRecord | EndRecord | SignatureRecord):
             return
+        if write and self.read_only and self._reopen_on_write:
+            self._reopen()
         if write and self.read_only:
             raise RuntimeError(
                 "this ledger was loaded read-only; open it with Ledger(path) to append"
@@ -470,25 +475,54 @@ class Ledger:
         self._write(SignatureRecord(lines, signature).to_dict(), sync=sync)
         self._signed = (lines, head)
 
-    def close(self) -> None:
+    def close(self, *, ended: str | None = None, reopen: bool = False) -> None:
         """Write the end record and its signature, fsync, close the file and release its lock;
-        appends then raise.
+        appends then raise, or with ``reopen=True`` (a close made by a training loop on the
+        user's behalf) reopen the ledger first, writing a resume marker.
 
+        ``ended``: how the run ended, in words, kept in the end record (``EndRecord.ended``).
         After a failed write nothing more is written (the file reads as open or crash-cut).
         """
         with self._lock:
             file = self._file
             try:
                 if file is not None and file.failed is None:
-                    end = EndRecord(self._lines, len(self._samples), self._releases)
+                    end = EndRecord(self._lines, len(self._samples), self._releases, ended)
                     self._write(end.to_dict(), sync=False)
                     self._sign(sync=True)
                     self._closed = True
+                elif self.path is None and not self.read_only:
+                    self._closed = True  # in memory: nothing to write
+                self._ended, self._reopen_on_write = ended, bool(reopen)
             finally:
                 if file is not None:
                     file.close()
                 self._file = None
                 self.read_only = True
+
+    def _reopen(self) -> None:
+        """Append again after a close (the lock held): a file must hold exactly the lines this
+        ledger wrote (nobody appended since), then a resume marker continues its chain."""
+        self._reopen_on_write = False
+        if self.path is not None:
+            file = AppendFile(self.path, fsync=self.fsync)
+            try:
+                lines = file.read().split(b"\n")
+                if lines[-1] or len(lines) - 1 != self._lines or line_hash(lines[-2]) != self._head:
+                    raise LedgerIntegrityError(f"ledger {self.path!r} changed after it was "
+                                               "closed; nothing more is appended to it")
+                self._file = file
+                self._write(ResumeRecord().to_dict(), sync=True)
+            except BaseException:
+                file.close()
+                self._file = None
+                raise
+        self.read_only, self._closed, self._ended = False, False, None
+
+    closed = property(lambda self: self._closed, doc="Whether :meth:`close` has run (and no "
+                      "append has reopened the ledger since).")
+    ended = property(lambda self: self._ended, doc="How the run ended, as the last end record "
+                     "says (None: not said, or not closed).")
 
     def __enter__(self) -> Ledger:
         return self
@@ -585,6 +619,8 @@ class Ledger:
                 self._replay(record_from_dict(obj), write=False)
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerFormatError(f"{where}: {err}", line=lineno) from None
+            if obj.get("type") in (EndRecord.kind, ResumeRecord.kind):
+                self._ended = obj.get("ended")  # a resume marker: the run went on
             if obj.get("type") == EndRecord.kind:
                 self._check_end(obj, checker, lineno)
         self._run_id, self._head = checker.run_id, checker.head

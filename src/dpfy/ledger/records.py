@@ -163,12 +163,16 @@ class EndRecord:
 
     A file whose last line is an end record was closed by its writer; one without is still
     open, crashed or was truncated (``docs/ledger.md``). A reader checks both counts against
-    the lines it read.
+    the lines it read. ``ended`` (optional): how the run ended, in words, when the training
+    loop closed the ledger itself: ``"as planned: ..."`` or ``"early (...): R of P planned
+    releases"`` (an exception, or the interpreter exiting before the plan ran), so a report
+    never reads the releases made as the plan.
     """
 
     count: int
     samples: int
     releases: int | None = None
+    ended: str | None = None
     kind: ClassVar[str] = "end"
 
     def __post_init__(self) -> None:
@@ -176,16 +180,24 @@ class EndRecord:
         check_count("samples", self.samples)
         if self.releases is not None:
             check_count("releases", self.releases)
+        if self.ended is not None and (
+            not isinstance(self.ended, str) or not 0 < len(self.ended) <= 500
+        ):
+            raise ValueError(
+                f"ended must be a string of 1 to 500 characters, got ended={self.ended!r}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind, "count": self.count, "samples": self.samples}
         if self.releases is not None:
             out["releases"] = self.releases
+        if self.ended is not None:
+            out["ended"] = self.ended
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EndRecord:
-        return cls(data["count"], data["samples"], data.get("releases"))
+        return cls(data["count"], data["samples"], data.get("releases"), data.get("ended"))
 
 
 @register_record

@@ -14,8 +14,13 @@ becomes ``from dpfy.opacus import PrivacyEngine``. ``make_private`` and
   ``get_epsilon`` and ``accountant.get_epsilon`` read that ledger
   (:mod:`dpfy.opacus.accountant` says which dpfy accountant answers for each Opacus name);
 * sampling and noise come from the secure generator unless a seed is given;
-* the model is never wrapped: ``module`` comes back as the same object (code that reads
-  Opacus' ``model._module`` uses ``model`` itself).
+* the model is never wrapped: ``module`` comes back as the same object, and Opacus'
+  ``model._module`` is that object too (``torch.save(model._module.state_dict(), ...)`` saves
+  the user's model as in Opacus);
+* the ledger closes itself when the planned epochs are done, at :meth:`write_report` and at
+  interpreter exit, its end record saying whether the plan ran (:mod:`dpfy.training.closing`);
+* a second ``make_private`` (a script's next run, Opacus' ``--n-runs``) may take the loader the
+  first one returned: its batches are drawn afresh from the original ``DataLoader``'s data.
 
 What Opacus allows and would break the stated guarantee is refused, with the reason, before
 anything is written: an accountant stepped by hand, a seeded ``noise_generator`` passed off as
@@ -141,6 +146,7 @@ class PrivacyEngine:
         self._ledger: Ledger | None = None
         self._delta: float | None = None
         self._made_folder = False
+        self._close_ledger: Any = None  # the latest run's PrivateOptimizer.close_ledger
 
     # -- reading the ledger -----------------------------------------------------------------
     @property
@@ -155,9 +161,15 @@ class PrivacyEngine:
         return self.accountant.get_epsilon(delta)
 
     def write_report(self, delta: float | None = None) -> Path:
-        """Write ``report.md`` and ``report.json`` beside the ledger; returns the folder.
+        """Close the ledger, then write ``report.md`` and ``report.json`` beside it; returns
+        the folder.
 
-        ``delta`` defaults to ``target_delta`` of ``make_private_with_epsilon``.
+        The end record says whether every planned release was made (an engine without planned
+        epochs: how many were made), so the report is complete but never reads a run stopped
+        early as its plan; training on afterwards reopens the ledger with a resume marker
+        (:mod:`dpfy.training.closing`; the ledger also closes itself when the planned epochs
+        are done and at interpreter exit). ``delta`` defaults to ``target_delta`` of
+        ``make_private_with_epsilon``.
         """
         from dpfy.report.statement import build_report
 
@@ -166,6 +178,8 @@ class PrivacyEngine:
         d = self._delta if delta is None else delta
         if d is None:
             raise ValueError("delta must be given: no target_delta was set, got delta=None")
+        if self._close_ledger is not None:
+            self._close_ledger("write_report")
         report = build_report(
             self.ledger, delta=d, method=self.accountant.method,
             ledger_path=str(self.run_dir / "ledger.jsonl"),
@@ -272,8 +286,8 @@ class PrivacyEngine:
 
     def _make(self, r: _Request) -> tuple[Any, ...]:
         loader = r.data_loader
-        if isinstance(loader, DPDataLoader):
-            raise TypeError("data_loader is private already: pass the original DataLoader")
+        if isinstance(loader, DPDataLoader):  # a script's next run (Opacus' --n-runs)
+            loader = loader.original  # its batches are drawn afresh by this run's sampler
         if not isinstance(loader, DataLoader):
             raise TypeError(
                 f"data_loader must be a torch DataLoader, got {type(loader).__name__}"
@@ -328,6 +342,8 @@ class PrivacyEngine:
         self.accountant.method = method
         self.accountant.ledger = ledger
         self.dataset = loader.dataset
+        self._close_ledger = private.optimizer.close_ledger
+        _set_module(r.module)
         dp_loader = DPDataLoader(private.loader, outputs, loader)
         dp_optimizer = DPOptimizer(
             private.optimizer, private.criterion, outputs, r.max_grad_norm,
@@ -415,6 +431,15 @@ class PrivacyEngine:
 
     def __repr__(self) -> str:
         return f"PrivacyEngine(accountant={self.accountant!r}, run_dir={self.run_dir})"
+
+
+def _set_module(module: nn.Module) -> None:
+    """Opacus' ``model._module`` (the user's model inside its wrapper) is the model itself
+    here: written into the instance's ``__dict__``, not registered as a submodule, so the
+    model's ``state_dict``, ``modules()`` and ``parameters()`` do not change. A model with an
+    ``_module`` of its own keeps it."""
+    if not hasattr(module, "_module"):
+        object.__setattr__(module, "_module", module)
 
 
 def _sampler(loader: DataLoader[Any], poisson: bool, stream: Randomness) -> Any:

@@ -51,6 +51,7 @@ from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
 from dpfy.training.chunk import OpenChunk
+from dpfy.training.closing import LedgerCloser
 from dpfy.training.loader import (
     ChunkInfo,
     PrivateBatchSampler,
@@ -135,6 +136,8 @@ class _Engine:
         self.accounting = accounting
         self.on_budget = on_budget
         self.facts = facts
+        planned = None if epochs is None else int(epochs) * int(sampler.steps_per_epoch)
+        self.closer = LedgerCloser(ledger, planned)  # at the plan's end, on request, at exit
         self.epoch = 0
         self.steps = 0
         self.info: ChunkInfo | None = None
@@ -346,6 +349,8 @@ class PrivateLoader:
             engine.close_chunk()
             if not finished:
                 engine.abandon(epoch, steps_before)
+        if engine.sample_id is None and engine.closer.done():
+            engine.closer.close("planned epochs done")  # a later release resumes the file
         if allowed < int(engine.sampler.steps_per_epoch):
             message = engine.budget_message()
             if engine.on_budget == "raise":
@@ -464,6 +469,12 @@ class PrivateOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def close_ledger(self, how: str = "closed by the script") -> None:
+        """Close the run's ledger now: its end record says whether every planned release was
+        made (:mod:`dpfy.training.closing`; it closes itself when the planned epochs are done
+        and at interpreter exit). A later release reopens it with a resume marker."""
+        self._engine.closer.close(how)
 
     def autocast(self) -> Any:
         """``with optimizer.autocast(): loss = criterion(model(x), y)``: the forward in the
