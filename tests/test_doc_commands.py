@@ -134,6 +134,11 @@ def test_a_documented_report_line_runs_on_a_ledger(where, args, tmp_path, monkey
         sid = ledger.record_sample(spec, step=step)
         ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.1, name="gradient")
     ledger.close()
+    import dpfy.report  # figures off: drawing them is most of the time (test_report.py draws them)
+
+    write_report = dpfy.report.write_report
+    monkeypatch.setattr(dpfy.report, "write_report",
+                        lambda *a, **k: write_report(*a, **{**k, "figures": False}))
     code, printed = _run(args)
     assert code == 0 and "epsilon" in printed, f"{where}\n{printed}"
 
