@@ -317,6 +317,113 @@ def _step_grid(min_steps: int, max_steps: int) -> np.ndarray:
     return np.unique(np.round(np.geomspace(min_steps, max_steps, 40)).astype(np.int64))
 
 
+def _best_batch_and_steps(
+    n: int, target: float, delta: float, s_floor: int, s_cap: int, compute: int | None
+) -> tuple[int, int, bool]:
+    """``(batch, steps, in_regime)``: for every step count in [s_floor, s_cap], the smallest
+    batch in the constant-privacy regime (z >= 2); the most steps whose compute ``B x S``
+    fits (``in_regime``), else all the compute spent at ``s_floor``."""
+    grid = _step_grid(s_floor, s_cap)
+    b_min = _min_batch_for_z(n, grid, target, delta)
+    fits = b_min * grid <= (compute if compute is not None else np.inf)
+    if fits.any():
+        j = int(np.flatnonzero(fits).max())
+        if j + 1 < grid.size:  # refine between this grid point and the next (compute-bound)
+            fine = np.unique(np.linspace(grid[j], grid[j + 1], 24).round().astype(np.int64))
+            fine_b = _min_batch_for_z(n, fine, target, delta)
+            ok = fine_b * fine <= (compute if compute is not None else np.inf)
+            k = int(np.flatnonzero(ok).max())
+            s_best, b_best = int(fine[k]), int(fine_b[k])
+        else:
+            s_best, b_best = int(grid[j]), int(b_min[j])
+        in_regime = True
+    else:
+        # Compute too small for z >= 2 at min_steps: spend it all there (largest eta for it).
+        assert compute is not None
+        s_best = s_floor
+        b_best = int(min(n, max(1, compute // s_floor)))
+        in_regime = False
+
+    if in_regime and _has_pld():
+        # The PLD accountant is tighter than RDP: the z >= 2 boundary moves to a larger batch.
+        b_pld = _pld_min_batch(n, s_best, target, delta, b_best)
+        for _ in range(4):  # compute-bound: B_min S grows like sqrt(S), so shrink S to fit
+            if compute is None or b_pld * s_best <= compute or s_best <= s_floor:
+                break
+            shrink = (compute / (b_pld * s_best)) ** 2
+            s_best = max(s_floor, int(s_best * shrink * 0.999))
+            b_start = int(_min_batch_for_z(n, np.array([s_best]), target, delta)[0])
+            b_pld = _pld_min_batch(n, s_best, target, delta, b_start)
+        b_best = b_pld if compute is None else max(1, min(b_pld, compute // s_best))
+    return b_best, s_best, in_regime
+
+
+def _candidates(
+    n: int, target: float, delta: float, best: tuple[int, int], s_cap: int, compute: int | None
+) -> list[tuple[int, int, str, str]]:
+    """``(batch, steps, label, reason)``: the pick ``best`` first, then informative
+    alternatives around it (within ``s_cap`` steps and the compute)."""
+    b_best, s_best = best
+    cands: list[tuple[int, int, str, str]] = [
+        (b_best, s_best, "recommended", "most steps with z >= 2 inside the compute budget")
+    ]
+
+    def add(b: int, s: int, label: str, reason: str) -> None:
+        b, s = int(min(max(b, 1), n)), int(max(s, 1))
+        if s > s_cap or (compute is not None and b * s > compute):
+            return
+        if any((b, s) == (c[0], c[1]) for c in cands):
+            return
+        cands.append((b, s, label, reason))
+
+    add(2 * b_best, s_best, "2x batch, same steps",
+        "z doubles, eta_step unchanged: TAN expects no accuracy gain for 2x compute")
+    add(b_best // 2, s_best, "half batch, same steps",
+        "cheaper, but z falls toward the privacy wall: less signal per step")
+    if s_best > 1:
+        s_half = max(1, s_best // 2)
+        b_half = int(_min_batch_for_z(n, np.array([s_half]), target, delta)[0])
+        if _has_pld():
+            b_half = _pld_min_batch(n, s_half, target, delta, b_half)
+        add(b_half, s_half, "half the steps",
+            "batch with z ~ 2 at half the steps: less compute, fewer updates")
+    if compute is not None:
+        add(compute // s_best, s_best, "all compute, same steps",
+            "uses the whole compute budget on a larger batch")
+        if s_cap > s_best:
+            add(compute // s_cap, s_cap, "all steps allowed",
+                "max_steps within the compute budget, below the constant-privacy regime")
+    return cands
+
+
+def _calibrated_options(
+    cands: list[tuple[int, int, str, str]], n: int, target: float, delta: float
+) -> list[PlanOption]:
+    """Every candidate with its z: an RDP search, then PLD (tighter) when available; each
+    verified against the target."""
+    options: list[PlanOption] = []
+    for b, s, label, reason in cands:
+        z_rdp = _rdp_noise_multiplier(b / n, s, target, delta)
+        z = _tighten_noise_multiplier(b / n, s, target, delta, z_rdp)
+        res = accounting.epsilon(_event(b / n, z, s), delta)
+        if res.epsilon > target * (1.0 + 1e-12):  # cannot happen: z is certified by a method
+            raise RuntimeError(f"planning bug: epsilon {res.epsilon} exceeds {target}")
+        options.append(
+            PlanOption(
+                batch_size=b,
+                noise_multiplier=z,
+                steps=s,
+                dataset_size=n,
+                epsilon=float(res.epsilon),
+                method=res.method,
+                epsilon_tan=float(tan.epsilon_tan(b / n, z, s, delta)),
+                label=label,
+                reason=reason,
+            )
+        )
+    return options
+
+
 def plan(
     dataset_size: int,
     target_epsilon: float,
@@ -382,94 +489,9 @@ def plan(
         s_floor = min(int(min_steps), s_cap)
     else:
         s_floor = max(1, math.ceil(s_cap / 10))
-
-    # 1. For every step count, the smallest batch in the constant-privacy regime (z >= 2).
-    grid = _step_grid(s_floor, s_cap)
-    b_min = _min_batch_for_z(n, grid, target, delta)
-    fits = b_min * grid <= (compute if compute is not None else np.inf)
-    if fits.any():
-        j = int(np.flatnonzero(fits).max())
-        if j + 1 < grid.size:  # refine between this grid point and the next (compute-bound)
-            fine = np.unique(np.linspace(grid[j], grid[j + 1], 24).round().astype(np.int64))
-            fine_b = _min_batch_for_z(n, fine, target, delta)
-            ok = fine_b * fine <= (compute if compute is not None else np.inf)
-            k = int(np.flatnonzero(ok).max())
-            s_best, b_best = int(fine[k]), int(fine_b[k])
-        else:
-            s_best, b_best = int(grid[j]), int(b_min[j])
-        in_regime = True
-    else:
-        # Compute too small for z >= 2 at min_steps: spend it all there (largest eta for it).
-        assert compute is not None
-        s_best = s_floor
-        b_best = int(min(n, max(1, compute // s_floor)))
-        in_regime = False
-
-    if in_regime and _has_pld():
-        # The PLD accountant is tighter than RDP: the z >= 2 boundary moves to a larger batch.
-        b_pld = _pld_min_batch(n, s_best, target, delta, b_best)
-        for _ in range(4):  # compute-bound: B_min S grows like sqrt(S), so shrink S to fit
-            if compute is None or b_pld * s_best <= compute or s_best <= s_floor:
-                break
-            shrink = (compute / (b_pld * s_best)) ** 2
-            s_best = max(s_floor, int(s_best * shrink * 0.999))
-            b_start = int(_min_batch_for_z(n, np.array([s_best]), target, delta)[0])
-            b_pld = _pld_min_batch(n, s_best, target, delta, b_start)
-        b_best = b_pld if compute is None else max(1, min(b_pld, compute // s_best))
-
-    # 2. Candidate list: the pick and informative alternatives around it.
-    cands: list[tuple[int, int, str, str]] = [
-        (b_best, s_best, "recommended", "most steps with z >= 2 inside the compute budget")
-    ]
-
-    def add(b: int, s: int, label: str, reason: str) -> None:
-        b, s = int(min(max(b, 1), n)), int(max(s, 1))
-        if s > s_cap or (compute is not None and b * s > compute):
-            return
-        if any((b, s) == (c[0], c[1]) for c in cands):
-            return
-        cands.append((b, s, label, reason))
-
-    add(2 * b_best, s_best, "2x batch, same steps",
-        "z doubles, eta_step unchanged: TAN expects no accuracy gain for 2x compute")
-    add(b_best // 2, s_best, "half batch, same steps",
-        "cheaper, but z falls toward the privacy wall: less signal per step")
-    if s_best > 1:
-        s_half = max(1, s_best // 2)
-        b_half = int(_min_batch_for_z(n, np.array([s_half]), target, delta)[0])
-        if _has_pld():
-            b_half = _pld_min_batch(n, s_half, target, delta, b_half)
-        add(b_half, s_half, "half the steps",
-            "batch with z ~ 2 at half the steps: less compute, fewer updates")
-    if compute is not None:
-        add(compute // s_best, s_best, "all compute, same steps",
-            "uses the whole compute budget on a larger batch")
-        if s_cap > s_best:
-            add(compute // s_cap, s_cap, "all steps allowed",
-                "max_steps within the compute budget, below the constant-privacy regime")
-    cands = cands[: 1 + runner_ups]
-
-    # 3. Calibrate z for every option: RDP search, then PLD (tighter) when available; verify.
-    options: list[PlanOption] = []
-    for b, s, label, reason in cands:
-        z_rdp = _rdp_noise_multiplier(b / n, s, target, delta)
-        z = _tighten_noise_multiplier(b / n, s, target, delta, z_rdp)
-        res = accounting.epsilon(_event(b / n, z, s), delta)
-        if res.epsilon > target * (1.0 + 1e-12):  # cannot happen: z is certified by a method
-            raise RuntimeError(f"planning bug: epsilon {res.epsilon} exceeds {target}")
-        options.append(
-            PlanOption(
-                batch_size=b,
-                noise_multiplier=z,
-                steps=s,
-                dataset_size=n,
-                epsilon=float(res.epsilon),
-                method=res.method,
-                epsilon_tan=float(tan.epsilon_tan(b / n, z, s, delta)),
-                label=label,
-                reason=reason,
-            )
-        )
+    b_best, s_best, in_regime = _best_batch_and_steps(n, target, delta, s_floor, s_cap, compute)
+    cands = _candidates(n, target, delta, (b_best, s_best), s_cap, compute)[: 1 + runner_ups]
+    options = _calibrated_options(cands, n, target, delta)
     if sampler != "poisson":
         options = _for_sampler(options, sampler, target, float(delta))
     rec = options[0]
