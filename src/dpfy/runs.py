@@ -241,6 +241,11 @@ def _train_into(
         delta=delta,
         target_epsilon=target_epsilon,
         accuracy_by_step=[list(x) for x in accuracy_by_step],
+        # the raw model's (before an EMA), as summary.json publishes it: checked against it
+        model_accuracy_by_step=[
+            [int(e.steps), float(e.model_test_accuracy)] for e in summary.history.epochs
+            if e.model_test_accuracy is not None
+        ],
         train_command=command,
         config=ran.to_dict(),
         **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
@@ -251,7 +256,12 @@ def _train_into(
         from dpfy.ledger.trust import endorse
 
         trusted_key = endorse(summary.ledger, endorser)["key"]
-    summary.ledger.close()  # the run is over: flush buffered metadata, refuse further appends
+    from dpfy.report.crosscheck import file_sha256
+
+    model_file = Path(summary.model_path) if summary.model_path else None
+    files = {model_file.name: file_sha256(model_file)} if model_file and model_file.is_file() \
+        else None  # the released model's SHA-256 goes into the signed end record
+    summary.ledger.close(files=files)  # the run is over: flush buffered metadata, refuse appends
     from dpfy.ledger import Ledger
     from dpfy.publication import publishing_section, write_private_diagnostics
 
@@ -670,6 +680,11 @@ def report_ledger(
         ) from None
     except LedgerFormatError as err:
         raise ValueError(f"ledger_path holds a malformed ledger: {err}") from None
+    from dpfy.report.crosscheck import check_run_dir, refusal
+
+    found = check_run_dir(path.parent, ledger, other_heads=False)
+    if found:  # an edited figure beside the ledger: refused, no report written or replaced
+        raise refusal(path.parent, found)
     facts = _recorded_facts(ledger.metadata, need_delta=delta is None)
     note = None
     if delta is None:
@@ -689,8 +704,31 @@ def report_ledger(
         accuracy_by_step=facts["accuracy_by_step"],
         note=note,
         trusted_key=trusted_key,
+        # what a report of this head already published and the ledger cannot re-derive
+        train_command=_text(ledger.metadata.get("train_command")),
+        publishing=_kept_publishing(out_dir, ledger.head) if diverted is None else None,
     )
     return ReportedRun(out_dir, path, report, report_name=name, diverted=diverted)
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _kept_publishing(out_dir: Path, head: str | None) -> dict[str, Any] | None:
+    """The Publishing section of the ``report.json`` of chain head ``head`` in ``out_dir``
+    (checked against the directory by :mod:`dpfy.report.crosscheck`), or None."""
+    import json
+
+    try:
+        kept = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    integrity = kept.get("ledger_integrity") if isinstance(kept, dict) else None
+    if not isinstance(integrity, dict) or integrity.get("head") != head:
+        return None
+    section = kept.get("publishing")
+    return section if isinstance(section, dict) and section else None
 
 
 def _trusted_key(

@@ -47,7 +47,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from dpfy import events as ev
@@ -475,19 +475,21 @@ class Ledger:
         self._write(SignatureRecord(lines, signature).to_dict(), sync=sync)
         self._signed = (lines, head)
 
-    def close(self, *, ended: str | None = None, reopen: bool = False) -> None:
+    def close(self, *, ended: str | None = None, reopen: bool = False,
+              files: Mapping[str, str] | None = None) -> None:
         """Write the end record and its signature, fsync, close the file and release its lock;
         appends then raise, or with ``reopen=True`` (a close made by a training loop on the
         user's behalf) reopen the ledger first, writing a resume marker.
 
         ``ended``: how the run ended, in words, kept in the end record (``EndRecord.ended``).
+        ``files``: SHA-256 of each file released beside the ledger (``EndRecord.files``).
         After a failed write nothing more is written (the file reads as open or crash-cut).
         """
         with self._lock:
             file = self._file
             try:
                 if file is not None and file.failed is None:
-                    end = EndRecord(self._lines, len(self._samples), self._releases, ended)
+                    end = EndRecord(self._lines, len(self._samples), self._releases, ended, files)
                     self._write(end.to_dict(), sync=False)
                     self._sign(sync=True)
                     self._closed = True
