@@ -608,99 +608,20 @@ def make_private(
       TypeError, ValueError: a bad argument, named in the message.
       dpfy.training.validate.UnsupportedModuleError: layers that are not private.
     """
-    from dpfy.sampling import make_sampler
     from dpfy.sampling.kinds import kind as sampler_kind
 
     o = PrivateOptions() if options is None else options
-    check_int("attribution_check", o.attribution_check, 0, 2**31)
-    max_physical_batch_size, max_batch_size = o.max_physical_batch_size, o.max_batch_size
+    _check_numbers(target_epsilon, delta, epochs, clip_norm, o)
+    max_physical_batch_size = o.max_physical_batch_size
     collate_fn, ledger, accounting = o.collate_fn, o.ledger, o.accounting
     num_workers, device, on_budget, validate = o.num_workers, o.device, o.on_budget, o.validate
     loader_kwargs, precision, loss_scale = o.loader_kwargs, o.precision, o.loss_scale
     given_z = o.noise_multiplier
-    if given_z is None:
-        for name, value in (("target_epsilon", target_epsilon), ("epochs", epochs)):
-            if value is None:
-                raise ValueError(
-                    f"{name} must be given to calibrate the noise multiplier, got {name}=None "
-                    "(or pass options=PrivateOptions(noise_multiplier=...))"
-                )
-    else:
-        check_range("noise_multiplier", given_z, 0.0, math.inf, high_open=True)
-    if target_epsilon is not None:
-        check_range(
-            "target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True
-        )
-        if delta is None:
-            raise ValueError("delta must be given with target_epsilon, got delta=None")
-    if delta is not None:
-        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
-    if epochs is not None:
-        check_range("epochs", epochs, 1, None, integer=True)
-    check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
-    check_range("num_workers", num_workers, 0, None, integer=True)
-    check_precision(precision)
-    if loss_scale is not None:
-        check_loss_scale(loss_scale)
-    if max_physical_batch_size is not None:
-        check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
-    if on_budget not in ("stop", "raise"):
-        raise ValueError(f"on_budget must be one of {{stop, raise}}, got on_budget={on_budget!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, PrivateOptimizer) or not isinstance(
-        optimizer, torch.optim.Optimizer
-    ):
-        raise TypeError(
-            f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
-        )
-    check_learning_rates(optimizer)
-    check_master_weights((n, p) for n, p in model.named_parameters() if p.requires_grad)
-    # Frozen parameters of the model may sit in the optimizer (it skips them: no release
-    # gives them a gradient), unless they hold a gradient from before, which every step
-    # would apply again.
-    own = {id(p): p.requires_grad for p in model.parameters()}
-    updated = [p for g in optimizer.param_groups for p in g["params"]]
-    foreign = [p for p in updated if id(p) not in own]
-    if foreign:
-        raise ValueError(
-            f"optimizer must update parameters of model only, got {len(foreign)} other "
-            "parameter(s) (their gradients would not be private)"
-        )
-    stale = [p for p in updated if not own[id(p)] and p.grad is not None]
-    if stale:
-        raise ValueError(
-            f"optimizer must hold no gradient on frozen parameters, got {len(stale)} frozen "
-            "parameter(s) with a gradient from before (every step would apply it again); call "
-            "optimizer.zero_grad(set_to_none=True) first"
-        )
+    _check_model_and_optimizer(model, optimizer)
     check_dataset(data, "data")
     check_randomness(randomness)
     rng = randomness if randomness is not None else Randomness.secure_mode()
-    n = len(data)
-    if isinstance(sampler, str):
-        if expected_batch_size is None:
-            raise ValueError(
-                "expected_batch_size must be given with a sampler kind, got "
-                "expected_batch_size=None"
-            )
-        check_range("expected_batch_size", expected_batch_size, 1, n, integer=True)
-        sampler = make_sampler(
-            sampler,
-            n,
-            int(expected_batch_size),
-            max_batch_size=max_batch_size,
-            randomness=_sampling_stream(rng),
-        )
-    else:
-        check_sampler(sampler, n, "sampler")
-        if expected_batch_size is not None and not math.isclose(
-            float(expected_batch_size), float(sampler.expected_batch_size), rel_tol=1e-9
-        ):
-            raise ValueError(
-                f"expected_batch_size must match the sampler's "
-                f"{sampler.expected_batch_size!r}, got expected_batch_size={expected_batch_size!r}"
-            )
+    sampler = _the_sampler(sampler, data, expected_batch_size, o.max_batch_size, rng)
     per_example = _per_example(loss_fn)
     if validate:
         validate_module(model)
@@ -775,6 +696,113 @@ def make_private(
     )
     criterion = PrivateCriterion(engine, per_example)
     return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
+
+
+def _check_numbers(
+    target_epsilon: float | None, delta: float | None, epochs: int | None, clip_norm: float,
+    o: PrivateOptions,
+) -> None:
+    """:func:`make_private`'s budget, clip norm and options, each in its range."""
+    check_int("attribution_check", o.attribution_check, 0, 2**31)
+    given_z, num_workers, on_budget = o.noise_multiplier, o.num_workers, o.on_budget
+    max_physical_batch_size, precision, loss_scale = (
+        o.max_physical_batch_size, o.precision, o.loss_scale)
+    if given_z is None:
+        for name, value in (("target_epsilon", target_epsilon), ("epochs", epochs)):
+            if value is None:
+                raise ValueError(
+                    f"{name} must be given to calibrate the noise multiplier, got {name}=None "
+                    "(or pass options=PrivateOptions(noise_multiplier=...))"
+                )
+    else:
+        check_range("noise_multiplier", given_z, 0.0, math.inf, high_open=True)
+    if target_epsilon is not None:
+        check_range(
+            "target_epsilon", target_epsilon, 0.0, math.inf, low_open=True, high_open=True
+        )
+        if delta is None:
+            raise ValueError("delta must be given with target_epsilon, got delta=None")
+    if delta is not None:
+        check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    if epochs is not None:
+        check_range("epochs", epochs, 1, None, integer=True)
+    check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+    check_range("num_workers", num_workers, 0, None, integer=True)
+    check_precision(precision)
+    if loss_scale is not None:
+        check_loss_scale(loss_scale)
+    if max_physical_batch_size is not None:
+        check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
+    if on_budget not in ("stop", "raise"):
+        raise ValueError(f"on_budget must be one of {{stop, raise}}, got on_budget={on_budget!r}")
+
+
+def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A module, and a plain optimizer over its trainable parameters (fp32 master weights,
+    finite rates, no stale gradient on a frozen parameter)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, PrivateOptimizer) or not isinstance(
+        optimizer, torch.optim.Optimizer
+    ):
+        raise TypeError(
+            f"optimizer must be a plain torch.optim optimizer, got {type(optimizer).__name__}"
+        )
+    check_learning_rates(optimizer)
+    check_master_weights((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    # Frozen parameters of the model may sit in the optimizer (it skips them: no release
+    # gives them a gradient), unless they hold a gradient from before, which every step
+    # would apply again.
+    own = {id(p): p.requires_grad for p in model.parameters()}
+    updated = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in updated if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"optimizer must update parameters of model only, got {len(foreign)} other "
+            "parameter(s) (their gradients would not be private)"
+        )
+    stale = [p for p in updated if not own[id(p)] and p.grad is not None]
+    if stale:
+        raise ValueError(
+            f"optimizer must hold no gradient on frozen parameters, got {len(stale)} frozen "
+            "parameter(s) with a gradient from before (every step would apply it again); call "
+            "optimizer.zero_grad(set_to_none=True) first"
+        )
+
+
+def _the_sampler(
+    sampler: Any, data: Any, expected_batch_size: int | None, max_batch_size: int | None,
+    rng: Randomness,
+) -> Any:
+    """The sampler of a :func:`make_private` run: built from a kind name (its own stream
+    seeded from ``rng``), or a given one checked against the data and the batch size."""
+    from dpfy.sampling import make_sampler
+
+    n = len(data)
+    if isinstance(sampler, str):
+        if expected_batch_size is None:
+            raise ValueError(
+                "expected_batch_size must be given with a sampler kind, got "
+                "expected_batch_size=None"
+            )
+        check_range("expected_batch_size", expected_batch_size, 1, n, integer=True)
+        sampler = make_sampler(
+            sampler,
+            n,
+            int(expected_batch_size),
+            max_batch_size=max_batch_size,
+            randomness=_sampling_stream(rng),
+        )
+    else:
+        check_sampler(sampler, n, "sampler")
+        if expected_batch_size is not None and not math.isclose(
+            float(expected_batch_size), float(sampler.expected_batch_size), rel_tol=1e-9
+        ):
+            raise ValueError(
+                f"expected_batch_size must match the sampler's "
+                f"{sampler.expected_batch_size!r}, got expected_batch_size={expected_batch_size!r}"
+            )
+    return sampler
 
 
 def _describe(randomness: Any) -> str:
