@@ -42,6 +42,7 @@ from dpfy.audit.selftests import (
 from dpfy.ledger import Ledger
 from dpfy.ledger.records import MatrixRunRecord, SumQueryRecord
 from dpfy.ledger.trust import assess
+from dpfy.report.crosscheck import require_consistent
 from dpfy.report.statement import PrivacyReport
 
 AuditMethod = Literal["canary", "one-run"]
@@ -224,6 +225,8 @@ def audit_run(
     Raises:
       ValueError: a bad argument or a directory that is not a dpfy run (named).
       LedgerIntegrityError: ``trusted_key`` neither signed nor endorsed the ledger's key.
+      RunDirMismatch: a published file of the run directory disagrees with the ledger
+        (:mod:`dpfy.report.crosscheck`), named with its field.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {set(METHODS)}, got method={method!r}")
@@ -240,6 +243,7 @@ def audit_run(
     ledger, report = _load(out)
     trust = assess(ledger.verification, ledger.metadata, trusted_key,
                    source=f"ledger {str(out / 'ledger.jsonl')!r}")
+    require_consistent(out, ledger)  # every published figure is the ledger's, or refused
     cfg = _configuration(ledger)
     delta = report.get("delta")
     if not isinstance(delta, int | float) or not 0 < delta < 1:

@@ -166,13 +166,16 @@ class EndRecord:
     the lines it read. ``ended`` (optional): how the run ended, in words, when the training
     loop closed the ledger itself: ``"as planned: ..."`` or ``"early (...): R of P planned
     releases"`` (an exception, or the interpreter exiting before the plan ran), so a report
-    never reads the releases made as the plan.
+    never reads the releases made as the plan. ``files`` (optional): the SHA-256 (hex) of each
+    file the run released beside the ledger, by its name in the run directory (``dpfy train``:
+    ``{"model.pt": ...}``), signed with the rest of the chain.
     """
 
     count: int
     samples: int
     releases: int | None = None
     ended: str | None = None
+    files: Mapping[str, str] | None = None
     kind: ClassVar[str] = "end"
 
     def __post_init__(self) -> None:
@@ -186,6 +189,14 @@ class EndRecord:
             raise ValueError(
                 f"ended must be a string of 1 to 500 characters, got ended={self.ended!r}"
             )
+        if self.files is not None:
+            if not isinstance(self.files, Mapping) or not all(
+                isinstance(k, str) and k and "/" not in k and isinstance(v, str) and len(v) == 64
+                and set(v) <= set("0123456789abcdef") for k, v in self.files.items()
+            ):
+                raise ValueError("files must map file names to SHA-256 digests (64 hex), got "
+                                 f"files={self.files!r}")
+            object.__setattr__(self, "files", dict(self.files))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.kind, "count": self.count, "samples": self.samples}
@@ -193,11 +204,14 @@ class EndRecord:
             out["releases"] = self.releases
         if self.ended is not None:
             out["ended"] = self.ended
+        if self.files is not None:
+            out["files"] = dict(self.files)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EndRecord:
-        return cls(data["count"], data["samples"], data.get("releases"), data.get("ended"))
+        return cls(data["count"], data["samples"], data.get("releases"), data.get("ended"),
+                   data.get("files"))
 
 
 @register_record

@@ -27,6 +27,7 @@ is made, read or checked.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -144,17 +145,16 @@ def read_trusted_key(path: str | os.PathLike[str]) -> str:
     text = data.decode("ascii", errors="replace").strip().lower()
     if is_hex(text, 64):
         return text
-    for load in (serialization.load_pem_public_key, serialization.load_pem_private_key):
-        try:
-            key = load(data) if load is serialization.load_pem_public_key else load(
-                data, password=None)
-        except (ValueError, TypeError):
-            continue
-        if isinstance(key, Ed25519PrivateKey):
-            return public_hex(key)
-        if isinstance(key, Ed25519PublicKey):
-            return key.public_bytes(serialization.Encoding.Raw,
-                                    serialization.PublicFormat.Raw).hex()
+    key: object = None
+    with contextlib.suppress(ValueError, TypeError):
+        key = serialization.load_pem_public_key(data)
+    if key is None:
+        with contextlib.suppress(ValueError, TypeError):
+            key = serialization.load_pem_private_key(data, password=None)
+    if isinstance(key, Ed25519PrivateKey):
+        return public_hex(key)
+    if isinstance(key, Ed25519PublicKey):
+        return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
     raise ValueError(f"trust must be a file holding an Ed25519 public key (64 hex digits, as "
                      f"`dpfy keys new` writes to KEY.pub, or PEM), got {where!r}")
 
