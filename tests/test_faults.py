@@ -4,13 +4,22 @@ leaves a run directory that a re-run can use, one after it keeps the ledger clos
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from dpfy import _files
+from dpfy._files import write_atomic
 from dpfy.cli import main
 from dpfy.ledger import Ledger
+from dpfy.ledger.signing import LedgerKeyError
+from dpfy.publication import claimed_run_dir
 from dpfy.sampling import SampleSpec
 
 
@@ -61,3 +70,127 @@ def test_a_mistyped_header_field_is_one_line_naming_the_file(
     line = _one_line(capsys)
     assert code == 2 and line.startswith("dpfy: error: ") and str(bad) in line, line
     assert not (tmp_path / "report").exists()  # refused before anything was written
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces: a file written whole or not at all, a ledger that could not start, a run
+# directory after a fault
+# ---------------------------------------------------------------------------------------------
+
+
+def _failing(errno_: int):
+    def fail(*args: object, **kwargs: object) -> None:
+        raise OSError(errno_, os.strerror(errno_))
+
+    return fail
+
+
+@pytest.mark.parametrize("errno_", [errno.ENOSPC, errno.EACCES])
+def test_a_failed_write_leaves_neither_the_file_nor_its_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int
+) -> None:
+    target = tmp_path / "model.pt"
+    monkeypatch.setattr(_files.os, "fsync", _failing(errno_))
+    with pytest.raises(OSError) as caught:
+        write_atomic(target, b"weights")
+    assert caught.value.errno == errno_ and caught.value.filename == str(target)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    write_atomic(target, lambda f: f.write(b"weights"))
+    assert target.read_bytes() == b"weights" and list(tmp_path.iterdir()) == [target]
+
+
+def test_a_ledger_whose_key_cannot_be_stored_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("DPFY_KEY_DIR", str(blocked))
+    path = tmp_path / "run" / "ledger.jsonl"
+    path.parent.mkdir()
+    with pytest.raises(LedgerKeyError):
+        Ledger(path)
+    assert list(path.parent.iterdir()) == []  # no 0-byte ledger blocks the next try
+    monkeypatch.setenv("DPFY_KEY_DIR", str(tmp_path / "keys"))
+    Ledger(path).close()
+    assert Ledger.verify(path).status == "verified"
+
+
+def test_output_to_a_full_device_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    full = open("/dev/full", "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+    monkeypatch.setattr(sys, "stdout", full)
+    code = main(["epsilon", "-n", "1000", "-b", "10", "-z", "1.0", "--delta", "1e-5",
+                 "--steps", "10", "--method", "rdp"])
+    monkeypatch.undo()
+    with contextlib.suppress(OSError):  # what is still buffered cannot be written either
+        full.close()
+    line = _one_line(capsys)
+    assert code == 2 and "No space left on device" in line, line
+
+
+_FSIZE_CHILD = """
+import resource, sys
+from pathlib import Path
+from dpfy._files import write_atomic
+out = Path(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+write_atomic(out / "summary.json", "{}")
+try:
+    write_atomic(out / "model.pt", b"w" * 100_000)
+except OSError as err:
+    print(err.errno, err.filename)
+"""
+
+
+def test_a_file_size_limit_leaves_whole_files(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr  # SIGXFSZ is ignored: the write fails with EFBIG
+    assert done.stdout == f"{errno.EFBIG} {tmp_path / 'model.pt'}\n", done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]  # no model debris
+
+
+def _run_that_fails(out: Path, *, release: bool) -> None:
+    with claimed_run_dir(out):
+        (out / "run.toml").write_text("dataset = 'mnist'\n")
+        ledger = Ledger(out / "ledger.jsonl")
+        sid = ledger.record_sample(SampleSpec("poisson", dataset_size=10, sampling_rate=0.1))
+        if release:
+            ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.0)
+        (out / "figures").mkdir()
+        (out / "model.pt").write_bytes(b"")  # what a full disk left
+        ledger.close()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "model.pt"))
+
+
+def test_a_fault_before_the_first_release_leaves_a_directory_to_run_again(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    keys = Path(os.environ["DPFY_KEY_DIR"])
+    before = set(keys.iterdir())
+    with pytest.raises(OSError) as caught:
+        _run_that_fails(out, release=False)
+    assert not out.exists() and set(keys.iterdir()) == before
+    assert "nothing was released" in caught.value.__notes__[0]
+    out.mkdir()
+    (out / "README").write_text("mine")  # what the directory held before is kept
+    with pytest.raises(OSError):
+        _run_that_fails(out, release=False)
+    assert [p.name for p in out.iterdir()] == ["README"]
+
+
+def test_a_fault_after_releases_keeps_the_ledger_and_says_to_use_a_new_out(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(OSError) as caught:
+        _run_that_fails(out, release=True)
+    assert sorted(p.name for p in out.iterdir()) == ["figures", "ledger.jsonl", "run.toml"]
+    assert Ledger.verify(out / "ledger.jsonl").status == "verified"
+    note = caught.value.__notes__[0]
+    assert "keeps the 1 releases" in note and "give a new --out" in note

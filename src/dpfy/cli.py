@@ -642,11 +642,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpfy: error: {_one_line(_click_message(exc))}", file=sys.stderr)
         return int(getattr(exc, "exit_code", 1))
     except (UsageProblem, ValueError, FileNotFoundError) as exc:
-        print(f"dpfy: error: {_one_line(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        print(f"dpfy: error: {_with_notes(exc, str(exc)) or type(exc).__name__}",
+              file=sys.stderr)
         return 2
-    except (PermissionError, IsADirectoryError) as exc:  # a file it may not read or write
-        where = f" {exc.filename}" if exc.filename else ""
-        print(f"dpfy: error: cannot use{where}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # a file it may not read or write: a full disk, a size limit, ...
+        print(f"dpfy: error: {_with_notes(exc, _os_message(exc))}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        if type(exc).__name__ not in ("LedgerKeyError", "LedgerLockedError"):
+            raise
+        print(f"dpfy: error: {_with_notes(exc, str(exc))}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
         hint = "; install it (`make` installs every extra)" if exc.name else ""
@@ -674,6 +679,18 @@ def _click_message(exc: Exception) -> str:
 
 def _one_line(message: str) -> str:
     return " ".join(message.split())
+
+
+def _os_message(exc: OSError) -> str:
+    """An ``OSError`` in words that name its file: ``cannot use FILE: REASON``."""
+    if exc.filename is None:  # e.g. the ledger's own write error, which names its file
+        return str(exc.strerror or exc)
+    return f"cannot use {exc.filename}: {exc.strerror or exc}"
+
+
+def _with_notes(exc: BaseException, message: str) -> str:
+    """``message`` and the notes a layer below added (what a fault left), as one line."""
+    return _one_line("; ".join([message, *getattr(exc, "__notes__", ())]))
 
 
 if __name__ == "__main__":  # pragma: no cover

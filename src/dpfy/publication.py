@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -115,6 +116,7 @@ def claimed_run_dir(out_dir: Path) -> Iterator[Path]:
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir, os.O_RDONLY)
+    before: set[str] | None = None  # what the directory held when this run claimed it
     try:
         try:
             _lock_dir(fd)
@@ -124,15 +126,92 @@ def claimed_run_dir(out_dir: Path) -> Iterator[Path]:
                 f"out={os.fspath(out_dir)!r}: another dpfy train holds it (one run per "
                 "directory; wait for it to finish or give another --out)"
             ) from None
+        before = {p.name for p in out_dir.iterdir()}
         if (out_dir / "ledger.jsonl").exists():
             raise ValueError(f"out must be a new run directory, {out_dir}/ledger.jsonl exists")
         yield out_dir
-    except BaseException:
+    except BaseException as err:
+        if before is not None:  # this run held the directory: clear what it left
+            note = after_fault(out_dir, before)
+            if note:
+                err.add_note(note)
         if created and out_dir.is_dir() and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise
     finally:
         os.close(fd)  # releases the lock
+
+
+#: Ledger line types that release something computed from the private data.
+RELEASE_TYPES = ("sum_query", "non_private", "matrix_run", "matrix_step")
+
+
+def ledger_releases(path: Path) -> int:
+    """Release lines in the ledger file ``path`` (0 when there is none).
+
+    Read without the chain check and without parsing: a line counts when it names a release
+    type, a line cut short by a crash included, so a ledger that may have released anything
+    is never taken for an empty one.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0
+    marks = tuple(f'"type":"{kind}"'.encode("ascii") for kind in RELEASE_TYPES)
+    return sum(1 for line in data.split(b"\n") if any(m in line for m in marks))
+
+
+def after_fault(out_dir: Path, before: set[str]) -> str:
+    """Clear what a run that failed left in ``out_dir`` (which held ``before`` when it began);
+    returns what it did, in one sentence, for the error's message.
+
+    * No release in the ledger (the fault came before the first noisy release): every file
+      and folder the run created is removed, and so is the run's signing key, so the same
+      ``--out`` can be used again. Nothing was released, nothing is lost.
+    * Releases in the ledger: the ledger is kept (its releases are spent privacy, counted
+      by any report of it) and so is what was written whole; only debris goes (a temporary
+      file of :mod:`dpfy._files`, a 0-byte file). The run cannot be continued in place.
+    """
+    from dpfy._files import TEMPORARY_SUFFIX
+
+    ledger = out_dir / "ledger.jsonl"
+    new = [out_dir / name for name in sorted({p.name for p in out_dir.iterdir()} - before)]
+    released = ledger_releases(ledger) if ledger.name not in before else 0
+    if released == 0:
+        if ledger in new:
+            _forget_key(ledger)
+        for path in new:
+            _remove(path)
+        return (f"nothing was released and {out_dir} holds nothing from this run: run the "
+                "same command again once the cause is fixed")
+    for path in new:
+        if path.is_file() and (path.suffix == TEMPORARY_SUFFIX or path.stat().st_size == 0):
+            _remove(path)
+    return (f"the ledger {ledger} keeps the {released} releases made before the fault "
+            f"(`dpfy report {ledger}` accounts them); this run cannot continue in {out_dir}: "
+            "give a new --out")
+
+
+def _forget_key(ledger: Path) -> None:
+    """Remove the signing key of the ledger's run (read from its header): a run that released
+    nothing needs no key."""
+    from dpfy.ledger.signing import forget_key, is_hex
+
+    try:
+        with ledger.open("rb") as f:
+            run_id = json.loads(f.readline()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return
+    if is_hex(run_id, 32):
+        forget_key(run_id, os.fspath(ledger))
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _lock_dir(fd: int) -> None:

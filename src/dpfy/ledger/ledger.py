@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -217,6 +218,7 @@ class Ledger:
     # -- writing ----------------------------------------------------------------------------
     def _open_for_append(self, path: str) -> None:
         file = AppendFile(path, fsync=self.fsync)  # locks the file before reading it
+        data: bytes | None = None
         try:
             data = file.read()
             if not data:
@@ -242,6 +244,11 @@ class Ledger:
             marker = ResumeRecord(cut is not None, cut).to_dict()
             self._write(marker, sync=True, prefix=b"\n" if self._ends_truncated else b"")
         except BaseException:
+            if data == b"" and file.size == 0 and os.path.isfile(path):  # nothing reached it
+                if self._key is not None and self._run_id is not None:
+                    signing.forget_key(self._run_id, path)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)  # under the lock: no 0-byte file blocks the next try
             file.close()
             self._file = None
             raise

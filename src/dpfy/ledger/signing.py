@@ -18,9 +18,12 @@ This module imports neither torch nor the accountants.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from dpfy.ledger.logfile import write_fully
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -85,8 +88,12 @@ def new_key(run_id: str, ledger_path: str) -> tuple[Ed25519PrivateKey, str]:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.write(fd, pem)
+            write_fully(fd, pem)
             os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()  # ours (O_EXCL): no partial key is left behind
+            raise
         finally:
             os.close(fd)
     except OSError as err:
@@ -96,6 +103,15 @@ def new_key(run_id: str, ledger_path: str) -> tuple[Ed25519PrivateKey, str]:
             "run directory"
         ) from None
     return key, public_hex(key)
+
+
+def forget_key(run_id: str, ledger_path: str) -> None:
+    """Remove the stored private key of run ``run_id`` (a run that released nothing: its
+    ledger was never written, so nothing is ever signed or resumed with the key)."""
+    try:
+        _key_path(run_id, ledger_path).unlink()
+    except (OSError, LedgerKeyError):
+        pass
 
 
 def load_key(run_id: str, ledger_path: str, public_key: str) -> Ed25519PrivateKey:
