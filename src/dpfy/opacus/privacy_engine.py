@@ -343,6 +343,7 @@ class PrivacyEngine:
         self.accountant.ledger = ledger
         self.dataset = loader.dataset
         self._close_ledger = private.optimizer.close_ledger
+        private.loader.batch_sampler.pad = False  # the loop sees real rows only (as Opacus)
         _set_module(r.module)
         dp_loader = DPDataLoader(private.loader, outputs, loader)
         dp_optimizer = DPOptimizer(

@@ -239,6 +239,11 @@ class PrivateBatchSampler:
     most ``limit`` logical batches of it, and appends one :class:`ChunkInfo` per yielded list to
     :attr:`infos`; a ``DataLoader`` keeps the order of its batch sampler, so the consumer pops
     them in step with the batches (prefetching only moves the queue ahead).
+
+    ``pad`` (default True): physical batches have the fixed shape (the last one padded with
+    weight-0 rows). False: each holds only its real rows (an empty draw: one weight-0 row),
+    for a loop the user writes whose printed losses and accuracies must count real rows only
+    (``dpfy.opacus``' ``BatchMemoryManager``); privacy is the same either way.
     """
 
     def __init__(
@@ -251,6 +256,7 @@ class PrivateBatchSampler:
             check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
         self.sampler = sampler
         self.max_physical_batch_size = max_physical_batch_size
+        self.pad = True
         self.infos: collections.deque[ChunkInfo] = collections.deque()
         self._epoch = 0
         self._limit: int | None = None
@@ -269,6 +275,7 @@ class PrivateBatchSampler:
         for step, indices in enumerate(self.sampler.batches(epoch)):
             parts = chunk_rows(indices, self.max_physical_batch_size, mb)
             for c, (rows, count) in enumerate(parts):
+                rows = rows if self.pad else rows[: max(count, 1)]
                 self.infos.append(ChunkInfo(epoch, step, c, len(parts), count, len(rows)))
                 yield rows.tolist()
             if limit is not None and step + 1 >= limit:

@@ -1,11 +1,14 @@
 """``BatchMemoryManager``: Opacus' bound on the rows per forward pass, on dpfy's loader.
 
 ``with BatchMemoryManager(data_loader=..., max_physical_batch_size=P, optimizer=...) as
-loader:`` yields each logical batch as physical batches of at most P rows (the last one padded
-to P with weight-0 rows, so every forward pass has one shape); ``optimizer.step()`` after a
-physical batch that does not end its logical batch only accumulates, so there is still one
-release per logical batch and privacy does not change. As in Opacus the data loader passed in
-is unchanged: only the one the context returns is cut.
+loader:`` yields each logical batch as physical batches of at most P rows, real rows only as in
+Opacus (the last one is smaller), so the losses and accuracies a ported script prints are
+Opacus' on the same rows (an empty Poisson draw is one row of weight 0, where Opacus hands out
+an empty batch). ``optimizer.step()`` after a physical batch that does not end its logical
+batch only accumulates, so there is still one release per logical batch and privacy does not
+change. As in Opacus the data loader passed in is unchanged: only the one the context returns
+is cut. Fixed shapes (the last physical batch padded with weight-0 rows) stay available where
+dpfy drives the loop itself (``dpfy.make_private``, ``PrivateTrainer``).
 """
 
 from __future__ import annotations
