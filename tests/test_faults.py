@@ -194,3 +194,16 @@ def test_a_fault_after_releases_keeps_the_ledger_and_says_to_use_a_new_out(
     assert Ledger.verify(out / "ledger.jsonl").status == "verified"
     note = caught.value.__notes__[0]
     assert "keeps the 1 releases" in note and "give a new --out" in note
+
+
+def test_a_cut_ledger_is_reported_incomplete_without_a_raw_warning(
+    small_ledger: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cut = tmp_path / "ledger.jsonl"
+    cut.write_bytes(small_ledger.read_bytes()[:-40])  # a crash in the middle of the last line
+    code = main(["report", str(cut), "--no-figures", "--out", str(tmp_path / "report")])
+    captured = capsys.readouterr()
+    assert code == 0 and "Incomplete" in captured.out
+    assert "LedgerTruncationWarning" not in captured.err and "Traceback" not in captured.err
+    assert all(line.startswith("dpfy: ") for line in captured.err.splitlines()), captured.err
+    assert "was cut short" in captured.err

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import sys
+import warnings
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -634,7 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args:
         args = ["--help"]
     try:
-        result = command.main(args=args, prog_name="dpfy", standalone_mode=False)
+        with warnings.catch_warnings():  # restores the hook below when the command ends
+            warnings.showwarning = _show_warning
+            result = command.main(args=args, prog_name="dpfy", standalone_mode=False)
     except _UsageError as exc:
         print(f"dpfy: error: {_one_line(_click_message(exc))}", file=sys.stderr)
         return 2
@@ -679,6 +682,13 @@ def _click_message(exc: Exception) -> str:
 
 def _one_line(message: str) -> str:
     return " ".join(message.split())
+
+
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any,
+                  **kwargs: Any) -> None:
+    """A warning raised while a command runs (a ledger's cut last line, say), as one
+    ``dpfy: warning:`` line on standard error: no source line, no file path of dpfy's."""
+    print(f"dpfy: warning: {_one_line(str(message))}", file=sys.stderr)
 
 
 def _os_message(exc: OSError) -> str:

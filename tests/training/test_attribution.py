@@ -145,3 +145,38 @@ def test_attribution_check_must_be_a_non_negative_integer():
             clip_norm=0.5, expected_batch_size=6, loss_fn=LOSS,
             options=dpfy.training.PrivateOptions(attribution_check=-1),
         )
+
+
+def test_a_zero_gradient_does_not_settle_that_the_model_is_deterministic():
+    # A loss at its minimum gives every parameter a zero gradient: two seeds agree there even
+    # with dropout on. The verdict waits for a real gradient; the model is then learnt to be
+    # stochastic and is not refused.
+    model = _mlp(dropout=0.5)
+    nn.init.zeros_(model[3].weight)
+    nn.init.zeros_(model[3].bias)
+
+    def square(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return (outputs - targets.unsqueeze(1).float()).pow(2).sum(1)
+
+    pg = _pg(model)
+    x, y = _data()
+    pg.accumulate(x, torch.zeros_like(y), square)  # outputs 0 = targets: zero gradient
+    assert pg.attribution.stochastic is None
+    for _ in range(4):
+        pg.accumulate(x, y, square)
+    assert pg.attribution.stochastic is True
+
+
+def test_dropout_switched_on_later_in_the_run_is_learnt_again():
+    model = _mlp(dropout=0.5)
+    model[2].eval()  # dropout off, as in a pretrained encoder loaded in eval mode
+    pg = _pg(model)
+    x, y = _data()
+    pg.accumulate(x, y, LOSS)
+    assert pg.attribution.stochastic is False
+    model.train()  # every submodule in train mode: dropout on
+    for _ in range(4):
+        pg.accumulate(x, y, LOSS)
+    assert pg.attribution.stochastic is True
+    model[2].eval()
+    assert pg.attribution.stochastic is False  # the first verdict, for the first modes

@@ -46,6 +46,7 @@ from torch.func import functional_call, grad, vmap
 from dpfy._validate import check_int, check_range
 from dpfy.audit.fdp import one_run_gdp_bound
 from dpfy.audit.stats import one_run_ceiling, one_run_epsilon
+from dpfy.models.modes import evaluating
 from dpfy.randomness import Randomness
 from dpfy.training.history import ProgressInfo
 
@@ -162,12 +163,9 @@ class WhiteBoxScores:
 
 def black_box_scores(model: nn.Module, canaries: Canaries) -> np.ndarray:
     """``-loss`` of each canary under ``model`` (eval mode, no gradients)."""
-    was = model.training
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model), torch.no_grad():
         out = model(canaries.inputs)
         loss = nn.functional.cross_entropy(out, canaries.labels, reduction="none")
-    model.train(was)
     scores: np.ndarray = -loss.double().numpy()
     return scores
 

@@ -34,6 +34,7 @@ from torch import nn
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.ledger import Ledger
+from dpfy.models.modes import evaluating
 
 if TYPE_CHECKING:
     from dpfy.randomness import Randomness
@@ -74,17 +75,15 @@ def embed(net: nn.Module, data: TokenDataset, batch_size: int = 128) -> torch.Te
 
     encoder = net.encoder
     assert isinstance(encoder, nn.Module)
-    was_training = net.training
-    net.eval()
     device = next(net.parameters()).device
     rows = []
-    for i in range(0, len(data), batch_size):
-        batch = trim_padding({k: v[i : i + batch_size].to(device)
-                              for k, v in data.tokens.items()})
-        out = encoder(**batch)
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        rows.append(mean_pool(hidden, batch["attention_mask"]).float().cpu())
-    net.train(was_training)
+    with evaluating(net):
+        for i in range(0, len(data), batch_size):
+            batch = trim_padding({k: v[i : i + batch_size].to(device)
+                                  for k, v in data.tokens.items()})
+            out = encoder(**batch)
+            hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+            rows.append(mean_pool(hidden, batch["attention_mask"]).float().cpu())
     x = torch.cat(rows) if rows else torch.zeros(0, 0)
     normalised: torch.Tensor = x / x.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return normalised

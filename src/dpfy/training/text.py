@@ -78,6 +78,7 @@ from dpfy import datasets
 from dpfy._validate import check_int, check_range
 from dpfy.config import LORA_TARGETS, TEXT_DATASETS, TEXT_MODELS, RunConfig
 from dpfy.ledger import Ledger
+from dpfy.models.modes import evaluating
 from dpfy.sampling import make_sampler
 from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.training import users
@@ -259,7 +260,10 @@ def make_text_model(
     from dpfy.models.heads import MeanPooledClassifier
     from dpfy.models.pretrained import load_minilm_encoder
 
-    base = load_minilm_encoder(add_pooling_layer=False)
+    # dropout off in every mode: the encoder trains as it was pretrained to be used (a
+    # per-example gradient under dropout is also one the attribution check cannot recompute)
+    base = load_minilm_encoder(add_pooling_layer=False, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
     width = int(base.config.hidden_size)
     encoder: nn.Module = base
     if lora:
@@ -301,16 +305,14 @@ def text_optimizer(
 @torch.no_grad()
 def evaluate_text(model: nn.Module, data: TokenDataset, batch_size: int = 128) -> float:
     """Accuracy of ``model`` on ``data`` (eval mode; the mode is restored)."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     correct = 0
-    for i in range(0, len(data), batch_size):
-        batch = trim_padding({k: v[i : i + batch_size].to(device)
-                              for k, v in data.tokens.items()})
-        logits = model(**batch).logits
-        correct += int((logits.argmax(1).cpu() == data.labels[i : i + batch_size]).sum())
-    model.train(was_training)
+    with evaluating(model):
+        for i in range(0, len(data), batch_size):
+            batch = trim_padding({k: v[i : i + batch_size].to(device)
+                                  for k, v in data.tokens.items()})
+            logits = model(**batch).logits
+            correct += int((logits.argmax(1).cpu() == data.labels[i : i + batch_size]).sum())
     return correct / max(len(data), 1)
 
 

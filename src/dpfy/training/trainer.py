@@ -46,6 +46,7 @@ from torch.utils.data import Dataset
 
 from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
+from dpfy.models.modes import evaluating
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
 from dpfy.training.budget import (
@@ -522,16 +523,14 @@ class PrivateTrainer:
             return None
         model = model if model is not None else self.released_model
         x, y = self.test_data
-        was_training = model.training
-        model.eval()
         correct = 0
-        for i in range(0, len(x), batch_size):
-            xb = x[i : i + batch_size]
-            if self.device is not None:
-                xb = xb.to(self.device)
-            out = model(xb)
-            correct += int((out.argmax(1).cpu() == y[i : i + batch_size]).sum())
-        model.train(was_training)
+        with evaluating(model):
+            for i in range(0, len(x), batch_size):
+                xb = x[i : i + batch_size]
+                if self.device is not None:
+                    xb = xb.to(self.device)
+                out = model(xb)
+                correct += int((out.argmax(1).cpu() == y[i : i + batch_size]).sum())
         return correct / len(x)
 
     @property

@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 #: The caller's per-example losses of the given rows of the chunk, from a fresh forward pass.
 LossOf = Callable[[torch.Tensor], torch.Tensor]
@@ -80,16 +81,28 @@ class AttributionCheck:
 
     def __init__(
         self, plans: Sequence[Any] = (), qualified: Sequence[Mapping[str, str]] = (),
-        every: int = DEFAULT_EVERY,
+        every: int = DEFAULT_EVERY, model: nn.Module | None = None,
     ) -> None:
         self.every = int(every)
         self.chunks = 0
-        self.stochastic: bool | None = None  # learnt on the first check
+        self._model = model
+        # stochastic or not, learnt per set of module modes (train/eval of every submodule):
+        # a model whose dropout is switched on later in the run is learnt again then
+        self._verdicts: dict[tuple[bool, ...], bool] = {}
         self._owners = {
             qn: f"module {plan.name or '<root>'!r} ({type(plan.module).__name__})"
             for plan, names in zip(plans, qualified, strict=True)
             for qn in names.values()
         }
+
+    def _modes(self) -> tuple[bool, ...]:
+        return () if self._model is None else tuple(m.training for m in self._model.modules())
+
+    @property
+    def stochastic(self) -> bool | None:
+        """Whether the model gives one example different gradients under two random seeds, in
+        its current modes (``None``: not learnt yet). A stochastic model is not checked."""
+        return self._verdicts.get(self._modes())
 
     def due(self) -> bool:
         """Whether the next chunk is checked (counts the chunk)."""
@@ -129,9 +142,11 @@ class AttributionCheck:
         device = next(iter(params.values())).device
         rows = torch.arange(j * group_size, (j + 1) * group_size, device=device)
         weights = None if mask is None else mask.index_select(0, rows.to(mask.device))
+        modes = self._modes()
+        learn = modes not in self._verdicts
         try:
-            alone = self._alone(loss_of, params, rows, weights, unit_scale, seed=1)
-            if self.stochastic is None:
+            alone = self._alone(loss_of, params, rows, weights, unit_scale, 1 if learn else None)
+            if learn:
                 again = self._alone(loss_of, params, rows, weights, unit_scale, seed=2)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
             # the forward or the loss does not run on one unit's rows alone (a loss that
@@ -146,13 +161,15 @@ class AttributionCheck:
                 stacklevel=2,
             )
             return
-        if self.stochastic is None:
-            self.stochastic = any(
-                not torch.allclose(a, b, rtol=1e-6, atol=0.0) for a, b in zip(alone, again,
-                                                                               strict=True)
-            )
-            if self.stochastic:
+        if learn:
+            if any(not torch.allclose(a, b, rtol=1e-6, atol=0.0)
+                   for a, b in zip(alone, again, strict=True)):
+                self._verdicts[modes] = True
                 return
+            # equal gradients that are all zero (a zero-initialised head) say nothing about
+            # the model's randomness: the verdict waits for a chunk with a gradient
+            if any(bool(g.any()) for g in alone):
+                self._verdicts[modes] = False
         names = list(params)
         # one host read for both sides (fp32 norms: the tolerance is 1e-3 or looser)
         zero = alone[0].new_zeros((), dtype=torch.float32)
@@ -190,12 +207,16 @@ class AttributionCheck:
         rows: torch.Tensor,
         weights: torch.Tensor | None,
         unit_scale: float,
-        seed: int,
+        seed: int | None,
     ) -> list[torch.Tensor]:
         devices = sorted({p.device.index for p in params.values()
                           if p.device.type == "cuda" and p.device.index is not None})
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            torch.manual_seed(seed)
+            if seed is not None:  # the generators of the devices in use only:
+                # torch.manual_seed also queues every other backend's, at ~1 ms a call
+                torch.default_generator.manual_seed(seed)
+                for d in devices:
+                    torch.cuda.default_generators[d].manual_seed(seed)
             losses = loss_of(rows).float()
             if losses.shape != rows.shape:  # a loss over the whole chunk's rows, broadcast
                 raise ValueError("the loss does not give one value per row of the unit")

@@ -45,6 +45,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dpfy.models.modes import evaluating
+
 #: A forward pass of the chunk with its examples reordered by ``perm`` (``None``: as given).
 Rerun = Callable[[torch.Tensor | None], Any]
 
@@ -269,13 +271,7 @@ def _recording(
 @contextlib.contextmanager
 def _quiet(model: nn.Module) -> Iterator[None]:
     """No autograd, train-mode randomness off (eval), the RNG streams left as they were."""
-    modes = [(m, m.training) for m in model.modules()]
     devices = sorted({p.device.index for p in model.parameters()
                       if p.device.type == "cuda" and p.device.index is not None})
-    try:
-        model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
+    with evaluating(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        yield
