@@ -325,7 +325,7 @@ class PrivateGradient:
         # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = getattr(query, "fused_release", False) is True
         self._layouts = LayoutBook()
-        self.attribution = AttributionCheck(self.plans_, self._qnames)
+        self.attribution = AttributionCheck(self.plans_, self._qnames, model=model)
         self._coverage = CoverageGuard(
             model, self.plans_, self._qnames, self._params,
             every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
