@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from dpfy.config import RunConfig
-from dpfy.training.recipes import ImageRecipe, RunHooks, train_image_classifier
+from dpfy.training.recipes import ImageRecipe, train_image_classifier
+from dpfy.training.skeleton import RunHooks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -112,7 +112,7 @@ def _lr(mode: str, args: argparse.Namespace) -> float | None:
 
 def run_dp(config: str, args: argparse.Namespace) -> dict[str, Any]:
     from dpfy.config import RunConfig
-    from dpfy.training.recipes import RunHooks
+    from dpfy.training.skeleton import RunHooks
     from dpfy.training.text import train_text_classifier
 
     mode, eps = _parse(config)

@@ -154,7 +154,7 @@ def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_pa
     assert tan_scaled(512, 8.0, 1e-5, 20) == (rec.batch_size,
                                               round(rec.batch_size * rec.steps / 512))
     from dpfy.runs import batch_plan
-    from dpfy.training.recipes import RunHooks
+    from dpfy.training.skeleton import RunHooks
 
     config = RunConfig(dataset="rotten-tomatoes", seed=0, train_limit=128, test_limit=16,
                        max_length=16, bias_only=True, target_epsilon=8.0, tan_steps=6,

@@ -201,11 +201,12 @@ def _train_into(
         summary = _train_text(ran, progress)
     else:
         from dpfy.training import recipes
+        from dpfy.training.skeleton import RunHooks
 
         summary = recipes.train_image_classifier(
             ran,
             _image_recipe(c),
-            recipes.RunHooks(
+            RunHooks(
                 progress=progress,
                 distributed=distributed,
                 extra_train=None if canaries is None else canaries.training_rows(),
@@ -292,10 +293,10 @@ def _train_into(
 
 def _train_text(c: RunConfig, progress: bool) -> Any:
     """The text recipe's run for ``c`` (None fields take the recipe's defaults)."""
-    from dpfy.training import recipes
     from dpfy.training import text as text_recipe
+    from dpfy.training.skeleton import RunHooks
 
-    hooks = recipes.RunHooks(progress=progress, batch_plan=batch_plan(c))
+    hooks = RunHooks(progress=progress, batch_plan=batch_plan(c))
     return text_recipe.train_text_classifier(c, None, hooks)
 
 
@@ -419,10 +420,11 @@ def train_rank(config: RunConfig, distributed: Distributed) -> None:
         raise ValueError("distributed must be a rank other than 0 (rank 0 runs "
                          "train_and_report and writes the run directory), got rank 0")
     from dpfy.training import recipes
+    from dpfy.training.skeleton import RunHooks
 
     recipes.train_image_classifier(
         config.replace(out=None), _image_recipe(config),
-        recipes.RunHooks(distributed=distributed, batch_plan=batch_plan(config)),
+        RunHooks(distributed=distributed, batch_plan=batch_plan(config)),
     )
 
 

@@ -424,18 +424,13 @@ def _run_trial(
     from dpfy import accounting
     from dpfy.randomness import Randomness
     from dpfy.sampling import SampleSpec
-    from dpfy.training import recipes
+    from dpfy.training.recipes import train_recipe
+    from dpfy.training.skeleton import RunHooks
 
     cfg = _trial_config(config, trial, out)
     if progress:
         print(f"trial {trial.index + 1}/{total}: {_format_params(trial.params)}")
-    hooks = recipes.RunHooks(progress=progress)
-    if cfg.text:
-        from dpfy.training import text
-
-        summary = text.train_text_classifier(cfg, None, hooks)
-    else:
-        summary = recipes.train_image_classifier(cfg, None, hooks)
+    summary = train_recipe(cfg, RunHooks(progress=progress))
     n = _validation_size(cfg)
     correct = round(float(summary.test_accuracy) * n)
     ledger = summary.ledger

@@ -31,7 +31,7 @@ from dpfy.accounting.risk import AttackRisk, attack_risk
 from dpfy.ledger import Ledger
 from dpfy.ledger.hyperparameters import ledger_hyperparameters
 from dpfy.ledger.records import NonPrivateRecord
-from dpfy.ledger.trust import assess
+from dpfy.ledger.trust import KeyTrust, assess
 from dpfy.report.consistency import (
     check_recorded_epsilon,
     incomplete_statement,
@@ -262,36 +262,8 @@ def build_report(
         if result.provable
         else AttackRisk.unavailable(f"epsilon is a {result.method} estimate, not a proof")
     )
-    nonprivate = [r for r in ledger.entries if isinstance(r, NonPrivateRecord)]
-    if nonprivate or math.isinf(result.epsilon):
-        statement = (
-            "NO differential privacy guarantee: the ledger records a release without noise "
-            f"({'; '.join(f'{r.name}: {r.reason}' for r in nonprivate) or 'zero noise'})."
-        )
-    else:
-        confidence = (
-            f" with probability at least {1 - result.error_probability:g} over the Monte Carlo "
-            "accounting"
-            if result.error_probability is not None
-            else ""
-        )
-        subject = (
-            "Not a DP release (seeded experiment). With secret randomness, the same mechanism "
-            "would satisfy"
-            if seeded
-            else "The training run satisfies"
-        )
-        statement = (
-            f"{subject} ({result.epsilon:.5g}, {delta:g})-differential privacy "
-            f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
-            + (f", with the {_size_name(unit)} (N = {n}) treated as public"
-               if public_size is not None else "")
-            + f", accounted with {result.method}{confidence}."
-        ) + (unsigned_note(verification) or trust_note(verification, trust))
-        statement = incomplete_statement(verification, result.epsilon, delta) or statement
-        if (ledger.ended or "").startswith("early"):  # the end record says the plan did not run
-            statement += (f" The run ended {ledger.ended}; the statement covers the releases "
-                          "made, not the planned run.")
+    statement = _formal_statement(ledger, result, delta, seeded=seeded, n=n,
+                                  public_size=public_size is not None, trust=trust)
     reproduce: dict[str, Any] = {
         "ledger": ledger_path,
         "command": reproduce_command
@@ -343,6 +315,48 @@ def build_report(
         noise_randomness=noise_randomness,
         user_level=_user_level(meta.get("user_level"), ledger, result, delta, n),
     )
+
+
+def _formal_statement(
+    ledger: Ledger, result: accounting.PrivacyResult, delta: float, *, seeded: bool, n: Any,
+    public_size: bool, trust: KeyTrust,
+) -> str:
+    """The report's formal statement: none for a release without noise; else (epsilon, delta)
+    under the adjacency and unit, with what the reader must know (a seeded experiment, a
+    public data set size, a Monte Carlo confidence, the ledger's signature and completeness,
+    a run that ended early)."""
+    verification, unit = ledger.verification, ledger.unit or "example"
+    nonprivate = [r for r in ledger.entries if isinstance(r, NonPrivateRecord)]
+    if nonprivate or math.isinf(result.epsilon):
+        statement = (
+            "NO differential privacy guarantee: the ledger records a release without noise "
+            f"({'; '.join(f'{r.name}: {r.reason}' for r in nonprivate) or 'zero noise'})."
+        )
+    else:
+        confidence = (
+            f" with probability at least {1 - result.error_probability:g} over the Monte Carlo "
+            "accounting"
+            if result.error_probability is not None
+            else ""
+        )
+        subject = (
+            "Not a DP release (seeded experiment). With secret randomness, the same mechanism "
+            "would satisfy"
+            if seeded
+            else "The training run satisfies"
+        )
+        statement = (
+            f"{subject} ({result.epsilon:.5g}, {delta:g})-differential privacy "
+            f"under {result.adjacency} adjacency at the level of one {ledger.unit or 'example'}"
+            + (f", with the {_size_name(unit)} (N = {n}) treated as public"
+               if public_size else "")
+            + f", accounted with {result.method}{confidence}."
+        ) + (unsigned_note(verification) or trust_note(verification, trust))
+        statement = incomplete_statement(verification, result.epsilon, delta) or statement
+        if (ledger.ended or "").startswith("early"):  # the end record says the plan did not run
+            statement += (f" The run ended {ledger.ended}; the statement covers the releases "
+                          "made, not the planned run.")
+    return statement
 
 
 def _size_name(unit: str) -> str:

@@ -17,12 +17,9 @@ Models (both private by construction: no layer mixes examples):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -32,19 +29,28 @@ from dpfy.config import IMAGE_MODELS, RunConfig
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.ledger import Ledger
-from dpfy.randomness import Randomness
-from dpfy.sampling import make_sampler
 from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.sampling.kinds import kind_names
 from dpfy.sampling.spec import SampleSpec
 from dpfy.training import users
 from dpfy.training.devices import host_copy
 from dpfy.training.distributed import Distributed, per_process_batch
-from dpfy.training.history import History, ProgressInfo
+from dpfy.training.history import ProgressInfo
 from dpfy.training.launch import run_local
-from dpfy.training.precision import check_precision
 from dpfy.training.sharded import full_state_dict, shard_model
+from dpfy.training.skeleton import (
+    Optimisation,
+    Recipe,
+    RecipeData,
+    RunHooks,
+    TrainResultSummary,
+    run_recipe,
+)
 from dpfy.training.trainer import PrivateTrainer, TrainerOptions
+
+if TYPE_CHECKING:
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import Sampler
 
 
 def _tanh_cnn() -> nn.Module:
@@ -126,71 +132,6 @@ def make_model(name: str = "tanh_cnn") -> nn.Module:
     return MODELS[name]()
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainResultSummary:
-    """What :func:`train_image_classifier` returns (and writes as ``summary.json``).
-
-    Attributes:
-      dataset, sampler, model_name: what ran.
-      test_accuracy: final accuracy of the released model on the 10k test images.
-      epsilon, delta, accounting: the final statement, from the ledger.
-      noise_multiplier, clip_norm, batch_size, epochs, steps, learning_rate: hyperparameters.
-      seconds: wall time of the training loop (data loading excluded).
-      stopped: ``completed`` or ``budget``.
-      history: per-step loss and per-epoch test accuracy / epsilon spent.
-      model_path, ledger_path: files in ``out_dir`` (None without ``out_dir``).
-      model: the released ``nn.Module``; ledger: the run's :class:`~dpfy.ledger.Ledger`.
-      diagnostics: facts the recipe computed from the private training data without noise
-        (e.g. the share of truncated snippets); never in ``summary.json`` or the ledger, only
-        in the run's private diagnostics (``dpfy train --private-diagnostics DIR``).
-
-    ``summary.json`` holds :meth:`to_dict` (the public view: the history's per-step records,
-    training losses and epoch timings are left out, :meth:`History.public_dict`).
-    """
-
-    dataset: str
-    sampler: str
-    model_name: str
-    test_accuracy: float
-    epsilon: float
-    delta: float
-    accounting: str
-    noise_multiplier: float
-    clip_norm: float
-    batch_size: int
-    epochs: int
-    steps: int
-    learning_rate: float
-    seconds: float
-    stopped: str
-    history: History
-    model_path: str | None
-    ledger_path: str | None
-    model: nn.Module
-    ledger: Ledger
-    diagnostics: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def to_dict(self, *, include_history: bool = True, private: bool = False) -> dict[str, Any]:
-        """The summary as JSON-ready values.
-
-        Args:
-          include_history: add the run's history.
-          private: add the whole history and :attr:`diagnostics` (computed from the private
-            training data, not covered by the guarantee: for benchmarks and private
-            diagnostics, never beside the model); default: the public view only.
-        """
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("history", "model", "ledger", "diagnostics")
-        }
-        if include_history:
-            out["history"] = self.history.to_dict() if private else self.history.public_dict()
-        if private:
-            out["diagnostics"] = dict(self.diagnostics)
-        return out
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ImageRecipe:
     """The image recipe's own knobs, and its defaults for the RunConfig fields left ``None``.
@@ -242,41 +183,6 @@ def default_recipe(model: str | None = None) -> ImageRecipe:
     return ImageRecipe(model=name)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class RunHooks:
-    """What a caller plugs into a recipe run (not part of its configuration).
-
-    Attributes:
-      progress: show a progress bar (loss, accuracy, epsilon spent).
-      callbacks: extra progress callbacks (see :class:`~dpfy.training.trainer.ProgressInfo`).
-      distributed: this process's place in a run started elsewhere (``torchrun``, or a helper
-        rank of ``RunConfig.workers``; the RunConfig then names the world size as ``workers``
-        when it shards); only rank 0 writes ``out``.
-      extra_train: ``(images, labels)`` appended to the training set (one process, example
-        level; the one-run audit's included canaries, :mod:`dpfy.audit.onerun`): ordinary
-        training examples, sampled, clipped and counted in N like the rest.
-      step_observer: ``step_observer(model)`` is called once with the freshly initialised
-        model and returns a callback added to ``callbacks`` (the white-box audit's view).
-      batch_plan: with ``RunConfig.tan_steps``, ``batch_plan(units)`` gives the expected batch
-        size and the epochs for the run's number of training units (``dpfy.runs`` passes
-        :func:`dpfy.planning.tan_scaled` for the run's budget and steps).
-    """
-
-    progress: bool = False
-    callbacks: Sequence[Callable[[ProgressInfo], None]] = ()
-    distributed: Distributed | None = None
-    extra_train: tuple[torch.Tensor, torch.Tensor] | None = None
-    step_observer: Callable[[nn.Module], Callable[[ProgressInfo], None]] | None = None
-    batch_plan: Callable[[int], tuple[int, int]] | None = None
-
-    def planned_batch(self, config: RunConfig, units: int) -> tuple[int, int]:
-        """``(batch_size, epochs)`` of a ``tan_steps`` run over ``units`` training units."""
-        if self.batch_plan is None:
-            raise ValueError(f"tan_steps={config.tan_steps!r} needs hooks.batch_plan (dpfy.runs "
-                             "gives the planner's; `dpfy train --tan-steps` goes through it)")
-        return self.batch_plan(units)
-
-
 def train_image_classifier(
     config: RunConfig,
     recipe: ImageRecipe | None = None,
@@ -302,44 +208,50 @@ def train_image_classifier(
         ``summary.json``.
       recipe: the recipe's own knobs and defaults (:class:`ImageRecipe`).
       hooks: progress, callbacks, a distributed context, the one-run audit's extra training
-        rows and observer (:class:`RunHooks`).
+        rows and observer (:class:`~dpfy.training.skeleton.RunHooks`).
 
     Returns:
-      :class:`TrainResultSummary` (rank 0's).
+      :class:`~dpfy.training.skeleton.TrainResultSummary` (rank 0's).
     """
     if recipe is None:
         recipe = default_recipe(config.model)
     elif config.model is not None:
         recipe = dataclasses.replace(recipe, model=config.model.replace("-", "_"))
     hooks = RunHooks() if hooks is None else hooks
-    dataset, target_epsilon, delta, seed = (
-        config.dataset, config.target_epsilon, config.delta, config.seed
-    )
-    sampler, mechanism, unit, precision = (
-        config.sampler_kind, config.mechanism, config.unit, config.precision
-    )
-    epochs = recipe.epochs if config.epochs is None else config.epochs
-    batch_size = config.batch_size  # None: the recipe's (users: recipe_batch_size's rule)
-    learning_rate = (
-        recipe.learning_rate if config.learning_rate is None else config.learning_rate
-    )
-    clip_norm = recipe.clip_norm if config.clip_norm is None else config.clip_norm
-    momentum, model, ema_decay = recipe.momentum, recipe.model, recipe.ema_decay
-    max_physical_batch_size, accounting = recipe.max_physical_batch_size, recipe.accounting
-    noise_multiplier, band, buffers = recipe.noise_multiplier, recipe.band, recipe.buffers
-    out_dir, threads, train_limit, test_limit = (
-        config.out, config.threads, config.train_limit, config.test_limit
-    )
-    num_users, max_examples_per_user, user_reduction = (
-        config.users, config.cap, config.user_reduction
-    )
-    workers, shard = config.workers, config.shard
-    progress, callbacks, distributed = hooks.progress, hooks.callbacks, hooks.distributed
-    extra_train, step_observer = hooks.extra_train, hooks.step_observer
-    if distributed is not None:
-        workers = 1  # a rank of a run: the processes are already there
-    # RunConfig checked the mechanism, the unit, the workers' range and the precision
-    checked_precision = check_precision(precision)
+    workers = 1 if hooks.distributed is not None else config.workers  # a rank: already there
+    _check_processes(config, recipe, hooks, workers)
+    if workers > 1:
+        per_process_batch(recipe.max_physical_batch_size, workers)  # refused before it starts
+        if config.out is not None and (Path(config.out) / "ledger.jsonl").exists():
+            raise FileExistsError(
+                f"{Path(config.out) / 'ledger.jsonl'} exists: use a new out_dir")
+        config = config.replace(
+            threads=config.threads or max(1, (os.cpu_count() or 1) // workers))
+        helper = config.replace(out=None)
+        return cast(TrainResultSummary, run_local(
+            _worker, workers, (helper, recipe),
+            rank0_args=(config, recipe, RunHooks(progress=hooks.progress,
+                                                  callbacks=hooks.callbacks)),
+        ))
+    return run_recipe(_ImageRun(config, recipe, hooks))
+
+
+def train_recipe(config: RunConfig, hooks: RunHooks | None = None) -> TrainResultSummary:
+    """The run of ``config`` by its dataset's recipe with the recipe's defaults: the text
+    recipe (:func:`dpfy.training.text.train_text_classifier`) for a text dataset, else
+    :func:`train_image_classifier` (a tuning trial, a run a caller starts by its config)."""
+    if config.text:
+        from dpfy.training.text import train_text_classifier
+
+        return train_text_classifier(config, None, hooks)
+    return train_image_classifier(config, None, hooks)
+
+
+def _check_processes(
+    config: RunConfig, recipe: ImageRecipe, hooks: RunHooks, workers: int
+) -> None:
+    """What a run of several processes cannot do (RunConfig checked the rest)."""
+    distributed, unit, mechanism = hooks.distributed, config.unit, config.mechanism
     if mechanism != "dpsgd" and (workers > 1 or distributed is not None):
         raise ValueError(
             f"mechanism={mechanism!r} (correlated noise) runs in one process: use workers=1, "
@@ -350,175 +262,110 @@ def train_image_classifier(
             f"unit={unit!r} (user-level DP) runs in one process: use workers=1, got "
             f"workers={workers}" + ("" if distributed is None else " and a distributed run")
         )
-    if shard and ((workers == 1 and distributed is None) or ema_decay is not None):
+    if config.shard and ((workers == 1 and distributed is None) or recipe.ema_decay is not None):
         raise ValueError(
             "shard=True needs workers > 1 (or a distributed run) and ema_decay=None (an FSDP2 "
             f"model cannot be copied for the EMA), got workers={workers}, "
-            f"ema_decay={ema_decay!r}"
+            f"ema_decay={recipe.ema_decay!r}"
         )
-    if (extra_train is not None or step_observer is not None) and (
+    if (hooks.extra_train is not None or hooks.step_observer is not None) and (
         workers > 1 or distributed is not None or unit != "example"
     ):
         raise ValueError(
             "extra_train and step_observer (the one-run audit) need one process and "
             f"unit='example', got workers={workers}, unit={unit!r}"
         )
-    if workers > 1:
-        per_process_batch(max_physical_batch_size, workers)  # refused before anything starts
-        if out_dir is not None and (Path(out_dir) / "ledger.jsonl").exists():
-            raise FileExistsError(f"{Path(out_dir) / 'ledger.jsonl'} exists: use a new out_dir")
-        config = config.replace(threads=threads or max(1, (os.cpu_count() or 1) // workers))
-        helper = config.replace(out=None)
-        return cast(TrainResultSummary, run_local(
-            _worker, workers, (helper, recipe),
-            rank0_args=(config, recipe, RunHooks(progress=progress, callbacks=callbacks)),
-        ))
-    if threads is not None:
-        torch.set_num_threads(int(threads))
-    if unit != "example" and num_users is None:
-        raise ValueError(
-            f"num_users is missing: unit={unit!r} needs the number of synthetic users"
-        )
-    x_train, y_train = datasets.load(dataset, "train", limit=train_limit)
-    if config.validation:  # a search: held-out training images, never the test split
-        held = torch.as_tensor(datasets.validation_images(x_train))
-        x_test, y_test = x_train[held][:test_limit], y_train[held][:test_limit]
-        x_train, y_train = x_train[~held], y_train[~held]
-    else:
-        x_test, y_test = datasets.load(dataset, "test", limit=test_limit)
-    if extra_train is not None:
-        x_train = torch.cat([x_train, extra_train[0].to(x_train.dtype)])
-        y_train = torch.cat([y_train, extra_train[1].to(y_train.dtype)])
-    if model in SCATTERNET_MODELS:  # a fixed feature map: no privacy spent, nothing to record
-        from dpfy.features.scatternet import dataset_features
 
-        x_train = dataset_features(dataset, "train", x_train, progress=progress)
-        x_test = dataset_features(dataset, "test", x_test, progress=progress)
-    sample_rng, noise_rng, randomness = run_randomness(seed)
-    units = len(x_train)
-    trainer_cls: type[PrivateTrainer] = PrivateTrainer
-    user_args: dict[str, Any] = {}
-    if unit != "example":
-        assert num_users is not None
-        units, user_args = users.user_level_options(
-            unit, users.synthetic_user_ids(len(x_train), num_users),
-            max_examples_per_user=max_examples_per_user, reduction=user_reduction,
-            randomness=sample_rng,
+
+class _ImageRun(Recipe):
+    """What the image recipe fills into the run skeleton: the images (ScatterNet features
+    for those models), a CNN, cross-entropy, SGD with momentum, the weights' EMA, correlated
+    noise for a correlated ``mechanism``."""
+
+    def __init__(self, config: RunConfig, recipe: ImageRecipe, hooks: RunHooks) -> None:
+        self.config, self.recipe, self.hooks = config, recipe, hooks
+        self.optimisation = Optimisation(
+            epochs=recipe.epochs if config.epochs is None else config.epochs,
+            learning_rate=(recipe.learning_rate if config.learning_rate is None
+                           else config.learning_rate),
+            clip_norm=recipe.clip_norm if config.clip_norm is None else config.clip_norm,
+            batch_size=config.batch_size, default_batch_size=recipe.batch_size,
+            max_physical_batch_size=recipe.max_physical_batch_size,
+            accounting=recipe.accounting, example="training image",
         )
-        trainer_cls = users.UserLevelTrainer
-    if config.tan_steps is not None:  # RunConfig: Poisson, one image as the unit
-        batch_size, epochs = hooks.planned_batch(config, units)
-    batch_size = users.recipe_batch_size(batch_size, recipe.batch_size, units, unit)
-    device = torch.device(config.device or "cpu")  # RunConfig: one process when not the CPU
-    net = make_model(model).to(device)
-    if shard and distributed is not None:
-        shard_model(net, distributed)
-    if step_observer is not None:
-        callbacks = (*callbacks, step_observer(net))
-    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
-    plan = None
-    if mechanism != "dpsgd":
-        plan = correlated_plan(mechanism, batches.sample_spec(), epochs, band, buffers)
-        accounting = accounting or "gaussian"
-    if accounting is None:
-        accounting = sampler_kind(batches.kind).default_accountant
-    optimizer = torch.optim.SGD(net.parameters(), lr=learning_rate, momentum=momentum)
-    ledger_path = model_path = None
-    if out_dir is not None:
-        ledger_path = Path(out_dir) / "ledger.jsonl"
-        if ledger_path.exists():
-            raise FileExistsError(
-                f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
-            )
-        model_path = Path(out_dir) / "model.pt"
-    trainer = trainer_cls(
-        net,
-        optimizer,
-        nn.CrossEntropyLoss(reduction="none"),
-        x_train,
-        y_train,
-        batches,
-        **user_args,
-        options=TrainerOptions(
-            clip_norm=clip_norm,
-            epochs=epochs,
-            delta=delta,
-            target_epsilon=target_epsilon,
-            noise_multiplier=noise_multiplier,
-            max_physical_batch_size=max_physical_batch_size,
-            accounting=accounting,
-            ledger=Ledger(),
-            randomness=noise_rng,
-            ema_decay=ema_decay,
-            test_data=(x_test, y_test),
-            progress=progress,
-            callbacks=callbacks,
-            precision=checked_precision,
-            distributed=distributed,
-            correlated=plan,
-            device=None if device.type == "cpu" else device,
-        ),
-    )
-    # Calibrate before anything is written: an unreachable target is refused while out_dir
-    # is still empty, so the corrected command is not refused for an existing ledger.
-    trainer.calibrate()
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-    ledger = trainer.ledger = Ledger(ledger_path)
-    ledger.record_metadata(
-        dataset=dataset,
-        model=model,
-        learning_rate=learning_rate,
-        momentum=momentum,
-        batch_size=batch_size,
-        unit_of_privacy=users.unit_description(unit, max_examples_per_user, "training image"),
-        mechanism=mechanism,
-        tan_steps=config.tan_steps,
-        released_output="final model" + (" (EMA of the weights)" if ema_decay else ""),
-        data_accesses="final training run only (hyperparameter tuning not accounted)",
-    )
-    start = time.perf_counter()
-    result = trainer.fit()
-    seconds = time.perf_counter() - start
-    accuracy = trainer.evaluate()
-    assert accuracy is not None  # the trainer has test_data
-    ledger.record_metadata(
-        test_accuracy=accuracy,
-        wall_time_seconds=seconds,
-        epsilon=result.privacy.epsilon,
-        accounting=result.privacy.method,
-        stopped=result.stopped,
-        **randomness,
-    )
-    summary = TrainResultSummary(
-        dataset=dataset,
-        sampler=batches.kind,
-        model_name=model,
-        test_accuracy=float(accuracy),
-        epsilon=float(result.privacy.epsilon),
-        delta=float(delta),
-        accounting=result.privacy.method,
-        noise_multiplier=result.noise_multiplier,
-        clip_norm=float(clip_norm),
-        batch_size=int(batch_size),
-        epochs=int(epochs),
-        steps=result.steps,
-        learning_rate=float(learning_rate),
-        seconds=seconds,
-        stopped=result.stopped,
-        history=result.history,
-        model_path=None if model_path is None else str(model_path),
-        ledger_path=None if ledger_path is None else str(ledger_path),
-        model=result.model,
-        ledger=ledger,
-    )
-    state = full_state_dict(result.model) if shard else host_copy(
-        result.model.state_dict().items())
-    if model_path is not None:  # set exactly when out_dir is
-        torch.save(state, model_path)
-        with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
-            json.dump(summary.to_dict(), f, indent=2, default=str)
-    return summary
+
+    def load(self) -> RecipeData:
+        c, extra = self.config, self.hooks.extra_train
+        x_train, y_train = datasets.load(c.dataset, "train", limit=c.train_limit)
+        if c.validation:  # a search: held-out training images, never the test split
+            held = torch.as_tensor(datasets.validation_images(x_train))
+            x_test, y_test = x_train[held][:c.test_limit], y_train[held][:c.test_limit]
+            x_train, y_train = x_train[~held], y_train[~held]
+        else:
+            x_test, y_test = datasets.load(c.dataset, "test", limit=c.test_limit)
+        if extra is not None:
+            x_train = torch.cat([x_train, extra[0].to(x_train.dtype)])
+            y_train = torch.cat([y_train, extra[1].to(y_train.dtype)])
+        if self.recipe.model in SCATTERNET_MODELS:  # a fixed feature map: nothing to record
+            from dpfy.features.scatternet import dataset_features
+
+            x_train = dataset_features(c.dataset, "train", x_train, progress=self.hooks.progress)
+            x_test = dataset_features(c.dataset, "test", x_test, progress=self.hooks.progress)
+        ids = None
+        if c.unit != "example":
+            if c.users is None:
+                raise ValueError(
+                    f"num_users is missing: unit={c.unit!r} needs the number of synthetic users")
+            ids = users.synthetic_user_ids(len(x_train), c.users)
+        return RecipeData(train=x_train, targets=y_train, test=(x_test, y_test),
+                          size=len(x_train), unit_ids=ids)
+
+    def model(self, device: torch.device) -> nn.Module:
+        net = make_model(self.recipe.model).to(device)
+        if self.config.shard and self.hooks.distributed is not None:
+            shard_model(net, self.hooks.distributed)
+        return net
+
+    def noise_plan(self, batches: Sampler, epochs: int) -> CorrelatedPlan | None:
+        if self.config.mechanism == "dpsgd":
+            return None
+        return correlated_plan(self.config.mechanism, batches.sample_spec(), epochs,
+                               self.recipe.band, self.recipe.buffers)
+
+    def optimizer(self, net: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(net.parameters(), lr=self.optimisation.learning_rate,
+                               momentum=self.recipe.momentum)
+
+    def before_training(self, net: nn.Module, data: RecipeData, batches: Sampler,
+                        accounting: str, randomness: Randomness) -> float | None:
+        return self.recipe.noise_multiplier  # fixed z, or None: calibrated
+
+    def trainer(self, net: nn.Module, optimizer: torch.optim.Optimizer, data: RecipeData,
+                batches: Sampler, user_args: dict[str, Any],
+                options: TrainerOptions) -> PrivateTrainer:
+        cls = users.UserLevelTrainer if user_args else PrivateTrainer
+        options = dataclasses.replace(
+            options, ema_decay=self.recipe.ema_decay, test_data=data.test,
+            progress=self.hooks.progress, distributed=self.hooks.distributed)
+        return cls(net, optimizer, nn.CrossEntropyLoss(reduction="none"), data.train,
+                   data.targets, batches, **user_args, options=options)
+
+    def metadata(self, ledger: Ledger, net: nn.Module, batch_size: int) -> str:
+        c, r = self.config, self.recipe
+        ledger.record_metadata(
+            dataset=c.dataset, model=r.model, learning_rate=self.optimisation.learning_rate,
+            momentum=r.momentum, batch_size=batch_size,
+            unit_of_privacy=users.unit_description(c.unit, c.cap, self.optimisation.example),
+            mechanism=c.mechanism, tan_steps=c.tan_steps,
+            released_output="final model" + (" (EMA of the weights)" if r.ema_decay else ""),
+            data_accesses="final training run only (hyperparameter tuning not accounted)",
+        )
+        return r.model
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self.config.shard:  # every rank takes part in gathering the shards
+            return full_state_dict(model)
+        return host_copy(model.state_dict().items())
 
 
 def _worker(
@@ -557,25 +404,6 @@ def correlated_plan(
         )
     return make_plan(mechanism, per_epoch * epochs, schema, band=min(band, per_epoch),
                      buffers=buffers)
-
-
-def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:
-    """(sampling stream, noise stream, their ledger description) of a recipe run.
-
-    ``seed=None``: two secure generators (docs/randomness.md), a DP release. An int: both
-    streams derive from the one seed a user would pass again, and ``torch.manual_seed(seed)``
-    fixes the initialisation: a reproducible experiment, not a DP release.
-    """
-    if seed is None:
-        sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
-        return sample_rng, noise_rng, {"sampling_randomness": sample_rng.describe(),
-                                       "noise_randomness": noise_rng.describe()}
-    base = Randomness(int(seed))
-    sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
-    noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
-    torch.manual_seed(int(seed))
-    return sample_rng, noise_rng, dict.fromkeys(("sampling_randomness", "noise_randomness"),
-                                                base.describe())
 
 
 def _print_epoch(info: ProgressInfo) -> None:  # pragma: no cover - console helper

@@ -62,11 +62,8 @@ the ledger) does not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -79,19 +76,26 @@ from dpfy._validate import check_int, check_range
 from dpfy.config import LORA_TARGETS, TEXT_DATASETS, TEXT_MODELS, RunConfig
 from dpfy.ledger import Ledger
 from dpfy.models.modes import evaluating
-from dpfy.sampling import make_sampler
-from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.training import users
 from dpfy.training.budget import spent
 from dpfy.training.devices import host_copy
 from dpfy.training.history import ProgressInfo
 from dpfy.training.losses import sequence_classification_loss
-from dpfy.training.precision import check_precision
-from dpfy.training.recipes import RunHooks, TrainResultSummary, run_randomness
+from dpfy.training.skeleton import (
+    Optimisation,
+    Recipe,
+    RecipeData,
+    RunHooks,
+    TrainResultSummary,
+    run_recipe,
+)
 from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import Sampler
 
 
 #: LoRA rank when ``lora_rank`` is not given; alpha is always twice the rank (scale 2).
@@ -403,218 +407,168 @@ def train_text_classifier(
         and ``user_reduction``), and ``out`` (``model.pt`` -- full: the state dict; LoRA: the
         trainable tensors only --, ``ledger.jsonl``, ``summary.json``).
       recipe: the recipe's own knobs (:class:`TextRecipe`).
-      hooks: ``progress`` (a bar with the ledger's epsilon so far) and ``callbacks``
-        (:class:`dpfy.training.recipes.RunHooks`; the others are for the image recipe).
+      hooks: ``progress`` (a bar with the ledger's epsilon so far), ``callbacks`` and
+        ``batch_plan`` (:class:`dpfy.training.skeleton.RunHooks`; the others are for the
+        image recipe).
     """
-    recipe = TextRecipe() if recipe is None else recipe
-    hooks = RunHooks() if hooks is None else hooks
-    dataset, model, lora = config.dataset, config.model or "minilm", config.lora
-    target_epsilon, delta, sampler = config.target_epsilon, config.delta, config.sampler_kind
-    epochs, batch_size = config.epochs, config.batch_size
-    learning_rate, clip_norm = config.learning_rate, config.clip_norm
-    head_learning_rate = recipe.head_learning_rate
-    max_length = 64 if config.max_length is None else config.max_length
-    device = torch.device(config.device or "cpu")
-    max_physical_batch_size, accounting = recipe.max_physical_batch_size, recipe.accounting
-    if max_physical_batch_size is None:
-        max_physical_batch_size = 64 if device.type == "cpu" else 256
-    out_dir, progress, seed, threads = config.out, hooks.progress, config.seed, config.threads
-    train_limit, test_limit, callbacks = config.train_limit, config.test_limit, hooks.callbacks
-    precision, unit = config.precision, config.unit
-    max_examples_per_user, user_reduction = config.cap, config.user_reduction
-    clip_head_separately = recipe.clip_head_separately
-    if dataset not in TEXT_DATASETS:
-        raise ValueError(
-            f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got dataset={dataset!r}"
-        )
-    # RunConfig checked the model, the unit (for a text dataset) and max_length
-    mode = text_mode(config)
-    defaults = TEXT_DEFAULTS[mode]
-    epochs = int(epochs if epochs is not None else defaults["epochs"])
-    learning_rate = float(learning_rate if learning_rate is not None
-                          else defaults["learning_rate"])
-    clip_norm = float(clip_norm if clip_norm is not None else defaults["clip_norm"])
-    head_learning_rate = float(head_learning_rate if head_learning_rate is not None
-                               else defaults["head_learning_rate"])
-    check_range("head_learning_rate", head_learning_rate, 0.0, math.inf,
-                low_open=True, high_open=True)
-    checked_precision = check_precision(precision)
-    if clip_head_separately is None:
-        clip_head_separately = bool(defaults["clip_head_separately"])
-    if threads is not None:
-        torch.set_num_threads(int(threads))
-    sample_rng, noise_rng, randomness = run_randomness(seed)
-    train_split = datasets.rotten_tomatoes("train", limit=train_limit)
-    if config.validation:  # a search: the held-out movies of the training split, never test
-        train_split, test_split = datasets.split_rotten_tomatoes(train_split)
-        if test_limit is not None:
-            test_split = dataclasses.replace(
-                test_split, texts=test_split.texts[:test_limit],
-                labels=test_split.labels[:test_limit], movies=test_split.movies[:test_limit])
-    else:
-        test_split = datasets.rotten_tomatoes("test", limit=test_limit)
-    # the batch against the units (snippets, or movies) before the tokenizer and model load
-    num_units = len(np.unique(train_split.movies)) if unit != "example" else len(
-        train_split.labels)
-    if config.tan_steps is not None:  # RunConfig: Poisson, one snippet as the unit
-        batch_size, epochs = hooks.planned_batch(config, num_units)
-    batch_size = users.recipe_batch_size(batch_size, defaults["batch_size"], num_units, unit)
-    from dpfy.models.pretrained import load_minilm_tokenizer
+    if config.dataset not in TEXT_DATASETS:
+        raise ValueError(f"dataset must be one of {{{', '.join(TEXT_DATASETS)}}}, got "
+                         f"dataset={config.dataset!r}")
+    return run_recipe(_TextRun(config, TextRecipe() if recipe is None else recipe,
+                               RunHooks() if hooks is None else hooks))
 
-    tokenizer = load_minilm_tokenizer()
-    train_data = tokenize(train_split.texts, train_split.labels, max_length, tokenizer)
-    test_data = tokenize(test_split.texts, test_split.labels, max_length, tokenizer)
-    truncated = truncated_fraction(train_split.texts, max_length, tokenizer)
-    # Shortest snippets first: the samplers treat every index alike (so the order changes no
-    # privacy event) and return a batch's indices in dataset order, so each physical chunk
-    # holds snippets of similar length and trim_padding cuts most of its padding (about half
-    # the tokens of a batch at max_length 64).
-    order = np.argsort(train_data.lengths().numpy(), kind="stable")
-    train_data = train_data.reordered(order)
-    movies = train_split.movies[order]
-    net = make_text_model(
-        model, lora=lora, lora_rank=LORA_RANK if config.lora_rank is None else config.lora_rank,
-        lora_targets=config.lora_targets, bias_only=config.bias_only,
-    ).to(device)
-    trainable = [p for p in net.parameters() if p.requires_grad]
-    units = len(train_data)
-    trainer_cls: type[_TextTrainer] = _TextTrainer
-    user_args: dict[str, Any] = {}
-    if unit != "example":
-        units, user_args = users.user_level_options(
-            unit, movies, max_examples_per_user=max_examples_per_user,
-            reduction=user_reduction, randomness=sample_rng,
-        )
-        trainer_cls = _UserTextTrainer
-    batches = make_sampler(sampler, units, batch_size, randomness=sample_rng, unit=unit)
-    if accounting is None:
-        accounting = sampler_kind(batches.kind).default_accountant
-    adam_eps = 1e-8 if config.adam_eps is None else float(config.adam_eps)
-    optimizer = text_optimizer(net, learning_rate, head_learning_rate, adam_eps)
-    noise_multiplier, probe = None, None
-    if config.linear_probe is not None:  # LP-FT: stage 1 here, its records lead the ledger
-        from dpfy.training import lpft
 
-        probe = lpft.linear_probe(net, train_data, config.linear_probe * target_epsilon,
-                                  delta, noise_rng)
-        noise_multiplier = lpft.calibrate_after(probe.event, batches, epochs, target_epsilon,
-                                                delta, accounting)
-    if config.warmup > 0:
-        warm = LinearWarmUp(optimizer, max(1, round(
-            config.warmup * epochs * int(batches.steps_per_epoch))))
-        callbacks = (warm, *callbacks)
-    ledger_path = model_path = None
-    if out_dir is not None:
-        ledger_path = Path(out_dir) / "ledger.jsonl"
-        if ledger_path.exists():
-            raise FileExistsError(
-                f"{ledger_path} exists: a new run needs a new out_dir (the ledger is append-only)"
-            )
-        model_path = Path(out_dir) / "model.pt"
-    trainer = trainer_cls(
-        net,
-        optimizer,
-        sequence_classification_loss,
-        train_data,
-        None,
-        batches,
-        test_tokens=test_data,
-        **user_args,
-        options=TrainerOptions(
-            clip_norm=clip_norm,
-            epochs=epochs,
-            delta=delta,
-            target_epsilon=target_epsilon,
-            noise_multiplier=noise_multiplier,
-            max_physical_batch_size=max_physical_batch_size,
-            accounting=accounting,
-            ledger=Ledger(),
-            randomness=noise_rng,
-            precision=checked_precision,
-            device=None if device.type == "cpu" else device,
-            callbacks=callbacks,
-            collate_fn=collate_trimmed,
-            clip_groups=("head.",) if clip_head_separately else (),
-        ),
-    )
-    trainer.calibrate()  # an unreachable target is refused before anything is written
-    if out_dir is not None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-    ledger = trainer.ledger = Ledger(ledger_path)
-    if probe is not None:
-        ledger.replay(probe.ledger.entries)
-        ledger.record_metadata(linear_probe={
-            "method": "DP-FC (Mehta et al. 2023) on the frozen encoder's normalised mean "
-                      "embeddings; the head starts at its weights",
-            "share": config.linear_probe, "epsilon_alone": probe.epsilon,
-        })  # its training accuracy and time were computed without noise: diagnostics only
-    model_name = text_model_name(config)
-    ledger.record_metadata(
-        dataset=dataset,
-        model=model_name,
-        learning_rate=learning_rate,
-        head_learning_rate=head_learning_rate,
-        batch_size=batch_size,
-        max_length=max_length,
-        clipping="head and encoder separately (C / sqrt 2 each)" if clip_head_separately
-        else "joint",
-        fine_tuning=mode,
-        warmup=config.warmup,
-        adam_eps=adam_eps,
-        tan_steps=config.tan_steps,
-        lora_rank=(LORA_RANK if config.lora_rank is None else config.lora_rank) if lora else None,
-        lora_targets=list(LORA_TARGETS[config.lora_targets]) if lora else None,
-        evaluated_on="validation movies of the training split" if config.validation
-        else "test split",
-        trainable_parameters=int(sum(p.numel() for p in trainable)),
-        unit_of_privacy=users.unit_description(
-            unit, max_examples_per_user, "review snippet"
-        ) + ("; a movie has 2 to 35 snippets" if unit == "example" else ""),
-        released_output="final model" + (" (LoRA factors and head)" if lora else
-                                         " (biases and head)" if config.bias_only else ""),
-        data_accesses="final training run only (hyperparameter tuning not accounted)"
-        + ("; the linear probe and the fine-tuning (one ledger)" if probe else ""),
-    )
-    bar = None
-    if progress:
-        bar = _RunningEpsilon(lambda: trainer.ledger, delta, accounting,
-                              epochs * int(batches.steps_per_epoch))
+class _TextRun(Recipe):
+    """What the text recipe fills into the run skeleton: tokenised snippets ordered by length,
+    the pretrained encoder with a fresh head (full, LoRA or bias-only), Adam with its warm-up,
+    LP-FT's probe before DP-SGD, accuracy on tokenised snippets, the trainable tensors kept."""
+
+    def __init__(self, config: RunConfig, recipe: TextRecipe, hooks: RunHooks) -> None:
+        # RunConfig checked the model, the unit (for a text dataset) and max_length
+        self.config, self.recipe, self.hooks = config, recipe, hooks
+        self.mode = text_mode(config)
+        defaults = TEXT_DEFAULTS[self.mode]
+        self.head_learning_rate = float(recipe.head_learning_rate
+                                        if recipe.head_learning_rate is not None
+                                        else defaults["head_learning_rate"])
+        check_range("head_learning_rate", self.head_learning_rate, 0.0, math.inf,
+                    low_open=True, high_open=True)
+        self.clip_head_separately = bool(defaults["clip_head_separately"]
+                                         if recipe.clip_head_separately is None
+                                         else recipe.clip_head_separately)
+        self.max_length = 64 if config.max_length is None else config.max_length
+        self.adam_eps = 1e-8 if config.adam_eps is None else float(config.adam_eps)
+        self.lora_rank = LORA_RANK if config.lora_rank is None else config.lora_rank
+        physical = recipe.max_physical_batch_size
+        if physical is None:
+            physical = 64 if torch.device(config.device or "cpu").type == "cpu" else 256
+        self.optimisation = Optimisation(
+            epochs=int(config.epochs if config.epochs is not None else defaults["epochs"]),
+            learning_rate=float(config.learning_rate if config.learning_rate is not None
+                                else defaults["learning_rate"]),
+            clip_norm=float(config.clip_norm if config.clip_norm is not None
+                            else defaults["clip_norm"]),
+            batch_size=config.batch_size, default_batch_size=defaults["batch_size"],
+            max_physical_batch_size=physical, accounting=recipe.accounting,
+            example="review snippet",
+        )
+        self.probe: Any = None
+
+    def load(self) -> RecipeData:
+        c = self.config
+        train = datasets.rotten_tomatoes("train", limit=c.train_limit)
+        if c.validation:  # a search: the held-out movies of the training split, never test
+            train, test = datasets.split_rotten_tomatoes(train)
+            if c.test_limit is not None:
+                test = dataclasses.replace(
+                    test, texts=test.texts[:c.test_limit], labels=test.labels[:c.test_limit],
+                    movies=test.movies[:c.test_limit])
+        else:
+            test = datasets.rotten_tomatoes("test", limit=c.test_limit)
+        return RecipeData(train=train, targets=None, test=test, size=len(train.labels),
+                          unit_ids=None if c.unit == "example" else train.movies)
+
+    def prepare(self, data: RecipeData) -> RecipeData:
+        """Tokenised snippets, shortest first: the samplers treat every index alike (so the
+        order changes no privacy event) and return a batch's indices in dataset order, so each
+        physical chunk holds snippets of similar length and :func:`trim_padding` cuts most of
+        its padding (about half the tokens of a batch at max_length 64)."""
+        from dpfy.models.pretrained import load_minilm_tokenizer
+
+        tokenizer = load_minilm_tokenizer()
+        train, test = data.train, data.test
+        train_data = tokenize(train.texts, train.labels, self.max_length, tokenizer)
+        test_data = tokenize(test.texts, test.labels, self.max_length, tokenizer)
+        truncated = truncated_fraction(train.texts, self.max_length, tokenizer)
+        order = np.argsort(train_data.lengths().numpy(), kind="stable")
+        return RecipeData(
+            train=train_data.reordered(order), targets=None, test=test_data, size=data.size,
+            unit_ids=None if data.unit_ids is None else train.movies[order],
+            diagnostics={"truncated_fraction": truncated},
+        )
+
+    def model(self, device: torch.device) -> nn.Module:
+        c = self.config
+        return make_text_model(c.model or "minilm", lora=c.lora, lora_rank=self.lora_rank,
+                               lora_targets=c.lora_targets, bias_only=c.bias_only).to(device)
+
+    def optimizer(self, net: nn.Module) -> torch.optim.Optimizer:
+        return text_optimizer(net, self.optimisation.learning_rate, self.head_learning_rate,
+                              self.adam_eps)
+
+    def before_training(self, net: nn.Module, data: RecipeData, batches: Sampler,
+                        accounting: str, randomness: Randomness) -> float | None:
+        c = self.config
+        if c.linear_probe is None:
+            return None
+        from dpfy.training import lpft  # LP-FT: stage 1 here, its records lead the ledger
+
+        self.probe = lpft.linear_probe(net, data.train, c.linear_probe * c.target_epsilon,
+                                       c.delta, randomness)
+        return lpft.calibrate_after(self.probe.event, batches, self.optimisation.epochs,
+                                    c.target_epsilon, c.delta, accounting)
+
+    def leading_callbacks(self, optimizer: torch.optim.Optimizer,
+                          batches: Sampler) -> tuple[Callable[[ProgressInfo], None], ...]:
+        if self.config.warmup <= 0:
+            return ()
+        steps = self.config.warmup * self.optimisation.epochs * int(batches.steps_per_epoch)
+        return (LinearWarmUp(optimizer, max(1, round(steps))),)
+
+    def trainer(self, net: nn.Module, optimizer: torch.optim.Optimizer, data: RecipeData,
+                batches: Sampler, user_args: dict[str, Any],
+                options: TrainerOptions) -> PrivateTrainer:
+        cls = _UserTextTrainer if user_args else _TextTrainer
+        options = dataclasses.replace(
+            options, collate_fn=collate_trimmed,
+            clip_groups=("head.",) if self.clip_head_separately else ())
+        return cls(net, optimizer, sequence_classification_loss, data.train, None, batches,
+                   test_tokens=data.test, **user_args, options=options)
+
+    def metadata(self, ledger: Ledger, net: nn.Module, batch_size: int) -> str:
+        c, probe, lora = self.config, self.probe, self.config.lora
+        if probe is not None:
+            ledger.replay(probe.ledger.entries)
+            ledger.record_metadata(linear_probe={
+                "method": "DP-FC (Mehta et al. 2023) on the frozen encoder's normalised mean "
+                          "embeddings; the head starts at its weights",
+                "share": c.linear_probe, "epsilon_alone": probe.epsilon,
+            })  # its training accuracy and time were computed without noise: diagnostics only
+        model_name = text_model_name(c)
+        ledger.record_metadata(
+            dataset=c.dataset, model=model_name, learning_rate=self.optimisation.learning_rate,
+            head_learning_rate=self.head_learning_rate, batch_size=batch_size,
+            max_length=self.max_length,
+            clipping="head and encoder separately (C / sqrt 2 each)"
+            if self.clip_head_separately else "joint",
+            fine_tuning=self.mode, warmup=c.warmup, adam_eps=self.adam_eps,
+            tan_steps=c.tan_steps, lora_rank=self.lora_rank if lora else None,
+            lora_targets=list(LORA_TARGETS[c.lora_targets]) if lora else None,
+            evaluated_on="validation movies of the training split" if c.validation
+            else "test split",
+            trainable_parameters=int(sum(p.numel() for p in net.parameters()
+                                         if p.requires_grad)),
+            unit_of_privacy=users.unit_description(c.unit, c.cap, self.optimisation.example)
+            + ("; a movie has 2 to 35 snippets" if c.unit == "example" else ""),
+            released_output="final model" + (" (LoRA factors and head)" if lora else
+                                             " (biases and head)" if c.bias_only else ""),
+            data_accesses="final training run only (hyperparameter tuning not accounted)"
+            + ("; the linear probe and the fine-tuning (one ledger)" if probe else ""),
+        )
+        return model_name
+
+    def progress(self, trainer: PrivateTrainer, accounting: str, steps: int) -> Any:
+        bar = _RunningEpsilon(lambda: trainer.ledger, self.config.delta, accounting, steps)
         trainer.callbacks = (*trainer.callbacks, bar)
-    start = time.perf_counter()
-    try:
-        result = trainer.fit()
-    finally:
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - start
-    accuracy = trainer.evaluate()
-    ledger.record_metadata(
-        test_accuracy=accuracy,
-        wall_time_seconds=seconds,
-        epsilon=result.privacy.epsilon,
-        accounting=result.privacy.method,
-        stopped=result.stopped,
-        **randomness,
-    )
-    summary = TrainResultSummary(
-        dataset=dataset, sampler=batches.kind, model_name=model_name,
-        test_accuracy=float(accuracy), epsilon=float(result.privacy.epsilon),
-        delta=float(delta), accounting=result.privacy.method,
-        noise_multiplier=result.noise_multiplier, clip_norm=clip_norm, batch_size=batch_size,
-        epochs=epochs, steps=result.steps, learning_rate=learning_rate, seconds=seconds,
-        stopped=result.stopped, history=result.history,
-        model_path=None if model_path is None else str(model_path),
-        ledger_path=None if ledger_path is None else str(ledger_path),
-        model=result.model, ledger=ledger,
-        diagnostics={"truncated_fraction": truncated} | ({} if probe is None else {
-            "linear_probe_train_accuracy": probe.train_accuracy,
-            "linear_probe_seconds": probe.seconds,
-        }),  # read from the training snippets without noise: never beside the model
-    )
-    if model_path is not None:
-        state = host_copy(result.model.state_dict().items() if mode == "full" else (
-            (n, p) for n, p in result.model.named_parameters() if p.requires_grad))
-        torch.save(state, model_path)
-        with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
-            json.dump(summary.to_dict(), f, indent=2, default=str)
-    return summary
+        return bar
+
+    def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return host_copy(model.state_dict().items() if self.mode == "full" else (
+            (n, p) for n, p in model.named_parameters() if p.requires_grad))
+
+    def diagnostics(self, data: RecipeData) -> dict[str, Any]:
+        # read from the training snippets without noise: never beside the model
+        return dict(data.diagnostics) | ({} if self.probe is None else {
+            "linear_probe_train_accuracy": self.probe.train_accuracy,
+            "linear_probe_seconds": self.probe.seconds,
+        })
