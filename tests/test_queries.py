@@ -6,7 +6,10 @@ test on the sample variance at level ALPHA = 1e-6 (seeded, so reproducible in CI
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
+import pkgutil
 
 import numpy as np
 import pytest
@@ -15,8 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+import dpfy.queries
 from dpfy import accounting
 from dpfy import events as ev
+from dpfy.correlated import SingleEpoch, make_plan
 from dpfy.ledger import Ledger
 from dpfy.ledger.records import SumQueryRecord
 from dpfy.queries import (
@@ -25,15 +30,19 @@ from dpfy.queries import (
     JointClipQuery,
     LedgerEntry,
     NestedQuery,
+    Query,
     QueryBase,
     clip_weights_from_norms,
 )
 from dpfy.queries._tree import expand_weights, per_example_norms
 from dpfy.queries.adaptive import AdaptiveNestedQuery
+from dpfy.queries.base import ReleasesClippedSums, check_query
+from dpfy.queries.correlated import CorrelatedNoiseQuery
 from dpfy.queries.nested import Group, dimension_adjusted_noise, proportional_noise, split_clip_norm
 from dpfy.queries.sum import AverageQuery, NoPrivacyQuery, gaussian_average_query
 from dpfy.randomness import Randomness
 from dpfy.sampling import SampleSpec
+from dpfy.training import PrivateGradient
 
 ALPHA = 1e-6
 SHAPES = {"a": (3, 2), "b": (4,), "c": (5,)}
@@ -112,6 +121,48 @@ def _recorded_tuples(query):
     zeros = {k: torch.zeros(s, dtype=torch.float64) for k, s in SHAPES.items()}
     query.add_noise(zeros, ledger=ledger, sample_id=sid, randomness=rng)
     return [(r.sensitivity, r.noise_std) for r in _recorded(ledger)], ledger
+
+
+def _query_classes():
+    """Every concrete query class defined in the modules of ``dpfy.queries``."""
+    found = set()
+    for info in pkgutil.iter_modules(dpfy.queries.__path__, "dpfy.queries."):
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if (inspect.isclass(obj) and obj.__module__ == module.__name__
+                    and issubclass(obj, ReleasesClippedSums) and not inspect.isabstract(obj)
+                    and obj is not ReleasesClippedSums):  # the mixin, not a query
+                found.add(obj)
+    return found
+
+
+def test_every_query_class_satisfies_the_query_protocol():
+    # Each query class of the package is in the table above (or built here), and each
+    # instance is a ``Query``: PrivateGradient reads queries only through that protocol.
+    correlated = CorrelatedNoiseQuery(make_plan("tree", 4, SingleEpoch()), 1.0, 1.0)
+    instances = [factory() for factory, _ in _queries().values()] + [correlated]
+    assert {type(q) for q in instances} == _query_classes()
+    for query in instances:
+        assert isinstance(query, Query), type(query).__name__
+        check_query(query)  # does not raise
+        assert query.privacy_tuples() == tuple(
+            (e.sensitivity, e.noise_std) for e in query.ledger_entries()
+        )
+
+
+def test_a_query_lacking_part_of_the_protocol_is_refused_by_name():
+    class NoFusedFlag:  # every member but ``fused_release`` and ``ledger_entries``
+        groups, noise_multiplier = None, 1.0
+        clip_weights = clip_and_sum = add_noise = release = privacy_tuples = print
+
+    assert not isinstance(NoFusedFlag(), Query)
+    with pytest.raises(ValueError, match=r"missing fused_release, ledger_entries\)"):
+        check_query(NoFusedFlag())
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="missing fused_release"):
+        PrivateGradient(model, NoFusedFlag(), expected_batch_size=4)
+    with pytest.raises(ValueError, match="sum query"):  # a query that divides is refused too
+        PrivateGradient(model, gaussian_average_query(1.0, 1.0, 4.0), expected_batch_size=4)
 
 
 # -- sensitivity ------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import abc
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -103,8 +103,14 @@ class LedgerEntry:
         return self.sensitivity_factor * self.clip_norm
 
 
+@runtime_checkable
 class Query(Protocol):
     """What every query provides (materialised path and the trainer's fast path).
+
+    Every query class of dpfy satisfies it (``tests/test_queries.py`` checks each one), and
+    :class:`~dpfy.training.PrivateGradient` reads a query only through it: a query of one's own
+    provides all of it (:func:`check_query` names what is missing), most simply by
+    subclassing :class:`QueryBase`.
 
     (a) materialised per-example tensors: ``release(per_example, ...)`` is
     ``add_noise(clip_and_sum(per_example), ...)``; ``per_example`` maps names to tensors with a
@@ -122,7 +128,9 @@ class Query(Protocol):
     ``add_noise(..., out=tree)`` writes the noisy values into ``out`` (reusable gradient
     buffers); ``add_noise(s x sum, ..., scale=s)`` returns ``s x (sum + noise)``: the same
     release, post-processed (e.g. 1 / expected batch size folded into the clip weights). The
-    ledger records the unscaled sensitivity and noise.
+    ledger records the unscaled sensitivity and noise. ``ledger_entries()`` says what the next
+    release will record, one :class:`LedgerEntry` per Gaussian part (``privacy_tuples()``: their
+    ``(sensitivity, noise_std)`` pairs).
 
     Attributes:
       groups: ``None`` (one flat norm) or ``{group: (param names...)}`` (one norm per group).
@@ -169,7 +177,23 @@ class Query(Protocol):
         mask: torch.Tensor | None = None,
     ) -> dict[str, Any]: ...
 
+    def ledger_entries(self) -> tuple[LedgerEntry, ...]: ...
+
     def privacy_tuples(self) -> tuple[tuple[float, float], ...]: ...
+
+
+#: The members of :class:`Query`, for messages that name the missing ones.
+QUERY_MEMBERS: tuple[str, ...] = tuple(sorted(n for n in vars(Query) if not n.startswith("_")))
+
+
+def check_query(query: object) -> None:
+    """``ValueError`` unless ``query`` satisfies :class:`Query`, naming the members it lacks."""
+    if not isinstance(query, Query):
+        missing = [n for n in QUERY_MEMBERS if not hasattr(query, n)]
+        raise ValueError(
+            f"query must implement dpfy.queries.Query (missing {', '.join(missing)}), "
+            f"got query={query!r}"
+        )
 
 
 class ReleasesClippedSums:

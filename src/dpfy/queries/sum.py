@@ -164,6 +164,9 @@ class AverageQuery(ReleasesClippedSums):
     def groups(self) -> dict[str, tuple[str, ...]] | None:
         return self.query.groups
 
+    def ledger_entries(self) -> tuple[LedgerEntry, ...]:
+        return self.query.ledger_entries()
+
     def privacy_tuples(self) -> tuple[tuple[float, float], ...]:
         return self.query.privacy_tuples()
 
@@ -202,7 +205,6 @@ class AverageQuery(ReleasesClippedSums):
         )
         scaled = {n: t.div_(self.denominator) for n, t in flatten(noisy).items()}
         return unflatten_like(scaled, noisy)
-
 
     def __repr__(self) -> str:
         return f"AverageQuery({self.query!r}, denominator={self.denominator})"

@@ -85,6 +85,8 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dpfy._validate import check_int, check_range
+from dpfy.queries.base import check_query
+from dpfy.queries.sum import AverageQuery
 from dpfy.training.distributed import (
     GradientReducer,
     check_mirror_ledger,
@@ -275,9 +277,8 @@ class PrivateGradient:
                 f"got microbatch_mode={microbatch_mode!r}"
             )
         check_int("fallback_chunk_size", fallback_chunk_size)
-        if not hasattr(query, "clip_weights") or not hasattr(query, "add_noise"):
-            raise ValueError(f"query must be a dpfy.queries query, got query={query!r}")
-        if hasattr(query, "denominator"):
+        check_query(query)  # the typed contract (dpfy.queries.Query), then never probed
+        if isinstance(query, AverageQuery):
             raise ValueError(
                 "query must be a sum query: PrivateGradient divides by expected_batch_size "
                 f"itself; pass the inner query of {query!r}"
@@ -308,7 +309,7 @@ class PrivateGradient:
             ShardedRelease(self._params, self.plans_, query, reducer, microbatch_mode)
             if is_sharded(model) else None
         )
-        groups = getattr(query, "groups", None)
+        groups = query.groups
         self._owner: dict[str, str] | None = None
         self._group_names: tuple[str, ...] = ()
         if groups is not None:
@@ -323,7 +324,7 @@ class PrivateGradient:
         # Fast release, a capability the query declares (Query.fused_release): 1 / denominator
         # is folded into the clip weights and the query writes the noisy gradient straight into
         # the buffers that become ``p.grad`` (no division pass).
-        self._fast_release = getattr(query, "fused_release", False) is True
+        self._fast_release = bool(query.fused_release)
         self._layouts = LayoutBook()
         self.attribution = AttributionCheck(self.plans_, self._qnames, model=model)
         self._coverage = CoverageGuard(
@@ -790,7 +791,7 @@ class PrivateGradient:
             self._nonfinite,
             self._chunks,
             denom,
-            float(getattr(self.query, "noise_multiplier", math.nan)),
+            float(self.query.noise_multiplier),
         )
         self._reset()
         return stats
@@ -843,19 +844,16 @@ def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _check_average_sensitivity(query: Query) -> None:
-    tuples: tuple[tuple[float, float], ...] = (
-        query.privacy_tuples() if hasattr(query, "privacy_tuples") else ()
-    )
-    clip = getattr(query, "clip_norm", None)
-    if getattr(query, "noise_multiplier", None) == 0.0:
+    if query.noise_multiplier == 0.0:
         return  # NoPrivacyQuery: nothing to protect
-    if clip is None or len(tuples) != 1 or getattr(query, "groups", None) is not None:
+    entries = query.ledger_entries()
+    if len(entries) != 1 or query.groups is not None:
         raise ValueError(
             "microbatch_mode='average' needs a flat sum query with sensitivity 2 x clip_norm, "
             "e.g. GaussianSumQuery(clip_norm, noise_multiplier, "
             "clipped_unit='microbatch_average')"
         )
-    sensitivity = tuples[0][0]
+    clip, sensitivity = entries[0].clip_norm, entries[0].sensitivity
     if sensitivity < 2.0 * clip * (1 - 1e-12):
         raise ValueError(
             "microbatch_mode='average' clips microbatch averages: one example changes one of "
