@@ -75,6 +75,38 @@ class LedgerAccountant:
             return 0.0
         return float(accounting.epsilon(self.ledger, delta, self.method).epsilon)
 
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """Opacus' ``[(noise_multiplier, sample_rate, steps), ...]``, read off the ledger (each
+        release's noise and its sample's rate; consecutive equal steps merged)."""
+        out: list[tuple[float, float, int]] = []
+        if self.ledger is None:
+            return out
+        zs = self.ledger.noise_multipliers()
+        for sample in self.ledger.samples:
+            z, q = zs.get(sample.sample_id), sample.spec.sampling_rate
+            if z is None or q is None:
+                continue  # drawn, never released; or not a Poisson sample
+            if out and out[-1][:2] == (z, q):
+                out[-1] = (z, q, out[-1][2] + 1)
+            else:
+                out.append((float(z), float(q), 1))
+        return out
+
+    def get_privacy_spent(
+        self, *, delta: float, alphas: list[float] | None = None
+    ) -> tuple[float, float]:
+        """Opacus' ``(epsilon, best order)``: with ``rdp``, the RDP curve of :attr:`history`
+        over ``alphas`` (default Opacus' grid, so at or above :meth:`get_epsilon`, which uses
+        finer orders); otherwise ``(get_epsilon(delta), nan)``."""
+        if self.method != "rdp":
+            return self.get_epsilon(delta), float("nan")
+        from dpfy.opacus._accountants import RDPAccountant
+
+        accountant = RDPAccountant()
+        accountant.history = self.history
+        return accountant.get_privacy_spent(delta=delta, alphas=alphas)
+
     def __len__(self) -> int:
         """Logical batches released so far (samples in the ledger)."""
         return 0 if self.ledger is None else len(self.ledger.noise_multipliers())

@@ -35,6 +35,16 @@ class DPDataLoader:
         self._outputs = outputs
         self.original = original
 
+    @classmethod
+    def from_data_loader(cls, data_loader: Any, **_: Any) -> DPDataLoader:
+        """Refused: a private loader belongs to a run (its sampler's event goes to the run's
+        ledger), so it is made by ``PrivacyEngine.make_private``."""
+        raise NotImplementedError(
+            "DPDataLoader.from_data_loader is not part of dpfy.opacus: the private loader "
+            "belongs to a run whose ledger records its sampler's event; "
+            "PrivacyEngine.make_private(data_loader=...) returns it"
+        )
+
     @property
     def dataset(self) -> Any:
         return self.private_loader.dataset
