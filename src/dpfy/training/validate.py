@@ -187,20 +187,55 @@ def _own_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for _, p in own_parameters(module))
 
 
+class ModuleReport(list[ModuleIssue]):
+    """:func:`check_module`'s answer: the issues (a list), and in :attr:`deferred` the checks
+    that need data and did not run (empty when a sample batch was given)."""
+
+    deferred: tuple[str, ...] = ()
+
+
 def check_module(
-    model: nn.Module, *, fast_layers: tuple[type[nn.Module], ...] | None = None
-) -> list[ModuleIssue]:
+    model: nn.Module,
+    example_batch: object = None,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    fast_layers: tuple[type[nn.Module], ...] | None = None,
+) -> ModuleReport:
     """Every privacy problem (errors) and fallback layer (notes) in ``model``, in module order.
 
     Args:
       model: the network to train with DP-SGD.
+      example_batch: ``(inputs, targets)``, a sample batch. With one, the first step's
+        run-time checks run too (:mod:`dpfy.training.dry_run`: on a copy of the model, nothing
+        released or written), and their refusal, if any, is an error here with the same
+        message: the verdict is the first real step's on that batch. Without one, those
+        checks are named in the report's ``deferred`` and happen at the first step.
+      loss_fn: per-example losses for the sample batch (default cross-entropy).
       fast_layers: layer types the fast per-example norm engine handles (exact types; default:
         the engine's registry); other layers with trainable parameters are reported as notes
         (they run on the ``vmap(grad)`` fallback).
 
     Returns:
-      A list of :class:`ModuleIssue`; empty when the model is ready for private training.
+      A :class:`ModuleReport` (a list of :class:`ModuleIssue`); empty when the model is ready
+      for private training.
     """
+    from dpfy.training.dry_run import RUN_TIME_CHECKS, first_step_issues
+
+    issues = ModuleReport(_static_issues(model, fast_layers))
+    if example_batch is None:
+        issues.deferred = RUN_TIME_CHECKS
+    elif not any(i.severity is Severity.ERROR for i in issues):
+        issues.extend(
+            ModuleIssue("", type(model).__name__, Severity.ERROR, reason,
+                        "the message says what to change.")
+            for reason in first_step_issues(model, example_batch, loss_fn)
+        )
+    return issues
+
+
+def _static_issues(
+    model: nn.Module, fast_layers: tuple[type[nn.Module], ...] | None
+) -> list[ModuleIssue]:
     fast = _fast_layers() if fast_layers is None else tuple(fast_layers)
     issues: list[ModuleIssue] = []
     if not any(p.requires_grad for p in model.parameters()):
