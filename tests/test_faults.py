@@ -207,3 +207,23 @@ def test_a_cut_ledger_is_reported_incomplete_without_a_raw_warning(
     assert "LedgerTruncationWarning" not in captured.err and "Traceback" not in captured.err
     assert all(line.startswith("dpfy: ") for line in captured.err.splitlines()), captured.err
     assert "was cut short" in captured.err
+
+
+def test_a_report_of_the_same_head_keeps_the_audit_section(
+    small_ledger: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dpfy.audit.run import write_section
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.jsonl").write_bytes(small_ledger.read_bytes())
+    assert main(["report", str(run / "ledger.jsonl"), "--no-figures"]) == 0
+    data = json.loads((run / "report.json").read_text())
+    section = {"method": "one-run-train", "verdict": "no violation found",
+               "epsilon_lower": 0.0, "audited_claim": data["epsilon"],
+               "run_epsilon": data["epsilon"], "confidence": 0.95}
+    write_section(run, data, section)  # what an audit adds
+    assert main(["report", str(run / "ledger.jsonl"), "--no-figures"]) == 0
+    capsys.readouterr()
+    assert json.loads((run / "report.json").read_text())["audit"] == section
+    assert "no violation found" in (run / "report.md").read_text()

@@ -694,6 +694,7 @@ def report_ledger(
     from dpfy.report.write import report_name
 
     name, diverted = report_name(out_dir, ledger.head)  # _report_files writes under this name
+    audit = _kept_audit(out_dir, ledger.head) if diverted is None else None
     report = _report_files(
         ledger,
         path,
@@ -710,7 +711,32 @@ def report_ledger(
         train_command=_text(ledger.metadata.get("train_command")),
         publishing=_kept_publishing(out_dir, ledger.head) if diverted is None else None,
     )
+    if audit is not None:  # `dpfy audit` wrote it and the ledger cannot re-derive it, so
+        import json  # the report of the same chain head keeps it
+
+        from dpfy.audit.run import write_section
+
+        data = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+        write_section(out_dir, data, audit)
+        report = dataclasses.replace(report, audit=audit)
     return ReportedRun(out_dir, path, report, report_name=name, diverted=diverted)
+
+
+def _kept_audit(out_dir: Path, head: str | None) -> dict[str, Any] | None:
+    """The non-empty Audit section of the ``report.json`` of chain head ``head`` in
+    ``out_dir`` (what ``dpfy audit`` added to it), or None."""
+    import json
+
+    try:
+        kept = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict):
+        return None
+    integrity, section = kept.get("ledger_integrity"), kept.get("audit")
+    if not isinstance(integrity, dict) or integrity.get("head") != head:
+        return None
+    return section if isinstance(section, dict) and section else None
 
 
 def _text(value: Any) -> str | None:
