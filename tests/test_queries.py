@@ -142,6 +142,10 @@ def test_every_query_class_satisfies_the_query_protocol():
     correlated = CorrelatedNoiseQuery(make_plan("tree", 4, SingleEpoch()), 1.0, 1.0)
     instances = [factory() for factory, _ in _queries().values()] + [correlated]
     assert {type(q) for q in instances} == _query_classes()
+    # A query of one's own that only declares (QueryBase) satisfies it too; its noise
+    # multiplier follows from its entries (McMahan et al. 2018, Eq. 1).
+    own = _HalfNoise(0.7, 1.3 * 0.7)
+    assert isinstance(own, Query) and own.noise_multiplier == pytest.approx(1.3)
     for query in instances:
         assert isinstance(query, Query), type(query).__name__
         check_query(query)  # does not raise

@@ -31,12 +31,13 @@ import abc
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, overload, runtime_checkable
 
 import torch
 
 from dpfy._validate import check_range
 from dpfy.ledger import Ledger
+from dpfy.ledger.ledger import effective_noise_multiplier
 from dpfy.queries._tree import (
     Norms,
     Tensors,
@@ -213,16 +214,40 @@ class ReleasesClippedSums:
         return self.add_noise(clipped, ledger=ledger, sample_id=sample_id, randomness=randomness)
 
 
+class _EffectiveNoiseMultiplier:
+    """``QueryBase.noise_multiplier`` of a query that states none: the effective noise multiplier
+    of its next release, from its ledger entries (McMahan et al. 2018, Sec. 3, Eq. 1). Only a
+    ``__get__`` (a non-data descriptor), so a query that sets ``self.noise_multiplier`` or
+    defines the property overrides it."""
+
+    @overload
+    def __get__(self, query: None, owner: type | None = None) -> _EffectiveNoiseMultiplier: ...
+
+    @overload
+    def __get__(self, query: QueryBase, owner: type | None = None) -> float: ...
+
+    def __get__(
+        self, query: QueryBase | None, owner: type | None = None
+    ) -> float | _EffectiveNoiseMultiplier:
+        if query is None:
+            return self
+        pairs = query.privacy_tuples()
+        return effective_noise_multiplier([s for s, _ in pairs], [sd for _, sd in pairs])
+
+
 class QueryBase(ReleasesClippedSums, abc.ABC):
     """Base of the Gaussian queries: owns clip-and-sum and the release template.
 
     A subclass sets ``name`` (ledger label) and ``groups`` (``None`` or ``{group: params}``)
-    and implements :meth:`clip_weights`, :meth:`ledger_entries` and :meth:`noise_stds`.
+    and implements :meth:`clip_weights`, :meth:`ledger_entries` and :meth:`noise_stds`; it
+    then satisfies :class:`Query` (``noise_multiplier`` follows from its ledger entries unless
+    it sets its own).
     """
 
     groups: dict[str, tuple[str, ...]] | None = None
     fused_release: bool = True
     name: str
+    noise_multiplier = _EffectiveNoiseMultiplier()
 
     # -- what a query declares -----------------------------------------------------------------
 

@@ -19,7 +19,6 @@ from typing import Literal
 import torch
 
 from dpfy._validate import check_int, check_range
-from dpfy.ledger.ledger import effective_noise_multiplier
 from dpfy.queries._tree import Norms, check_partition, clip_weights_from_norms, group_norms
 from dpfy.queries.base import LedgerEntry, QueryBase
 
@@ -121,12 +120,6 @@ class NestedQuery(QueryBase):
         return cls(
             {g: Group(tuple(ns), clip_norms[g], stds[g]) for g, ns in groups.items()}, name=name
         )
-
-    @property
-    def noise_multiplier(self) -> float:
-        """Effective noise multiplier of one release (McMahan Eq. 1)."""
-        tuples = self.privacy_tuples()
-        return effective_noise_multiplier([s for s, _ in tuples], [sd for _, sd in tuples])
 
     def ledger_entries(self) -> tuple[LedgerEntry, ...]:
         """One part per group: ``f"{name}/{group}"`` with (C_j, s_j)."""
