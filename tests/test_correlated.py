@@ -7,13 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
+from correlated_oracles import BandMFNoise, BLTNoise, TreeNoise
 from scipy.stats import norm
 
 from dpfy.correlated import BLT, BandMF, Cyclic, MinSeparation, SingleEpoch, TreeAggregation
-from dpfy.correlated.bandmf import BandMFNoise, optimize_bandmf
-from dpfy.correlated.blt import BLTNoise
+from dpfy.correlated.bandmf import optimize_bandmf
 from dpfy.correlated.schemas import sensitivity
-from dpfy.correlated.tree import TreeNoise, tree_sensitivity
+from dpfy.correlated.tree import tree_sensitivity
 from dpfy.correlated.workload import prefix_sum_matrix, toeplitz_inverse_coeffs, toeplitz_lower
 
 

@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import pytest
+from correlated_oracles import EfficientTreeNoise
 from dp_accounting import dp_event as dpe
 from dp_accounting.privacy_accountant import NeighboringRelation
 from dp_accounting.rdp import RdpAccountant
@@ -23,7 +24,6 @@ from dpfy.correlated import Cyclic, SingleEpoch, TreeAggregation
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.correlated.schemas import sensitivity
 from dpfy.correlated.tree_efficient import (
-    EfficientTreeNoise,
     efficient_decoder_matrix,
     efficient_noise_map,
     level_variances,

@@ -22,7 +22,7 @@ from dpfy._validate import (
     check_range,
     check_seed,
 )
-from dpfy.config import MECHANISMS, check_budget
+from dpfy.config import check_budget
 
 __all__ = [
     "account_run",
@@ -425,8 +425,7 @@ def compare_mechanisms(
     from dpfy import accounting
     from dpfy.accounting.calibrate import calibrate_with_method
     from dpfy.correlated import Cyclic, make_plan
-    from dpfy.correlated.tree_efficient import prefix_variances
-    from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
+    from dpfy.correlated.strategy import strategy_names
     from dpfy.sampling import SampleSpec
     from dpfy.sampling.spec import spec_event
 
@@ -451,15 +450,9 @@ def compare_mechanisms(
     )
     add("dpsgd", "poisson", lambda z: spec_event(poisson, z, steps), workload)
     add("dpsgd", "shuffle", lambda z: spec_event(shuffle, z, epochs), workload)
-    for name in MECHANISMS[1:]:
+    for name in strategy_names():  # every registered strategy
         plan = make_plan(name, steps, Cyclic(per_epoch), band=min(band, per_epoch),
                          buffers=buffers)
-        if name == "tree":  # prefix t is the sum of popcount(t + 1) node noises
-            total = float(sum(bin(t).count("1") for t in range(1, steps + 1)))
-        elif name == "tree-efficient":  # sum_{bits l of t + 1} v_l (Honaker 2015)
-            total = float(prefix_variances(steps).sum())
-        else:
-            total = prefix_error_total(toeplitz_inverse_coeffs(plan.coeffs(), steps))
-        err = math.sqrt(total / steps)
+        err = math.sqrt(plan.rule.prefix_error(steps) / steps)
         add(name, "cyclic", plan.event, err)
     return rows

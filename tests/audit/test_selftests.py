@@ -151,8 +151,8 @@ def test_correlated_passes_for_one_epoch() -> None:
 
 def _stream_of(plan: CorrelatedPlan, monkeypatch: pytest.MonkeyPatch) -> None:
     """Broken query: the noise stream follows ``plan`` whatever the ledger records."""
-    real = correlated_module.NoiseStream
-    monkeypatch.setattr(correlated_module, "NoiseStream",
+    real = correlated_module.open_stream
+    monkeypatch.setattr(correlated_module, "open_stream",
                         lambda _plan, size, like: real(plan, size, like))
 
 

@@ -140,7 +140,7 @@ def _noise_run(
 def test_noise_sequence_is_the_linear_map_of_the_fresh_draws(
     strategy: str, flat: bool, monkeypatch
 ) -> None:
-    monkeypatch.setattr("dpfy.queries.correlated._CHUNK", 1500)  # BLT: several chunks
+    monkeypatch.setattr("dpfy.correlated.blt._CHUNK", 1500)  # BLT: several chunks
     steps, period, size, sigma = 12, 4, 4000, 0.7
     plan = _plan(strategy, steps, period)
     w = _noise_run(plan, size, sigma, seed=11, flat=flat)

@@ -9,19 +9,28 @@ step's clipped sum (Denisov et al. 2022; Choquette-Choo et al. 2023).
 Strategies (one module each): tree aggregation (:mod:`.tree`, Kairouz et al. 2021), the full
 tree with Honaker's efficient estimator (:mod:`.tree_efficient`, Honaker 2015), banded
 Toeplitz matrix factorization (:mod:`.bandmf`, Choquette-Choo et al. 2023) and buffered
-linear Toeplitz (:mod:`.blt`, McMahan et al. 2024). Participation schemas and the exact
-sensitivity of a strategy under them live in :mod:`.schemas`.
+linear Toeplitz (:mod:`.blt`, McMahan et al. 2024). Each module registers its strategy
+class (:func:`register_strategy`, :mod:`.strategy`): its matrix, sensitivity and noise stream.
+Participation schemas and the exact sensitivity of a strategy under them live in
+:mod:`.schemas`.
 
-NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_architecture.py``).
+NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_architecture.py``);
+the noise streams work on the tensors they are handed, through the tensors' own methods.
 """
 
 from __future__ import annotations
 
+from dpfy.correlated.strategy import Strategy, register_strategy
+
+# The built-in strategies, in registry order: each module registers its class on import.
+# isort: off
 from dpfy.correlated.bandmf import BandMF
 from dpfy.correlated.blt import BLT
+from dpfy.correlated.tree import TreeAggregation
+from dpfy.correlated import tree_efficient as _tree_efficient  # noqa: F401  (registers it)
+# isort: on
 from dpfy.correlated.plan import CorrelatedPlan, make_plan
 from dpfy.correlated.schemas import Cyclic, MinSeparation, SingleEpoch
-from dpfy.correlated.tree import TreeAggregation
 
 __all__ = [
     "make_plan",
@@ -32,4 +41,6 @@ __all__ = [
     "BandMF",
     "BLT",
     "TreeAggregation",
+    "Strategy",
+    "register_strategy",
 ]

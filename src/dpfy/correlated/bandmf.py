@@ -13,29 +13,44 @@ sensitivity under ``k`` participations separated by ``>= b`` steps is
 prefix sums, ``||A C^{-1}||_F^2 x sens^2`` (or the max row norm instead), over
 ``c_1..c_{b-1} >= 0`` with L-BFGS-B, starting from the optimal-Toeplitz square-root
 coefficients ``binom(2k, k) / 4^k`` of Fichtenberger et al. 2023 truncated to the band.
+
+:class:`BandMF` is the registered strategy ``"bandmf"``; :class:`BandMFStream` its noise.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 from scipy.optimize import minimize
 from scipy.special import gammaln
 
-from dpfy._validate import check_finite_nonneg, check_int
-from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs, toeplitz_lower
+from dpfy._validate import check_int
+from dpfy.correlated.schemas import Cyclic, Schema
+from dpfy.correlated.strategy import (
+    AddNoise,
+    NoiseStream,
+    Params,
+    Tensor,
+    ToeplitzStrategy,
+    register_strategy,
+)
+from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs
 
 Objective = Literal["total", "max"]
 
 
-class BandMF:
-    """A banded Toeplitz strategy.
+@register_strategy
+class BandMF(ToeplitzStrategy):
+    """A banded Toeplitz strategy (``"bandmf"``; a plan records ``coeffs``, ``c_0 = 1``).
 
     Args:
         coeffs: ``c_0 .. c_{b-1}`` (``c_0 > 0``; ``band = len(coeffs)``).
     """
+
+    name = "bandmf"
+    keys = ("coeffs",)
 
     def __init__(self, coeffs: np.ndarray) -> None:
         c = np.asarray(coeffs, dtype=float)
@@ -43,16 +58,52 @@ class BandMF:
             raise ValueError(f"coeffs[0] must be in (0, inf) with finite entries, got {c!r}")
         self.coeffs = c
 
+    @classmethod
+    def from_params(cls, params: Params, steps: int) -> BandMF:
+        c = np.asarray(params["coeffs"], dtype=float)
+        if c.size == 0 or c[0] != 1.0 or np.any(c < 0):
+            raise ValueError(
+                f"coeffs must start with 1 and be >= 0 (BandMF), got coeffs={c.tolist()!r}"
+            )
+        return cls(c)
+
+    @classmethod
+    def optimised(
+        cls, steps: int, schema: Schema, *, band: int, buffers: int, maxiter: int
+    ) -> BandMF:
+        """:func:`optimize_bandmf` for ``k`` participations ``>= band`` apart (``k`` the
+        epochs of a cyclic schema, whose period must then be ``>= band``), ``c_0 = 1``."""
+        check_int("band", band, high=steps)
+        k = 1
+        if isinstance(schema, Cyclic):
+            if schema.period < band:
+                raise ValueError(
+                    f"band must be in [1, {schema.period}] (the cyclic period: participations "
+                    f"are a period apart), got band={band}"
+                )
+            k = -(-steps // schema.period)
+        coeffs = optimize_bandmf(steps, band, participations=k, maxiter=maxiter).coeffs
+        return cls(coeffs / coeffs[0])
+
+    def params(self) -> dict[str, tuple[float, ...]]:
+        return {"coeffs": tuple(float(c) for c in self.coeffs)}
+
     @property
     def band(self) -> int:
         return int(self.coeffs.size)
 
-    def strategy_matrix(self, steps: int) -> np.ndarray:
-        return toeplitz_lower(self.coeffs, steps)
+    def first_column(self, steps: int) -> np.ndarray:
+        c = np.zeros(steps)
+        k = min(steps, self.band)
+        c[:k] = self.coeffs[:k]
+        return c
+
+    def inverse_column(self, steps: int) -> np.ndarray:
+        return toeplitz_inverse_coeffs(self.coeffs, steps)
 
     def noise_covariance(self, steps: int) -> np.ndarray:
         """Covariance of the per-step noise ``C^{-1} z`` per unit ``sigma^2``."""
-        inv = toeplitz_lower(toeplitz_inverse_coeffs(self.coeffs, steps), steps)
+        inv = self.noise_map(steps)
         return np.asarray(inv @ inv.T)
 
     def separated_sensitivity(self, steps: int, participations: int = 1) -> float:
@@ -69,52 +120,34 @@ class BandMF:
             total += float(np.dot(c[:keep], c[:keep]))
         return float(np.sqrt(total))
 
+    def state_rows(self, steps: int) -> int:
+        return max(self.band - 1, 0)
 
-class BandMFNoise:
-    """Streaming per-step noise ``w = C^{-1} z`` of a :class:`BandMF`, ``band - 1`` buffers.
+    def largest_fitting(self, rows: int) -> tuple[str, int] | None:
+        return ("band", rows + 1)
 
-    Args:
-        strategy: the banded strategy.
-        shape: shape of one step's noise.
-        noise_std: standard deviation of ``z`` (clip norm x noise multiplier).
-        rng: the NumPy generator ``z`` is drawn from.
-    """
+    def stream(self, steps: int, size: int, like: Tensor) -> BandMFStream:
+        return BandMFStream(self.coeffs, steps, size, like)
 
-    def __init__(
-        self,
-        strategy: BandMF,
-        shape: tuple[int, ...],
-        noise_std: float,
-        rng: np.random.Generator,
-    ) -> None:
-        check_finite_nonneg("noise_std", noise_std)
-        self.coeffs = strategy.coeffs
-        self.shape = tuple(shape)
-        self.noise_std = float(noise_std)
-        self.rng = rng
-        self.history: deque[np.ndarray] = deque(maxlen=max(strategy.band - 1, 1))
 
-    def next(self) -> np.ndarray:
-        """The noise to add to the current step's clipped sum; advances one step."""
-        w = self.noise_std * self.rng.standard_normal(self.shape)
-        for k, prev in enumerate(reversed(self.history), start=1):
-            if k >= self.coeffs.size:
-                break
-            w -= self.coeffs[k] * prev
-        w /= self.coeffs[0]
-        if self.coeffs.size > 1:
-            self.history.append(w)
+class BandMFStream(NoiseStream):
+    """``w_t = z_t - sum_{k<b} c_k w_{t-k}`` (``c_0 = 1``), the last ``b - 1`` noises in a
+    ring buffer (row ``r`` holds ``w_{t-k}``, ``k = ((head - 1 - r) mod (b - 1)) + 1``;
+    rows not yet written are 0)."""
+
+    def __init__(self, coeffs: np.ndarray, steps: int, size: int, like: Tensor) -> None:
+        super().__init__(steps, size, max(len(coeffs) - 1, 0), like)
+        self.coeffs = [float(c) for c in coeffs]
+
+    def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
+        buf, w, m = self.buf, self.w, self.buf.shape[0]
+        if m == 0:
+            return w.copy_(z)
+        coef = buf.new_tensor([self.coeffs[(self.head - 1 - r) % m + 1] for r in range(m)])
+        w.copy_(z).addmv_(buf.T, coef, alpha=-1.0)  # what addmv(z, ..., out=w) does
+        buf[self.head].copy_(w)
+        self.head = (self.head + 1) % m
         return w
-
-    def state_dict(self) -> dict[str, Any]:
-        """The last ``band - 1`` noises and the generator state. Secret (see :class:`TreeNoise`)."""
-        return {"history": [h.copy() for h in self.history], "rng": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
-        self.history.clear()
-        self.history.extend(np.array(h) for h in state["history"])
-        self.rng.bit_generator.state = state["rng"]
 
 
 def _sqrt_coeffs(n: int) -> np.ndarray:

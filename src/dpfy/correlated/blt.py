@@ -14,28 +14,44 @@ times sensitivity^2, L-BFGS-B) with ``theta_i = sigmoid(b_i)`` and
 weights, the sign pattern of the inverse of the optimal Toeplitz square root ``(1 - x)^{1/2}``
 (Fichtenberger et al. 2023), and ``sum_i |omega_i| / (1 - theta_i) = s < 1``, so ``C^{-1}(x)``
 has no zero in the closed unit disc and ``C``'s coefficients stay bounded.
+
+:class:`BLT` is the registered strategy ``"blt"``; :class:`BLTStream` its noise.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from numpy.polynomial import polynomial as P
 from scipy.optimize import minimize
 from scipy.signal import lfilter
 
-from dpfy._validate import check_finite_nonneg, check_int
-from dpfy.correlated.workload import prefix_error_total, toeplitz_lower
+from dpfy._validate import check_int
+from dpfy.correlated.schemas import Schema
+from dpfy.correlated.strategy import (
+    AddNoise,
+    NoiseStream,
+    Params,
+    Tensor,
+    ToeplitzStrategy,
+    register_strategy,
+)
+from dpfy.correlated.workload import prefix_error_total
 
 
-class BLT:
-    """A BLT strategy given by its inverse's buffer weights and decays.
+@register_strategy
+class BLT(ToeplitzStrategy):
+    """A BLT strategy given by its inverse's buffer weights and decays (``"blt"``; a plan
+    records ``omega`` and ``theta``).
 
     Args:
         omega: buffer weights ``omega_i`` (finite).
         theta: buffer decays ``theta_i`` in ``[0, 1)`` (same length as ``omega``).
     """
+
+    name = "blt"
+    keys = ("omega", "theta")
 
     def __init__(self, omega: np.ndarray, theta: np.ndarray) -> None:
         w = np.atleast_1d(np.asarray(omega, dtype=float))
@@ -47,6 +63,29 @@ class BLT:
         if not np.all((t >= 0) & (t < 1)):
             raise ValueError(f"theta must be in [0, 1), got theta={t!r}")
         self.omega, self.theta = w, t
+
+    @classmethod
+    def from_params(cls, params: Params, steps: int) -> BLT:
+        strat = cls(np.asarray(params["omega"]), np.asarray(params["theta"]))
+        if np.any(strat.coeffs(steps) < -1e-12):
+            raise ValueError(
+                "the BLT strategy C must have entries >= 0 (so that C^T C >= 0 and the "
+                "sensitivity is exact); got a negative coefficient"
+            )
+        return strat
+
+    @classmethod
+    def optimised(cls, steps: int, schema: Schema, *, band: int, buffers: int, maxiter: int) -> BLT:
+        """:func:`optimize_blt` with ``buffers`` buffers (fitted for one epoch)."""
+        return optimize_blt(steps, buffers, maxiter=maxiter)
+
+    def params(self) -> dict[str, tuple[float, ...]]:
+        return {"omega": tuple(float(w) for w in self.omega),
+                "theta": tuple(float(t) for t in self.theta)}
+
+    @property
+    def band(self) -> int:
+        return self.buffers
 
     @property
     def buffers(self) -> int:
@@ -78,52 +117,55 @@ class BLT:
         impulse[0] = 1.0
         return np.asarray(lfilter(den, num, impulse))
 
-    def strategy_matrix(self, steps: int) -> np.ndarray:
-        return toeplitz_lower(self.coeffs(steps), steps)
+    def first_column(self, steps: int) -> np.ndarray:
+        return self.coeffs(steps)
+
+    def inverse_column(self, steps: int) -> np.ndarray:
+        return self.inverse_coeffs(steps)
 
     def noise_covariance(self, steps: int) -> np.ndarray:
         """Covariance of the per-step noise ``C^{-1} z`` per unit ``sigma^2``."""
-        inv = toeplitz_lower(self.inverse_coeffs(steps), steps)
+        inv = self.noise_map(steps)
         return np.asarray(inv @ inv.T)
 
+    def state_rows(self, steps: int) -> int:
+        return self.buffers
 
-class BLTNoise:
-    """Streaming per-step noise ``C^{-1} z`` of a :class:`BLT`, one buffer per ``theta_i``.
+    def largest_fitting(self, rows: int) -> tuple[str, int] | None:
+        return ("buffers", rows)
 
-    Args:
-        strategy: the BLT strategy.
-        shape: shape of one step's noise.
-        noise_std: standard deviation of ``z`` (clip norm x noise multiplier).
-        rng: the NumPy generator ``z`` is drawn from.
-    """
+    def stream(self, steps: int, size: int, like: Tensor) -> BLTStream:
+        return BLTStream(self, steps, size, like)
 
-    def __init__(
-        self, strategy: BLT, shape: tuple[int, ...], noise_std: float, rng: np.random.Generator
-    ) -> None:
-        check_finite_nonneg("noise_std", noise_std)
-        self.strategy = strategy
-        self.noise_std = float(noise_std)
-        self.rng = rng
-        self.shape = tuple(shape)
-        self.buffers = np.zeros((strategy.buffers, *self.shape))
 
-    def next(self) -> np.ndarray:
-        """The noise to add to the current step's clipped sum; advances one step."""
-        z = self.noise_std * self.rng.standard_normal(self.shape)
-        om = self.strategy.omega.reshape((-1,) + (1,) * len(self.shape))
-        th = self.strategy.theta.reshape((-1,) + (1,) * len(self.shape))
-        w = z + (om * self.buffers).sum(axis=0)
-        self.buffers = th * self.buffers + z
-        return np.asarray(w)
+#: Values per chunk of the BLT update: its d + 2 slices stay in cache between the passes.
+_CHUNK = 1 << 17
 
-    def state_dict(self) -> dict[str, Any]:
-        """The ``d`` buffers and the generator state. Secret (see :class:`TreeNoise`)."""
-        return {"buffers": self.buffers.copy(), "rng": self.rng.bit_generator.state}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
-        self.buffers = np.array(state["buffers"])
-        self.rng.bit_generator.state = state["rng"]
+class BLTStream(NoiseStream):
+    """``w_t = z_t + sum_i omega_i s_i``, then ``s_i <- theta_i s_i + z_t``, one buffer
+    ``s_i`` per decay, in cache-sized chunks that also hand ``w_t`` to ``add``. The update
+    goes through a scratch of one chunk per buffer (at most ``16 x 2^17`` values): a fused
+    multiply-add written in place, the same rounding as ``addcmul`` into ``s``."""
+
+    fuses_add = True
+
+    def __init__(self, strategy: BLT, steps: int, size: int, like: Tensor) -> None:
+        super().__init__(steps, size, strategy.buffers, like)
+        self.omega = like.new_tensor([float(w) for w in strategy.omega])
+        self.theta = like.new_tensor([float(t) for t in strategy.theta])
+        self.scratch = like.new_empty((strategy.buffers, min(_CHUNK, self.size)))
+
+    def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
+        theta = self.theta[:, None]
+        for a in range(0, self.size, _CHUNK):
+            b = min(a + _CHUNK, self.size)
+            zc, sc, wc = z[a:b], self.buf[:, a:b], self.w[a:b]
+            wc.copy_(zc).addmv_(sc.T, self.omega)
+            sc.copy_(self.scratch[:, : b - a].copy_(zc.expand_as(sc)).addcmul_(sc, theta))
+            if add is not None:
+                add(a, b, wc)
+        return self.w
 
 
 def blt_loss(strategy: BLT, steps: int) -> float:

@@ -14,20 +14,10 @@ needs follows from these numbers and is recomputed here, never taken from a call
   entrywise, Choquette-Choo et al. 2023, Thm. 2; here every entry of ``C`` is ``>= 0``);
 * the event is :class:`dpfy.events.MatrixMechanism` with ``mu = sensitivity / z``.
 
-Tree aggregation is used in its square form: at step ``t`` (``n = t + 1``) exactly one node
-of the binary decomposition of a prefix is completed, the node ``[n - lowbit(n), n)``; the
-nodes no prefix uses are never drawn. Row ``t`` of ``C`` is the indicator of that interval,
-its column norms are those of the full tree (``sqrt(floor(log2 T) + 1)`` for the first
-step), and the per-step noise ``C^{-1} z`` is the difference of consecutive prefix noises
-(Kairouz et al. 2021).
-
-``"tree-efficient"`` releases the FULL tree (every node with ``(j + 1) 2^l <= T``, the
-``nodes x T`` matrix of :class:`~dpfy.correlated.tree.TreeAggregation`, the same column norms
-and sensitivity) and decodes it with the streaming least-squares estimator of Honaker 2015
-(:mod:`.tree_efficient`): ``C`` is not square, the per-step noise is ``G z`` with
-``G = A^{-1} B`` (``B`` the online decoder, :meth:`CorrelatedPlan.noise_map`), ``G C = I``.
-Its prefix noise has variance ``sum_{bits l of t + 1} v_l`` (``v_l`` from 1 down to 1/2)
-instead of the plain tree's ``popcount(t + 1)``.
+The strategy's own math (its ``C``, noise map, ``C u``, single-epoch sensitivity and noise
+stream) belongs to the object registered under its name (:mod:`.strategy`), reached as
+:attr:`CorrelatedPlan.rule`; this module holds what every strategy shares: the record, the
+schema and the sensitivity under it.
 """
 
 from __future__ import annotations
@@ -35,25 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from scipy.signal import fftconvolve
 
 from dpfy import events as ev
 from dpfy._validate import check_int
-from dpfy.correlated.bandmf import optimize_bandmf
-from dpfy.correlated.blt import BLT, optimize_blt
 from dpfy.correlated.schemas import Cyclic, MinSeparation, Schema, SingleEpoch
-from dpfy.correlated.tree import TreeAggregation
-from dpfy.correlated.tree_efficient import efficient_noise_map
-from dpfy.correlated.workload import toeplitz_inverse_coeffs, toeplitz_lower
-
-StrategyName = Literal["bandmf", "blt", "tree", "tree-efficient"]
-#: The strategies a training run can stream.
-STRATEGIES: tuple[str, ...] = ("bandmf", "blt", "tree", "tree-efficient")
-#: The tree strategies (no parameters; ``C`` made of dyadic intervals).
-TREES: tuple[str, ...] = ("tree", "tree-efficient")
+from dpfy.correlated.strategy import Strategy, ToeplitzStrategy, find_strategy
 
 
 def schema_from_dict(data: Any) -> Schema:
@@ -97,9 +76,11 @@ class CorrelatedPlan:
     """One correlated-noise run: strategy parameters, ``steps`` and participation ``schema``.
 
     Attributes:
-      strategy: ``"bandmf"``, ``"blt"``, ``"tree"`` or ``"tree-efficient"``.
-      params: the strategy's numbers: ``{"coeffs": c}`` (BandMF, ``c_0 = 1``, ``c_k >= 0``),
-        ``{"omega": w, "theta": t}`` (BLT) or ``{}`` (the trees), as tuples of floats.
+      strategy: a registered strategy's name: built in ``"bandmf"``, ``"blt"``, ``"tree"``
+        and ``"tree-efficient"`` (:func:`~dpfy.correlated.register_strategy` adds more).
+      params: the strategy's numbers (its class's ``keys``): ``{"coeffs": c}`` (BandMF,
+        ``c_0 = 1``, ``c_k >= 0``), ``{"omega": w, "theta": t}`` (BLT) or ``{}`` (the
+        trees), as tuples of floats.
       steps: ``T``, the most steps the run may take (a shorter run is covered: releasing a
         prefix of ``C x + z`` is post-processing).
       schema: :class:`SingleEpoch` or :class:`Cyclic` (the samplers that exist implement
@@ -115,11 +96,7 @@ class CorrelatedPlan:
     schema: Schema
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"strategy must be one of {{{', '.join(STRATEGIES)}}}, "
-                f"got strategy={self.strategy!r}"
-            )
+        cls = find_strategy(self.strategy)
         check_int("steps", self.steps)
         if not isinstance(self.schema, SingleEpoch | Cyclic):
             raise ValueError(
@@ -128,95 +105,51 @@ class CorrelatedPlan:
             )
         if not isinstance(self.params, dict):
             raise ValueError(f"params must be a dict, got params={self.params!r}")
-        keys = {"bandmf": {"coeffs"}, "blt": {"omega", "theta"}}.get(self.strategy, set())
-        if set(self.params) != keys:
+        if set(self.params) != set(cls.keys):
             raise ValueError(
-                f"params of {self.strategy!r} must have the keys {sorted(keys)}, "
+                f"params of {self.strategy!r} must have the keys {sorted(cls.keys)}, "
                 f"got {sorted(self.params)}"
             )
         params = {k: _floats(k, v) for k, v in self.params.items()}
         object.__setattr__(self, "params", params)
         object.__setattr__(self, "steps", int(self.steps))
-        if self.strategy == "bandmf":
-            c = np.asarray(params["coeffs"])
-            if c.size == 0 or c[0] != 1.0 or np.any(c < 0):
-                raise ValueError(
-                    f"coeffs must start with 1 and be >= 0 (BandMF), got coeffs={c.tolist()!r}"
-                )
-        if self.strategy == "blt":
-            BLT(np.asarray(params["omega"]), np.asarray(params["theta"]))  # validates
-            if np.any(self.coeffs() < -1e-12):
-                raise ValueError(
-                    "the BLT strategy C must have entries >= 0 (so that C^T C >= 0 and the "
-                    "sensitivity is exact); got a negative coefficient"
-                )
+        self.__dict__["rule"] = cls.from_params(params, self.steps)  # validates the numbers
 
     # -- the strategy ---------------------------------------------------------------------------
+    @functools.cached_property
+    def rule(self) -> Strategy:
+        """The registered strategy object for these numbers (its ``C``, noise map, stream)."""
+        return find_strategy(self.strategy).from_params(self.params, self.steps)
+
     @property
     def band(self) -> int:
         """Band width (BandMF), buffer count (BLT) or 0 (trees), as the event records it."""
-        if self.strategy == "bandmf":
-            return len(self.params["coeffs"])
-        if self.strategy == "blt":
-            return len(self.params["omega"])
-        return 0
+        return self.rule.band
 
     def coeffs(self) -> np.ndarray:
-        """First column of the Toeplitz ``C`` (BandMF, BLT); ``T`` entries."""
-        if self.strategy == "bandmf":
-            c = np.zeros(self.steps)
-            k = min(self.steps, self.band)
-            c[:k] = self.params["coeffs"][:k]
-            return c
-        if self.strategy == "blt":
-            return BLT(np.asarray(self.params["omega"]), np.asarray(self.params["theta"])).coeffs(
-                self.steps
-            )
-        raise ValueError("tree aggregation is not Toeplitz; use strategy_matrix()")
+        """First column of a Toeplitz ``C`` (BandMF, BLT); ``T`` entries."""
+        if not isinstance(self.rule, ToeplitzStrategy):
+            raise ValueError(f"the {self.strategy} strategy is not Toeplitz; use strategy_matrix()")
+        return self.rule.first_column(self.steps)
 
     def strategy_matrix(self) -> np.ndarray:
         """``C`` for tests and small ``T``: square lower-triangular ``T x T``, except the
         full tree of ``"tree-efficient"`` (``nodes x T``, node order of TreeAggregation)."""
-        t = self.steps
-        if self.strategy == "tree-efficient":
-            return TreeAggregation(t).strategy_matrix()
-        if self.strategy != "tree":
-            return toeplitz_lower(self.coeffs(), t)
-        c = np.zeros((t, t))
-        for n in range(1, t + 1):
-            c[n - 1, n - (n & -n) : n] = 1.0
-        return c
+        return self.rule.strategy_matrix(self.steps)
 
     def noise_map(self) -> np.ndarray:
         """``C^{-1}`` (``T x T``): the per-step noise is ``C^{-1} z``, ``z ~ N(0, sigma^2 I)``;
         for ``"tree-efficient"`` the left inverse ``G = A^{-1} B`` (``T x nodes``, ``G C = I``)
         of the online least-squares decoder ``B``."""
-        if self.strategy == "tree-efficient":
-            return efficient_noise_map(self.steps)
-        if self.strategy == "bandmf":
-            inv = toeplitz_inverse_coeffs(np.asarray(self.params["coeffs"]), self.steps)
-            return toeplitz_lower(inv, self.steps)
-        if self.strategy == "blt":
-            strat = BLT(np.asarray(self.params["omega"]), np.asarray(self.params["theta"]))
-            return toeplitz_lower(strat.inverse_coeffs(self.steps), self.steps)
-        return np.asarray(np.linalg.inv(self.strategy_matrix()))
+        return self.rule.noise_map(self.steps)
 
     def apply(self, u: np.ndarray) -> np.ndarray:
         """``C u`` for a vector ``u`` of ``T`` entries, without forming ``C`` (``nodes``
         entries for ``"tree-efficient"``)."""
         u = np.asarray(u, dtype=float)
-        if self.strategy == "tree-efficient":  # each level's complete blocks, prefix sums
-            prefix = np.concatenate(([0.0], np.cumsum(u)))
-            return np.concatenate([
-                prefix[np.arange(1, (self.steps >> lv) + 1) << lv]
-                - prefix[np.arange(0, self.steps >> lv) << lv]
-                for lv in range(self.steps.bit_length())
-            ])
-        if self.strategy == "tree":
-            n = np.arange(1, self.steps + 1)
-            prefix = np.concatenate(([0.0], np.cumsum(u)))
-            return np.asarray(prefix[n] - prefix[n - (n & -n)])
-        return np.asarray(fftconvolve(self.coeffs(), u)[: self.steps])
+        if u.shape != (self.steps,):
+            raise ValueError(f"u must have shape ({self.steps},), got shape {u.shape}")
+        return self.rule.apply(u)
 
     # -- privacy --------------------------------------------------------------------------------
     @functools.cached_property
@@ -224,21 +157,13 @@ class CorrelatedPlan:
         """``max_u ||C u||`` over the schema's patterns, per unit clip norm (exact)."""
         t = self.steps
         if isinstance(self.schema, SingleEpoch):
-            if self.strategy == "tree-efficient":  # step 0 is in one complete node per level
-                return float(np.sqrt(t.bit_length()))
-            if self.strategy != "tree":  # Toeplitz column j is the first one cut short
-                return float(np.linalg.norm(self.coeffs()))
-            n = np.arange(1, t + 1)  # the tree: how many drawn nodes hold each step
-            cover = np.zeros(t + 1)
-            np.add.at(cover, n - (n & -n), 1.0)
-            np.add.at(cover, n, -1.0)
-            return float(np.sqrt(np.cumsum(cover)[:t].max()))
+            return self.rule.sensitivity(t)
         assert isinstance(self.schema, Cyclic)
         best = 0.0
         for i in range(min(self.schema.period, t)):
             u = np.zeros(t)
             u[i :: self.schema.period] = 1.0
-            best = max(best, float(np.dot(v := self.apply(u), v)))
+            best = max(best, float(np.dot(v := self.rule.apply(u), v)))
         return float(np.sqrt(best))
 
     def event(self, noise_multiplier: float, adjacency: str = "zero_out") -> ev.MatrixMechanism:
@@ -290,25 +215,6 @@ def make_plan(
     whatever the optimiser assumed.
     """
     check_int("steps", steps)
-    if strategy == "bandmf":
-        check_int("band", band, high=steps)
-        k = 1
-        if isinstance(schema, Cyclic):
-            if schema.period < band:
-                raise ValueError(
-                    f"band must be in [1, {schema.period}] (the cyclic period: participations "
-                    f"are a period apart), got band={band}"
-                )
-            k = -(-steps // schema.period)
-        coeffs = optimize_bandmf(steps, band, participations=k, maxiter=maxiter).coeffs
-        return CorrelatedPlan("bandmf", {"coeffs": tuple(coeffs / coeffs[0])}, steps, schema)
-    if strategy == "blt":
-        strat = optimize_blt(steps, buffers, maxiter=maxiter)
-        return CorrelatedPlan(
-            "blt", {"omega": tuple(strat.omega), "theta": tuple(strat.theta)}, steps, schema
-        )
-    if strategy in TREES:
-        return CorrelatedPlan(strategy, {}, steps, schema)
-    raise ValueError(
-        f"strategy must be one of {{{', '.join(STRATEGIES)}}}, got strategy={strategy!r}"
-    )
+    cls = find_strategy(strategy)
+    chosen = cls.optimised(steps, schema, band=band, buffers=buffers, maxiter=maxiter)
+    return CorrelatedPlan(cls.name, chosen.params(), steps, schema)

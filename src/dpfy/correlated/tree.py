@@ -8,17 +8,28 @@ nodes of the binary decomposition of ``t + 1`` (one per set bit), so its noise h
 ``popcount(t + 1) sigma^2``. One example in one step touches one node per level:
 single-epoch sensitivity ``sqrt(floor(log2 T) + 1)`` (:func:`tree_sensitivity`).
 
-The streaming generator keeps one noise buffer per level (``O(log T x params)`` memory) and
-returns the per-step noise (difference of consecutive prefix noises) to add to the clipped sum.
+:class:`TreeAggregation` is the full tree (every complete node; the ``C`` of the efficient
+estimator, :mod:`.tree_efficient`). A training run streams the square form, :class:`Tree`
+(``"tree"``): one node per step, one noise buffer per level (``O(log T x params)`` memory), the
+per-step noise the difference of consecutive prefix noises (:class:`TreeStream`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
-from dpfy._validate import check_finite_nonneg, check_int
+from dpfy._validate import check_int
+from dpfy.correlated.schemas import Schema
+from dpfy.correlated.strategy import (
+    AddNoise,
+    NoiseStream,
+    Params,
+    Strategy,
+    Tensor,
+    register_strategy,
+)
 
 
 def tree_sensitivity(steps: int) -> float:
@@ -68,49 +79,76 @@ class TreeAggregation:
         return b
 
 
-class TreeNoise:
-    """Streaming per-step noise of tree aggregation, ``O(log T)`` buffers of ``shape``.
+@register_strategy
+class Tree(Strategy):
+    """Tree aggregation in its square form (``"tree"``; a plan records no numbers).
 
-    ``sum_{s <= t}`` of the returned noises equals the prefix noise ``B z`` at step ``t``.
-
-    Args:
-        shape: shape of one step's noise (the parameters).
-        noise_std: standard deviation of each node's noise (clip norm x noise multiplier).
-        rng: the NumPy generator the node noises are drawn from.
+    At step ``t`` (``n = t + 1``) exactly one node of the binary decomposition of a prefix is
+    completed, the node ``[n - lowbit(n), n)``; the nodes no prefix uses are never drawn. Row
+    ``t`` of ``C`` is the indicator of that interval, its column norms are those of the full
+    tree (``sqrt(floor(log2 T) + 1)`` for the first step), and the per-step noise
+    ``C^{-1} z`` is the difference of consecutive prefix noises (Kairouz et al. 2021).
     """
 
-    def __init__(self, shape: tuple[int, ...], noise_std: float, rng: np.random.Generator) -> None:
-        check_finite_nonneg("noise_std", noise_std)
-        self.shape = tuple(shape)
-        self.noise_std = float(noise_std)
-        self.rng = rng
-        self.step_index = 0
-        #: noise of the node at each level in the current binary decomposition
-        self.levels: dict[int, np.ndarray] = {}
+    name = "tree"
 
-    def next(self) -> np.ndarray:
-        """The noise to add to the current step's clipped sum; advances one step."""
-        n = self.step_index + 1
+    @classmethod
+    def from_params(cls, params: Params, steps: int) -> Tree:
+        return cls()
+
+    @classmethod
+    def optimised(
+        cls, steps: int, schema: Schema, *, band: int, buffers: int, maxiter: int
+    ) -> Tree:
+        return cls()
+
+    def params(self) -> dict[str, tuple[float, ...]]:
+        return {}
+
+    def strategy_matrix(self, steps: int) -> np.ndarray:
+        c = np.zeros((steps, steps))
+        for n in range(1, steps + 1):
+            c[n - 1, n - (n & -n) : n] = 1.0
+        return c
+
+    def noise_map(self, steps: int) -> np.ndarray:
+        return np.asarray(np.linalg.inv(self.strategy_matrix(steps)))
+
+    def apply(self, u: np.ndarray) -> np.ndarray:
+        u = np.asarray(u, dtype=float)
+        n = np.arange(1, u.size + 1)
+        prefix = np.concatenate(([0.0], np.cumsum(u)))
+        return np.asarray(prefix[n] - prefix[n - (n & -n)])
+
+    def sensitivity(self, steps: int) -> float:
+        n = np.arange(1, steps + 1)  # how many drawn nodes hold each step
+        cover = np.zeros(steps + 1)
+        np.add.at(cover, n - (n & -n), 1.0)
+        np.add.at(cover, n, -1.0)
+        return float(np.sqrt(np.cumsum(cover)[:steps].max()))
+
+    def prefix_error(self, steps: int) -> float:
+        # prefix t is the sum of popcount(t + 1) node noises
+        return float(sum(bin(t).count("1") for t in range(1, steps + 1)))
+
+    def state_rows(self, steps: int) -> int:
+        return max(steps.bit_length(), 1)
+
+    def stream(self, steps: int, size: int, like: Tensor) -> TreeStream:
+        return TreeStream(steps, size, self.state_rows(steps), like)
+
+
+class TreeStream(NoiseStream):
+    """The node noise of each level of the current binary decomposition (row ``l``):
+    ``w_t = z_t - sum_{l < low(t + 1)} node_l``, then ``node_low = z_t``."""
+
+    def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
+        n = self.step + 1
         low = (n & -n).bit_length() - 1  # the level of the node completed at this step
-        fresh = self.noise_std * self.rng.standard_normal(self.shape)
-        out = fresh.copy()
-        for level in range(low):
-            out -= self.levels.pop(level)
-        self.levels[low] = fresh
-        self.step_index = n
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """The stream's state (buffers, step, generator state). Secret: whoever holds it can
-        subtract future noise, so it belongs only in a private checkpoint."""
-        return {
-            "step_index": self.step_index,
-            "levels": {k: v.copy() for k, v in self.levels.items()},
-            "rng": self.rng.bit_generator.state,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
-        self.step_index = int(state["step_index"])
-        self.levels = {int(k): np.array(v) for k, v in state["levels"].items()}
-        self.rng.bit_generator.state = state["rng"]
+        w, buf = self.w, self.buf
+        w.copy_(z)
+        if low:
+            w.sub_(buf[:low].sum(0))
+            buf[:low].zero_()
+        buf[low].copy_(z)
+        return w

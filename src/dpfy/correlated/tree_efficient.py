@@ -44,17 +44,27 @@ step ``t``:
 
 So row ``t`` of ``B`` equals ``a_n^T pinv(C_n)`` (``C_n`` the rows of the completed nodes,
 ``a_n`` the prefix indicator; checked numerically in the tests) and ``B C = A``. In training
-the per-step noise is the difference of consecutive prefix estimates; :class:`EfficientTreeNoise`
-streams it with one buffer per level (``O(log T x params)`` memory, never a ``T x T`` matrix).
+the per-step noise is the difference of consecutive prefix estimates; the registered strategy
+:class:`EfficientTree` (``"tree-efficient"``) streams it (:class:`EfficientTreeStream`) with
+one buffer per level (``O(log T x params)`` memory, never a ``T x T`` matrix).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
-from dpfy._validate import check_finite_nonneg, check_int
+from dpfy._validate import check_int
+from dpfy.correlated.schemas import Schema
+from dpfy.correlated.strategy import (
+    AddNoise,
+    NoiseStream,
+    Params,
+    Strategy,
+    Tensor,
+    register_strategy,
+)
 from dpfy.correlated.tree import TreeAggregation
 
 
@@ -111,52 +121,88 @@ def efficient_noise_map(steps: int) -> np.ndarray:
     return np.asarray(np.diff(b, axis=0, prepend=0.0))
 
 
-class EfficientTreeNoise:
-    """Streaming per-step noise of the efficient tree estimator (``O(log T)`` buffers).
+@register_strategy
+class EfficientTree(Strategy):
+    """The full tree with the efficient estimator (``"tree-efficient"``; no numbers).
 
-    At step ``t`` it draws the nodes ending at ``t + 1``, level 0 first, each
-    ``noise_std x rng.standard_normal(shape)``; ``sum_{s <= t}`` of the returned noises is
-    the prefix estimate's noise ``(B z)_t``.
-
-    Args:
-        shape: shape of one step's noise (the parameters).
-        noise_std: standard deviation of each node's noise (clip norm x noise multiplier).
-        rng: the NumPy generator the node noises are drawn from.
+    ``C`` is the ``nodes x T`` matrix of :class:`TreeAggregation` (not square), the same
+    column norms and sensitivity as the plain tree; the per-step noise is ``G z`` with
+    ``G = A^{-1} B`` (:func:`efficient_noise_map`), ``G C = I``. Its prefix noise has
+    variance ``sum_{bits l of t + 1} v_l`` instead of the plain tree's ``popcount(t + 1)``.
     """
 
-    def __init__(self, shape: tuple[int, ...], noise_std: float, rng: np.random.Generator) -> None:
-        check_finite_nonneg("noise_std", noise_std)
-        self.shape = tuple(shape)
-        self.noise_std = float(noise_std)
-        self.rng = rng
-        self.step_index = 0
-        #: estimate of the decomposition node at each level of the current prefix
-        self.levels: dict[int, np.ndarray] = {}
+    name = "tree-efficient"
 
-    def next(self) -> np.ndarray:
-        """The noise to add to the current step's clipped sum; advances one step."""
-        n = self.step_index + 1
-        low = (n & -n).bit_length() - 1
-        v = level_variances(low + 1)
-        est = self.noise_std * self.rng.standard_normal(self.shape)  # the leaf
+    @classmethod
+    def from_params(cls, params: Params, steps: int) -> EfficientTree:
+        return cls()
+
+    @classmethod
+    def optimised(
+        cls, steps: int, schema: Schema, *, band: int, buffers: int, maxiter: int
+    ) -> EfficientTree:
+        return cls()
+
+    def params(self) -> dict[str, tuple[float, ...]]:
+        return {}
+
+    def strategy_matrix(self, steps: int) -> np.ndarray:
+        return TreeAggregation(steps).strategy_matrix()
+
+    def noise_map(self, steps: int) -> np.ndarray:
+        return efficient_noise_map(steps)
+
+    def apply(self, u: np.ndarray) -> np.ndarray:
+        """Each level's complete blocks (node order of :class:`TreeAggregation`)."""
+        u = np.asarray(u, dtype=float)
+        steps = u.size
+        prefix = np.concatenate(([0.0], np.cumsum(u)))
+        return np.concatenate([
+            prefix[np.arange(1, (steps >> lv) + 1) << lv]
+            - prefix[np.arange(0, steps >> lv) << lv]
+            for lv in range(steps.bit_length())
+        ])
+
+    def sensitivity(self, steps: int) -> float:
+        return float(np.sqrt(steps.bit_length()))  # step 0 is in one complete node per level
+
+    def prefix_error(self, steps: int) -> float:
+        return float(prefix_variances(steps).sum())  # sum_{bits l of t + 1} v_l
+
+    def state_rows(self, steps: int) -> int:
+        return max(steps.bit_length(), 1)
+
+    def stream(self, steps: int, size: int, like: Tensor) -> EfficientTreeStream:
+        return EfficientTreeStream(steps, size, self.state_rows(steps), like)
+
+
+class EfficientTreeStream(NoiseStream):
+    """``low(t + 1) + 1`` fresh node noises per step (the nodes ending at ``t + 1``, level 0
+    first), folded bottom-up into the estimate ``h <- v_l z + (1 - v_l) (h + est_{l-1})``;
+    ``w_t = h - sum_{l < low} est_l``, then ``est_low = h`` (row ``l`` holds ``est_l``)."""
+
+    def __init__(self, steps: int, size: int, rows: int, like: Tensor) -> None:
+        super().__init__(steps, size, rows, like)
+        #: v_l, the weight of a level-l node's own value in its estimate
+        self.weights: list[float] = level_variances(max(rows, 1)).tolist()
+
+    def draws(self) -> int:
+        n = self.step + 1
+        return (n & -n).bit_length()
+
+    def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
+        low = self.draws() - 1
+        if low and refill is None:
+            raise ValueError(f"step {self.step} needs {low + 1} fresh draws: pass refill")
+        w, buf = self.w, self.buf
+        w.copy_(z)  # the leaf's estimate
         for level in range(1, low + 1):
-            fresh = self.noise_std * self.rng.standard_normal(self.shape)
-            est = v[level] * fresh + (1.0 - v[level]) * (est + self.levels[level - 1])
-        out = est - sum((self.levels.pop(level) for level in range(low)), np.zeros(self.shape))
-        self.levels[low] = est
-        self.step_index = n
-        return np.asarray(out)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Buffers, step and generator state. Secret (see :class:`~.tree.TreeNoise`)."""
-        return {
-            "step_index": self.step_index,
-            "levels": {k: v.copy() for k, v in self.levels.items()},
-            "rng": self.rng.bit_generator.state,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output: the stream continues bit for bit."""
-        self.step_index = int(state["step_index"])
-        self.levels = {int(k): np.array(v) for k, v in state["levels"].items()}
-        self.rng.bit_generator.state = state["rng"]
+            assert refill is not None
+            refill()  # the node of this level: its own noisy value
+            v = self.weights[level]
+            w.add_(buf[level - 1]).mul_(1.0 - v).add_(z, alpha=v)
+        buf[low].copy_(w)
+        if low:
+            w.sub_(buf[:low].sum(0))
+            buf[:low].zero_()
+        return w

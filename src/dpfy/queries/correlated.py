@@ -5,8 +5,9 @@ step ``t``'s clipped sum the correlated noise ``(C^{-1} z)_t`` of a
 :class:`~dpfy.correlated.plan.CorrelatedPlan`, with ``z_t ~ N(0, (z C)^2 I)`` drawn fresh
 from the run's :class:`~dpfy.randomness.Randomness` (secure by default). The model then sees
 the prefix sums ``A x + A C^{-1} z = B (C x + z)``: a post-processing of the one Gaussian
-release ``C x + z`` (Denisov et al. 2022; Choquette-Choo et al. 2023). The noise streams
-keep, over all parameters as one flat vector of ``P`` values:
+release ``C x + z`` (Denisov et al. 2022; Choquette-Choo et al. 2023). Each strategy's
+registered object builds its one noise stream (:meth:`dpfy.correlated.strategy.Strategy.stream`,
+in the strategy's module); over all parameters as one flat vector of ``P`` values they keep:
 
 * BandMF (band ``b``): the last ``b - 1`` noises, ``w_t = z_t - sum_{k<b} c_k w_{t-k}``
   (``c_0 = 1``): ``O(b x P)`` memory;
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ import torch
 from dpfy import events as ev
 from dpfy._validate import check_range
 from dpfy.correlated.plan import CorrelatedPlan
-from dpfy.correlated.tree_efficient import level_variances
+from dpfy.correlated.strategy import NoiseStream
 from dpfy.ledger import Ledger
 from dpfy.ledger.matrix import check_schema_spec
 from dpfy.ledger.records import MatrixRunRecord, MatrixStepRecord
@@ -64,18 +65,11 @@ from dpfy.randomness import (
 )
 from dpfy.sampling.spec import SampleSpec
 
-#: Values per chunk of the BLT update: its d + 2 slices stay in cache between the two passes.
-_CHUNK = 1 << 17
-
 
 def state_rows(plan: CorrelatedPlan) -> int:
     """Parameter-sized vectors of noise state a plan's stream keeps: BandMF ``band - 1``,
     BLT ``buffers``, the trees one per level (``floor(log2 T) + 1``)."""
-    if plan.strategy == "bandmf":
-        return max(plan.band - 1, 0)
-    if plan.strategy == "blt":
-        return plan.band
-    return max(plan.steps.bit_length(), 1)
+    return plan.rule.state_rows(plan.steps)
 
 
 def stream_bytes(plan: CorrelatedPlan, parameters: int, bytes_per_value: int = 4) -> int:
@@ -115,10 +109,10 @@ def check_stream_memory(
         return
     per_row = int(parameters) * int(bytes_per_value)
     rows_fit = limit_bytes // per_row - 2
-    what = {"bandmf": ("band", rows_fit + 1), "blt": ("buffers", rows_fit)}
+    option = plan.rule.largest_fitting(rows_fit)
     hint = ""
-    if plan.strategy in what:
-        name, best = what[plan.strategy]
+    if option is not None:
+        name, best = option
         hint = (f"; {name} must be at most {best} here" if best >= 1 else
                 "; not even the smallest state fits")
     raise ValueError(
@@ -128,114 +122,10 @@ def check_stream_memory(
     )
 
 
-class NoiseStream:
-    """The per-step noise ``(C^{-1} z)_t`` of a plan over a flat vector of ``size`` values.
-
-    ``next(z)`` takes the fresh ``z_t`` (already scaled to its std) and returns ``w_t``
-    (a tensor it owns until the next call). Memory: BandMF ``band - 1``, BLT ``buffers``,
-    trees ``<= log2(T) + 1`` vectors of ``size``. The efficient tree needs more than one
-    fresh draw at some steps: ``refill()`` overwrites ``z`` with the next one.
-    """
-
-    def __init__(self, plan: CorrelatedPlan, size: int, like: torch.Tensor) -> None:
-        self.plan, self.size, self.step = plan, int(size), 0
-        dtype, device = like.dtype, like.device
-        self.w: torch.Tensor = torch.empty(size, dtype=dtype, device=device)
-        self.head = 0
-        rows = state_rows(plan)
-        if plan.strategy == "bandmf":
-            self.coeffs = torch.tensor(plan.params["coeffs"], dtype=torch.float64)
-        elif plan.strategy == "blt":
-            self.omega = torch.tensor(plan.params["omega"], dtype=dtype, device=device)
-            self.theta = torch.tensor(plan.params["theta"], dtype=dtype, device=device)
-        #: efficient tree: v_l, the weight of a level-l node's own value in its estimate
-        self.weights: list[float] = level_variances(max(rows, 1)).tolist()
-        self.buf: torch.Tensor = torch.zeros(rows, size, dtype=dtype, device=device)
-
-    def draws(self) -> int:
-        """Fresh vectors the current step needs: ``low(t + 1) + 1`` for the efficient tree
-        (one per node ending at ``t + 1``), else 1."""
-        if self.plan.strategy != "tree-efficient":
-            return 1
-        n = self.step + 1
-        return (n & -n).bit_length()
-
-    def next(
-        self,
-        z: torch.Tensor,
-        add: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-        refill: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
-        """``w_t`` from the fresh ``z_t``; advances one step. ``add = (src, dst, s)``: also
-        ``dst = src + s w_t`` (flat vectors of ``size``), in the same pass where possible.
-        ``refill``: overwrites ``z`` with a further fresh draw (needed when :meth:`draws`
-        is above 1)."""
-        if self.step >= self.plan.steps:
-            raise ValueError(
-                f"the correlated-noise plan covers steps={self.plan.steps}; step {self.step} "
-                "is beyond it (plan a longer run)"
-            )
-        strategy, buf, w = self.plan.strategy, self.buf, self.w
-        if strategy == "bandmf":
-            m = buf.shape[0]
-            if m == 0:
-                w.copy_(z)
-            else:
-                # row r holds w_{t-k}, k = ((head - 1 - r) mod m) + 1 (unwritten rows are 0)
-                k = (self.head - 1 - torch.arange(m)) % m + 1
-                coef = self.coeffs[k].to(buf.dtype).to(buf.device)
-                torch.addmv(z, buf.T, coef, alpha=-1.0, out=w)
-                buf[self.head].copy_(w)
-                self.head = (self.head + 1) % m
-        elif strategy == "blt":
-            # w = z + omega . s, then s <- theta s + z (one fused pass), in cache-sized chunks
-            theta = self.theta[:, None]
-            for a in range(0, self.size, _CHUNK):
-                zc, sc, wc = z[a : a + _CHUNK], buf[:, a : a + _CHUNK], w[a : a + _CHUNK]
-                torch.addmv(zc, sc.T, self.omega, out=wc)
-                torch.addcmul(zc.expand_as(sc), sc, theta, out=sc)
-                if add is not None:
-                    src, dst, scale = add
-                    torch.add(src[a : a + _CHUNK], wc, alpha=scale, out=dst[a : a + _CHUNK])
-            add = None  # done
-        elif strategy == "tree-efficient":
-            low = self.draws() - 1
-            if low and refill is None:
-                raise ValueError(f"step {self.step} needs {low + 1} fresh draws: pass refill")
-            w.copy_(z)  # the leaf's estimate
-            for level in range(1, low + 1):
-                assert refill is not None
-                refill()  # the node of this level: its own noisy value
-                v = self.weights[level]
-                w.add_(buf[level - 1]).mul_(1.0 - v).add_(z, alpha=v)
-            buf[low].copy_(w)
-            if low:
-                w.sub_(buf[:low].sum(0))
-                buf[:low].zero_()
-        else:
-            n = self.step + 1
-            low = (n & -n).bit_length() - 1  # the level of the node completed at this step
-            w.copy_(z)
-            if low:
-                w.sub_(buf[:low].sum(0))
-                buf[:low].zero_()
-            buf[low].copy_(z)
-        if add is not None:
-            torch.add(add[0], w, alpha=add[2], out=add[1])
-        self.step += 1
-        return w
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "head": self.head, "buf": self.buf.clone()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        buf = state["buf"]
-        if tuple(buf.shape) != tuple(self.buf.shape):
-            raise ValueError(
-                f"noise state must have shape {tuple(self.buf.shape)}, got {tuple(buf.shape)}"
-            )
-        self.buf.copy_(buf)
-        self.step, self.head = int(state["step"]), int(state["head"])
+def open_stream(plan: CorrelatedPlan, size: int, like: torch.Tensor) -> NoiseStream:
+    """The plan's noise stream over ``size`` values on ``like``'s device and dtype: the one
+    its strategy object builds (:meth:`dpfy.correlated.strategy.Strategy.stream`)."""
+    return plan.rule.stream(plan.steps, size, like)
 
 
 class CorrelatedNoiseQuery(QueryBase):
@@ -333,7 +223,11 @@ class CorrelatedNoiseQuery(QueryBase):
         src_span = _flat_span(list(flat.values()), device)
         dst_span = _flat_span([dst[n] for n in flat], device)
         if src_span is not None and dst_span is not None:  # a flat gradient buffer: one pass
-            self._stream.next(self._z, add=(src_span, dst_span, scale), refill=refill)
+
+            def add(a: int, b: int, w: torch.Tensor) -> None:
+                torch.add(src_span[a:b], w, alpha=scale, out=dst_span[a:b])
+
+            self._stream.next(self._z, add=add, refill=refill)
         else:
             w = self._stream.next(self._z, refill=refill)
             start = 0
@@ -377,7 +271,7 @@ class CorrelatedNoiseQuery(QueryBase):
         size = sum(v.numel() for v in flat.values())
         self._layout = layout
         self._z = torch.empty(size, dtype=first.dtype, device=first.device)
-        self._stream = NoiseStream(self.plan, size, self._z)
+        self._stream = open_stream(self.plan, size, self._z)
         if self._pending is not None:
             self._stream.load_state_dict(self._pending)
             self._pending = None
