@@ -66,6 +66,7 @@ from dpfy.ledger.chain import (
 )
 from dpfy.ledger.lines import (
     check_nesting,
+    ends_with,
     int_field,
     is_resume_after_truncation,
     read_capped,
@@ -510,28 +511,21 @@ class Ledger:
                 self.read_only = True
 
     def _reopen(self) -> None:
-        """Append again after a close (the lock held): a file must hold exactly the lines this
-        ledger wrote (nobody appended since), then a resume marker continues its chain."""
+        """Append again after a close (the lock held): the file must end where this ledger left
+        it (nobody appended since); a resume marker continues its chain."""
         self._reopen_on_write = False
         if self.path is not None:
             file = AppendFile(self.path, fsync=self.fsync)
-            try:
-                lines = file.read().split(b"\n")
-                if lines[-1] or len(lines) - 1 != self._lines or line_hash(lines[-2]) != self._head:
-                    raise LedgerIntegrityError(f"ledger {self.path!r} changed after it was "
-                                               "closed; nothing more is appended to it")
-                self._file = file
-                self._write(ResumeRecord().to_dict(), sync=True)
-            except BaseException:
+            if not ends_with(file.read(), self._lines, self._head):
                 file.close()
-                self._file = None
-                raise
+                raise LedgerIntegrityError(f"ledger {self.path!r} changed after it was closed; "
+                                           "nothing more is appended to it")
+            self._file = file
+            self._write(ResumeRecord().to_dict(), sync=True)
         self.read_only, self._closed, self._ended = False, False, None
 
-    closed = property(lambda self: self._closed, doc="Whether :meth:`close` has run (and no "
-                      "append has reopened the ledger since).")
-    ended = property(lambda self: self._ended, doc="How the run ended, as the last end record "
-                     "says (None: not said, or not closed).")
+    closed = property(lambda self: self._closed, doc="close() ran (no append reopened it since)")
+    ended = property(lambda self: self._ended, doc="How the run ended, as its end record says")
 
     def __enter__(self) -> Ledger:
         return self

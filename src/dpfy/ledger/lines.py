@@ -13,7 +13,7 @@ import math
 import re
 from typing import BinaryIO
 
-from dpfy.ledger.chain import LedgerFormatError
+from dpfy.ledger.chain import LedgerFormatError, line_hash
 from dpfy.ledger.records import ResumeRecord, SumQueryRecord, record_from_dict
 
 #: Deepest JSON nesting a ledger line may have (records nest 3 deep; metadata a little more).
@@ -97,3 +97,10 @@ def recover_sum_query(line: str) -> SumQueryRecord | None:
     if not (0.0 <= s < math.inf and 0.0 <= sigma < math.inf):
         return None
     return SumQueryRecord(sid, s, sigma, "truncated")
+
+
+def ends_with(data: bytes, lines: int, head: str | None) -> bool:
+    """Whether a ledger file's bytes are exactly ``lines`` whole lines, the last one hashing to
+    ``head`` (the file is as its writer left it: nothing appended, nothing cut)."""
+    parts = data.split(b"\n")
+    return not parts[-1] and len(parts) - 1 == lines and line_hash(parts[-2]) == head
