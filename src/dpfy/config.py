@@ -12,8 +12,10 @@ calibrated to; ``batch_size`` is the *expected* batch size (units of privacy per
 ``learning_rate`` and ``clip_norm`` are in the model's parameter units. ``None`` takes the
 recipe's default (images: ``dpfy.training.recipes``; text: ``dpfy.training.text``).
 
-Adding an option: one field here (with its check in :meth:`RunConfig.__post_init__`) and one
-CLI option in ``dpfy.cli`` (``docs/architecture.md``, section 4.5).
+Adding an option: one field here (with its check in :meth:`RunConfig.__post_init__`), its entry
+in ``dpfy.cli_options.TRAIN_OPTIONS`` and its one use in a recipe (``docs/architecture.md``,
+section 4.5, a worked example). The names the checks need live here too, so that this module
+imports no recipe and no torch.
 """
 
 from __future__ import annotations
