@@ -65,11 +65,12 @@ def test_gaussian_inner_event_and_composition_with_final_run():
     assert acc.epsilon(event, 1e-6).epsilon == pytest.approx(oracle.get_epsilon(1e-6), rel=1e-6)
 
 
-def test_registered_and_reports_rdp_method():
+def test_registered_and_reports_its_own_name():
     event = tuning.random_trials(_run(0.01, 1.0, 1000), 10.0)
     assert "rdp_tuning" in accounting.accountants()
     res = accounting.epsilon(event, 1e-5)
-    assert res.method == "rdp"
+    assert res.method == "rdp_tuning"  # the method that accounts this tree again
+    assert accounting.epsilon(event, 1e-5, method=res.method).epsilon == res.epsilon
     assert res.epsilon > accounting.epsilon(_run(0.01, 1.0, 1000), 1e-5, method="rdp").epsilon
     # Not a candidate for trees without RepeatAndSelect: the rdp accountant handles those.
     reason = accounting.compare(_run(0.01, 1.0, 10), 1e-5)["rdp_tuning"]

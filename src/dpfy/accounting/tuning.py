@@ -14,7 +14,7 @@ RDP / PLD composition of all runs             :func:`all_runs` -> ``Composed`` e
                                               by ``rdp`` or ``pld`` like any other event
 random number of trials, best run released    :func:`random_trials` -> ``RepeatAndSelect``
 (Papernot & Steinke 2022, Poisson and         accounted in RDP by :func:`rdp_repeat_and_select`
-truncated negative binomial)                  (the ``rdp_tuning`` accountant, method "rdp")
+truncated negative binomial)                  (the ``rdp_tuning`` accountant)
 ============================================  ===============================================
 
 Assumptions of Papernot & Steinke (must hold for ``RepeatAndSelect`` to be valid):
@@ -172,7 +172,8 @@ class RdpTuningAccountant:
     Composition nodes (``Composed``, ``SelfComposed``) add RDP; a ``RepeatAndSelect`` node maps
     its inner event's RDP curve through :func:`rdp_repeat_and_select`; every other sub-event is
     handed to the ``rdp`` accountant (:func:`dpfy.accounting.rdp.rdp_of_event`). Trees without a
-    ``RepeatAndSelect`` are left to the ``rdp`` accountant itself. Results report method "rdp".
+    ``RepeatAndSelect`` are left to the ``rdp`` accountant itself. Results name the method
+    ``"rdp_tuning"``, so that ``method=result.method`` accounts the same tree again.
     """
 
     name = "rdp_tuning"
@@ -240,7 +241,7 @@ class RdpTuningAccountant:
         return PrivacyResult(
             epsilon=float(eps),
             delta=float(delta),
-            method="rdp",
+            method=self.name,
             adjacency=event.adjacency_relation.value,
             notes=_NOTES + (f"best RDP order {float(order):g}",),
         )
@@ -252,7 +253,7 @@ class RdpTuningAccountant:
         return PrivacyResult(
             epsilon=float(epsilon),
             delta=float(d),
-            method="rdp",
+            method=self.name,
             adjacency=event.adjacency_relation.value,
             notes=_NOTES,
         )
