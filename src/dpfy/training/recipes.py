@@ -35,7 +35,6 @@ from dpfy.sampling.spec import SampleSpec
 from dpfy.training import users
 from dpfy.training.devices import host_copy
 from dpfy.training.distributed import Distributed, per_process_batch
-from dpfy.training.history import ProgressInfo
 from dpfy.training.launch import run_local
 from dpfy.training.sharded import full_state_dict, shard_model
 from dpfy.training.skeleton import (
@@ -404,12 +403,3 @@ def correlated_plan(
         )
     return make_plan(mechanism, per_epoch * epochs, schema, band=min(band, per_epoch),
                      buffers=buffers)
-
-
-def _print_epoch(info: ProgressInfo) -> None:  # pragma: no cover - console helper
-    if info.kind == "epoch":
-        print(
-            f"epoch {info.epoch}: step {info.step}/{info.total_steps} loss {info.loss:.4f} "
-            f"test {info.test_accuracy} eps {info.epsilon}",
-            flush=True,
-        )
