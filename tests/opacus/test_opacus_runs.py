@@ -6,6 +6,7 @@ the first one returned; ``model._module`` saves the user's plain model."""
 from __future__ import annotations
 
 import sys
+import weakref
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from dpfy.opacus import PrivacyEngine
 from dpfy.opacus.privacy_engine import _sampler
 from dpfy.opacus.utils.batch_memory_manager import BatchMemoryManager
 from dpfy.report.statement import build_report
+from dpfy.training import closing
 
 
 def _data(n: int = 24) -> TensorDataset:
@@ -89,7 +91,9 @@ def test_an_uncaught_exception_ends_the_ledger_early_at_exit_and_the_report_says
     # what the interpreter does next: it records the uncaught exception, then runs atexit
     monkeypatch.setattr(sys, "last_value", RuntimeError("the script fails mid-run"),
                         raising=False)
-    opt.private._engine.closer._at_exit()
+    live = weakref.WeakSet([opt.private._engine.closer])  # this run's only
+    monkeypatch.setattr(closing, "_LIVE", live)
+    closing._close_at_exit()
     ledger = Ledger.load(engine.run_dir / "ledger.jsonl")
     assert ledger.verification.complete  # closed and signed
     assert ledger.ended == (

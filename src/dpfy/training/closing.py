@@ -15,8 +15,9 @@ says in the end record (``EndRecord.ended``) how the run ended:
 The close is made with ``reopen=True``: whatever the script records afterwards (a second
 ``make_private`` on the same engine, its metadata) reopens the file with a resume marker, so
 the run stays one hash chain, and the next close (at the latest, at exit) ends it again.
-Releases are counted from the ledger (samples with a release), so the count is right even
-after the objects of the run were garbage-collected.
+A run whose objects are garbage-collected before the end (a script's next run rebinds its
+variables, as Opacus' ``--n-runs``) has its ledger closed then. Releases are counted from the
+ledger (samples with a release).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from __future__ import annotations
 import atexit
 import sys
 import weakref
+from typing import Any
 
 from dpfy.ledger import Ledger
+
+#: The closers of file ledgers still open to a live run (closed at interpreter exit).
+_LIVE: weakref.WeakSet[LedgerCloser] = weakref.WeakSet()
 
 
 def _released(ledger: Ledger) -> int:
@@ -33,26 +38,33 @@ def _released(ledger: Ledger) -> int:
 
 
 class LedgerCloser:
-    """Closes one run's ledger when its plan is done, on request, and at interpreter exit.
+    """Closes one run's ledger when its plan is done, on request, when the run's objects are
+    released and at interpreter exit.
 
     Args:
-      ledger: the run's ledger (held weakly: a ledger dropped by the script is not kept open).
+      ledger: the run's ledger.
       planned: logical batches the run plans to release (None: no planned end).
 
-    Only a file ledger is closed at exit: an in-memory one ends with the process anyway.
+    :meth:`watch` ties it to the object that runs the training: when that object is
+    garbage-collected (a script's next run rebinds its variables) the ledger is closed then;
+    until then a file ledger is closed at interpreter exit.
     """
 
     def __init__(self, ledger: Ledger, planned: int | None) -> None:
-        self._ledger = weakref.ref(ledger)
+        self.ledger = ledger
         self.planned = planned
         self._first = _released(ledger)  # releases before this run (a reused ledger)
-        if ledger.path is not None:
-            atexit.register(self._at_exit)
+
+    def watch(self, owner: Any) -> None:
+        """Close the ledger when ``owner`` is garbage-collected, or at exit before that."""
+        finalizer = weakref.finalize(owner, self.close, "the run's objects were released")
+        finalizer.atexit = False  # exit is _close_at_exit's, which names an uncaught error
+        if self.ledger.path is not None:
+            _LIVE.add(self)
 
     def released(self) -> int:
-        """Logical batches this run has released so far (0 once the ledger is gone)."""
-        ledger = self._ledger()
-        return 0 if ledger is None else _released(ledger) - self._first
+        """Logical batches this run has released so far."""
+        return _released(self.ledger) - self._first
 
     def done(self) -> bool:
         """Whether every planned release was made (False without a plan)."""
@@ -61,8 +73,8 @@ class LedgerCloser:
     def close(self, how: str) -> None:
         """Close the ledger now, its end record saying how the run ended (module docstring);
         nothing when it is closed already. ``how``: why it is closed now, in words."""
-        ledger = self._ledger()
-        if ledger is None or ledger.read_only:
+        ledger = self.ledger
+        if ledger.read_only:
             return
         done = self.released()
         if self.planned is None:
@@ -73,14 +85,16 @@ class LedgerCloser:
             ended = f"early ({how}): {done} of {self.planned} planned releases"
         ledger.close(ended=ended, reopen=True)
 
-    def _at_exit(self) -> None:
-        error = getattr(sys, "last_value", None)  # set when an uncaught exception ended it
-        how = "the interpreter exited" + (
-            f" after an uncaught {type(error).__name__}" if error is not None else ""
-        )
+
+@atexit.register
+def _close_at_exit() -> None:
+    error = getattr(sys, "last_value", None)  # set when an uncaught exception ended it
+    how = "the interpreter exited" + (
+        f" after an uncaught {type(error).__name__}" if error is not None else ""
+    )
+    for closer in list(_LIVE):
         try:
-            self.close(how)
+            closer.close(how)
         except Exception as err:  # at exit: say it, never raise over the script's own error
-            ledger = self._ledger()
-            where = ledger.path if ledger is not None else "?"
-            print(f"dpfy: could not close the ledger {where} at exit: {err}", file=sys.stderr)
+            print(f"dpfy: could not close the ledger {closer.ledger.path} at exit: {err}",
+                  file=sys.stderr)

@@ -61,7 +61,7 @@ from dpfy.training.loader import (
     check_sampler,
     collated,
 )
-from dpfy.training.norms.attribution import DEFAULT_EVERY
+from dpfy.training.norms.attribution import DEFAULT_BUDGET, DEFAULT_EVERY
 from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import (
     Precision,
@@ -138,6 +138,7 @@ class _Engine:
         self.facts = facts
         planned = None if epochs is None else int(epochs) * int(sampler.steps_per_epoch)
         self.closer = LedgerCloser(ledger, planned)  # at the plan's end, on request, at exit
+        self.closer.watch(self)  # and when the run's objects are released
         self.epoch = 0
         self.steps = 0
         self.info: ChunkInfo | None = None
@@ -539,8 +540,12 @@ class PrivateOptions:
         ``epochs`` may be None (no planned end). z = 0 releases without noise and the ledger
         says epsilon = infinity (debugging only).
       attribution_check: check every n-th physical batch that one random example's gradient
-        computed alone matches what the per-example rules recorded for it (1: every batch;
-        0, the default for now: never; :mod:`dpfy.training.norms.attribution`).
+        computed alone matches what the per-example rules recorded for it (1, the default:
+        every batch within ``attribution_budget``; 0: never;
+        :mod:`dpfy.training.norms.attribution`).
+      attribution_budget: the share of the run's time the attribution check may take (default
+        0.05: a batch is skipped while the checks so far took more; the first is always
+        checked); ``None``: every n-th batch whatever it costs.
     """
 
     max_physical_batch_size: int | None = None
@@ -557,6 +562,7 @@ class PrivateOptions:
     loss_scale: float | None = None
     noise_multiplier: float | None = None
     attribution_check: int = DEFAULT_EVERY
+    attribution_budget: float | None = DEFAULT_BUDGET
 
 
 def make_private(
@@ -649,7 +655,7 @@ def make_private(
         precision=precision,
         loss_scale=loss_scale,
     )
-    pg.attribution.every = o.attribution_check
+    pg.attribution.every, pg.attribution.budget = o.attribution_check, o.attribution_budget
     facts = {
         "trainer": "dpfy.make_private",
         "noise_multiplier": z,
@@ -704,6 +710,8 @@ def _check_numbers(
 ) -> None:
     """:func:`make_private`'s budget, clip norm and options, each in its range."""
     check_int("attribution_check", o.attribution_check, 0, 2**31)
+    if o.attribution_budget is not None:
+        check_range("attribution_budget", o.attribution_budget, 0.0, 1.0, low_open=True)
     given_z, num_workers, on_budget = o.noise_multiplier, o.num_workers, o.on_budget
     max_physical_batch_size, precision, loss_scale = (
         o.max_physical_batch_size, o.precision, o.loss_scale)
