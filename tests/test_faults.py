@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,9 @@ def test_a_failed_write_leaves_neither_the_file_nor_its_temporary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, errno_: int
 ) -> None:
     target = tmp_path / "model.pt"
-    monkeypatch.setattr(_files.os, "fsync", _failing(errno_))
+    failing = types.SimpleNamespace(**vars(os))
+    failing.fsync = _failing(errno_)
+    monkeypatch.setattr(_files, "os", failing)
     with pytest.raises(OSError) as caught:
         write_atomic(target, b"weights")
     assert caught.value.errno == errno_ and caught.value.filename == str(target)
@@ -227,3 +230,43 @@ def test_a_report_of_the_same_head_keeps_the_audit_section(
     capsys.readouterr()
     assert json.loads((run / "report.json").read_text())["audit"] == section
     assert "no violation found" in (run / "report.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# `dpfy train`: a fault before the first release, and one while the model is saved
+# ---------------------------------------------------------------------------------------------
+
+TINY = ["--epochs", "1", "--batch-size", "32", "--train-limit", "64", "--test-limit", "32",
+        "--seed", "0", "--threads", "1"]
+
+
+def test_train_with_an_unusable_key_directory_leaves_an_out_to_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("DPFY_KEY_DIR", str(blocked))
+    out = tmp_path / "run"
+    code = main(["train", "mnist", "--out", str(out), *TINY])
+    line = _one_line(capsys)
+    assert code == 2 and "signing key" in line and str(blocked) in line, line
+    assert "nothing was released" in line
+    assert not out.exists()  # so the same --out runs as a new one (no 0-byte ledger.jsonl)
+
+
+def test_train_on_a_full_disk_keeps_the_closed_ledger_and_no_model_debris(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    disk_full = types.SimpleNamespace(**vars(os))  # dpfy._files' view of os only
+    disk_full.fsync = _failing(errno.ENOSPC)
+    monkeypatch.setattr(_files, "os", disk_full)  # every whole-file write fails
+    out = tmp_path / "run"
+    code = main(["train", "mnist", "--out", str(out), *TINY])
+    line = _one_line(capsys)
+    assert code == 2 and f"cannot use {out / 'model.pt'}: No space left on device" in line
+    assert "keeps the 2 releases" in line and "give a new --out" in line, line
+    assert sorted(p.name for p in out.iterdir()) == ["ledger.jsonl"]  # no 0-byte model.pt
+    ledger = Ledger.load(out / "ledger.jsonl")
+    assert ledger.verification.status == "verified"  # closed, and its end record says how
+    end = json.loads((out / "ledger.jsonl").read_text().splitlines()[-2])
+    assert end["type"] == "end" and end["ended"].startswith("early (the run failed: OSError)")

@@ -237,7 +237,9 @@ def _train_into(
             if unit != "example" else {})},
     )
     # the configuration that ran, beside the model and in the ledger: `dpfy train --config`
-    (out_dir / "run.toml").write_text(ran.to_toml(), encoding="utf-8")
+    from dpfy._files import write_atomic
+
+    write_atomic(out_dir / "run.toml", ran.to_toml())
     summary.ledger.record_metadata(
         delta=delta,
         target_epsilon=target_epsilon,
@@ -608,8 +610,7 @@ def features_and_report(
         features=extractor,
         delta=delta,
         target_epsilon=target_epsilon,
-        test_accuracy=accuracy,
-        wall_time_seconds=seconds,
+        test_accuracy=accuracy,  # the wall time stays private (it depends on the data)
         released_output="the linear classifier's weights",
     )
     ledger.close()

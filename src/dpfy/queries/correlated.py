@@ -176,10 +176,6 @@ class CorrelatedNoiseQuery(QueryBase):
     def clip_weights(self, norms: Norms, *, mask: torch.Tensor | None = None) -> torch.Tensor:
         return clip_weights_from_norms(flat_norm(norms), self.clip_norm, mask)
 
-    def check_spec(self, spec: SampleSpec) -> None:
-        """Refuse a sampler whose batches do not implement the plan's schema (``ValueError``)."""
-        check_schema_spec(self.plan.schema, spec)
-
     # -- the release ------------------------------------------------------------------------
     def add_noise(
         self,

@@ -407,7 +407,6 @@ def _check_summary(summary: dict[str, Any], ledger: Ledger) -> list[Mismatch]:
         "epochs": _epochs(summary.get("epochs"), ledger),
         "steps": ledger.iteration - _leading_samples(ledger),
         "learning_rate": meta.get("learning_rate"),
-        "seconds": meta.get("wall_time_seconds"),
         "stopped": meta.get("stopped"),
     }
     found: list[Mismatch] = []

@@ -18,11 +18,12 @@ what makes a run safe to repeat:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpfy._files import write_atomic
 from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
@@ -65,8 +67,9 @@ class TrainResultSummary:
         (e.g. the share of truncated snippets); never in ``summary.json`` or the ledger, only
         in the run's private diagnostics (``dpfy train --private-diagnostics DIR``).
 
-    ``summary.json`` holds :meth:`to_dict` (the public view: the history's per-step records,
-    training losses and epoch timings are left out, :meth:`History.public_dict`).
+    ``summary.json`` holds :meth:`to_dict` (the public view: the wall time, the history's
+    per-step records, training losses and epoch timings are left out,
+    :meth:`History.public_dict`).
     """
 
     dataset: str
@@ -100,11 +103,9 @@ class TrainResultSummary:
             training data, not covered by the guarantee: for benchmarks and private
             diagnostics, never beside the model); default: the public view only.
         """
-        out = {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name not in ("history", "model", "ledger", "diagnostics")
-        }
+        left_out = ("history", "model", "ledger", "diagnostics") + (() if private else ("seconds",))
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in left_out}  # the wall time depends on the realised batches
         if include_history:
             out["history"] = self.history.to_dict() if private else self.history.public_dict()
         if private:
@@ -330,40 +331,57 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
     if config.out is not None:
         Path(config.out).mkdir(parents=True, exist_ok=True)
     ledger = trainer.ledger = Ledger(ledger_path)
-    model_name = recipe.metadata(ledger, net, batch_size)
-    display = recipe.progress(trainer, accounting, epochs * int(batches.steps_per_epoch)) if (
-        hooks.progress) else None
-    start = time.perf_counter()
+    with _closed_on_fault(ledger):  # a fault from here on: the ledger is closed, saying so
+        model_name = recipe.metadata(ledger, net, batch_size)
+        display = recipe.progress(trainer, accounting, epochs * int(batches.steps_per_epoch)) if (
+            hooks.progress) else None
+        start = time.perf_counter()
+        try:
+            result = trainer.fit()
+        finally:
+            if display is not None:
+                display.close()
+        seconds = time.perf_counter() - start
+        accuracy = trainer.evaluate()
+        assert accuracy is not None  # every recipe's trainer evaluates
+        ledger.record_metadata(
+            test_accuracy=accuracy, epsilon=result.privacy.epsilon,  # wall time: private
+            accounting=result.privacy.method, stopped=result.stopped, **randomness,
+        )
+        summary = TrainResultSummary(
+            dataset=config.dataset, sampler=batches.kind, model_name=model_name,
+            test_accuracy=float(accuracy), epsilon=float(result.privacy.epsilon),
+            delta=float(config.delta), accounting=result.privacy.method,
+            noise_multiplier=result.noise_multiplier, clip_norm=float(opt.clip_norm),
+            batch_size=int(batch_size), epochs=int(epochs), steps=result.steps,
+            learning_rate=float(opt.learning_rate), seconds=seconds, stopped=result.stopped,
+            history=result.history, model=result.model, ledger=ledger,
+            model_path=None if model_path is None else str(model_path),
+            ledger_path=None if ledger_path is None else str(ledger_path),
+            diagnostics=recipe.diagnostics(data),
+        )
+        state = recipe.model_state(result.model)
+        if model_path is not None:  # set exactly when out is; each file whole or absent
+            write_atomic(model_path, lambda f: torch.save(state, f))
+            write_atomic(model_path.parent / "summary.json",
+                         json.dumps(summary.to_dict(), indent=2, default=str))
+        return summary
+
+
+@contextlib.contextmanager
+def _closed_on_fault(ledger: Ledger) -> Iterator[None]:
+    """Close a file ledger when its run fails (a full disk while the model is saved, say):
+    the end record says the run ended early and how many releases it made, so the file is
+    complete for what was released and a report never reads it as the plan."""
     try:
-        result = trainer.fit()
-    finally:
-        if display is not None:
-            display.close()
-    seconds = time.perf_counter() - start
-    accuracy = trainer.evaluate()
-    assert accuracy is not None  # every recipe's trainer evaluates
-    ledger.record_metadata(
-        test_accuracy=accuracy, wall_time_seconds=seconds, epsilon=result.privacy.epsilon,
-        accounting=result.privacy.method, stopped=result.stopped, **randomness,
-    )
-    summary = TrainResultSummary(
-        dataset=config.dataset, sampler=batches.kind, model_name=model_name,
-        test_accuracy=float(accuracy), epsilon=float(result.privacy.epsilon),
-        delta=float(config.delta), accounting=result.privacy.method,
-        noise_multiplier=result.noise_multiplier, clip_norm=float(opt.clip_norm),
-        batch_size=int(batch_size), epochs=int(epochs), steps=result.steps,
-        learning_rate=float(opt.learning_rate), seconds=seconds, stopped=result.stopped,
-        history=result.history, model=result.model, ledger=ledger,
-        model_path=None if model_path is None else str(model_path),
-        ledger_path=None if ledger_path is None else str(ledger_path),
-        diagnostics=recipe.diagnostics(data),
-    )
-    state = recipe.model_state(result.model)
-    if model_path is not None:  # set exactly when out is
-        torch.save(state, model_path)
-        with open(model_path.parent / "summary.json", "w", encoding="utf-8") as f:
-            json.dump(summary.to_dict(), f, indent=2, default=str)
-    return summary
+        yield
+    except BaseException as err:
+        if ledger.path is not None and not ledger.read_only:
+            released = len(ledger.noise_multipliers())
+            with contextlib.suppress(OSError):  # a ledger whose own write failed stays cut
+                ledger.close(ended=f"early (the run failed: {type(err).__name__}): "
+                             f"{released} releases before the fault")
+        raise
 
 
 def _units_and_batch(
