@@ -30,7 +30,6 @@ from dpfy import events as ev
 from dpfy._validate import MAX_EPSILON, check_int, check_positive, check_range
 from dpfy.accounting import _api
 
-_COARSE_PLD_TOLERANCE = 3e-2  # PLD tolerance while the search is far from the target
 _COARSE_RTOL = 1e-2  # parameter resolution of the coarse phase
 _MAX_EVALUATIONS = 200  # per phase; secant + bisection needs far fewer
 

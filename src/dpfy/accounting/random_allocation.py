@@ -79,7 +79,6 @@ DEFAULT_TOLERANCE = 2e-3
 """Target relative gap between two successive grid levels of the upper bound."""
 
 _TAIL = 1e-14  # per-epoch mass cut off above x_max (sent to delta in the upper bound)
-_MAX_POINTS = 6000  # geometric grid points of one X (the O(n^2) sums dominate the cost)
 
 
 @dataclasses.dataclass(frozen=True)

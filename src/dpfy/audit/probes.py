@@ -107,11 +107,6 @@ def _name(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def probed_types() -> tuple[str, ...]:
-    """Qualified names of the layer types that have a probe model."""
-    return tuple(sorted(_name(k) for k in _builders()))
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerReplay:
     """What the replays of a run's layer types found.

@@ -67,17 +67,3 @@ def load_minilm_encoder(**kwargs: Any) -> PreTrainedModel:
 
     model: PreTrainedModel = AutoModel.from_pretrained(minilm_dir(), **_quiet(kwargs))
     return model
-
-
-def load_minilm_classifier(num_labels: int = 2, **kwargs: Any) -> PreTrainedModel:
-    """The pretrained encoder with a fresh classification head.
-
-    A ``transformers.BertForSequenceClassification``: the pooler and the ``num_labels``-way
-    head are newly initialised (they are not in the checkpoint), the encoder is pretrained.
-    """
-    from transformers import AutoModelForSequenceClassification
-
-    model: PreTrainedModel = AutoModelForSequenceClassification.from_pretrained(
-        minilm_dir(), **_quiet({"num_labels": num_labels, **kwargs})
-    )
-    return model

@@ -52,7 +52,7 @@ import contextlib
 import math
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -63,20 +63,6 @@ if TYPE_CHECKING:
     from dpfy.queries import Query
     from dpfy.randomness import Randomness
     from dpfy.training.norms.capture import ModulePlan
-
-
-class ShardReducer(Protocol):
-    """What the sharded release needs from the run (implemented by ``Distributed``)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    def reduce_scatter_(self, out: torch.Tensor, stacked: torch.Tensor) -> None: ...
-
-    def barrier(self) -> None: ...
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -33,17 +33,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-#: Layer types with a fast (ghost / book-keeping) per-example norm rule, used when the
-#: norm-rule registry of :mod:`dpfy.training.norms` cannot be imported.
-FAST_NORM_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Embedding,
-    nn.LayerNorm,
-    nn.GroupNorm,
-)
-
 _BatchNorm = nn.modules.batchnorm._BatchNorm  # BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
 _InstanceNorm = nn.modules.instancenorm._InstanceNorm
 
@@ -156,12 +145,10 @@ def _group_count(channels: int, max_groups: int) -> int:
 
 def _fast_layers() -> tuple[type[nn.Module], ...]:
     """Types with a registered norm rule (exact type match, as the engine dispatches)."""
-    try:
-        import dpfy.training.norms  # noqa: F401  (registers the rules)
-        from dpfy.training.norms.registry import registered_types
-    except ImportError:  # pragma: no cover - the engine ships with this package
-        return FAST_NORM_LAYERS
-    return registered_types() or FAST_NORM_LAYERS
+    import dpfy.training.norms  # noqa: F401  (registers the rules)
+    from dpfy.training.norms.registry import registered_types
+
+    return registered_types()
 
 
 def _has_rule(module: nn.Module, fast: tuple[type[nn.Module], ...], engine: bool) -> bool:

@@ -261,11 +261,6 @@ def registered_types() -> tuple[type[nn.Module], ...]:
     return tuple(_RULES)
 
 
-def registered_names() -> tuple[str, ...]:
-    """Qualified class names registered with :func:`register_norm_rule_by_name`."""
-    return tuple(_BY_NAME)
-
-
 _UNSUPPORTED: dict[type | str, tuple[str, str]] = {}
 
 #: The fix of a refusal registered without one.
