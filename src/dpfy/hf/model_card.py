@@ -1,9 +1,10 @@
 """The "Privacy" section of a saved model's card (``README.md`` in the save directory).
 
-The section is rendered from a :class:`dpfy.report.PrivacyReport`, i.e. from the ledger alone
-(Ponomareva et al. 2023, "How to DP-fy ML", Sec. 5.3.3: the statement ships with the model):
-the formal statement, the method, adjacency, unit of privacy, epsilon and delta, the ledger's
-integrity line, the run's public key with the chain head it signed, and where the ledger is.
+The section (:mod:`dpfy.report.card`) is rendered from a :class:`dpfy.report.PrivacyReport`,
+i.e. from the ledger alone (Ponomareva et al. 2023, "How to DP-fy ML", Sec. 5.3.3: the
+statement ships with the model): the formal statement, the method, adjacency, unit of privacy,
+epsilon and delta, the ledger's integrity line, the run's public key with the chain head it
+signed, and where the ledger is.
 An existing card (``peft`` writes one) is kept: only its ``## Privacy`` section is replaced.
 ``huggingface_hub.ModelCard`` writes the file when it is importable (no network is used),
 plain text otherwise.
@@ -11,56 +12,14 @@ plain text otherwise.
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from dpfy.ledger import Ledger
-from dpfy.report import PrivacyReport, build_report
-from dpfy.report.consistency import signature_line
-
-_SECTION = re.compile(r"^## Privacy\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-
-
-def _number(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.4g}"
-
-
-def _sampler(spec: dict[str, Any]) -> str:
-    rest = ", ".join(
-        f"{k} = {v}" for k, v in spec.items() if k not in ("sampler", "adjacency", "unit")
-    )
-    return f"{spec.get('sampler', 'unknown')} ({rest})" if rest else str(spec.get("sampler"))
-
-
-def privacy_section(report: PrivacyReport, ledger_ref: str = "ledger.jsonl") -> str:
-    """Markdown of the card's ``## Privacy`` section for ``report``."""
-    integrity = report.ledger_integrity.get("summary", "not checked")
-    lines = [
-        "## Privacy",
-        "",
-        report.release,
-        "",
-        f"**Formal statement.** {report.formal_statement}",
-        "",
-        f"- Method: {report.dp_setting}; accounting: {report.accounting_method}",
-        f"- Adjacency: {report.adjacency}",
-        f"- Unit of privacy: {report.unit_of_privacy}",
-        f"- Epsilon: {_number(report.epsilon)}; delta: {report.delta:.3g}",
-        f"- Sampler: {_sampler(report.sampler)}",
-        f"- Ledger integrity: {integrity}",
-        f"- {signature_line(report.ledger_integrity)}",
-        f"- Ledger: `{ledger_ref}` (every sample and noisy release, hash-chained); the full "
-        "report is `privacy_report.md` / `privacy_report.json` in the training output "
-        "directory. Recompute with `dpfy.accounting.epsilon(dpfy.ledger.Ledger.load(path), "
-        f"{report.delta:.3g})`.",
-        "",
-        "Written by dpfy from the ledger; no number here was computed by the training code.",
-        "",
-    ]
-    return "\n".join(lines)
+from dpfy.report import build_report
+from dpfy.report.card import SECTION as _SECTION
+from dpfy.report.card import privacy_section
 
 
 def write_model_card(

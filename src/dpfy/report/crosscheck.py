@@ -239,10 +239,13 @@ def _check_report(out: Path, report: dict[str, Any], ledger: Ledger) -> list[Mis
     if not isinstance(path, str) or Path(path).name != "ledger.jsonl":
         found.append(Mismatch(name, "reproduce.ledger", path, "a path to ledger.jsonl"))
         path = None
+    known = _epsilon(ledger, delta, method)
+    if isinstance(known, str):
+        return [*found, Mismatch(name, "accounting_method", method, known)]
     expected = _rebuilt(ledger, float(delta), method, path,
                         trusted if isinstance(trusted, str) else None)
     if isinstance(expected, str):
-        return [*found, Mismatch(name, "ledger_integrity.trust", trust, expected)]
+        return [*found, Mismatch(name, "ledger_integrity.trust.trusted_key", trusted, expected)]
     expected = dict(expected)
     command = ledger.metadata.get("train_command")
     if isinstance(command, str):
@@ -251,6 +254,11 @@ def _check_report(out: Path, report: dict[str, Any], ledger: Ledger) -> list[Mis
     for key in _OWN_RULES:
         expected[key] = report.get(key, "missing")
     found += _diff(name, report, expected)
+    if found:  # inconsistent at its stated delta and method: name them first where they are
+        for key, recorded in (("accounting_method", "accounting"), ("delta", "delta")):
+            value = ledger.metadata.get(recorded)  # not the run's own
+            if value is not None and not _same(report.get(key), value):
+                found.insert(0, Mismatch(name, key, report.get(key), value))
     found += _check_figures(out, report.get("figures"))
     found += _check_publishing(out, report.get("publishing"), ledger)
     found += _check_audit(report.get("audit"), report, ledger)
@@ -304,8 +312,9 @@ def _check_publishing(out: Path, section: Any, ledger: Ledger) -> Iterator[Misma
 
 
 def _report_output(rel: str) -> bool:
-    """A file the report itself writes (or a hidden one): not in the Publishing list."""
-    return (rel.startswith((".", "figures/")) or "/." in rel
+    """A file the report itself writes, a hidden one, or a model card added later (checked
+    on its own): not in the Publishing list."""
+    return (rel.startswith((".", "figures/")) or "/." in rel or rel == "README.md"
             or re.fullmatch(r"report(-[0-9a-f]{1,12}|-nohead)?\.(md|json)", rel) is not None)
 
 
@@ -369,16 +378,7 @@ def _check_markdown(out: Path, report: dict[str, Any]) -> list[Mismatch]:
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         return [Mismatch("report.md", "(whole file)", "not renderable from report.json",
                          str(err))]
-    published = path.read_text(encoding="utf-8")
-    if published == expected:
-        return []
-    have, want = published.splitlines(), expected.splitlines()
-    for i in range(max(len(have), len(want))):
-        a = have[i] if i < len(have) else "(end of file)"
-        b = want[i] if i < len(want) else "(end of file)"
-        if a != b:
-            return [Mismatch("report.md", f"line {i + 1}", a, b)]
-    return [Mismatch("report.md", "(line ends)", "differs", "report.json rendered")]
+    return list(_lines("report.md", path.read_text(encoding="utf-8"), expected))
 
 
 # -- summary.json, run.toml, the model card and the model file ------------------------------
@@ -407,6 +407,7 @@ def _check_summary(summary: dict[str, Any], ledger: Ledger) -> list[Mismatch]:
         "epochs": _epochs(summary.get("epochs"), ledger),
         "steps": ledger.iteration - _leading_samples(ledger),
         "learning_rate": meta.get("learning_rate"),
+        "seconds": meta.get("wall_time_seconds"),  # runs that still published their wall time
         "stopped": meta.get("stopped"),
     }
     found: list[Mismatch] = []
@@ -417,6 +418,8 @@ def _check_summary(summary: dict[str, Any], ledger: Ledger) -> list[Mismatch]:
         expected[key] = value
     if "history" in summary:
         expected["history"] = _history(summary["history"], ledger, delta, method)
+    # a field the trainer no longer publishes, with nothing in the ledger to give it
+    expected = {k: v for k, v in expected.items() if k in summary or v is not None}
     found += _diff("summary.json", summary, expected)
     return found
 
@@ -505,40 +508,57 @@ def _check_run_toml(path: Path, ledger: Ledger) -> list[Mismatch]:
     return found
 
 
-_CARD_EPSILON = re.compile(r"^- Epsilon: (\S+); delta: (\S+)$", re.MULTILINE)
-_CARD_METHOD = re.compile(r"^- Method: .*; accounting: (\S+)$", re.MULTILINE)
-_CARD_KEY = re.compile(r"public key `([0-9a-f]{64})` signed chain head `([0-9a-f]{64})`")
+_CARD_SECTION = re.compile(r"^## Privacy.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+_CARD_EPSILON = re.compile(r"^- Epsilon: (\S+); delta: ([^\s;]+)", re.MULTILINE)
+_CARD_METHOD = re.compile(r"^- Method: .*; accounting: ([^\s;]+)", re.MULTILINE)
+_CARD_LEDGER = re.compile(r"^- Ledger: `([^`]*)`", re.MULTILINE)
 
 
 def _check_card(path: Path, ledger: Ledger) -> list[Mismatch]:
-    """A model card's ``## Privacy`` section: its epsilon re-accounted at its delta and
-    method, and the run key and signed head it names."""
+    """A model card's ``## Privacy`` section is the section of the report the ledger gives
+    at the card's delta and accounting method (:func:`dpfy.report.card.privacy_section`)."""
+    from dpfy.report.card import privacy_section
+    from dpfy.report.statement import PrivacyReport
+
     if not path.is_file():
         return []
-    text = path.read_text(encoding="utf-8")
-    if "## Privacy" not in text:
+    found = _CARD_SECTION.search(path.read_text(encoding="utf-8"))
+    if found is None:
         return []
-    found: list[Mismatch] = []
-    eps, method = _CARD_EPSILON.search(text), _CARD_METHOD.search(text)
-    if eps is None or method is None:
-        return [Mismatch("README.md", "Epsilon", "missing", "the Privacy section's epsilon")]
+    section = found.group(0)
+    eps, method, ref = (r.search(section) for r in (_CARD_EPSILON, _CARD_METHOD, _CARD_LEDGER))
+    if eps is None or method is None or ref is None:
+        return [Mismatch("README.md", "Privacy", "no epsilon, delta, method or ledger line",
+                         "the section dpfy writes")]
     try:
         delta = float(eps.group(2))
     except ValueError:
-        delta = math.nan
-    value = _epsilon(ledger, delta, method.group(1))
-    shown = "inf" if isinstance(value, float) and math.isinf(value) else (
-        f"{value:.4g}" if isinstance(value, float) else value)
-    if eps.group(1) != shown:
-        found.append(Mismatch("README.md", "Epsilon", eps.group(1), shown))
-    verification = ledger.verification
-    keys = _CARD_KEY.search(text)
-    if verification.public_key is not None:
-        pair = (verification.public_key, verification.signed_head)
-        if keys is None or (keys.group(1), keys.group(2)) != pair:
-            found.append(Mismatch("README.md", "Ledger signature",
-                                  None if keys is None else keys.groups(), pair))
-    return found
+        return [Mismatch("README.md", "delta", eps.group(2), "a number")]
+    known = _epsilon(ledger, delta, method.group(1))
+    if isinstance(known, str):
+        return [Mismatch("README.md", "accounting", method.group(1), known)]
+    rebuilt = _rebuilt(ledger, delta, method.group(1), ledger.path, None)
+    if isinstance(rebuilt, str):
+        return [Mismatch("README.md", "Privacy", "a report", rebuilt)]
+    fields = {f.name for f in dataclasses.fields(PrivacyReport)}
+    data = {k: v for k, v in rebuilt.items() if k in fields}
+    if data.get("epsilon") == "inf":
+        data["epsilon"] = math.inf
+    expected = privacy_section(PrivacyReport(**data), ref.group(1))
+    return list(_lines("README.md", section.rstrip("\n"), expected.rstrip("\n")))
+
+
+def _lines(file: str, published: str, expected: str) -> Iterator[Mismatch]:
+    """The first line where two texts differ (none if equal)."""
+    have, want = published.splitlines(), expected.splitlines()
+    for i in range(max(len(have), len(want))):
+        a = have[i] if i < len(have) else "(end of file)"
+        b = want[i] if i < len(want) else "(end of file)"
+        if a != b:
+            yield Mismatch(file, f"line {i + 1}", a, b)
+            return
+    if published != expected:
+        yield Mismatch(file, "(line ends)", "differs", "the rendered text")
 
 
 def file_sha256(path: str | Path) -> str:
