@@ -74,7 +74,7 @@ def test_torch_stream_equals_the_numpy_oracle(strategy: str, monkeypatch) -> Non
     def refill() -> None:
         z.copy_(torch.from_numpy(std * rng.standard_normal(size)))
 
-    stream = plan.rule.stream(steps, size, z)
+    stream = plan.rule.stream(steps, size, z, torch)
     assert isinstance(stream, NoiseStream) and stream.buf.shape[0] == plan.rule.state_rows(steps)
     src = torch.linspace(-1.0, 1.0, size, dtype=torch.float64)
     outs = []
@@ -95,7 +95,7 @@ def test_torch_stream_equals_the_numpy_oracle(strategy: str, monkeypatch) -> Non
     with pytest.raises(ValueError, match="covers steps=13"):
         stream.next(z, refill=refill)
     # a fresh stream resumed from the state at step 6 continues bit for bit
-    again = plan.rule.stream(steps, size, z)
+    again = plan.rule.stream(steps, size, z, torch)
     again.load_state_dict(state)
     rng.bit_generator.state = draws_at
     for t in range(6, steps):
@@ -154,7 +154,7 @@ class _Identity(Strategy):
     def state_rows(self, steps: int) -> int:
         return 0
 
-    def stream(self, steps: int, size: int, like: torch.Tensor) -> NoiseStream:
+    def stream(self, steps: int, size: int, like: torch.Tensor, xp: object) -> NoiseStream:
         return _IdentityStream(steps, size, 0, like)
 
 

@@ -20,6 +20,7 @@ coefficients ``binom(2k, k) / 4^k`` of Fichtenberger et al. 2023 truncated to th
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Literal
 
 import numpy as np
@@ -126,8 +127,8 @@ class BandMF(ToeplitzStrategy):
     def largest_fitting(self, rows: int) -> tuple[str, int] | None:
         return ("band", rows + 1)
 
-    def stream(self, steps: int, size: int, like: Tensor) -> BandMFStream:
-        return BandMFStream(self.coeffs, steps, size, like)
+    def stream(self, steps: int, size: int, like: Tensor, xp: ModuleType) -> BandMFStream:
+        return BandMFStream(self.coeffs, steps, size, like, xp)
 
 
 class BandMFStream(NoiseStream):
@@ -135,16 +136,18 @@ class BandMFStream(NoiseStream):
     ring buffer (row ``r`` holds ``w_{t-k}``, ``k = ((head - 1 - r) mod (b - 1)) + 1``;
     rows not yet written are 0)."""
 
-    def __init__(self, coeffs: np.ndarray, steps: int, size: int, like: Tensor) -> None:
+    def __init__(
+        self, coeffs: np.ndarray, steps: int, size: int, like: Tensor, xp: ModuleType
+    ) -> None:
         super().__init__(steps, size, max(len(coeffs) - 1, 0), like)
-        self.coeffs = [float(c) for c in coeffs]
+        self.coeffs, self.xp = [float(c) for c in coeffs], xp
 
     def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
         buf, w, m = self.buf, self.w, self.buf.shape[0]
         if m == 0:
             return w.copy_(z)
         coef = buf.new_tensor([self.coeffs[(self.head - 1 - r) % m + 1] for r in range(m)])
-        w.copy_(z).addmv_(buf.T, coef, alpha=-1.0)  # what addmv(z, ..., out=w) does
+        self.xp.addmv(z, buf.T, coef, alpha=-1.0, out=w)
         buf[self.head].copy_(w)
         self.head = (self.head + 1) % m
         return w

@@ -21,6 +21,7 @@ has no zero in the closed unit disc and ``C``'s coefficients stay bounded.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 from numpy.polynomial import polynomial as P
@@ -134,8 +135,8 @@ class BLT(ToeplitzStrategy):
     def largest_fitting(self, rows: int) -> tuple[str, int] | None:
         return ("buffers", rows)
 
-    def stream(self, steps: int, size: int, like: Tensor) -> BLTStream:
-        return BLTStream(self, steps, size, like)
+    def stream(self, steps: int, size: int, like: Tensor, xp: ModuleType) -> BLTStream:
+        return BLTStream(self, steps, size, like, xp)
 
 
 #: Values per chunk of the BLT update: its d + 2 slices stay in cache between the passes.
@@ -144,25 +145,26 @@ _CHUNK = 1 << 17
 
 class BLTStream(NoiseStream):
     """``w_t = z_t + sum_i omega_i s_i``, then ``s_i <- theta_i s_i + z_t``, one buffer
-    ``s_i`` per decay, in cache-sized chunks that also hand ``w_t`` to ``add``. The update
-    goes through a scratch of one chunk per buffer (at most ``16 x 2^17`` values): a fused
-    multiply-add written in place, the same rounding as ``addcmul`` into ``s``."""
+    ``s_i`` per decay, in cache-sized chunks (one pass for ``w_t``, one fused pass for the
+    buffers) that also hand ``w_t`` to ``add``."""
 
     fuses_add = True
 
-    def __init__(self, strategy: BLT, steps: int, size: int, like: Tensor) -> None:
+    def __init__(
+        self, strategy: BLT, steps: int, size: int, like: Tensor, xp: ModuleType
+    ) -> None:
         super().__init__(steps, size, strategy.buffers, like)
         self.omega = like.new_tensor([float(w) for w in strategy.omega])
         self.theta = like.new_tensor([float(t) for t in strategy.theta])
-        self.scratch = like.new_empty((strategy.buffers, min(_CHUNK, self.size)))
+        self.xp = xp
 
     def _next(self, z: Tensor, refill: Callable[[], None] | None, add: AddNoise | None) -> Tensor:
         theta = self.theta[:, None]
         for a in range(0, self.size, _CHUNK):
             b = min(a + _CHUNK, self.size)
             zc, sc, wc = z[a:b], self.buf[:, a:b], self.w[a:b]
-            wc.copy_(zc).addmv_(sc.T, self.omega)
-            sc.copy_(self.scratch[:, : b - a].copy_(zc.expand_as(sc)).addcmul_(sc, theta))
+            self.xp.addmv(zc, sc.T, self.omega, out=wc)
+            self.xp.addcmul(zc.expand_as(sc), sc, theta, out=sc)
             if add is not None:
                 add(a, b, wc)
         return self.w

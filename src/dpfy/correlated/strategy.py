@@ -12,15 +12,18 @@ ledger, the training query, the self-test and the mechanism comparison ask the o
 call (docs/architecture.md, "A correlated-noise strategy").
 
 The streams run on the tensors the training query hands them, through the tensors' own
-in-place methods (``copy_``, ``add_``, ``addmv_``, ...): this layer imports no torch, so the
-ledger can recompute a plan's sensitivity without it. The NumPy streams the tests compare
-them with live in ``tests/correlated_oracles.py``.
+in-place methods and, for the fused kernels (``addmv``/``addcmul`` with ``out=``), the
+functions of the tensor library the query hands in as ``xp`` (torch; the array-namespace
+pattern of the Python array API standard): this layer imports no torch, so the ledger can
+recompute a plan's sensitivity without it. The NumPy streams the tests compare them with live
+in ``tests/correlated_oracles.py``.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -166,8 +169,9 @@ class Strategy(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def stream(self, steps: int, size: int, like: Tensor) -> NoiseStream:
-        """The noise stream over ``size`` values, on ``like``'s device and dtype."""
+    def stream(self, steps: int, size: int, like: Tensor, xp: ModuleType) -> NoiseStream:
+        """The noise stream over ``size`` values, on ``like``'s device and dtype; ``xp`` is
+        the tensor library (``torch``) whose functions the fused kernels call."""
 
 
 class ToeplitzStrategy(Strategy):

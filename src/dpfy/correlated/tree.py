@@ -17,6 +17,7 @@ per-step noise the difference of consecutive prefix noises (:class:`TreeStream`)
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
@@ -134,7 +135,7 @@ class Tree(Strategy):
     def state_rows(self, steps: int) -> int:
         return max(steps.bit_length(), 1)
 
-    def stream(self, steps: int, size: int, like: Tensor) -> TreeStream:
+    def stream(self, steps: int, size: int, like: Tensor, xp: ModuleType) -> TreeStream:
         return TreeStream(steps, size, self.state_rows(steps), like)
 
 

@@ -52,6 +52,7 @@ one buffer per level (``O(log T x params)`` memory, never a ``T x T`` matrix).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
@@ -172,7 +173,9 @@ class EfficientTree(Strategy):
     def state_rows(self, steps: int) -> int:
         return max(steps.bit_length(), 1)
 
-    def stream(self, steps: int, size: int, like: Tensor) -> EfficientTreeStream:
+    def stream(
+        self, steps: int, size: int, like: Tensor, xp: ModuleType
+    ) -> EfficientTreeStream:
         return EfficientTreeStream(steps, size, self.state_rows(steps), like)
 
 

@@ -125,7 +125,7 @@ def check_stream_memory(
 def open_stream(plan: CorrelatedPlan, size: int, like: torch.Tensor) -> NoiseStream:
     """The plan's noise stream over ``size`` values on ``like``'s device and dtype: the one
     its strategy object builds (:meth:`dpfy.correlated.strategy.Strategy.stream`)."""
-    return plan.rule.stream(plan.steps, size, like)
+    return plan.rule.stream(plan.steps, size, like, torch)
 
 
 class CorrelatedNoiseQuery(QueryBase):
