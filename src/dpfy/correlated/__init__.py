@@ -15,7 +15,7 @@ Participation schemas and the exact sensitivity of a strategy under them live in
 :mod:`.schemas`.
 
 NumPy/SciPy only: no torch, no ledger, no training (checked by ``tests/test_architecture.py``);
-the noise streams work on the tensors they are handed, through the tensors' own methods.
+the noise streams work on the tensors, and the tensor library (``xp``), they are handed.
 """
 
 from __future__ import annotations
