@@ -209,9 +209,11 @@ def make_plan(
 ) -> CorrelatedPlan:
     """An optimised plan: BandMF of ``band`` diagonals, BLT of ``buffers`` buffers, or a tree.
 
-    BandMF is optimised for ``k`` participations ``>= band`` apart (``k`` the epochs of a
-    cyclic schema, whose period must then be ``>= band``; Choquette-Choo et al. 2023); BLT for
-    one epoch (McMahan et al. 2024). The sensitivity is recomputed exactly for the schema
+    ``strategy`` is a registered name (:mod:`dpfy.correlated.strategy`); its class's
+    ``optimised`` chooses the numbers. BandMF is optimised for ``k`` participations
+    ``>= band`` apart (``k`` the epochs of a cyclic schema, whose period must then be
+    ``>= band``; Choquette-Choo et al. 2023); BLT for one epoch (McMahan et al. 2024). The
+    sensitivity is recomputed exactly for the schema
     whatever the optimiser assumed.
     """
     check_int("steps", steps)
