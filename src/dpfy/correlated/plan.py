@@ -213,8 +213,7 @@ def make_plan(
     ``optimised`` chooses the numbers. BandMF is optimised for ``k`` participations
     ``>= band`` apart (``k`` the epochs of a cyclic schema, whose period must then be
     ``>= band``; Choquette-Choo et al. 2023); BLT for one epoch (McMahan et al. 2024). The
-    sensitivity is recomputed exactly for the schema
-    whatever the optimiser assumed.
+    sensitivity is recomputed exactly for the schema whatever the optimiser assumed.
     """
     check_int("steps", steps)
     cls = find_strategy(strategy)
