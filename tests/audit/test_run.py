@@ -82,13 +82,15 @@ def test_a_ledger_short_of_the_plan_is_a_violation(tmp_path: Path) -> None:
     ledger = Ledger(run / "ledger.jsonl")  # reopened: the run facts of a 3 x 10 step plan
     ledger.record_metadata(epochs=3, steps_per_epoch=10, stopped="completed")
     ledger.close()
-    (run / "summary.json").write_text(json.dumps({"steps": 30}))
+    (run / "report.json").unlink()  # the report of the ledger as it now is
+    runs.report_ledger(run / "ledger.jsonl", out=run, figures=False)
     section = runs.audit_and_report(run, method="one-run", trials=1000)
     assert section["verdict"].startswith("VIOLATION")
-    assert "ledger: 20 steps recorded, but the run's summary.json counts 30 steps" in (
-        section["self_tests"]
-    )
     assert any("sampler's plan of 3 epochs x 10 steps = 30" in f for f in section["self_tests"])
+    # a summary.json that counts the planned 30 steps is refused by the cross-check, by name
+    (run / "summary.json").write_text(json.dumps({"steps": 30}))
+    with pytest.raises(ValueError, match="summary.json steps: published 30, the ledger gives 20"):
+        runs.audit_and_report(run, method="one-run", trials=1000)
 
 
 @pytest.mark.parametrize(
