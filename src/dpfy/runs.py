@@ -603,6 +603,11 @@ def features_and_report(
     seconds = time.perf_counter() - start
     accuracy = float(np.mean(estimator.predict(x_test) == np.asarray(y_test)))
     out_dir.mkdir(parents=True, exist_ok=True)
+    command = None if data is not None else _train_command(
+        "features", dataset, out_dir, target_epsilon, delta,
+        {"method": method, "limit": limit, "seed": seed,
+         "extractor": None if extractor == "pretrained" else extractor},
+    )
     ledger = estimator.ledger_.prefix(path=out_dir / "ledger.jsonl")
     ledger.record_metadata(
         dataset=dataset,
@@ -612,17 +617,13 @@ def features_and_report(
         target_epsilon=target_epsilon,
         test_accuracy=accuracy,  # the wall time stays private (it depends on the data)
         released_output="the linear classifier's weights",
+        **({"train_command": command} if command else {}),  # the report's, checked against it
     )
     ledger.close()
     from dpfy.ledger import Ledger
 
     ledger_path = out_dir / "ledger.jsonl"
     ledger = Ledger.load(ledger_path)
-    command = None if data is not None else _train_command(
-        "features", dataset, out_dir, target_epsilon, delta,
-        {"method": method, "limit": limit, "seed": seed,
-         "extractor": None if extractor == "pretrained" else extractor},
-    )
     report = _report_files(
         ledger, ledger_path, out_dir, delta=delta, figures=False, train_command=command
     )

@@ -236,8 +236,9 @@ def _check_report(out: Path, report: dict[str, Any], ledger: Ledger) -> list[Mis
     reproduce = report.get("reproduce")
     path = reproduce.get("ledger") if isinstance(reproduce, dict) else None
     found: list[Mismatch] = []
-    if not isinstance(path, str) or Path(path).name != "ledger.jsonl":
-        found.append(Mismatch(name, "reproduce.ledger", path, "a path to ledger.jsonl"))
+    own = Path(ledger.path or "ledger.jsonl").name
+    if not isinstance(path, str) or Path(path).name != own:
+        found.append(Mismatch(name, "reproduce.ledger", path, f"a path to {own}"))
         path = None
     known = _epsilon(ledger, delta, method)
     if isinstance(known, str):
@@ -415,7 +416,8 @@ def _check_summary(summary: dict[str, Any], ledger: Ledger) -> list[Mismatch]:
     }
     found: list[Mismatch] = []
     for key in ("model_path", "ledger_path"):
-        value, want = summary.get(key), "model.pt" if key == "model_path" else "ledger.jsonl"
+        value = summary.get(key)
+        want = "model.pt" if key == "model_path" else Path(ledger.path or "ledger.jsonl").name
         if not (value is None or (isinstance(value, str) and Path(value).name == want)):
             found.append(Mismatch("summary.json", key, value, f"a path to {want}"))
         expected[key] = value
