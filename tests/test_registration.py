@@ -25,11 +25,11 @@ from dpfy.accounting.calibrate import calibrate_noise_multiplier
 from dpfy.correlated import Cyclic, SingleEpoch
 from dpfy.ledger import Ledger
 from dpfy.ledger.matrix import check_schema_spec
-from dpfy.sampling import BaseSampler, SamplerKind, SampleSpec, kinds, register_kind
+from dpfy.sampling import BaseSampler, SamplerKind, SampleSpec, register_kind, registered_kinds
 from dpfy.sampling.kinds import kind_names
 from dpfy.sampling.spec import spec_event
 
-#: the module of the kind table (``dpfy.sampling.kinds`` the attribute is the function)
+#: the module of the kind table
 kind_table = importlib.import_module("dpfy.sampling.kinds")
 
 # --- the new sampler kind ----------------------------------------------------------------
@@ -245,5 +245,5 @@ def test_the_cli_refuses_an_accountant_that_is_not_registered(capsys):
 
 
 def test_registrations_are_gone_after_the_tests():
-    assert "interleaved" not in {r.name for r in kinds()}
+    assert "interleaved" not in {r.name for r in registered_kinds()}
     assert "zcdp_demo" not in _api.accountants()

@@ -14,11 +14,19 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
+import dpfy.sampling.kinds
 from dpfy import accounting
 from dpfy import events as ev
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
-from dpfy.sampling import BaseSampler, SamplerKind, SampleSpec, kinds, make_sampler, register_kind
+from dpfy.sampling import (
+    BaseSampler,
+    SamplerKind,
+    SampleSpec,
+    make_sampler,
+    register_kind,
+    registered_kinds,
+)
 from dpfy.sampling.factory import SAMPLER_KINDS
 from dpfy.sampling.kinds import kind, unregister_kind
 from dpfy.sampling.spec import spec_event
@@ -129,14 +137,16 @@ _BUILTIN = (
 
 
 def test_the_builtin_rows():
-    assert tuple(r.name for r in kinds()) == _BUILTIN
+    assert tuple(r.name for r in registered_kinds()) == _BUILTIN
     # full_batch has no sampler class
     assert tuple(SAMPLER_KINDS) == tuple(k for k in _BUILTIN if k != "full_batch")
-    assert {r.name for r in kinds() if r.truncates} == {"poisson", "balls_and_bins"}
-    epochal = {r.name for r in kinds() if r.epoch_structured}
+    assert {r.name for r in registered_kinds() if r.truncates} == {"poisson", "balls_and_bins"}
+    epochal = {r.name for r in registered_kinds() if r.epoch_structured}
     assert epochal == {"balls_and_bins", "shuffle", "deterministic", "cyclic"}
-    accountants = {r.name: r.default_accountant for r in kinds()}
+    accountants = {r.name: r.default_accountant for r in registered_kinds()}
     assert accountants["poisson"] == "pld" and accountants["balls_and_bins"] == "random_allocation"
+    # the package's attribute ``kinds`` is the table's module, not shadowed by a function
+    assert dpfy.sampling.kinds.registered_kinds is registered_kinds
 
 
 @pytest.mark.parametrize("name", _BUILTIN)
@@ -183,5 +193,6 @@ def test_every_samplers_event_is_its_ledgers_event(name, max_batch_size, steps):
 def test_the_cli_offers_the_tables_kinds():
     from dpfy import cli_options
 
-    assert [m.value for m in cli_options.SamplerName] == [r.cli_name for r in kinds() if r.cli]
+    offered = [r.cli_name for r in registered_kinds() if r.cli]
+    assert [m.value for m in cli_options.SamplerName] == offered
     assert [m.value for m in cli_options.TrainSampler] == ["poisson", "balls-and-bins", "cyclic"]

@@ -46,9 +46,9 @@ else:
 
 def _sampler_enum(name: str, *, train: bool) -> Any:
     """A StrEnum of the sampler kinds the table offers on the command line (dashed spelling)."""
-    from dpfy.sampling import kinds
+    from dpfy.sampling import registered_kinds
 
-    rows = [r for r in kinds() if (r.cli_train if train else r.cli)]
+    rows = [r for r in registered_kinds() if (r.cli_train if train else r.cli)]
     return StrEnum(name, {r.name: r.cli_name for r in rows})
 
 

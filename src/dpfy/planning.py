@@ -450,10 +450,10 @@ def plan(
         ``z >= 2`` at ``min_steps``, the plan spends all of it at ``min_steps`` (``z < 2``,
         said in the explanation).
       runner_ups: how many alternative options to list (at most).
-      sampler: the sampler kind that will run (:func:`dpfy.sampling.kinds`). The search for
-        batch and steps is the Poisson one above; for another kind every option's ``z`` is then
-        calibrated and verified with that kind's own event and accountant (a kind that samples
-        nothing, full batch, uses batch N).
+      sampler: the sampler kind that will run (:func:`dpfy.sampling.registered_kinds`). The
+        search for batch and steps is the Poisson one above; for another kind every option's
+        ``z`` is then calibrated and verified with that kind's own event and accountant (a kind
+        that samples nothing, full batch, uses batch N).
 
     Returns:
       A :class:`Plan`; ``plan.recommendation`` and every runner-up satisfy

@@ -14,7 +14,7 @@ from torch import nn
 from dpfy.audit.replay import replay_release, sampler_check
 from dpfy.queries import AdaptiveClipQuery, GaussianSumQuery, JointClipQuery, NestedQuery
 from dpfy.queries.adaptive import AdaptiveNestedQuery
-from dpfy.sampling import kinds
+from dpfy.sampling import registered_kinds
 from dpfy.training.norms.registry import registered_types
 
 torch.set_num_threads(1)
@@ -146,6 +146,6 @@ def test_every_query_replays_clean(name: str) -> None:
     assert r.measured_ratio > 0.5 * r.declared_ratio  # the removed row is felt
 
 
-@pytest.mark.parametrize("name", [k.name for k in kinds() if k.sampler is not None])
+@pytest.mark.parametrize("name", [k.name for k in registered_kinds() if k.sampler is not None])
 def test_every_sampler_follows_its_spec(name: str) -> None:
     assert sampler_check(name) == ()

@@ -21,10 +21,8 @@ hyperparameter that claims to.
 Modules: :mod:`~dpfy.sampling.kinds` (the table and its registry), :mod:`~dpfy.sampling.spec`
 (``SampleSpec``, ``spec_event``), :mod:`~dpfy.sampling.base` (``Sampler``, shared base,
 ``pad_batch``), :mod:`~dpfy.sampling.factory` (``make_sampler``), and one module per kind, which
-holds the sampler and registers the kind's row. (``dpfy.sampling.kinds`` as an attribute is
-the function listing the rows; import the module's names with ``from dpfy.sampling.kinds
-import ...``.) Adding a kind is one such module (see
-``docs/architecture.md``, section 4.1, "A sampler").
+holds the sampler and registers the kind's row; :func:`registered_kinds` lists the rows.
+Adding a kind is one such module (see ``docs/architecture.md``, section 4.1, "A sampler").
 
 All randomness comes from an injected :class:`dpfy.randomness.Randomness` (seeded or secure).
 This package imports neither torch nor :mod:`dpfy.accounting`.
@@ -41,7 +39,7 @@ Example:
 from __future__ import annotations
 
 from dpfy.sampling.base import BaseSampler, Sampler
-from dpfy.sampling.kinds import SamplerKind, kinds, register_kind
+from dpfy.sampling.kinds import SamplerKind, register_kind, registered_kinds
 from dpfy.sampling.spec import SampleSpec
 
 # The built-in kinds, in table order: each module registers its row on import.
@@ -69,5 +67,5 @@ __all__ = [
     "DeterministicSampler",
     "make_sampler",
     "register_kind",
-    "kinds",
+    "registered_kinds",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dpfy._validate import check_int, check_range
 from dpfy.randomness import Randomness
 from dpfy.sampling.base import BaseSampler, Sampler, check_unit
-from dpfy.sampling.kinds import SamplerClass, column, kinds
+from dpfy.sampling.kinds import SamplerClass, column, registered_kinds
 
 #: Kind name -> sampler class, for every registered kind with a sampler (a live view).
 SAMPLER_KINDS: Mapping[str, SamplerClass] = column("sampler")
@@ -45,7 +45,7 @@ def make_sampler(
       ValueError: unknown kind, bad sizes, or a maximum batch size for a fixed-size sampler.
     """
     name = str(kind).replace("-", "_")
-    rows = {r.name: r for r in kinds() if r.sampler is not None}
+    rows = {r.name: r for r in registered_kinds() if r.sampler is not None}
     if name not in rows:
         allowed = ", ".join(rows)
         raise ValueError(f"kind must be one of {{{allowed}}}, got kind={kind!r}")

@@ -164,7 +164,7 @@ def kind(name: str) -> SamplerKind:
     return row
 
 
-def kinds() -> tuple[SamplerKind, ...]:
+def registered_kinds() -> tuple[SamplerKind, ...]:
     """Every registered row, in registration order."""
     return tuple(_KINDS.values())
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_real
-from dpfy.sampling.kinds import kind, kind_names, kinds
+from dpfy.sampling.kinds import kind, kind_names, registered_kinds
 
 _POSITIVE_INTS = ("dataset_size", "batch_size", "steps_per_epoch", "max_batch_size")
 
@@ -79,7 +79,7 @@ class SampleSpec:
         needs = row.needs
         if self.max_batch_size is not None:
             if not row.truncates:
-                allowed = _quoted([r.name for r in kinds() if r.truncates])
+                allowed = _quoted([r.name for r in registered_kinds() if r.truncates])
                 raise ValueError(
                     f"max_batch_size applies to the {allowed} samplers only, "
                     f"got sampler={self.sampler!r} with max_batch_size={self.max_batch_size!r}"
