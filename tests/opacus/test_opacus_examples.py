@@ -1,7 +1,8 @@
 """Opacus' own examples (shipped with the installed Opacus as ``examples/``), run in one fresh
 interpreter with only their import lines changed, on small local data, then read back: each
 run's ledger must be complete and signed (closed by dpfy at interpreter exit; the scripts never
-close it), and hold the releases the script made.
+close it), hold the releases the script made, and account to Opacus' PRV epsilon of the same
+releases within its error band.
 
 * ``mnist.py --n-runs 2``: two runs in one process, the second ``make_private`` taking the
   loader the first returned. torchvision has no build for the installed torch here, so its
@@ -20,10 +21,12 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
+from dpfy import accounting
 from dpfy.ledger import Ledger
 
 HERE = Path(__file__).parent
@@ -68,6 +71,7 @@ def test_opacus_examples_run_with_their_imports_changed_and_close_their_ledgers(
     examples = _examples()
     if examples is None:
         pytest.skip("opacus' examples are not installed (the bench extra)")
+    from opacus.accountants import PRVAccountant
     names = tmp_path / "names"
     names.mkdir()
     (names / "Aa.txt").write_text("\n".join(f"ana{i}" for i in range(12)), encoding="utf-8")
@@ -86,6 +90,14 @@ def test_opacus_examples_run_with_their_imports_changed_and_close_their_ledgers(
         # closed at exit, or (mnist's first run) when the next run rebound its objects
         assert re.fullmatch(r"(the interpreter exited|the run's objects were released): "
                             r"\d+ releases \(no planned end\)", ledger.ended), ledger.ended
+        # Opacus' PRV accountant on the same releases, to its error band (eps_error = 0.01)
+        (z,) = set(ledger.noise_multipliers().values())
+        theirs = PRVAccountant()
+        theirs.history = [(z, ledger.samples[0].spec.sampling_rate, ledger.iteration)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = theirs.get_epsilon(1e-5)
+        assert abs(accounting.epsilon(ledger, 1e-5, "pld").epsilon - expected) <= 0.011
     printed = [float(e) for e in re.findall(r"ε = ([\d.]+)", done.stdout)]
     assert len(printed) >= 3 and all(0 < e < 100 for e in printed)
     assert list(tmp_path.glob("mnist_cnn_*.pt"))  # the trained model was saved
