@@ -76,7 +76,11 @@ def test_rotten_tomatoes_report_speaks_of_its_429_movies():
     assert "(N = 429 movies)" in md
     assert "delta = 1e-05 against 1/N = 0.00233 with N = 429 movies" in md
     assert "below 1/N" in rep.user_level["delta_vs_1_over_n"]
-    assert rep.user_level["largest_user"] == 35
+    # an older ledger's private grouping facts (counts, the largest movie, the layout's
+    # hash) are never reported
+    assert not {"largest_user", "num_examples", "users_capped", "layout_sha256"} & set(
+        rep.user_level)
+    assert "35" not in md.split("## Unit of privacy")[1].split("##")[0]
     ex = rep.user_level["example_level"]
     assert ex["epsilon"] > rep.epsilon and "group privacy of size 2" in ex["derivation"]
 
@@ -107,7 +111,9 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
     assert ledger.metadata["user_level"]["reduction"] == "mean"
     report = json.loads((run_dir / "report.json").read_text())
     assert report["unit_of_privacy"] == "user"
-    assert report["user_level"]["num_examples_used"] == 160
+    private = {"num_examples", "num_examples_used", "largest_user", "users_capped",
+               "layout_sha256"}  # computed from the private data: never published
+    assert not private & (set(report["user_level"]) | set(ledger.metadata["user_level"]))
     cmd = ledger.metadata["train_command"]
     assert "--unit user --users 40 --cap 4 --user-reduction mean" in cmd
     assert "one user" in printed
@@ -129,7 +135,8 @@ def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
     facts = ledger.metadata["user_level"]
     assert ledger.unit == "movie" and facts["unit"] == "movie"
     assert {s.spec.dataset_size for s in ledger.samples} == {facts["num_users"]}
-    assert facts["num_examples"] == 256 and facts["max_examples_per_user"] == 8
+    assert "num_examples" not in facts and facts["max_examples_per_user"] == 8
+    assert "layout_sha256" not in facts and "users_capped" not in facts
     md = (run_dir / "report.md").read_text()
     assert f"(N = {facts['num_users']} movies)" in md and "at the level of one movie" in md
 

@@ -28,6 +28,7 @@ from dpfy.training.users import (
     UserLevelTrainer,
     check_user_ids,
     group_by_user,
+    private_facts,
     synthetic_user_ids,
 )
 
@@ -195,8 +196,13 @@ def test_ledger_and_report_speak_of_users_everywhere():
     assert {r.spec.dataset_size for r in ledger.samples} == {9}
     facts = ledger.metadata["user_level"]
     assert facts["num_users"] == 9 and facts["max_examples_per_user"] == 4
-    assert facts["num_examples"] == N_EX
-    assert facts["num_examples_used"] == int(np.minimum(np.bincount(ids)[ids.min()::7], 4).sum())
+    # counts, the largest user, how many were capped and the layout's hash: private
+    private = {"num_examples", "num_examples_used", "largest_user", "users_capped",
+               "layout_sha256"}
+    assert not private & set(facts)
+    kept = private_facts(tr)["user_level"]
+    assert set(kept) == private and kept["num_examples"] == N_EX
+    assert kept["num_examples_used"] == int(np.minimum(np.bincount(ids)[ids.min()::7], 4).sum())
     rep = build_report(ledger, delta=1e-3)
     assert rep.unit_of_privacy == "user"
     assert "at the level of one user" in rep.formal_statement

@@ -144,14 +144,13 @@ def _user_level_lines(u: dict[str, Any], delta: float) -> list[str]:
     lines = ["", f"## Unit of privacy: one {unit}", ""]
     lines.append(
         f"- Every {unit}-level figure above protects all of one {unit}'s examples at once: "
-        f"N = {u['num_users']} {unit}s, {u['num_examples_used']} of {u['num_examples']} "
-        f"examples used, at most {cap if cap is not None else u['largest_user']} per {unit} "
-        f"({'cap' if cap is not None else 'no cap; the largest ' + unit})."
+        f"N = {u['num_users']} {unit}s, "
+        + (f"at most {cap} examples per {unit} (cap)." if cap is not None
+           else f"no cap on the examples per {unit}.")
     )
     lines.append(
         f"- Each {unit}'s gradients are reduced by their {u['reduction']} and that one vector "
-        f"is clipped; {u['users_capped']} {unit}s had more examples than the cap ("
-        f"{u['subset']}; layout SHA-256 {u['layout_sha256'][:16]})."
+        f"is clipped ({u['subset']})."
     )
     lines.append(f"- {u['delta_vs_1_over_n']}.")
     ex = u.get("example_level") or {}

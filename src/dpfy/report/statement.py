@@ -383,18 +383,14 @@ def public_size_assumption(n: int | None, adjacency: str, unit: str = "example")
     )
 
 
-#: Fields of the ``user_level`` metadata a report reads, with their JSON types.
+#: Fields of the ``user_level`` metadata a report reads, with their JSON types (N and the
+#: configuration; a ledger's other, private grouping facts are never reported).
 _USER_LEVEL_FIELDS: dict[str, tuple[type, ...]] = {
     "unit": (str,),
     "num_users": (int,),
-    "num_examples": (int,),
-    "num_examples_used": (int,),
     "max_examples_per_user": (int, type(None)),
-    "largest_user": (int,),
-    "users_capped": (int,),
     "reduction": (str,),
     "subset": (str,),
-    "layout_sha256": (str,),
 }
 
 

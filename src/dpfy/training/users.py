@@ -148,22 +148,33 @@ class UserLayout:
         return h.hexdigest()
 
     def facts(self, reduction: str) -> dict[str, Any]:
-        """What the ledger records about the grouping (metadata key ``user_level``)."""
+        """What the ledger records about the grouping (metadata key ``user_level``): N in
+        units (a public assumption of the statement) and the configuration, nothing else.
+
+        The example counts, the largest unit, how many units were capped and the layout's
+        hash are computed from the private data without noise (the hash tells neighbouring
+        data sets apart exactly): they are :meth:`private_facts`, kept for the private
+        diagnostics only."""
         return {
             "unit": self.unit,
             "num_users": self.num_users,
-            "num_examples": int(self.num_examples),
-            "num_examples_used": self.num_used,
             "max_examples_per_user": self.cap if self.cap_given else None,
-            "largest_user": int(self.counts.max()) if self.num_users else 0,
-            "users_capped": int(self.users_capped),
             "reduction": reduction,
             "subset": (
-                f"a uniformly random subset of {self.cap} examples of each larger {self.unit}, "
-                f"drawn once before training from {self.subset_randomness}"
-                if self.users_capped
-                else "every example used"
+                f"a uniformly random subset of {self.cap} examples of each {self.unit} that "
+                f"has more, drawn once before training from {self.subset_randomness}"
+                if self.cap_given
+                else f"every example of each {self.unit} used"
             ),
+        }
+
+    def private_facts(self) -> dict[str, Any]:
+        """The grouping's facts computed from the private data (see :meth:`facts`)."""
+        return {
+            "num_examples": int(self.num_examples),
+            "num_examples_used": self.num_used,
+            "largest_user": int(self.counts.max()) if self.num_users else 0,
+            "users_capped": int(self.users_capped),
             "layout_sha256": self.digest,
         }
 
@@ -524,3 +535,11 @@ class UserLevelTrainer(PrivateTrainer):
 
 def _num_examples(inputs: Any) -> int:
     return len(inputs)
+
+
+def private_facts(trainer: PrivateTrainer) -> dict[str, Any]:
+    """The private diagnostics of a run's grouping (``{"user_level": ...}``, see
+    :meth:`UserLayout.private_facts`); empty for an example-level trainer."""
+    if isinstance(trainer, UserLevelTrainer):
+        return {"user_level": trainer.layout.private_facts()}
+    return {}
