@@ -214,10 +214,10 @@ def _train_into(
                 batch_plan=batch_plan(c),
             ),
         )
+    # accuracies on validation units (--validation) are private: never recorded or reported
+    evaluated = [] if summary.private_evaluation else summary.history.epochs
     accuracy_by_step = [
-        (int(e.steps), float(e.test_accuracy))
-        for e in summary.history.epochs
-        if e.test_accuracy is not None
+        (int(e.steps), float(e.test_accuracy)) for e in evaluated if e.test_accuracy is not None
     ]
     command = _train_command(  # --seed only for a seeded run: the line repeats the mode that ran
         "train", dataset, out_dir, target_epsilon, delta,
@@ -246,7 +246,7 @@ def _train_into(
         accuracy_by_step=[list(x) for x in accuracy_by_step],
         # the raw model's (before an EMA), as summary.json publishes it: checked against it
         model_accuracy_by_step=[
-            [int(e.steps), float(e.model_test_accuracy)] for e in summary.history.epochs
+            [int(e.steps), float(e.model_test_accuracy)] for e in evaluated
             if e.model_test_accuracy is not None
         ],
         train_command=command,

@@ -61,6 +61,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dpfy._files import write_atomic
 from dpfy._validate import check_int, check_output_path, check_positive, check_range
 from dpfy.config import RunConfig
 
@@ -561,7 +562,9 @@ def _write_report(
 ) -> None:
     """``tuning.json`` and ``report.md`` in the search directory."""
     out = result.out_dir
-    rows = [dataclasses.asdict(t) for t in result.trials]
+    # a trial's wall time depends on its realised batches: private, never in tuning.json
+    rows = [{k: v for k, v in dataclasses.asdict(t).items() if k != "seconds"}
+            for t in result.trials]
     payload = {
         "dataset": config.dataset, "space": space.to_dict(), "trials_mean": options.trials,
         "distribution": options.distribution, "number_of_trials": len(result.trials),
@@ -571,8 +574,7 @@ def _write_report(
         "search_epsilon": result.search_epsilon, "search_method": result.method,
         "all_scores_epsilon": result.all_scores_epsilon,
     }
-    (out / "tuning.json").write_text(json.dumps(payload, indent=2, default=str),
-                                     encoding="utf-8")
+    write_atomic(out / "tuning.json", json.dumps(payload, indent=2, default=str))
     lines = [f"# Hyperparameter search: {config.dataset}", "",
              f"{len(result.trials)} trials (K drawn: {options.distribution}, mean "
              f"{options.trials:g}), each calibrated to epsilon {config.target_epsilon:g} alone "
@@ -599,4 +601,4 @@ def _write_report(
             f"{len(result.trials)} trials drawn; K was drawn independently of the data). "
             "With few trials this can be below the search's figure: Papernot & Steinke's "
             "bound pays for the whole distribution of K, not the K drawn.", ""]
-    (out / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    write_atomic(out / "report.md", "\n".join(lines))

@@ -93,6 +93,9 @@ class TrainResultSummary:
     model: nn.Module
     ledger: Ledger
     diagnostics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The accuracies were measured on held-out training units (a search's validation
+    #: split), not on public test data: private, so the public view leaves them out.
+    private_evaluation: bool = False
 
     def to_dict(self, *, include_history: bool = True, private: bool = False) -> dict[str, Any]:
         """The summary as JSON-ready values.
@@ -108,6 +111,10 @@ class TrainResultSummary:
                if f.name not in left_out}  # the wall time depends on the realised batches
         if include_history:
             out["history"] = self.history.to_dict() if private else self.history.public_dict()
+        if self.private_evaluation and not private:  # computed from private units, no noise
+            out["test_accuracy"] = None
+            for epoch in out.get("history", {}).get("epochs", []):
+                epoch["test_accuracy"] = epoch["model_test_accuracy"] = None
         if private:
             out["diagnostics"] = dict(self.diagnostics)
         return out
@@ -344,9 +351,10 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
         seconds = time.perf_counter() - start
         accuracy = trainer.evaluate()
         assert accuracy is not None  # every recipe's trainer evaluates
-        ledger.record_metadata(
-            test_accuracy=accuracy, epsilon=result.privacy.epsilon,  # wall time: private
-            accounting=result.privacy.method, stopped=result.stopped, **randomness,
+        ledger.record_metadata(  # wall time, and an accuracy on validation units: private
+            **({} if config.validation else {"test_accuracy": accuracy}),
+            epsilon=result.privacy.epsilon, accounting=result.privacy.method,
+            stopped=result.stopped, **randomness,
         )
         summary = TrainResultSummary(
             dataset=config.dataset, sampler=batches.kind, model_name=model_name,
@@ -358,7 +366,8 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
             history=result.history, model=result.model, ledger=ledger,
             model_path=None if model_path is None else str(model_path),
             ledger_path=None if ledger_path is None else str(ledger_path),
-            diagnostics=recipe.diagnostics(data),
+            diagnostics={**recipe.diagnostics(data), **users.private_facts(trainer)},
+            private_evaluation=bool(config.validation),
         )
         state = recipe.model_state(result.model)
         if model_path is not None:  # set exactly when out is; each file whole or absent
