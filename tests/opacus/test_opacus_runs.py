@@ -147,3 +147,36 @@ def test_model_module_saves_the_users_plain_model(tmp_path):
     plain.load_state_dict(torch.load(tmp_path / "model.pt"))
     x = _data().tensors[0]
     assert torch.equal(plain(x), model(x))
+
+
+def test_under_torchrun_one_line_from_rank_0_then_every_rank_leaves_its_group(
+    monkeypatch, capsys
+):
+    import torch.distributed as dist
+
+    from dpfy.training.launch import free_port
+
+    port = free_port()
+    for rank in (1, 0):
+        launch = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(port), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        for key, value in launch.items():
+            monkeypatch.setenv(key, value)
+        if rank == 0:  # a group to leave (of one process: the test is one process)
+            dist.init_process_group("gloo", rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{port}")
+        model = _model()
+        with pytest.raises(SystemExit) as ended:
+            PrivacyEngine(run_dir=None).make_private(
+                module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                data_loader=DataLoader(_data(), batch_size=6), noise_multiplier=1.0,
+                max_grad_norm=1.0,
+            )
+        assert ended.value.code == 1 and not dist.is_initialized()
+        printed = capsys.readouterr().err.splitlines()
+        if rank == 0:
+            assert len(printed) == 1
+            assert printed[0].startswith("dpfy: RuntimeError: make_private in 2 processes: "
+                                         "dpfy.opacus runs in one process")
+        else:
+            assert printed == []  # rank 1 says nothing: rank 0's line is the run's

@@ -6,15 +6,23 @@
 * :class:`DifferentiallyPrivateDistributedDataParallel` (``opacus.distributed``): importable,
   so scripts that import it run in one process; building one is refused, naming dpfy's
   distributed path.
+* :func:`refuse`: a refusal under a launcher (``torchrun``, several processes) is one line,
+  printed by rank 0 only (not one traceback per rank); every rank then leaves the process
+  group together (a barrier, then each destroys its group: under torchrun the TCP store is
+  its agent's, so no rank's exit takes it from the others) and exits with status 1.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from dpfy.training.torchrun import torchrun_env
 
 #: What a multi-process dpfy.opacus script is refused with (one line).
 DISTRIBUTED = (
@@ -47,7 +55,25 @@ class DifferentiallyPrivateDistributedDataParallel(nn.Module):
     """Opacus' DDP wrapper: importable, refused when built (:data:`DISTRIBUTED`)."""
 
     def __init__(self, model: nn.Module) -> None:
-        raise NotImplementedError(
+        refuse(NotImplementedError(
             f"DifferentiallyPrivateDistributedDataParallel is not part of dpfy.opacus: "
             f"{DISTRIBUTED}"
-        )
+        ))
+
+
+def refuse(error: Exception) -> NoReturn:
+    """Raise ``error``; in a process a launcher started among several, print its one line
+    from rank 0 only and end every rank in order instead (module docstring).
+
+    Raises:
+      SystemExit: status 1, under a launcher with more than one process.
+    """
+    launch = torchrun_env()
+    if launch is None or launch.world_size == 1:
+        raise error
+    if launch.rank == 0:
+        print(f"dpfy: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank refuses at the same line of the script
+        dist.destroy_process_group()
+    raise SystemExit(1)

@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler, default_collate
 
 from dpfy.ledger import Ledger
+from dpfy.opacus._compat import DISTRIBUTED, refuse
 from dpfy.opacus.accountant import LedgerAccountant
 from dpfy.opacus.data_loader import DPDataLoader
 from dpfy.opacus.optimizer import DPOptimizer
@@ -57,6 +58,7 @@ from dpfy.sampling.poisson import PoissonSampler
 from dpfy.sampling.shuffle import ShuffleSampler
 from dpfy.training import PrivateOptions, make_private
 from dpfy.training.loader import check_dataset
+from dpfy.training.torchrun import torchrun_env
 
 #: Where a run's ledger and report go unless ``run_dir`` says otherwise (``{time}``: the local
 #: time of the first ``make_private``, ``YYYYmmdd-HHMMSS``; relative to the working directory).
@@ -285,6 +287,9 @@ class PrivacyEngine:
         return made
 
     def _make(self, r: _Request) -> tuple[Any, ...]:
+        launch = torchrun_env()
+        if launch is not None and launch.world_size > 1:
+            refuse(RuntimeError(f"make_private in {launch.world_size} processes: {DISTRIBUTED}"))
         loader = r.data_loader
         if isinstance(loader, DPDataLoader):  # a script's next run (Opacus' --n-runs)
             loader = loader.original  # its batches are drawn afresh by this run's sampler
