@@ -36,7 +36,7 @@ def _data(n: int = B) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pg(model: nn.Module, every: int = 1) -> PrivateGradient:
     pg = PrivateGradient(model, GaussianSumQuery(0.5, 1.0), expected_batch_size=float(B))
-    pg.attribution.every = every  # off by default for now (docs/architecture.md)
+    pg.attribution.every, pg.attribution.budget = every, None  # every chunk, no time budget
     return pg
 
 
@@ -99,7 +99,7 @@ def test_user_level_groups_with_padding_rows_are_not_refused():
             _mlp(), GaussianSumQuery(0.5, 1.0, clipped_unit=unit), expected_batch_size=3.0,
             microbatch_size=2, microbatch_mode=mode,
         )
-        pg.attribution.every = 1
+        pg.attribution.every, pg.attribution.budget = 1, None
         x, y = _data()
         for _ in range(8):  # a random unit each time
             pg.accumulate(x, y, LOSS, weights=torch.tensor([1.0, 0, 1, 1, 1, 0]))
@@ -180,3 +180,49 @@ def test_dropout_switched_on_later_in_the_run_is_learnt_again():
     assert pg.attribution.stochastic is True
     model[2].eval()
     assert pg.attribution.stochastic is False  # the first verdict, for the first modes
+
+
+class _Centred(nn.Module):
+    """Centres a hidden layer over the batch: each example's output depends on the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(torch.tanh(h - h.mean(0, keepdim=True)))
+
+
+def test_a_batch_mixing_operation_is_refused_by_default_on_the_first_chunk():
+    model = _Centred()
+    pg = PrivateGradient(model, GaussianSumQuery(0.5, 1.0), expected_batch_size=float(B))
+    with pytest.raises(AttributionError, match="mixes the examples"):
+        pg.accumulate(*_data(), LOSS)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_default_budget_checks_the_first_chunk_and_then_within_its_share():
+    x, y = _data()
+    pg = PrivateGradient(_mlp(), GaussianSumQuery(0.5, 1.0), expected_batch_size=float(B))
+    assert pg.attribution.every == 1 and pg.attribution.budget == 0.05
+    pg.attribution.budget = 1e-12  # a share no check fits in: the first chunk only
+    for _ in range(5):
+        pg.accumulate(x, y, LOSS)
+    assert pg.attribution.runs == 1
+    pg.attribution.budget = None  # every chunk, whatever it costs
+    for _ in range(3):
+        pg.accumulate(x, y, LOSS)
+    assert pg.attribution.runs == 4
+
+
+def test_attribution_budget_must_be_a_share_in_zero_one():
+    x, y = _data(24)
+    model = _mlp()
+    with pytest.raises(ValueError, match="attribution_budget"):
+        dpfy.make_private(
+            model, torch.optim.SGD(model.parameters(), lr=0.1),
+            torch.utils.data.TensorDataset(x, y), target_epsilon=4.0, delta=1e-5, epochs=1,
+            clip_norm=0.5, expected_batch_size=6, loss_fn=LOSS,
+            options=dpfy.training.PrivateOptions(attribution_budget=0.0),
+        )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,9 +50,12 @@ LossOf = Callable[[torch.Tensor], torch.Tensor]
 #: Rounding floor, relative to the whole gradient's norm (the coverage check's).
 ABSOLUTE = 1e-2
 
-#: Chunks between two checks by default (0: off). Off until it stops refusing the MiniLM text
-#: recipe (docs/architecture.md, "The attribution check").
-DEFAULT_EVERY = 0
+#: Chunks between two checks by default (0: off): every chunk, within the time budget.
+DEFAULT_EVERY = 1
+
+#: By default the check may take this share of the run's time (a chunk is skipped while the
+#: checks so far took more); ``None`` checks every ``every``-th chunk whatever it costs.
+DEFAULT_BUDGET: float | None = 0.05
 
 _PICK = random.SystemRandom()  # which unit is checked: never the training streams
 
@@ -82,9 +86,15 @@ class AttributionCheck:
     def __init__(
         self, plans: Sequence[Any] = (), qualified: Sequence[Mapping[str, str]] = (),
         every: int = DEFAULT_EVERY, model: nn.Module | None = None,
+        budget: float | None = DEFAULT_BUDGET,
     ) -> None:
         self.every = int(every)
+        self.budget = budget
         self.chunks = 0
+        self.runs = 0  # chunks checked
+        self._spent = 0.0  # seconds in the check
+        self._elapsed = 0.0  # seconds from the first chunk's call to the last's
+        self._last: float | None = None
         self._model = model
         # stochastic or not, learnt per set of module modes (train/eval of every submodule):
         # a model whose dropout is switched on later in the run is learnt again then
@@ -105,11 +115,20 @@ class AttributionCheck:
         return self._verdicts.get(self._modes())
 
     def due(self) -> bool:
-        """Whether the next chunk is checked (counts the chunk)."""
+        """Whether the next chunk is checked (counts the chunk and the time since the last).
+
+        Every ``every``-th chunk, and under a ``budget`` only while the checks so far took at
+        most that share of the rest of the run's time (the first due chunk always)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._elapsed += now - self._last
+        self._last = now
         self.chunks += 1
-        if self.every <= 0 or self.stochastic:
+        if self.every <= 0 or self.stochastic or (self.chunks - 1) % self.every:
             return False
-        return (self.chunks - 1) % self.every == 0
+        if self.budget is None or self.runs == 0:
+            return True
+        return self._spent <= self.budget * max(self._elapsed - self._spent, 0.0)
 
     def run(
         self,
@@ -134,6 +153,24 @@ class AttributionCheck:
           unit_scale: what a unit's summed loss is multiplied by (1/k in average mode).
           tolerance: relative tolerance of the working precision.
         """
+        start = time.perf_counter()
+        try:
+            self._check(loss_of, params, squared, real, mask, group_size, unit_scale, tolerance)
+        finally:
+            self.runs += 1
+            self._spent += time.perf_counter() - start
+
+    def _check(
+        self,
+        loss_of: LossOf,
+        params: Mapping[str, torch.Tensor],
+        squared: Mapping[str, torch.Tensor],
+        real: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        group_size: int,
+        unit_scale: float,
+        tolerance: float,
+    ) -> None:
         n = next(iter(squared.values())).shape[0] if squared else 0
         units = list(range(n)) if real is None else torch.nonzero(real > 0).flatten().tolist()
         if not units:
@@ -172,10 +209,15 @@ class AttributionCheck:
                 self._verdicts[modes] = False
         names = list(params)
         # one host read for both sides (fp32 norms: the tolerance is 1e-3 or looser)
-        zero = alone[0].new_zeros((), dtype=torch.float32)
+        # norms in each tensor's own precision (fp32 at least: the tolerance is 1e-3 there,
+        # tighter in float64), one host read for both sides
+        def wide(t: torch.Tensor) -> torch.Tensor:
+            return t.to(torch.promote_types(t.dtype, torch.float32))
+
+        zero = alone[0].new_zeros((), dtype=torch.float64)
         both = torch.stack(
-            [torch.linalg.vector_norm(g.float()) for g in alone]
-            + [squared[n][j].float().clamp(min=0).sqrt() if n in squared else zero
+            [torch.linalg.vector_norm(wide(g)).double() for g in alone]
+            + [wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared else zero
                for n in names]
         ).tolist()
         mine, theirs = both[: len(names)], both[len(names):]

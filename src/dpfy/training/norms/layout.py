@@ -63,6 +63,8 @@ def permute_batch(x: Any, perm: torch.Tensor | None, batch: int) -> Any:
     """
     if perm is None:
         return x
+    if isinstance(x, torch.Tensor):  # the common case, without flattening a tree
+        return x.index_select(0, perm.to(x.device)) if x.dim() > 0 and x.shape[0] == batch else x
     leaves, spec = tree_flatten(x)
     out = [
         t.index_select(0, perm.to(t.device))
