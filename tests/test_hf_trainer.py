@@ -61,6 +61,7 @@ def test_example_ledger_report_and_model_card(tmp_path):
     ledger = Ledger.load(tmp_path / "ledger.jsonl")
     steps = trainer.state.global_step
     assert steps == ledger.iteration == 4  # 64 examples, expected logical batch 8 x 2 = 16
+    assert ledger.verification.complete and ledger.ended == "as planned: 4 of 4 planned releases"
     z = trainer.noise_multiplier
     assert ledger.to_event() == trainer._dp_sampler.privacy_event(z, steps=steps)
     eps = accounting.epsilon(ledger, 1e-5, trainer._dp_method).epsilon

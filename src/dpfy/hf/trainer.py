@@ -78,6 +78,7 @@ from transformers import Trainer, TrainingArguments
 from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetGuard, spent
+from dpfy.training.closing import LedgerCloser
 from dpfy.training.loader import (
     PrivateBatchSampler,
     RowsDataset,
@@ -448,11 +449,16 @@ class DPTrainingMixin:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._dp_trained = True
         self._dp_ledger = Ledger(path)
+        # the end record says whether the planned steps all ran (dpfy.training.closing)
+        closer, how = LedgerCloser(self._dp_ledger, int(self._dp_facts["planned_steps"])), ""
         try:
             output = super().train(None, *args, **kwargs)  # type: ignore[misc]
+        except BaseException as err:
+            how = f"an uncaught {type(err).__name__} in train()"
+            raise
         finally:
             self._dp_gradient.reset()
-            self._dp_ledger.close()
+            closer.close(how or "train() returned")
         self.write_privacy_report()
         return output
 
