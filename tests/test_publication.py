@@ -119,3 +119,80 @@ def test_a_second_train_on_one_out_is_one_line_and_exit_2(tmp_path, capsys):
     assert list(out.iterdir()) == []  # the loser wrote nothing
     with claimed_run_dir(out):  # released: the directory can be claimed again
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# every field of every published file has a provenance: a release, public, or configuration
+# ---------------------------------------------------------------------------------------------
+
+
+def _leaves(value, prefix=""):
+    """(dotted path, value) of every leaf of a JSON value; list items as ``[]``."""
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list) and value:
+        for item in value:
+            yield from _leaves(item, prefix + "[]")
+    else:
+        yield prefix, value
+
+
+def _published_fields(out_dir):
+    """(file, path, value) of every field of the run directory's data files."""
+    import tomllib
+
+    for name in ("summary.json", "report.json"):
+        for path, value in _leaves(json.loads((out_dir / name).read_text())):
+            yield name, path, value
+    for path, value in _leaves(tomllib.loads((out_dir / "run.toml").read_text())):
+        yield "run.toml", path, value
+    for line in (out_dir / "ledger.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        kind = record.pop("type")
+        record.pop("prev", None)
+        body = record.get("info", record) if kind == "metadata" else record
+        for path, value in _leaves(body):
+            yield "ledger.jsonl", f"{kind}.{path}" if path else kind, value
+
+
+@pytest.fixture(scope="module")
+def validation_run(tmp_path_factory):
+    """A --validation run: its accuracies are measured on held-out training images."""
+    base = tmp_path_factory.mktemp("validation")
+    return runs.train_and_report(RunConfig(
+        dataset="mnist", out=base / "run", epochs=1, batch_size=64, train_limit=256,
+        test_limit=64, seed=0, threads=1, validation=True,
+    ))
+
+
+@pytest.mark.parametrize("run_type", ["image", "validation"])
+def test_every_published_field_is_a_release_public_or_configuration(
+    tiny_run, validation_run, run_type
+):
+    from dpfy.publication import PRIVATE, provenance
+
+    run = tiny_run[0] if run_type == "image" else validation_run
+    unlisted, private = [], []
+    for name, path, _ in _published_fields(run.out_dir):
+        kind = provenance(name, path)
+        if kind is None:
+            unlisted.append(f"{name}: {path}")
+        elif kind == PRIVATE:
+            private.append(f"{name}: {path}")
+    assert not unlisted, f"fields without a provenance in publication.PROVENANCE: {unlisted}"
+    assert not private, f"private fields in published files: {private}"
+
+
+def test_a_validation_accuracy_is_never_published(validation_run):
+    out = validation_run.out_dir
+    accuracy = validation_run.test_accuracy  # on held-out training images: private
+    assert accuracy is not None
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_accuracy"] is None
+    assert all(e["test_accuracy"] is None and e["model_test_accuracy"] is None
+               for e in summary["history"]["epochs"])
+    meta = validation_run.model.ledger.metadata
+    assert "test_accuracy" not in meta and meta["accuracy_by_step"] == []
+    assert meta["model_accuracy_by_step"] == []
+    assert "test_accuracy" not in json.loads((out / "report.json").read_text())["utility"]

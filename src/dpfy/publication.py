@@ -220,3 +220,104 @@ def _lock_dir(fd: int) -> None:
         import fcntl
 
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+# ---------------------------------------------------------------------------------------------
+# where each published value comes from
+# ---------------------------------------------------------------------------------------------
+
+#: A DP release, or a function of the releases alone (the model, the ledger's noisy-release
+#: records and their accounting, hashes of released files).
+RELEASE = "release"
+#: Public data (the test split, the software), or a fact the statement names as a public
+#: assumption: the data set size N (report: "with the data set size (N = ...) treated as
+#: public"), and what follows from N and the configuration.
+PUBLIC = "public"
+#: What the operator chose, or what follows from the options alone (hyperparameters, seeds,
+#: file names, the plan, a run key drawn independently of the data).
+CONFIGURATION = "configuration"
+#: Computed from the private data without noise: never in a published file (the private
+#: diagnostics only, ``--private-diagnostics DIR``).
+PRIVATE = "private"
+
+#: The provenance of every field a ``dpfy train`` run (and a ``dpfy tune`` trial) writes into
+#: a published file, by file and dotted path (``[]`` for list items). A path takes the class
+#: of its longest listed prefix; ``tests/test_publication.py`` walks every field of the run
+#: types it trains and fails on one that is not listed or is :data:`PRIVATE`.
+PROVENANCE: dict[str, dict[str, str]] = {
+    "summary.json": {
+        "dataset": CONFIGURATION, "sampler": CONFIGURATION, "model_name": CONFIGURATION,
+        "delta": CONFIGURATION, "accounting": CONFIGURATION, "clip_norm": CONFIGURATION,
+        "batch_size": CONFIGURATION, "epochs": CONFIGURATION, "learning_rate": CONFIGURATION,
+        "model_path": CONFIGURATION, "ledger_path": CONFIGURATION,
+        "noise_multiplier": CONFIGURATION,  # calibrated from the budget and the plan
+        "test_accuracy": PUBLIC,  # the test split; None for a validation split (private)
+        "epsilon": RELEASE, "steps": RELEASE, "stopped": RELEASE,  # the budget guard's view
+        "history.epochs[].epoch": CONFIGURATION, "history.epochs[].steps": RELEASE,
+        "history.epochs[].test_accuracy": PUBLIC,
+        "history.epochs[].model_test_accuracy": PUBLIC,
+        "history.epochs[].epsilon": RELEASE,
+        "seconds": PRIVATE, "history.steps": PRIVATE, "history.epochs[].train_loss": PRIVATE,
+        "history.epochs[].seconds": PRIVATE, "diagnostics": PRIVATE,
+    },
+    "ledger.jsonl": {
+        # the file's own lines: a header (the run key: drawn apart from the data), samples
+        # (the sampler's plan; dataset_size is N), releases (clip and noise of each
+        # release), markers and signatures (of the released lines)
+        "header": CONFIGURATION, "resume": RELEASE, "signature": RELEASE,
+        "end": RELEASE,  # line counts and the released model's SHA-256
+        "sample": CONFIGURATION, "sample.spec.dataset_size": PUBLIC,
+        "sum_query": CONFIGURATION, "non_private": CONFIGURATION,
+        "matrix_run": CONFIGURATION, "matrix_step": CONFIGURATION,
+        "metadata": CONFIGURATION,  # options, hyperparameters, descriptions, run facts
+        "metadata.test_accuracy": PUBLIC, "metadata.accuracy_by_step": PUBLIC,
+        "metadata.model_accuracy_by_step": PUBLIC,
+        "metadata.epsilon": RELEASE, "metadata.stopped": RELEASE,
+        "metadata.calibrated": RELEASE,
+        "metadata.validation_score": RELEASE,  # a tuning trial's noisy score (a release)
+        "metadata.trial_epsilon": RELEASE,
+        "metadata.validation_size": PUBLIC,  # N of the score's release, as N above
+        "metadata.dataset_size": PUBLIC,
+        "metadata.user_level.num_users": PUBLIC,  # N in units of privacy
+        "metadata.linear_probe.epsilon_alone": RELEASE,
+        "metadata.wall_time_seconds": PRIVATE,
+        "metadata.user_level.num_examples": PRIVATE,
+        "metadata.user_level.num_examples_used": PRIVATE,
+        "metadata.user_level.largest_user": PRIVATE,
+        "metadata.user_level.users_capped": PRIVATE,
+        "metadata.user_level.layout_sha256": PRIVATE,
+    },
+    "report.json": {
+        # the statement: accounted from the ledger (release), worded from the configuration
+        "dp_setting": CONFIGURATION, "data_accesses": CONFIGURATION,
+        "released_output": CONFIGURATION, "unit_of_privacy": CONFIGURATION,
+        "adjacency": CONFIGURATION, "sampler": CONFIGURATION,
+        "sampler.dataset_size": PUBLIC, "accounting_method": CONFIGURATION,
+        "assumptions": CONFIGURATION, "delta": CONFIGURATION, "delta_times_n": PUBLIC,
+        "epsilon": RELEASE, "formal_statement": RELEASE, "privacy_tier": RELEASE,
+        "hyperparameters": RELEASE, "hyperparameters.dataset_size": PUBLIC,
+        "other_methods": RELEASE, "rdp_curve": RELEASE, "mu": RELEASE,
+        "epsilon_estimate": RELEASE, "epsilon_lower": RELEASE, "error_probability": RELEASE,
+        "attack_risk": RELEASE, "ledger_integrity": RELEASE, "release": CONFIGURATION,
+        "utility": PUBLIC, "utility.wall_time_seconds": PRIVATE,
+        "reproduce": CONFIGURATION, "reproduce.steps_recorded": RELEASE,
+        "figures": CONFIGURATION, "publishing": CONFIGURATION,
+        "sampling_randomness": CONFIGURATION, "noise_randomness": CONFIGURATION,
+        "audit": RELEASE,  # an attack on the released model and the run's own canaries
+        "user_level": RELEASE, "user_level.num_users": PUBLIC, "user_level.unit": CONFIGURATION,
+    },
+    "run.toml": {"": CONFIGURATION},
+}
+
+
+def provenance(file: str, path: str) -> str | None:
+    """The class of the field ``path`` of a published ``file`` (:data:`PROVENANCE`): that of
+    its longest listed prefix, or ``None`` when no prefix is listed."""
+    table = PROVENANCE[file]
+    parts = path.split(".")
+    for n in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:n])
+        for key in (prefix, prefix.replace("[]", "")):
+            if key in table:
+                return table[key]
+    return None

@@ -106,7 +106,8 @@ class TrainResultSummary:
             training data, not covered by the guarantee: for benchmarks and private
             diagnostics, never beside the model); default: the public view only.
         """
-        left_out = ("history", "model", "ledger", "diagnostics") + (() if private else ("seconds",))
+        left_out = ("history", "model", "ledger", "diagnostics", "private_evaluation") + (
+            () if private else ("seconds",))
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in left_out}  # the wall time depends on the realised batches
         if include_history:
@@ -331,6 +332,7 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
         ledger=Ledger(), randomness=noise_rng, callbacks=callbacks,
         precision=check_precision(config.precision),
         correlated=plan, device=None if device.type == "cpu" else device,
+        attribution_check=config.attribution_check,
     ))
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.
