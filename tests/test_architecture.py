@@ -476,28 +476,27 @@ def test_the_documented_new_option_reaches_the_help_and_the_ledger(tmp_path: Pat
             text = _apply_hunk(text, hunk)
         target.write_text(text, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(copy.parent), "COLUMNS": "200"}
-    run = functools.partial(subprocess.run, capture_output=True, text=True, env=env,
-                            timeout=300, cwd=tmp_path)
-
-    shown = run([sys.executable, "-m", "dpfy.cli", "train", "--help"])
-    assert shown.returncode == 0, shown.stderr[-3000:]
-    assert "--label-smoothing" in shown.stdout
-    script = tmp_path / "parse.py"
-    script.write_text(_PARSE_ONLY, encoding="utf-8")
-    parsed = run([sys.executable, str(script)])
-    assert parsed.returncode == 0, parsed.stderr[-3000:]
-    recorded, bad_exit = json.loads(parsed.stdout.splitlines()[-1])
+    script = tmp_path / "new_option.py"
+    script.write_text(_HELP_AND_PARSE, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    *shown, last = done.stdout.splitlines()
+    assert "--label-smoothing" in "\n".join(shown)  # dpfy train --help
+    recorded, bad_exit = json.loads(last)
     assert recorded["label_smoothing"] == 0.25 and recorded["dataset"] == "mnist"
     assert bad_exit == 2
-    assert "label_smoothing must be in [0.0, 1.0), got label_smoothing=1.5" in parsed.stderr
+    assert "label_smoothing must be in [0.0, 1.0), got label_smoothing=1.5" in done.stderr
 
 
-#: ``dpfy train`` up to the RunConfig it hands to the pipeline (the training itself is not
-#: what the option changes), then a bad value: prints ``[config record, exit code]``.
-_PARSE_ONLY = """
+#: ``dpfy train --help``; ``dpfy train`` up to the RunConfig it hands to the pipeline (the
+#: training itself is not what the option changes); a bad value. Prints the help, then
+#: ``[config record, exit code]``.
+_HELP_AND_PARSE = """
 import json
 from dpfy import cli, runs
 
+assert cli.main(["train", "--help"]) == 0
 seen = []
 runs.train_launched = lambda config, **kw: seen.append(config) or runs.HelperRank(1, 2)
 assert cli.main(["train", "mnist", "--label-smoothing", "0.25", "--seed", "1"]) == 0
