@@ -126,36 +126,6 @@ def test_a_second_train_on_one_out_is_one_line_and_exit_2(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------
 
 
-def _leaves(value, prefix=""):
-    """(dotted path, value) of every leaf of a JSON value; list items as ``[]``."""
-    if isinstance(value, dict) and value:
-        for key, item in value.items():
-            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(value, list) and value:
-        for item in value:
-            yield from _leaves(item, prefix + "[]")
-    else:
-        yield prefix, value
-
-
-def _published_fields(out_dir):
-    """(file, path, value) of every field of the run directory's data files."""
-    import tomllib
-
-    for name in ("summary.json", "report.json"):
-        for path, value in _leaves(json.loads((out_dir / name).read_text())):
-            yield name, path, value
-    for path, value in _leaves(tomllib.loads((out_dir / "run.toml").read_text())):
-        yield "run.toml", path, value
-    for line in (out_dir / "ledger.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        kind = record.pop("type")
-        record.pop("prev", None)
-        body = record.get("info", record) if kind == "metadata" else record
-        for path, value in _leaves(body):
-            yield "ledger.jsonl", f"{kind}.{path}" if path else kind, value
-
-
 @pytest.fixture(scope="module")
 def validation_run(tmp_path_factory):
     """A --validation run: its accuracies are measured on held-out training images."""
@@ -170,18 +140,10 @@ def validation_run(tmp_path_factory):
 def test_every_published_field_is_a_release_public_or_configuration(
     tiny_run, validation_run, run_type
 ):
-    from dpfy.publication import PRIVATE, provenance
+    from dpfy.publication import unclassified_fields
 
     run = tiny_run[0] if run_type == "image" else validation_run
-    unlisted, private = [], []
-    for name, path, _ in _published_fields(run.out_dir):
-        kind = provenance(name, path)
-        if kind is None:
-            unlisted.append(f"{name}: {path}")
-        elif kind == PRIVATE:
-            private.append(f"{name}: {path}")
-    assert not unlisted, f"fields without a provenance in publication.PROVENANCE: {unlisted}"
-    assert not private, f"private fields in published files: {private}"
+    assert unclassified_fields(run.out_dir) == []
 
 
 def test_a_validation_accuracy_is_never_published(validation_run):

@@ -18,6 +18,7 @@ from dpfy import accounting  # noqa: E402
 from dpfy import events as ev  # noqa: E402
 from dpfy.cli import main  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
+from dpfy.publication import unclassified_fields  # noqa: E402
 
 TINY = ["--epochs", "1", "--train-limit", "128", "--test-limit", "32", "--max-length", "16",
         "--seed", "0", "--threads", "1", "--batch-size", "64"]
@@ -55,6 +56,7 @@ def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
     assert meta["linear_probe"]["epsilon_alone"] <= 0.3 * 4 + 1e-9
     assert meta["model"] == "minilm-lpft" and meta["warmup"] == 0.5
     assert "--linear-probe 0.3" in meta["train_command"]
+    assert unclassified_fields(run_dir) == []  # every field: a release, public or config
 
 
 @pytest.mark.slow
@@ -76,6 +78,7 @@ def test_bias_only_and_all_linear_lora_train_only_their_parameters(tmp_path, opt
     assert code == 0, printed
     meta = Ledger.load(run_dir / "ledger.jsonl").metadata
     assert meta["model"] == model
+    assert unclassified_fields(run_dir) == []  # every field: a release, public or config
     state = torch.load(run_dir / "model.pt")
     assert all(saved in k or k.startswith("head.") for k in state)
     if saved == "lora_":  # every linear layer: key and the feed-forward layers too

@@ -12,6 +12,7 @@ import pytest
 
 from dpfy.cli import main
 from dpfy.ledger import Ledger
+from dpfy.publication import unclassified_fields
 from dpfy.report import build_report
 from dpfy.sampling import SampleSpec
 
@@ -114,6 +115,7 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
     private = {"num_examples", "num_examples_used", "largest_user", "users_capped",
                "layout_sha256"}  # computed from the private data: never published
     assert not private & (set(report["user_level"]) | set(ledger.metadata["user_level"]))
+    assert unclassified_fields(run_dir) == []  # every field: a release, public or config
     cmd = ledger.metadata["train_command"]
     assert "--unit user --users 40 --cap 4 --user-reduction mean" in cmd
     assert "one user" in printed
@@ -137,6 +139,7 @@ def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
     assert {s.spec.dataset_size for s in ledger.samples} == {facts["num_users"]}
     assert "num_examples" not in facts and facts["max_examples_per_user"] == 8
     assert "layout_sha256" not in facts and "users_capped" not in facts
+    assert unclassified_fields(run_dir) == []
     md = (run_dir / "report.md").read_text()
     assert f"(N = {facts['num_users']} movies)" in md and "at the level of one movie" in md
 

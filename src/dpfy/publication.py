@@ -321,3 +321,49 @@ def provenance(file: str, path: str) -> str | None:
             if key in table:
                 return table[key]
     return None
+
+
+def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted path, value) of every leaf of a JSON value; list items as ``[]``."""
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list) and value:
+        for item in value:
+            yield from _leaves(item, prefix + "[]")
+    else:
+        yield prefix, value
+
+
+def published_fields(out_dir: Path) -> Iterator[tuple[str, str, Any]]:
+    """``(file, path, value)`` of every field of a run directory's data files (those of
+    :data:`PROVENANCE` that it holds): a ledger line's path starts with its type."""
+    import tomllib
+
+    for name in ("summary.json", "report.json"):
+        if (out_dir / name).is_file():
+            yield from ((name, p, v) for p, v in _leaves(
+                json.loads((out_dir / name).read_text(encoding="utf-8"))))
+    if (out_dir / "run.toml").is_file():
+        config = tomllib.loads((out_dir / "run.toml").read_text(encoding="utf-8"))
+        yield from (("run.toml", p, v) for p, v in _leaves(config))
+    if (out_dir / "ledger.jsonl").is_file():
+        for line in (out_dir / "ledger.jsonl").read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            kind = str(record.pop("type"))
+            record.pop("prev", None)
+            body = record.get("info", record) if kind == "metadata" else record
+            for path, value in _leaves(body):
+                yield "ledger.jsonl", f"{kind}.{path}" if path else kind, value
+
+
+def unclassified_fields(out_dir: Path) -> list[str]:
+    """The fields of a run directory's published files that :data:`PROVENANCE` does not list
+    or lists as :data:`PRIVATE` (``"file: path (why)"``); empty when every value is a
+    release, public or configuration."""
+    found = []
+    for name, path, _ in published_fields(out_dir):
+        kind = provenance(name, path)
+        if kind is None or kind == PRIVATE:
+            found.append(f"{name}: {path} ({'not listed' if kind is None else 'private'})")
+    return sorted(set(found))
