@@ -18,6 +18,7 @@ what makes a run safe to repeat:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import json
@@ -226,7 +227,7 @@ class Optimisation:
     example: str
 
 
-class Recipe:
+class Recipe(abc.ABC):
     """What a recipe run fills into :func:`run_recipe`. A subclass implements :meth:`load`,
     :meth:`model`, :meth:`optimizer`, :meth:`trainer`, :meth:`metadata` and
     :meth:`model_state`; the others have the defaults of a plain run."""
@@ -235,6 +236,7 @@ class Recipe:
     hooks: RunHooks
     optimisation: Optimisation
 
+    @abc.abstractmethod
     def load(self) -> RecipeData:
         """The training and evaluation data (cheap enough to come before the batch check)."""
         raise NotImplementedError
@@ -243,6 +245,7 @@ class Recipe:
         """The data as the trainer takes it, once the batch is known to fit (default: as is)."""
         return data
 
+    @abc.abstractmethod
     def model(self, device: torch.device) -> nn.Module:
         """A fresh model on ``device``."""
         raise NotImplementedError
@@ -251,6 +254,7 @@ class Recipe:
         """Correlated noise for the run (default: None, DP-SGD)."""
         return None
 
+    @abc.abstractmethod
     def optimizer(self, net: nn.Module) -> torch.optim.Optimizer:
         """The optimizer that post-processes the released gradients."""
         raise NotImplementedError
@@ -266,12 +270,14 @@ class Recipe:
         """Callbacks that run before the caller's (learning-rate schedules)."""
         return ()
 
+    @abc.abstractmethod
     def trainer(self, net: nn.Module, optimizer: torch.optim.Optimizer, data: RecipeData,
                 batches: Sampler, user_args: dict[str, Any],
                 options: TrainerOptions) -> PrivateTrainer:
         """The trainer; ``user_args`` is empty at the example level."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def metadata(self, ledger: Ledger, net: nn.Module, batch_size: int) -> str:
         """Record the run's metadata before training; returns the model's name."""
         raise NotImplementedError
@@ -281,6 +287,7 @@ class Recipe:
         callbacks (None: the trainer's own, or none)."""
         return None
 
+    @abc.abstractmethod
     def model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The tensors ``model.pt`` keeps, on the host."""
         raise NotImplementedError
