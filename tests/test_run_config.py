@@ -61,6 +61,7 @@ def test_the_option_tables_of_the_configuration_are_the_recipes_own():
         ({"tan_steps": 50, "epochs": 3}, "tan_steps chooses batch_size and epochs"),
         ({"tan_steps": 50, "sampler": "shuffle"}, "tan_steps plans Poisson DP-SGD"),
         ({"tan_steps": 0}, "tan_steps must be"),
+        ({"attribution_check": -1}, "attribution_check must be"),
         ({"device": "gpu"}, "device must be 'cpu', 'cuda' or 'cuda:<index>'"),
         ({"device": "cuda:99"}, r"device='cuda:99' needs CUDA device 99, but this process"),
     ],
@@ -114,7 +115,7 @@ def test_train_from_a_config_file_records_it_in_ledger_and_report(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
         'dataset = "mnist"\nepochs = 1\nbatch_size = 64\ntrain_limit = 256\n'
-        "test_limit = 256\nseed = 0\nthreads = 1\n",
+        "test_limit = 256\nseed = 0\nthreads = 1\nattribution_check = 2\n",
         encoding="utf-8",
     )
     out = tmp_path / "run"

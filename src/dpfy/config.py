@@ -127,6 +127,10 @@ class RunConfig:
         private training data without noise (per-step realised batch sizes, training-batch
         losses and accuracies; :mod:`dpfy.publication`). Not covered by the guarantee and
         never to be published; ``None`` (the default): nothing of the kind is kept.
+      attribution_check: check every n-th physical batch that one random example's gradient
+        computed alone is the one its per-example rules recorded (1, the default: every batch
+        within 5 % of the run's time, the first always; 0: off;
+        :mod:`dpfy.training.norms.attribution`).
     """
 
     dataset: str = "mnist"
@@ -166,6 +170,7 @@ class RunConfig:
     tan_steps: int | None = None
     validation: bool = False
     private_diagnostics: str | os.PathLike[str] | None = None
+    attribution_check: int = 1
 
     def __post_init__(self) -> None:
         for name in ("out", "private_diagnostics"):
@@ -198,6 +203,7 @@ class RunConfig:
         self._check_execution()
         self._check_text_recipe()
         check_budget(self.target_epsilon, self.delta)
+        check_int("attribution_check", self.attribution_check, 0)
         for name, count in (("epochs", self.epochs), ("batch_size", self.batch_size),
                             ("train_limit", self.train_limit)):
             if count is not None:

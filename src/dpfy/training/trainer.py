@@ -66,6 +66,7 @@ from dpfy.training.distributed import (
 )
 from dpfy.training.history import EpochRecord, History, ProgressInfo, StepRecord, TrainResult
 from dpfy.training.loader import DatasetBatcher, check_dataset, check_sampler
+from dpfy.training.norms.attribution import DEFAULT_EVERY
 from dpfy.training.norms.registry import layer_type_names
 from dpfy.training.precision import Precision, check_loss_scale, check_precision
 from dpfy.training.resume import check_resume, run_hyperparameters
@@ -134,6 +135,7 @@ class TrainerOptions:
     distributed: Distributed | None = None
     correlated: CorrelatedPlan | None = None
     clip_groups: Sequence[str] = ()
+    attribution_check: int = DEFAULT_EVERY
 
 
 class PrivateTrainer:
@@ -205,6 +207,8 @@ class PrivateTrainer:
         other trainable parameters one more), at the privacy cost of joint clipping to
         ``clip_norm`` (:func:`dpfy.queries.separate_clipping`); empty: joint clipping. Not
         with ``correlated`` or ``distributed``.
+      attribution_check: the attribution check's frequency (``PrivateGradient``'s
+        ``attribution.every``: 1, the default, every chunk within its time budget; 0 off).
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -402,6 +406,7 @@ class PrivateTrainer:
             loss_scale=self.loss_scale,
             reducer=dist,
         )
+        self.private_gradient_.attribution.every = self.options.attribution_check
         rows, max_batch = self.max_physical_batch_size, self.sampler.max_batch_size
         if dist is not None:  # this rank's share of every chunk; the wrapper pads the count
             rows, max_batch = per_process_batch(rows, dist.world_size), None
