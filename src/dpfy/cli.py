@@ -87,19 +87,17 @@ def keys_new(
 ) -> None:
     """Draw a long-lived Ed25519 key that signs the keys of your runs (`dpfy train
     --signing-key PATH`); give readers PATH.pub (`dpfy report --trust PATH.pub`)."""
-    from dpfy.ledger.trust import fingerprint, new_long_lived_key
+    from dpfy import runs
 
-    public = new_long_lived_key(path)
+    public = runs.new_signing_key(path)
     print(f"private key: {path} (keep it outside every run directory; back it up)")
-    print(f"public key:  {path}.pub  {public}  ({fingerprint(public)})")
+    print(f"public key:  {path}.pub  {public}")
 
 
 def _warn_unless_trusted(trust: Any) -> None:
     """One warning line on standard error unless the ledger's key was checked against the key
     the reader trusts (``trust``: :meth:`dpfy.ledger.trust.KeyTrust.to_dict`)."""
-    from dpfy.ledger.trust import TRUSTED
-
-    if isinstance(trust, dict) and trust.get("level") != TRUSTED:
+    if isinstance(trust, dict) and not trust.get("verified"):
         print(f"dpfy: warning: ledger key: {trust.get('summary')}", file=sys.stderr)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import shlex
 import time
@@ -146,10 +145,8 @@ def train_and_report(
       distributed: rank 0 of a ``torchrun`` launch (:func:`torchrun_rank`): it writes the run
         directory while the other ranks run :func:`train_rank`; ``None``: this process alone
         (or with its ``config.workers`` local helpers).
-      signing_key: a long-lived Ed25519 private key file, kept outside runs (``dpfy keys
-        new``): it endorses the run's key in the ledger (:mod:`dpfy.ledger.trust`), so a reader
-        who trusts its public key verifies the run. Read before anything is written; not part
-        of the configuration (``run.toml`` never names it).
+      signing_key: a long-lived Ed25519 key file kept outside runs: it endorses the run key in
+        the ledger (:mod:`dpfy.ledger.trust`); read first, never in ``run.toml``.
 
     Raises:
       ValueError: ``config.out`` already holds a ledger (nothing is written then), or
@@ -261,10 +258,8 @@ def _train_into(
         trusted_key = endorse(summary.ledger, endorser)["key"]
     from dpfy.report.crosscheck import file_sha256
 
-    model_file = Path(summary.model_path) if summary.model_path else None
-    files = {model_file.name: file_sha256(model_file)} if model_file and model_file.is_file() \
-        else None  # the released model's SHA-256 goes into the signed end record
-    summary.ledger.close(files=files)  # the run is over: flush buffered metadata, refuse appends
+    model = Path(summary.model_path or out_dir / "model.pt")  # its SHA-256: in the signed end
+    summary.ledger.close(files={model.name: file_sha256(model)} if model.is_file() else None)
     from dpfy.ledger import Ledger
     from dpfy.publication import publishing_section, write_private_diagnostics
 
@@ -273,7 +268,6 @@ def _train_into(
     ledger_path = out_dir / "ledger.jsonl"
     report = _report_files(
         Ledger.load(ledger_path),
-        ledger_path,
         out_dir,
         delta=delta,
         method=summary.accounting,
@@ -389,12 +383,8 @@ class HelperRank:
     world_size: int
 
 
-def train_launched(
-    config: RunConfig,
-    *,
-    progress: bool = False,
-    signing_key: str | os.PathLike[str] | None = None,
-) -> TrainedRun | HelperRank:
+def train_launched(config: RunConfig, *, progress: bool = False,
+                   signing_key: str | os.PathLike[str] | None = None) -> TrainedRun | HelperRank:
     """``dpfy train``: :func:`train_and_report`, or this process's rank of a ``torchrun`` launch.
 
     Outside a launch this is :func:`train_and_report`. Under ``torchrun``
@@ -625,7 +615,7 @@ def features_and_report(
     ledger_path = out_dir / "ledger.jsonl"
     ledger = Ledger.load(ledger_path)
     report = _report_files(
-        ledger, ledger_path, out_dir, delta=delta, figures=False, train_command=command
+        ledger, out_dir, delta=delta, figures=False, train_command=command
     )
     rho = feats.gdp_figures(ledger).zcdp_rho
     return TrainedRun(out_dir, ledger_path, report, accuracy, seconds, estimator, rho)
@@ -674,8 +664,10 @@ def report_ledger(
     out_dir = Path(out) if out is not None else path.parent
     check_output_path("out", out_dir)
     from dpfy.ledger import Ledger, LedgerFormatError
+    from dpfy.ledger.trust import reader_key
+    from dpfy.report.inputs import default_delta, kept_publishing, recorded_facts
 
-    trusted_key = _trusted_key(public_key, trust)
+    trusted_key = reader_key(public_key, trust)
     try:
         ledger = Ledger.load(path)
     except UnicodeDecodeError as err:
@@ -689,17 +681,16 @@ def report_ledger(
     found = check_run_dir(path.parent, ledger, other_heads=False)
     if found:  # an edited figure beside the ledger: refused, no report written or replaced
         raise refusal(path.parent, found)
-    facts = _recorded_facts(ledger.metadata, need_delta=delta is None)
+    facts = recorded_facts(ledger.metadata, need_delta=delta is None)
     note = None
     if delta is None:
-        delta, note = _default_delta(ledger, facts)
+        delta, note = default_delta(ledger, facts)
     from dpfy.report.write import report_name
 
     name, diverted = report_name(out_dir, ledger.head)  # _report_files writes under this name
     audit = _kept_audit(out_dir, ledger.head) if diverted is None else None
     report = _report_files(
         ledger,
-        path,
         out_dir,
         delta=delta,
         method=method,
@@ -710,8 +701,9 @@ def report_ledger(
         note=note,
         trusted_key=trusted_key,
         # what a report of this head already published and the ledger cannot re-derive
-        train_command=_text(ledger.metadata.get("train_command")),
-        publishing=_kept_publishing(out_dir, ledger.head) if diverted is None else None,
+        train_command=command if isinstance(command := ledger.metadata.get("train_command"),
+                                            str) else None,
+        publishing=kept_publishing(out_dir, ledger.head) if diverted is None else None,
     )
     if audit is not None:  # `dpfy audit` wrote it and the ledger cannot re-derive it, so
         import json  # the report of the same chain head keeps it
@@ -741,112 +733,8 @@ def _kept_audit(out_dir: Path, head: str | None) -> dict[str, Any] | None:
     return section if isinstance(section, dict) and section else None
 
 
-def _text(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def _kept_publishing(out_dir: Path, head: str | None) -> dict[str, Any] | None:
-    """The Publishing section of the ``report.json`` of chain head ``head`` in ``out_dir``
-    (checked against the directory by :mod:`dpfy.report.crosscheck`), or None."""
-    import json
-
-    try:
-        kept = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    integrity = kept.get("ledger_integrity") if isinstance(kept, dict) else None
-    if not isinstance(integrity, dict) or integrity.get("head") != head:
-        return None
-    section = kept.get("publishing")
-    return section if isinstance(section, dict) and section else None
-
-
-def _trusted_key(
-    public_key: str | None, trust: str | os.PathLike[str] | None
-) -> str | None:
-    """The key a reader trusts, from ``--public-key HEX`` or ``--trust KEYFILE`` (one of them)."""
-    from dpfy.ledger.trust import check_public_key, read_trusted_key
-
-    if public_key is not None and trust is not None:
-        raise ValueError("public_key and trust name the key you trust twice: give one of them")
-    if public_key is not None:
-        return check_public_key("public_key", public_key)
-    return None if trust is None else read_trusted_key(trust)
-
-
-def _recorded_facts(meta: Mapping[str, Any], *, need_delta: bool) -> dict[str, Any]:
-    """The report's inputs from a ledger's metadata, each type-checked: a field of the wrong
-    type or range raises ``ValueError`` naming it (files are input, never trusted)."""
-
-    def number(name: str, low: float, high: float) -> float | None:
-        if name not in meta:
-            return None
-        value = meta[name]
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(
-                f"the ledger's metadata {name} must be a number in ({low}, {high}), got "
-                f"{name}={value!r}" + (" (pass --delta to override)" if "delta" in name else "")
-            )
-        check_range(name, value, low, high, low_open=True, high_open=high == math.inf)
-        return float(value)
-
-    facts: dict[str, Any] = {
-        "delta": number("delta", 0.0, 1.0) if need_delta else None,
-        "target_delta": number("target_delta", 0.0, 1.0) if need_delta else None,
-        "target_epsilon": number("target_epsilon", 0.0, math.inf),
-    }
-    pairs = meta.get("accuracy_by_step", [])
-    ok = isinstance(pairs, list) and all(
-        isinstance(p, list) and len(p) == 2
-        and isinstance(p[0], int) and not isinstance(p[0], bool) and p[0] >= 0
-        and isinstance(p[1], int | float) and not isinstance(p[1], bool) and 0.0 <= p[1] <= 1.0
-        for p in pairs
-    )
-    if not ok:
-        raise ValueError(
-            "the ledger's metadata accuracy_by_step must be a list of [step >= 0, accuracy in "
-            f"[0, 1]] pairs, got accuracy_by_step={str(pairs)[:60]!r}"
-        )
-    facts["accuracy_by_step"] = [(int(step), float(acc)) for step, acc in pairs]
-    utility = meta.get("utility", {})
-    if not isinstance(utility, dict) or not all(
-        isinstance(k, str) and (v is None or isinstance(v, str | int | float | bool))
-        for k, v in utility.items()
-    ):
-        raise ValueError(
-            "the ledger's metadata utility must be an object of named numbers or strings, "
-            f"got utility={str(utility)[:60]!r}"
-        )
-    facts["utility"] = dict(utility) or None
-    return facts
-
-
-def _default_delta(ledger: Ledger, facts: Mapping[str, Any]) -> tuple[float, str | None]:
-    """The statement's delta when none is given: the recorded delta; else the recorded target
-    delta; else 1/(10 N) (a run cut short before recording either). (delta, note or None)."""
-    if facts["delta"] is not None:
-        return float(facts["delta"]), None
-    if facts["target_delta"] is not None:
-        return float(facts["target_delta"]), (
-            "delta: the ledger records no final delta (the run ended before writing it); the "
-            "statement uses the recorded target delta"
-        )
-    sizes = [r.spec.dataset_size for r in ledger.samples if r.spec.dataset_size is not None]
-    if not sizes:
-        raise ValueError(
-            "delta: the ledger records no delta, no target delta and no dataset size: pass --delta"
-        )
-    n = max(sizes)
-    return 1.0 / (10.0 * n), (
-        f"delta: the ledger records no delta (the run ended before writing it); the statement "
-        f"uses the default 1/(10 N) = {1.0 / (10.0 * n):.3g} with N = {n}, the dataset size of "
-        "its sample records"
-    )
-
-
 def _report_files(
     ledger: Ledger,
-    ledger_path: Path,
     out_dir: Path,
     *,
     delta: float,
@@ -860,7 +748,7 @@ def _report_files(
     publishing: dict[str, Any] | None = None,
     trusted_key: str | None = None,
 ) -> PrivacyReport:
-    """Account the closed ``ledger`` (read from ``ledger_path``) and write the report files
+    """Account the closed ``ledger`` (read from its file) and write the report files
     into ``out_dir`` (beside, never over, a ``report.json`` of another chain head:
     :func:`dpfy.report.write.report_name`, no figures then); the report written. ``note`` (how
     a default was chosen) is added to the report's assumptions; ``publishing``
@@ -870,7 +758,7 @@ def _report_files(
 
     name, diverted = report_name(out_dir, ledger.head)
     report = build_report(
-        ledger, delta=delta, method=method, utility=utility, ledger_path=str(ledger_path),
+        ledger, delta=delta, method=method, utility=utility, ledger_path=ledger.path,
         trusted_key=trusted_key,
     )
     if publishing is not None:
@@ -894,8 +782,15 @@ def _report_files(
     except OSError as err:  # e.g. a full disk: the atomic write left no partial report
         raise ValueError(
             f"out: could not write the report into {str(out_dir)!r} ({err.strerror or err}); "
-            f"nothing was written there, the ledger {str(ledger_path)!r} is intact"
+            f"nothing was written there, the ledger {ledger.path!r} is intact"
         ) from None
+
+
+def new_signing_key(path: str | os.PathLike[str]) -> str:
+    """``dpfy keys new``: :func:`dpfy.ledger.trust.new_long_lived_key`."""
+    from dpfy.ledger.trust import new_long_lived_key
+
+    return new_long_lived_key(path)
 
 
 def _new_run_dir(out: str | os.PathLike[str] | None, default_name: str) -> Path:
@@ -977,7 +872,9 @@ def audit_and_report(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {set(METHODS)}, got method={method!r}")
-    trusted_key = _trusted_key(public_key, trust)
+    from dpfy.ledger.trust import reader_key
+
+    trusted_key = reader_key(public_key, trust)
     if not progress:
         return audit_run(
             run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]

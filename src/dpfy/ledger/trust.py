@@ -171,6 +171,19 @@ def check_public_key(name: str, value: str) -> str:
     return value
 
 
+def reader_key(public_key: str | None, trust: str | os.PathLike[str] | None) -> str | None:
+    """The key a reader trusts, from ``--public-key HEX`` or ``--trust KEYFILE`` (at most one).
+
+    Raises:
+      ValueError: both are given, or the one given is not a public key.
+    """
+    if public_key is not None and trust is not None:
+        raise ValueError("public_key and trust name the key you trust twice: give one of them")
+    if public_key is not None:
+        return check_public_key("public_key", public_key)
+    return None if trust is None else read_trusted_key(trust)
+
+
 # -- endorsing and checking a run key -------------------------------------------------------
 
 
@@ -247,7 +260,7 @@ class KeyTrust:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["summary"] = self.describe()
+        out.update(verified=self.verified, summary=self.describe())
         return out
 
 
