@@ -336,7 +336,10 @@ def _check_audit(section: Any, report: dict[str, Any], ledger: Ledger) -> Iterat
         return
     z = section.get("noise_multiplier")
     if "noise_multiplier" in section:
-        zs = sorted(set(ledger.noise_multipliers().values()))
+        from dpfy.ledger.records import MatrixRunRecord
+
+        zs = sorted({*ledger.noise_multipliers().values(), *(  # correlated noise: its run's z
+            r.noise_multiplier for r in ledger.entries if isinstance(r, MatrixRunRecord))})
         if not any(_same(z, x) for x in zs):
             yield Mismatch(name, "audit.noise_multiplier", z, zs)
     meta_clip = ledger.metadata.get("clip_norm")
