@@ -210,6 +210,30 @@ class AverageQuery(ReleasesClippedSums):
         return f"AverageQuery({self.query!r}, denominator={self.denominator})"
 
 
+def check_average_sensitivity(query: Query) -> None:
+    """``ValueError`` unless ``query`` can release sums of clipped microbatch *averages*
+    (``PrivateGradient(microbatch_mode="average")``): one flat part recorded with sensitivity
+    2C, or no noise at all."""
+    if query.noise_multiplier == 0.0:
+        return  # NoPrivacyQuery: nothing to protect
+    entries = query.ledger_entries()
+    if len(entries) != 1 or query.groups is not None:
+        raise ValueError(
+            "microbatch_mode='average' needs a flat sum query with sensitivity 2 x clip_norm, "
+            "e.g. GaussianSumQuery(clip_norm, noise_multiplier, "
+            "clipped_unit='microbatch_average')"
+        )
+    clip, sensitivity = entries[0].clip_norm, entries[0].sensitivity
+    if sensitivity < 2.0 * clip * (1 - 1e-12):
+        raise ValueError(
+            "microbatch_mode='average' clips microbatch averages: one example changes one of "
+            f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency "
+            f"(Ponomareva et al. 2023, Alg. 3), but the query records sensitivity "
+            f"{sensitivity!r}; use "
+            "GaussianSumQuery(clip_norm, noise_multiplier, clipped_unit='microbatch_average')"
+        )
+
+
 def gaussian_average_query(
     clip_norm: float, noise_multiplier: float, denominator: float, *, name: str = "average"
 ) -> AverageQuery:

@@ -18,6 +18,7 @@ from torch import nn
 from dpfy.training.norms.capture import LayerCapture, capture_layers
 from dpfy.training.norms.layout import replays
 from dpfy.training.precision import check_loss_scale
+from dpfy.training.sharded import is_sharded
 
 if TYPE_CHECKING:
     from dpfy.training.step import ChunkStats, PrivateGradient
@@ -36,9 +37,9 @@ class OpenChunk:
         self._pg = private_gradient
         self._stack = contextlib.ExitStack()
         self._recorder: LayerCapture | None = self._stack.enter_context(
-            capture_layers(private_gradient._hooked(), batch_size)
+            capture_layers(private_gradient.recorded_plans(), batch_size)
         )
-        if batch_size is not None and private_gradient._sharded is None:
+        if batch_size is not None and not is_sharded(private_gradient.model):
             # the caller's call of the model, kept so that a layout probe can run it again
             # with the examples reordered (dpfy.training.norms.layout); a loop that calls
             # submodules itself leaves the probe without a forward pass to rerun
@@ -91,8 +92,7 @@ class OpenChunk:
         loss_scale = check_loss_scale(pg.loss_scale if loss_scale is None else loss_scale)
         recorder, self._recorder = self._recorder, None
         try:
-            self._pg._chunks += 1
-            return self._pg._accumulate_losses(recorder, losses, weights, False, loss_scale)
+            return pg.accumulate_recorded(recorder, losses, weights, loss_scale)
         finally:
             self._stack.close()
 

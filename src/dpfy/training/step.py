@@ -86,7 +86,7 @@ from torch.utils._pytree import tree_map
 
 from dpfy._validate import check_int, check_range
 from dpfy.queries.base import check_query
-from dpfy.queries.sum import AverageQuery
+from dpfy.queries.sum import AverageQuery, check_average_sensitivity
 from dpfy.training.distributed import (
     GradientReducer,
     check_mirror_ledger,
@@ -295,7 +295,7 @@ class PrivateGradient:
             )
         self.forward = forward
         if microbatch_mode == "average":
-            _check_average_sensitivity(query)
+            check_average_sensitivity(query)
         # Layers that cannot be clipped per example are refused here, before anything is
         # recorded (dpfy.training.validate: BatchNorm, lazy parameters, ...).
         validate_module(model)
@@ -428,7 +428,7 @@ class PrivateGradient:
     ) -> ChunkStats:
         guard = self._sharded.collectives() if self._sharded else contextlib.nullcontext()
         batch = _batch_size(inputs)
-        with guard, capture_layers(self._hooked(), batch) as recorder:
+        with guard, capture_layers(self.recorded_plans(), batch) as recorder:
             if self._sharded is None:  # FSDP2: a probe's forward would need every rank
                 recorder.rerun, recorder.loss_of = replays(
                     self._forward, self.autocast, inputs, targets, loss_fn, batch
@@ -452,9 +452,18 @@ class PrivateGradient:
         device = next(iter(self._params.values())).device.type if self._params else "cpu"
         return precision_autocast(self.precision, device)
 
-    def _hooked(self) -> list[ModulePlan]:
+    def recorded_plans(self) -> list[ModulePlan]:
         """The plans recorded in the next chunk (the coverage check may add ancestors)."""
         return self._coverage.hooked()
+
+    def accumulate_recorded(
+        self, recorder: LayerCapture, losses: Any, weights: torch.Tensor | None, loss_scale: float
+    ) -> ChunkStats:
+        """:class:`~dpfy.training.chunk.OpenChunk`'s seam: a chunk whose layers ``recorder``
+        captured (hooks on :meth:`recorded_plans`), its backward from ``losses`` and its clipped
+        sums added, counted as one ``accumulate`` call."""
+        self._chunks += 1
+        return self._accumulate_losses(recorder, losses, weights, False, loss_scale)
 
     def open_chunk(self, batch_size: int | None = None) -> OpenChunk:
         """Record the layers while the caller runs the forward pass itself (hooks until closed).
@@ -841,27 +850,6 @@ def _flat_buffers(
 def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Clip weights times ``scale`` (in float64), in the working dtype."""
     return (w if scale == 1.0 else w * scale).to(dtype)
-
-
-def _check_average_sensitivity(query: Query) -> None:
-    if query.noise_multiplier == 0.0:
-        return  # NoPrivacyQuery: nothing to protect
-    entries = query.ledger_entries()
-    if len(entries) != 1 or query.groups is not None:
-        raise ValueError(
-            "microbatch_mode='average' needs a flat sum query with sensitivity 2 x clip_norm, "
-            "e.g. GaussianSumQuery(clip_norm, noise_multiplier, "
-            "clipped_unit='microbatch_average')"
-        )
-    clip, sensitivity = entries[0].clip_norm, entries[0].sensitivity
-    if sensitivity < 2.0 * clip * (1 - 1e-12):
-        raise ValueError(
-            "microbatch_mode='average' clips microbatch averages: one example changes one of "
-            f"them by up to 2 x clip_norm = {2 * clip!r} under add-or-remove adjacency "
-            f"(Ponomareva et al. 2023, Alg. 3), but the query records sensitivity "
-            f"{sensitivity!r}; use "
-            "GaussianSumQuery(clip_norm, noise_multiplier, clipped_unit='microbatch_average')"
-        )
 
 
 def _check_weights(
