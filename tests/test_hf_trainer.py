@@ -77,6 +77,11 @@ def test_example_ledger_report_and_model_card(tmp_path):
                  "delta: 1e-05", "Ledger integrity: intact and signed", "`ledger.jsonl`", "poisson"):
         assert text in privacy, text
     assert "PEFT" in card  # peft's own card is kept
+    # the Trainer's own logs: no unnoised loss of a private batch, no wall time
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert trainer.state.log_history and not logged & {"loss", "train_loss", "train_runtime"}
+    for state in tmp_path.rglob("trainer_state.json"):
+        assert '"loss"' not in state.read_text() and "train_loss" not in state.read_text()
     # Only the LoRA parameters were trained (and noised).
     assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
 

@@ -193,6 +193,15 @@ class PrivacyArguments:
 
 
 _PRIVACY_FIELDS = frozenset(f.name for f in dataclasses.fields(PrivacyArguments))
+#: What the Trainer would log about training that is computed from the private batches
+#: without noise: the mean loss of each batch (``loss``, ``train_loss``) and the run's wall
+#: time and speed (they follow the realised Poisson batch sizes). Never logged: not in
+#: ``trainer_state.json`` (output_dir and every checkpoint), ``train_results.json``,
+#: ``all_results.json``, stdout or a logging integration; ``last_step`` keeps the loss.
+_PRIVATE_LOGS = frozenset({
+    "loss", "train_loss", "train_runtime", "train_samples_per_second",
+    "train_steps_per_second",
+})
 
 
 class DPTrainingMixin:
@@ -460,7 +469,14 @@ class DPTrainingMixin:
             self._dp_gradient.reset()
             closer.close(how or "train() returned")
         self.write_privacy_report()
-        return output
+        metrics = {k: v for k, v in output.metrics.items() if k not in _PRIVATE_LOGS}
+        return output._replace(training_loss=math.nan, metrics=metrics)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log without what it computed from the private batches without noise
+        (:data:`_PRIVATE_LOGS`); evaluation on the user's data is the user's to judge."""
+        super().log({k: v for k, v in logs.items() if k not in _PRIVATE_LOGS},  # type: ignore[misc]
+                    *args, **kwargs)
 
     def write_privacy_report(self, out_dir: str | os.PathLike[str] | None = None) -> Any:
         """Write ``privacy_report.md`` and ``.json`` (default: into ``output_dir``)."""
