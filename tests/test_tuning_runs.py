@@ -16,6 +16,7 @@ from dpfy import events as ev
 from dpfy.cli import main
 from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
+from dpfy.publication import unclassified_fields
 from dpfy.sampling import SampleSpec
 from dpfy.tuning_runs import Dimension, SearchSpace, TuneOptions, tune_and_report
 
@@ -51,6 +52,9 @@ def test_a_four_trial_search_reports_the_final_and_the_whole_search(tmp_path):
     for ledger in ledgers:
         assert [s.spec.sampler for s in ledger.samples][-1] == "full_batch"
         assert ledger.metadata["validation_size"] > 0
+        assert "test_accuracy" not in ledger.metadata  # the raw score: never beside the noisy
+    for run_dir in [*sorted((out / "trials").iterdir()), out / "final"]:
+        assert unclassified_fields(run_dir) == [], run_dir  # a release, public or config
     assert not list((out / "trials").glob("*/model.pt"))  # only the choice leaves the search
     final = Ledger.load(out / "final" / "ledger.jsonl")
     every = ev.Composed((*(lg.to_event() for lg in ledgers), final.to_event()))
