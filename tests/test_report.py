@@ -203,3 +203,20 @@ def test_report_names_the_randomness_and_says_whether_it_is_a_dp_release(
     if release.startswith("Seeded"):  # the seed appears only where the randomness is named
         assert "the (epsilon, delta) below describes the mechanism only" in rep.release
         assert "seed 0" not in rep.formal_statement and "seed 3" not in rep.formal_statement
+
+
+def test_a_ledger_of_two_stages_reports_both_samplers():
+    """LP-FT: a full-batch probe, then Poisson fine-tuning, in one ledger."""
+    ledger = Ledger()
+    sid = ledger.record_sample(SampleSpec("full_batch", dataset_size=500))
+    ledger.record_sum_query(sid, sensitivity=1.0, noise_std=20.0, name="probe")
+    for step in range(3):
+        sid = ledger.record_sample(
+            SampleSpec("poisson", dataset_size=500, sampling_rate=0.1), step=step)
+        ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.0, name="gradient")
+    report = build_report(ledger, delta=1e-5)
+    stages = report.sampler["stages"]
+    assert [s["sampler"] for s in stages] == ["full_batch", "poisson"]
+    assert report.assumptions[0].startswith("stage 1 of 2 (full_batch): ")
+    assert report.assumptions[1].startswith("stage 2 of 2 (poisson): ")
+    assert "poisson" in report.to_markdown().split("Sampler actually used")[1].split("\n")[0]

@@ -236,11 +236,20 @@ def build_report(
     n = spec.get("dataset_size")
     sampler_kind = spec.get("sampler", "none")
 
-    sampling = _SAMPLER_ASSUMPTIONS.get(sampler_kind, sampler_kind)
     unit = ledger.unit or "example"
-    if unit != "example":  # the sampler drew units (users, movies), not examples
-        sampling = sampling.replace("examples", f"{unit}s").replace("example", unit)
-    assumptions = [sampling]
+
+    def sampling(kind: str) -> str:
+        text = str(_SAMPLER_ASSUMPTIONS.get(kind, kind))
+        if unit != "example":  # the sampler drew units (users, movies), not examples
+            text = text.replace("examples", f"{unit}s").replace("example", unit)
+        return text
+
+    assumptions = [sampling(sampler_kind)]
+    stages = list(dict.fromkeys(r.spec for r in ledger.samples))
+    if len(stages) > 1:  # e.g. LP-FT: the probe's full batch, then the fine-tuning's sampler
+        spec = {**spec, "stages": [stage.to_dict() for stage in stages]}
+        assumptions = [f"stage {i + 1} of {len(stages)} ({stage.sampler}): "
+                       f"{sampling(stage.sampler)}" for i, stage in enumerate(stages)]
     public_size = public_size_assumption(n, result.adjacency, unit)
     if public_size is not None:
         assumptions.append(public_size)
