@@ -354,11 +354,11 @@ class MatrixMechanism(Event):
     The run releases ``C x + z`` (``z ~ N(0, sigma^2 I)``, ``sigma`` = ``noise_multiplier`` x
     clip norm) for the strategy ``C`` named by ``strategy`` over ``steps`` steps; one example's
     contributions under the participation ``schema`` move ``C x`` by at most ``sensitivity``
-    x clip norm (:func:`dpfy.correlated.sensitivity`). The whole run is one Gaussian mechanism
-    with ``mu = sensitivity / noise_multiplier`` (Denisov et al. 2022; Choquette-Choo et al.
-    2023). Adjacency is ``zero_out`` as for :class:`Shuffled`: the schema fixes each example's
-    steps, which removing an example outright would shift. ``band`` is the strategy's band
-    width or buffer count (0 when not applicable); ``strategy`` and ``schema`` are descriptive
+    x clip norm (:func:`dpfy.correlated.schemas.sensitivity`). The whole run is one Gaussian
+    mechanism with ``mu = sensitivity / noise_multiplier`` (Denisov et al. 2022; Choquette-Choo
+    et al. 2023). Adjacency is ``zero_out`` as for :class:`Shuffled`: the schema fixes each
+    example's steps, which removing an example outright would shift. ``band`` is the strategy's
+    band width or buffer count (0 when not applicable); ``strategy`` and ``schema`` are descriptive
     names (e.g. ``"bandmf"``, ``"cyclic(period=100)"``) recorded for the report.
     """
 

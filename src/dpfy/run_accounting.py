@@ -84,7 +84,7 @@ class RunAccounting:
     """The privacy of a planned run, for the sampler that will really run.
 
     Attributes:
-      sampler: the sampler kind (see :data:`dpfy.sampling.SAMPLER_KINDS`).
+      sampler: the sampler kind (see :data:`dpfy.sampling.factory.SAMPLER_KINDS`).
       dataset_size, batch_size: N and the (expected) batch size B.
       steps: total DP-SGD steps; epochs: passes over the data as given (None: steps given).
       noise_multiplier: noise std / clip norm.

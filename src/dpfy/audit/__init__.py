@@ -12,8 +12,9 @@ this attack did not find one. Modules:
   Chaudhuri 2024 from the same counts.
 * :mod:`~dpfy.audit.onerun` - the one-run audit of a real ``dpfy train`` run (canaries with
   secret coins in the training set, black-box and white-box scores).
-* :mod:`~dpfy.audit.canary` - white-box gradient canaries on :class:`PrivateGradient` and the
-  queries (Nasr et al. 2023), and the one-run audit of one release.
+* :mod:`~dpfy.audit.canary` - white-box gradient canaries on
+  :class:`~dpfy.training.PrivateGradient` and the queries (Nasr et al. 2023), and the one-run
+  audit of one release.
 * :mod:`~dpfy.audit.replay` - gray-box record-and-replay checks (Cebere et al. 2026): two
   neighbouring batches, identical randomness, and what entered the noise compared with what the
   ledger declares.

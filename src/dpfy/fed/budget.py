@@ -1,7 +1,7 @@
 """The noise multiplier a federated run needs for a target client-level (epsilon, delta).
 
 Calibration runs before the first round on the event the cohort sampler will produce
-(:func:`dpfy.sampling.spec_event` of its ledger entry, ``rounds`` times), with dpfy's certified
+(:func:`dpfy.sampling.spec.spec_event` of its ledger entry, ``rounds`` times), with dpfy's certified
 search (:func:`dpfy.accounting.calibrate.calibrate_noise_multiplier`, docs/architecture.md 5.5).
 The run itself never computes epsilon: the report accounts its ledger.
 """

@@ -361,7 +361,7 @@ class Ledger:
           step: step index within the run or epoch (informative).
         """
         if not isinstance(spec, SampleSpec):
-            raise ValueError(f"spec must be a dpfy.ledger.SampleSpec, got spec={spec!r}")
+            raise ValueError(f"spec must be a dpfy.sampling.SampleSpec, got spec={spec!r}")
         check_count("epoch", epoch)
         if step is not None:
             check_count("step", step)

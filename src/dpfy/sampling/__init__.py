@@ -2,9 +2,9 @@
 
 A sampler turns ``dataset_size`` example indices into batches of indices, epoch by epoch, states
 the ledger entry describing them (``sample_spec``) and, through the same map the ledger uses
-(:func:`spec_event`), the :mod:`dpfy.events` event its batches give a Gaussian sum query
-(``privacy_event``). Accounting therefore follows the sampler that actually ran, never a
-hyperparameter that claims to.
+(:func:`~dpfy.sampling.spec.spec_event`), the :mod:`dpfy.events` event its batches give a
+Gaussian sum query (``privacy_event``). Accounting therefore follows the sampler that actually
+ran, never a hyperparameter that claims to.
 
 * ``PoissonSampler``: each example joins each batch independently with probability q
   -> ``PoissonSampled`` (``TruncatedPoisson`` with a maximum batch size).

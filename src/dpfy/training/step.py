@@ -225,11 +225,11 @@ class PrivateGradient:
 
     Parameters used by several modules (tied input/output embeddings) get the exact
     per-example norm of the *sum* of their contributions (own norms plus cross terms,
-    :func:`dpfy.training.norms.cross_term`).
+    :func:`dpfy.training.norms.registry.cross_term`).
 
     Raises:
       ValueError: bad arguments, a layer that cannot be clipped per example (see
-        :func:`dpfy.training.norms.plan_modules`), or an average-mode query whose recorded
+        :func:`dpfy.training.norms.capture.plan_modules`), or an average-mode query whose recorded
         sensitivity is below twice its clip norm.
     """
 

@@ -42,7 +42,7 @@ that the ledger of both meets the target) and warm Adam's rates up linearly (``w
 fraction of the steps; :class:`LinearWarmUp`) with its own epsilon (``adam_eps``).
 
 Full fine-tuning clips the head and the encoder as two groups (C / sqrt 2 each, the noise and
-privacy event of joint clipping to C; :func:`dpfy.queries.separate_clipping`): once the head
+privacy event of joint clipping to C; :func:`dpfy.queries.nested.separate_clipping`): once the head
 has grown (weights of std 0.1), the encoder holds about 97 % of a snippet's squared gradient
 norm (median over 32 snippets; LoRA factors: 18 %), so joint clipping scales the head's signal
 down about 18-fold under the same noise, and DP full fine-tuning reached 71.2 % at epsilon 8
@@ -379,7 +379,7 @@ class TextRecipe:
         the CPU, 256 on a CUDA device (the whole expected batch in one or two passes).
       accounting: accountant of calibration, guard and statement (default: the sampler's).
       clip_head_separately: clip the head and the encoder (or its LoRA factors) as two groups
-        at the privacy cost of one clip norm (:func:`dpfy.queries.separate_clipping`); None:
+        at the privacy cost of one clip norm (:func:`dpfy.queries.nested.separate_clipping`); None:
         :data:`TEXT_DEFAULTS` (full fine-tuning yes, LoRA no; module docstring).
     """
 

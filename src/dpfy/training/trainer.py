@@ -8,7 +8,7 @@ tensors with any sampler from :mod:`dpfy.sampling` and any ``torch.optim`` optim
 2. calibrate the noise multiplier from the *sampler's* privacy event
    (``sampler.privacy_event(z, epochs=epochs)``) to the target epsilon with the chosen
    accountant, unless a noise multiplier is given;
-3. per logical step: record the sampler's :class:`~dpfy.ledger.SampleSpec` in the ledger, cut
+3. per logical step: record the sampler's :class:`~dpfy.sampling.SampleSpec` in the ledger, cut
    the batch into fixed-shape physical chunks with weight-0 padding
    (:mod:`dpfy.training.data`), accumulate clipped per-example gradients, release the noisy
    sum once (the query writes its ledger entry first), step the optimizer, update the EMA;
@@ -205,7 +205,7 @@ class PrivateTrainer:
         account it with ``"gaussian"`` or ``"auto"``).
       clip_groups: parameter-name prefixes clipped separately (each prefix one group, the
         other trainable parameters one more), at the privacy cost of joint clipping to
-        ``clip_norm`` (:func:`dpfy.queries.separate_clipping`); empty: joint clipping. Not
+        ``clip_norm`` (:func:`dpfy.queries.nested.separate_clipping`); empty: joint clipping. Not
         with ``correlated`` or ``distributed``.
       attribution_check: the attribution check's frequency (``PrivateGradient``'s
         ``attribution.every``: 1, the default, every chunk within its time budget; 0 off).

@@ -12,9 +12,10 @@ and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``).
 in Python, each weight a linear form over the time steps; ``nn.MultiheadAttention``
 (``attention.py``) is recomputed with its projections as targets, each a linear form. A Parameter
 shared by several modules (tied input/output embeddings) is clipped exactly: the owners'
-norms plus cross terms (:func:`register_cross_term`). Every other module with trainable
-parameters is handled by :func:`fallback_rule` (``torch.func.vmap(grad)``, chunked). Register
-a rule for your own layer with :func:`register_norm_rule`; check it against
+norms plus cross terms (:func:`~dpfy.training.norms.registry.register_cross_term`). Every
+other module with trainable parameters is handled by
+:func:`~dpfy.training.norms.fallback.fallback_rule` (``torch.func.vmap(grad)``, chunked).
+Register a rule for your own layer with :func:`register_norm_rule`; check it against
 :func:`dpfy.training.norms.reference.per_example_gradients`.
 """
 

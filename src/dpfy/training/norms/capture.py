@@ -93,7 +93,7 @@ def plan_modules(model: nn.Module, *, fallback: Fallback = "vmap") -> list[Modul
 
     Raises:
       ValueError: a trainable module of a type that cannot be clipped per example
-        (:func:`dpfy.training.norms.register_unsupported`), or without a rule when
+        (:func:`dpfy.training.norms.registry.register_unsupported`), or without a rule when
         ``fallback="error"``; the message names the module and what to do.
     """
     if fallback not in ("vmap", "error"):

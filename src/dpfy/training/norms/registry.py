@@ -281,7 +281,7 @@ def register_unsupported(*kinds: type | str, reason: str, fix: str = "") -> None
       fix: what to do about it.
 
     :func:`dpfy.training.check_module` reports such a trainable module as an error and
-    :func:`dpfy.training.norms.plan_modules` refuses it when the step is built, both naming
+    :func:`dpfy.training.norms.capture.plan_modules` refuses it when the step is built, both naming
     the module, ``reason`` and ``fix``.
     """
     for kind in kinds:
