@@ -27,6 +27,9 @@ def test_upper_bound_is_exact_gaussian_composition():
     assert res.provable and res.method == "shuffle"
     assert 0.0 < res.epsilon_lower <= res.epsilon
     assert any("no tight upper bound" in n for n in res.notes)
+    # the lower bound is named for what it is: a max-bit bound on Chua et al.'s epoch pair
+    assert any("max-bit lower bound on the shuffled-epoch pair of Chua et al." in n
+               for n in res.notes)
     d = accounting.delta(e, 2.0, method="shuffle")
     assert d.delta == pytest.approx(float(gaussian_delta(2.0 / 1.2, 2.0)))
 

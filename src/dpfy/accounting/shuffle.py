@@ -53,8 +53,11 @@ UPPER_NOTE = (
     "the differing example (zero-out adjacency)"
 )
 LOWER_NOTE = (
-    "epsilon_lower: lower bound of Chua et al. (2024a) for shuffled batches (zero-out "
-    "adjacency); no tight upper bound with amplification is known for shuffling"
+    "epsilon_lower: a max-bit lower bound on the shuffled-epoch pair of Chua et al. (2024a) "
+    "(zero-out adjacency): a threshold test on each epoch's largest coordinate, composed over "
+    "epochs by counting; it is weaker than Chua et al.'s own bound over several epochs, so "
+    "the true epsilon may lie higher still; no tight upper bound with amplification is known "
+    "for shuffling"
 )
 
 
@@ -126,7 +129,9 @@ def _max_bit_pair(part: _Part) -> MaxBitPair:
 
 
 def shuffle_lower_bound_delta(event: ev.Event, epsilon: float, *, grid: int = 513) -> float:
-    """A certain lower bound on delta(epsilon) of a shuffled/deterministic run (Chua et al. 2024a).
+    """A certain lower bound on delta(epsilon) of a shuffled/deterministic run: the max-bit
+    post-processing (:mod:`.lower_bounds`) of each epoch's pair of Chua et al. 2024a, composed
+    over epochs by counting (weaker than their multi-epoch bound, never above the truth).
 
     Example:
       >>> e = ev.Shuffled(1.0, steps_per_epoch=100)
@@ -153,7 +158,8 @@ def _has_shuffle(event: ev.Event) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class ShuffleAccountant:
-    """``shuffle``: no-amplification upper bound (provable) + Chua et al. lower bound."""
+    """``shuffle``: no-amplification upper bound (provable) + a max-bit lower bound on the
+    shuffled-epoch pair of Chua et al. 2024a."""
 
     name: str = "shuffle"
 
