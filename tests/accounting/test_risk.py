@@ -33,9 +33,10 @@ def test_gaussian_matches_closed_form_from_above(z: float, count: int) -> None:
     risk = attack_risk(event)
     exact = _gaussian_tpr(ALPHAS, math.sqrt(count) / z)
     tpr = np.array(risk.tpr)
-    assert risk.method == "pld"
-    assert np.all(tpr >= exact - 1e-12), (tpr, exact)  # an upper bound
-    assert np.all(tpr - exact <= 1e-3), (tpr, exact)
+    assert risk.method == "gaussian"  # the exact trade-off curve, no discretisation slack
+    assert tpr == pytest.approx(np.maximum(exact, ALPHAS), rel=1e-12, abs=1e-15)
+    curve = attack_risk(event, (0.01,))  # one FPR alone: the same closed form
+    assert curve.tpr[0] == pytest.approx(_gaussian_tpr(np.array([0.01]), math.sqrt(count) / z)[0])
 
 
 @pytest.mark.parametrize(

@@ -182,6 +182,11 @@ def attack_risk(
         return AttackRisk(alphas, tuple(1.0 for _ in alphas), "unavailable", (note,))
     shifted = np.minimum(np.asarray(alphas) + p, 1.0)
     notes: list[str] = []
+    exact = _gdp_tpr(tamed, np.asarray(alphas)) if p == 0.0 and not clamped else None
+    if exact is not None:  # unsampled Gaussians: the exact trade-off curve, no grid
+        tpr, gdp_note = exact
+        return AttackRisk(alphas, tuple(float(t) for t in np.maximum(tpr, alphas)),
+                          "gaussian", (gdp_note,))
     try:
         tpr, pld_notes, method_used = _pld_tpr(tamed, shifted, tolerance)
         notes.extend(pld_notes)
@@ -206,6 +211,30 @@ def attack_risk(
         notes.extend(ed_notes)
     tpr = np.maximum(tpr, np.asarray(alphas))
     return AttackRisk(alphas, tuple(float(t) for t in tpr), method_used, tuple(notes))
+
+
+def _gdp_tpr(
+    event: ev.Event, alphas: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.float64], str] | None:
+    """The exact TPR bound of a composition of unsampled Gaussians, or None for another event.
+
+    Such a composition is mu-GDP (Dong, Roth, Su 2022, Corollary 3.3), whose trade-off curve
+    is f(a) = Phi(Phi^-1(1 - a) - mu): TPR(a) = 1 - f(a) = Phi(Phi^-1(a) + mu).
+    """
+    from scipy.stats import norm
+
+    from dpfy.accounting.gaussian import mu_of_event
+
+    try:
+        mu = mu_of_event(event)
+    except UnsupportedEventError:
+        return None
+    if not math.isfinite(mu):
+        return None
+    note = (f"the event is mu-GDP with mu = {mu:.6g} (unsampled Gaussians; a shuffled epoch "
+            "without amplification), so TPR(a) <= Phi(Phi^-1(a) + mu), the exact trade-off "
+            "curve of mu-GDP (Dong, Roth, Su 2022)")
+    return np.asarray(norm.cdf(norm.ppf(alphas) + mu), dtype=float), note
 
 
 def _native_truncated_tpr(

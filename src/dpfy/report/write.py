@@ -149,7 +149,7 @@ def _write_staged(
                 comparison, out / "figures" / "accountant_comparison.png", delta=report.delta
             )
             paths["accountant_comparison"] = str(p.relative_to(out))
-        if report.attack_risk.get("method") in ("pld", "epsilon-delta"):
+        if report.attack_risk.get("method") in ("gaussian", "pld", "epsilon-delta"):
             curve = attack_curve(ledger)
             p = plots.attack_risk(
                 curve.fpr,
