@@ -270,3 +270,16 @@ def test_train_on_a_full_disk_keeps_the_closed_ledger_and_no_model_debris(
     assert ledger.verification.status == "verified"  # closed, and its end record says how
     end = json.loads((out / "ledger.jsonl").read_text().splitlines()[-2])
     assert end["type"] == "end" and end["ended"].startswith("early (the run failed: OSError)")
+
+
+def test_a_fault_while_a_run_holds_its_ledger_closes_it_saying_so(tmp_path: Path) -> None:
+    from dpfy.training.skeleton import closed_on_fault
+
+    path = tmp_path / "ledger.jsonl"
+    ledger = Ledger(path)
+    sid = ledger.record_sample(SampleSpec("poisson", dataset_size=10, sampling_rate=0.1))
+    ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.0)
+    with pytest.raises(OSError), closed_on_fault(ledger):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "run.toml"))
+    assert Ledger.verify(path).status == "verified"
+    assert Ledger.load(path).ended == "early (the run failed: OSError): 1 releases before the fault"

@@ -235,31 +235,33 @@ def _train_into(
     )
     # the configuration that ran, beside the model and in the ledger: `dpfy train --config`
     from dpfy._files import write_atomic
+    from dpfy.training.skeleton import closed_on_fault
 
-    write_atomic(out_dir / "run.toml", ran.to_toml())
-    summary.ledger.record_metadata(
-        delta=delta,
-        target_epsilon=target_epsilon,
-        accuracy_by_step=[list(x) for x in accuracy_by_step],
-        # the raw model's (before an EMA), as summary.json publishes it: checked against it
-        model_accuracy_by_step=[
-            [int(e.steps), float(e.model_test_accuracy)] for e in evaluated
-            if e.model_test_accuracy is not None
-        ],
-        train_command=command,
-        config=ran.to_dict(),
-        **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
-        **({"launcher": "torchrun"} if distributed is not None else {}),
-    )
-    trusted_key = None
-    if endorser is not None:  # the long-lived key signs the run key, inside the signed chain
-        from dpfy.ledger.trust import endorse
+    with closed_on_fault(summary.ledger):  # a fault before the close: closed, saying so
+        write_atomic(out_dir / "run.toml", ran.to_toml())
+        summary.ledger.record_metadata(
+            delta=delta,
+            target_epsilon=target_epsilon,
+            accuracy_by_step=[list(x) for x in accuracy_by_step],
+            # the raw model's (before an EMA), as summary.json publishes it: checked against it
+            model_accuracy_by_step=[
+                [int(e.steps), float(e.model_test_accuracy)] for e in evaluated
+                if e.model_test_accuracy is not None
+            ],
+            train_command=command,
+            config=ran.to_dict(),
+            **({"audit_canaries": audit_canaries} if audit_canaries is not None else {}),
+            **({"launcher": "torchrun"} if distributed is not None else {}),
+        )
+        trusted_key = None
+        if endorser is not None:  # the long-lived key signs the run key, inside the signed chain
+            from dpfy.ledger.trust import endorse
 
-        trusted_key = endorse(summary.ledger, endorser)["key"]
-    from dpfy.report.crosscheck import file_sha256
+            trusted_key = endorse(summary.ledger, endorser)["key"]
+        from dpfy.report.crosscheck import file_sha256
 
-    model = Path(summary.model_path or out_dir / "model.pt")  # its SHA-256: in the signed end
-    summary.ledger.close(files={model.name: file_sha256(model)} if model.is_file() else None)
+        model = Path(summary.model_path or out_dir / "model.pt")  # its SHA-256: in the signed end
+        summary.ledger.close(files={model.name: file_sha256(model)} if model.is_file() else None)
     from dpfy.ledger import Ledger
     from dpfy.publication import publishing_section, write_private_diagnostics
 

@@ -347,7 +347,7 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
     if config.out is not None:
         Path(config.out).mkdir(parents=True, exist_ok=True)
     ledger = trainer.ledger = Ledger(ledger_path)
-    with _closed_on_fault(ledger):  # a fault from here on: the ledger is closed, saying so
+    with closed_on_fault(ledger):  # a fault from here on: the ledger is closed, saying so
         model_name = recipe.metadata(ledger, net, batch_size)
         display = recipe.progress(trainer, accounting, epochs * int(batches.steps_per_epoch)) if (
             hooks.progress) else None
@@ -387,7 +387,7 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
 
 
 @contextlib.contextmanager
-def _closed_on_fault(ledger: Ledger) -> Iterator[None]:
+def closed_on_fault(ledger: Ledger) -> Iterator[None]:
     """Close a file ledger when its run fails (a full disk while the model is saved, say):
     the end record says the run ended early and how many releases it made, so the file is
     complete for what was released and a report never reads it as the plan."""
