@@ -58,7 +58,8 @@ def test_example_ledger_report_and_model_card(tmp_path):
     assert report["epsilon"] == pytest.approx(eps) and report["release"].startswith("DP release")
     card = (tmp_path / "README.md").read_text()
     privacy = card[card.index("## Privacy") :]
-    for text in ("DP release", "Formal statement", "Ledger integrity: intact and signed", "`ledger.jsonl`"):
+    for text in ("DP release", "Formal statement", "Ledger integrity: intact and signed",
+                 "`ledger.jsonl`"):
         assert text in privacy, text
     assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
     assert trainer.model.is_activation_checkpointing  # TRL's default, the non-reentrant kind

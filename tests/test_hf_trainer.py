@@ -74,7 +74,8 @@ def test_example_ledger_report_and_model_card(tmp_path):
     card = (tmp_path / "README.md").read_text()
     privacy = card[card.index("## Privacy") :]
     for text in ("DP release", "Formal statement", "add_or_remove", "Unit of privacy: example",
-                 "delta: 1e-05", "Ledger integrity: intact and signed", "`ledger.jsonl`", "poisson"):
+                 "delta: 1e-05", "Ledger integrity: intact and signed", "`ledger.jsonl`",
+                 "poisson"):
         assert text in privacy, text
     assert "PEFT" in card  # peft's own card is kept
     # the Trainer's own logs: no unnoised loss of a private batch, no wall time

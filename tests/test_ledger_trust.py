@@ -99,6 +99,10 @@ def test_a_re_signed_rewrite_is_never_verified_without_a_trusted_key_and_refused
     assert main(args) == 0  # intact: one warning line, exit 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("dpfy: warning:") and "\n" not in err and "key not checked" in err
+    # dpfy audit refuses it under the kept key before auditing anything
+    audit = ["audit", str(path.parent), "--method", "one-run", "--trials", "4"]
+    assert main([*audit, "--public-key", original.verification.public_key]) == 2
+    assert "not by the key you trust" in capsys.readouterr().err
     os.remove(path.parent / "report.json")
     # with the organisation's key (file or hex) or the original run key: refused, exit 2
     org = read_trusted_key(Path(f"{runs['key']}.pub"))
