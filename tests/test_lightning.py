@@ -118,3 +118,19 @@ def test_options_that_touch_gradients_outside_dpfy_are_refused(tmp_path, option,
     with pytest.raises(ValueError, match=f"^{name} must be"):
         _trainer(strategy, **option).fit(TinyMLP())
     assert not (tmp_path / "ledger.jsonl").exists()  # refused before anything was written
+
+
+class FailsAtStepTwo(TinyMLP):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise KeyError("the user's own error")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_fails_closes_its_ledger_saying_so(tmp_path):
+    strategy = DPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=1.0, run_dir=tmp_path)
+    with pytest.raises(KeyError, match="own error"):
+        _trainer(strategy).fit(FailsAtStepTwo())
+    ledger = Ledger.load(tmp_path / "ledger.jsonl")
+    assert Ledger.verify(tmp_path / "ledger.jsonl").complete
+    assert ledger.ended == f"early (fit interrupted): 2 of {ROWS // BATCH} planned releases"

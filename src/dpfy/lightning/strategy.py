@@ -121,8 +121,9 @@ class DPStrategy(SingleDeviceStrategy):
             return dataloader
         if self._private is not None:
             raise RuntimeError(
-                "reload_dataloaders_every_n_epochs must be 0 with DPStrategy, got a second "
-                "train dataloader: one run draws its batches from one dataset"
+                "a DPStrategy trains one run (its ledger belongs to it), got a second train "
+                "dataloader (a second fit, or reload_dataloaders_every_n_epochs > 0): pass a "
+                "new DPStrategy to a new Trainer"
             )
         return self._make_private(trainer, dataloader)
 
@@ -172,10 +173,13 @@ class DPStrategy(SingleDeviceStrategy):
         write the report beside it."""
         try:
             if self.engine is not None and self._private is not None:
+                trainer = getattr(self.lightning_module, "_trainer", None)
+                interrupted = trainer is not None and trainer.interrupted
+                self._private.private.close_ledger(
+                    "fit interrupted" if interrupted else "fit ended"
+                )
                 if self.engine.run_dir is not None:
                     self.engine.write_report(self.delta)
-                else:
-                    self._private.private.close_ledger("end of fit")
         finally:
             super().teardown()
 
