@@ -23,7 +23,7 @@ Lightning's ``optimizer.step(closure)`` is owned here: :meth:`DPStrategy.optimiz
 the closure (``training_step``, ``zero_grad``, ``backward``), then the private step. What would
 change the gradients outside dpfy is refused at ``fit`` before anything is written:
 ``accumulate_grad_batches > 1``, ``gradient_clip_val``, a precision other than ``"32-true"``,
-manual optimization, more than one optimizer, no ``max_epochs``, a resumed ``fit``
+manual optimization, more than one optimizer, ``max_epochs=-1``, a resumed ``fit``
 (``ckpt_path``) and more than one process.
 """
 
@@ -36,7 +36,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader
 
 from dpfy.ledger import Ledger
@@ -111,7 +111,8 @@ class DPStrategy(SingleDeviceStrategy):
 
     # -- Lightning's hooks ------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
-        _refuse_options(trainer, self.precision_plugin)
+        if trainer.state.fn == TrainerFn.FITTING:  # validate/test/predict run as usual
+            _refuse_options(trainer, self.precision_plugin)
         super().setup(trainer)
 
     def process_dataloader(self, dataloader: object) -> object:
