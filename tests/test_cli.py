@@ -149,6 +149,27 @@ TINY_TRAIN = ["--epochs", "1", "--batch-size", "32", "--train-limit", "128", "--
 SECURE = "secure (AES-256-CTR, OS key)"
 
 
+def _no_figures(patch: pytest.MonkeyPatch) -> None:
+    """Tiny image runs without their fixed cost: physical batches of 64 rows (the recipe pads
+    every batch of 32 to 1024 rows) and the report without its figures (seconds of drawing per
+    run). These tests read the ledger, report.md/json and model; padding and figures are
+    tested elsewhere (tests/training, tests/test_report.py, tests/test_runs.py)."""
+    import dataclasses
+    import functools
+
+    from dpfy import runs
+    from dpfy.training import recipes
+
+    real = recipes.train_image_classifier
+
+    def small_chunks(config, recipe=None, hooks=None):  # type: ignore[no-untyped-def]
+        recipe = recipes.default_recipe(config.model) if recipe is None else recipe
+        return real(config, dataclasses.replace(recipe, max_physical_batch_size=64), hooks)
+
+    patch.setattr(recipes, "train_image_classifier", small_chunks)
+    patch.setattr(runs, "_report_files", functools.partial(runs._report_files, figures=False))
+
+
 def _dpfy(args):
     """Run the command, returning (exit code, what it printed)."""
     import contextlib
@@ -165,11 +186,14 @@ def train_runs(tmp_path_factory):
     """Two default runs and two ``--seed 0`` runs with otherwise identical arguments."""
     root = tmp_path_factory.mktemp("train")
     runs = {}
-    for name, extra in [("secure_a", []), ("secure_b", []),
-                        ("seeded_a", ["--seed", "0"]), ("seeded_b", ["--seed", "0"])]:
-        code, printed = _dpfy(["train", "mnist", "--out", str(root / name), *TINY_TRAIN, *extra])
-        assert code == 0, printed
-        runs[name] = (root / name, printed)
+    with pytest.MonkeyPatch.context() as patch:
+        _no_figures(patch)
+        for name, extra in [("secure_a", []), ("secure_b", []),
+                            ("seeded_a", ["--seed", "0"]), ("seeded_b", ["--seed", "0"])]:
+            code, printed = _dpfy(["train", "mnist", "--out", str(root / name), *TINY_TRAIN,
+                                   *extra])
+            assert code == 0, printed
+            runs[name] = (root / name, printed)
     return runs
 
 
@@ -255,9 +279,10 @@ def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypat
     assert "--seed 5" in seeded_md
 
 
-def test_train_precision_bf16_is_recorded_and_repeated(tmp_path):
+def test_train_precision_bf16_is_recorded_and_repeated(tmp_path, monkeypatch):
     from dpfy.ledger import Ledger
 
+    _no_figures(monkeypatch)
     run_dir = tmp_path / "bf16"
     code, printed = _dpfy(["train", "mnist", "--out", str(run_dir), *TINY_TRAIN, "--seed", "0",
                            "--precision", "bf16"])
