@@ -62,3 +62,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def quick_image_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Image runs of `dpfy train` in this process without their fixed cost: physical batches
+    of 64 rows (the image recipes pad every batch to 512-4096 rows) and the report without
+    its figures (seconds of drawing per run). For tests of what a run records (ledger, report
+    text, model), not of its padding or figures (tests/training, tests/test_report.py and
+    tests/test_runs.py test those)."""
+    import dataclasses
+    import functools
+
+    from dpfy import runs
+    from dpfy.training import recipes
+
+    real = recipes.train_image_classifier
+
+    def small_chunks(config, recipe=None, hooks=None):  # type: ignore[no-untyped-def]
+        recipe = recipes.default_recipe(config.model) if recipe is None else recipe
+        return real(config, dataclasses.replace(recipe, max_physical_batch_size=64), hooks)
+
+    monkeypatch.setattr(recipes, "train_image_classifier", small_chunks)
+    monkeypatch.setattr(runs, "_report_files",
+                        functools.partial(runs._report_files, figures=False))

@@ -340,12 +340,14 @@ def test_sharded_killed_rank_never_undercounts(tmp_path, victim):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_cli_trains_a_sharded_model_with_two_workers(tmp_path, capsys):
     from dpfy.cli import main
 
-    out = tmp_path / "run"
+    out = tmp_path / "run"  # a 64-image test split: evaluating all 10,000 is not under test
     code = main(["train", "mnist", "--workers", "2", "--shard", "--train-limit", "128",
-                 "--epochs", "1", "--batch-size", "32", "--seed", "0", "--out", str(out)])
+                 "--test-limit", "64", "--epochs", "1", "--batch-size", "32", "--seed", "0",
+                 "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     ledger = Ledger.load(out / "ledger.jsonl")
     assert ledger.metadata["workers"] == 2 and ledger.metadata["sharded"] is True
