@@ -111,6 +111,7 @@ def test_a_bad_file_or_no_dataset_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_train_from_a_config_file_records_it_in_ledger_and_report(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
