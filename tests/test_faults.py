@@ -254,6 +254,7 @@ def test_train_with_an_unusable_key_directory_leaves_an_out_to_run_again(
     assert not out.exists()  # so the same --out runs as a new one (no 0-byte ledger.jsonl)
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_train_on_a_full_disk_keeps_the_closed_ledger_and_no_model_debris(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
