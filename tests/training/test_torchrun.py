@@ -111,7 +111,7 @@ def test_library_script_under_torchrun_on_two_nodes(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.slow
-def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys):
+def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys, request):
     """`dpfy train mnist --shard` started by torchrun on each node: one run directory."""
     out = tmp_path / "two"
     dpfy = Path(sys.executable).with_name("dpfy")
@@ -126,10 +126,12 @@ def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys)
     meta = ledger.metadata
     assert (meta["workers"], meta["sharded"], meta["launcher"]) == (2, True, "torchrun")
     assert {"model.pt", "report.md", "report.json", "run.toml"} <= {p.name for p in out.iterdir()}
-    # the same configuration in one process (sharding needs two: the event is the same)
+    # the same configuration in one process (sharding needs two: the event is the same), in
+    # physical batches of 64 rows and without figures (the two-node run above has both)
     from dpfy.cli import main
 
     _clean_env(monkeypatch)
+    request.getfixturevalue("quick_image_runs")
     assert main([*TRAIN, "--out", str(tmp_path / "one")]) == 0, capsys.readouterr().err
     one = Ledger.load(tmp_path / "one" / "ledger.jsonl")
     assert ledger.to_event() == one.to_event()
