@@ -189,6 +189,10 @@ SURFACE: dict[str, dict[str, str]] = {
         **_same("register_grad_sampler register_norm_sampler", _RULE),
         **_same("prepare_module wrap_model get_gsm_class get_hooks_class", _GSM),
     },
+    "opacus.lightning": _same(
+        "DPLightningDataModule",
+        "Lightning runs DP-SGD through dpfy.lightning.DPStrategy (the Trainer's strategy=), "
+        "which keeps Poisson sampling itself"),
     "opacus.layers": {
         "DPGRU": "=torch.nn:GRU", "DPLSTM": _DPLSTM, "DPRNN": "=torch.nn:RNN",
         "DPMultiheadAttention": "=torch.nn:MultiheadAttention",
