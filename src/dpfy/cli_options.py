@@ -683,8 +683,8 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
         int,
         typer.Option("--attribution-check", help="Check every n-th physical batch that one "
                      "random example's gradient, computed alone, is the one its per-example "
-                     "rules recorded (1: every batch within 5 % of the run's time, the first "
-                     "always; 0: off). A mismatch refuses the step before its release.",
+                     "rules recorded (1: every batch within 5 % of the engine's time, the "
+                     "first always; 0: off). A mismatch refuses the step before its release.",
                      parser=count_option("attribution_check", low=0)),
     ],
         1,

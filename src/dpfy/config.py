@@ -129,7 +129,7 @@ class RunConfig:
         never to be published; ``None`` (the default): nothing of the kind is kept.
       attribution_check: check every n-th physical batch that one random example's gradient
         computed alone is the one its per-example rules recorded (1, the default: every batch
-        within 5 % of the run's time, the first always; 0: off;
+        within 5 % of the engine's time, the first always; 0: off;
         :mod:`dpfy.training.norms.attribution`).
     """
 

@@ -514,9 +514,9 @@ class PrivateOptions:
         computed alone matches what the per-example rules recorded for it (1, the default:
         every batch within ``attribution_budget``; 0: never;
         :mod:`dpfy.training.norms.attribution`).
-      attribution_budget: the share of the run's time the attribution check may take (default
-        0.05: a batch is skipped while the checks so far took more; the first is always
-        checked); ``None``: every n-th batch whatever it costs.
+      attribution_budget: the share of the engine's time (backward, norms, clipping) the
+        attribution check may take (default 0.05: a batch is skipped while the checks so far
+        took more; the first is always checked); ``None``: every n-th batch whatever it costs.
     """
 
     max_physical_batch_size: int | None = None

@@ -488,6 +488,7 @@ class PrivateGradient:
         loss_scale: float = 1.0,
     ) -> ChunkStats:
         k = self.group_size_
+        self.attribution.begin()
         if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
             raise ValueError(
                 "loss_fn must return per-example losses of shape [B] (use reduction='none'), "

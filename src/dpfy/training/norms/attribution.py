@@ -93,8 +93,8 @@ class AttributionCheck:
         self.chunks = 0
         self.runs = 0  # chunks checked
         self._spent = 0.0  # seconds in the check
-        self._elapsed = 0.0  # seconds from the first chunk's call to the last's
-        self._last: float | None = None
+        self._worked = 0.0  # seconds in the chunks' own backward, norms and clipping
+        self._began: float | None = None
         self._model = model
         # stochastic or not, learnt per set of module modes (train/eval of every submodule):
         # a model whose dropout is switched on later in the run is learnt again then
@@ -114,21 +114,26 @@ class AttributionCheck:
         its current modes (``None``: not learnt yet). A stochastic model is not checked."""
         return self._verdicts.get(self._modes())
 
+    def begin(self) -> None:
+        """A chunk's own work (its backward, norms and clipping) starts: the budget's clock."""
+        self._began = time.perf_counter()
+
     def due(self) -> bool:
-        """Whether the next chunk is checked (counts the chunk and the time since the last).
+        """Whether the chunk whose work just ended is checked (counts it and its time).
 
         Every ``every``-th chunk, and under a ``budget`` only while the checks so far took at
-        most that share of the rest of the run's time (the first due chunk always)."""
-        now = time.perf_counter()
-        if self._last is not None:
-            self._elapsed += now - self._last
-        self._last = now
+        most that share of the chunks' own work (the first due chunk always). The work timed
+        is the engine's part of a step only -- not the forward, the optimizer or the data --
+        so the check's share of a whole step is below the budget."""
+        if self._began is not None:
+            self._worked += time.perf_counter() - self._began
+            self._began = None
         self.chunks += 1
         if self.every <= 0 or self.stochastic or (self.chunks - 1) % self.every:
             return False
         if self.budget is None or self.runs == 0:
             return True
-        return self._spent <= self.budget * max(self._elapsed - self._spent, 0.0)
+        return self._spent <= self.budget * self._worked
 
     def run(
         self,
