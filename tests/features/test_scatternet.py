@@ -92,6 +92,7 @@ def test_models_belong_to_their_kind_of_dataset():
 
 
 @pytest.mark.parametrize("model", ["scatternet-linear", "scatternet-cnn"])
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_dpfy_train_runs_on_scatternet_features(model, tmp_path, monkeypatch):
     from dpfy.cli import main
 
