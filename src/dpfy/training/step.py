@@ -326,7 +326,9 @@ class PrivateGradient:
         # the buffers that become ``p.grad`` (no division pass).
         self._fast_release = bool(query.fused_release)
         self._layouts = LayoutBook()
-        self.attribution = AttributionCheck(self.plans_, self._qnames, model=model)
+        # off on an FSDP2 rank: its alone forward gathers shards, which every rank must join
+        self.attribution = AttributionCheck(self.plans_, self._qnames, model=model,
+                                            every=0 if self._sharded is not None else 1)
         self._coverage = CoverageGuard(
             model, self.plans_, self._qnames, self._params,
             every=coverage_check == "every", chunk_size=self.fallback_chunk_size,
