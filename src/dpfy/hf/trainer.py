@@ -343,6 +343,7 @@ class DPTrainingMixin:
         self._dp_ledger: Ledger | None = None
         self._dp_trained = False
         self.last_step: StepStats | None = None
+        self._dp_planned = int(steps)
         self._dp_facts = {
             "trainer": f"dpfy.hf.{type(self).__name__}",
             "noise_multiplier": z,
@@ -459,7 +460,7 @@ class DPTrainingMixin:
         self._dp_trained = True
         self._dp_ledger = Ledger(path)
         # the end record says whether the planned steps all ran (dpfy.training.closing)
-        closer, how = LedgerCloser(self._dp_ledger, int(self._dp_facts["planned_steps"])), ""
+        closer, how = LedgerCloser(self._dp_ledger, self._dp_planned), ""
         try:
             output = super().train(None, *args, **kwargs)  # type: ignore[misc]
         except BaseException as err:
