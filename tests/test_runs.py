@@ -222,7 +222,7 @@ def test_cli_reaches_the_library_only_through_the_pipeline_modules():
             imported |= {a.name for a in node.names if a.name.startswith("dpfy")}
     imported = {name for name in imported if not name.startswith("dpfy.cli_options.")}
     expected = {
-        "dpfy.runs", "dpfy.run_accounting", "dpfy._validate", "dpfy.sampling.kinds",
+        "dpfy.runs", "dpfy.run_accounting", "dpfy._validate", "dpfy.sampling.registered_kinds",
         "dpfy.accounting.accountants", "dpfy.config.RunConfig", "dpfy.tuning_runs",
     }
     assert imported == expected, imported

@@ -470,6 +470,11 @@ def train(
         print(f"rank {run.rank} of {run.world_size}: done; rank 0 wrote the ledger, model and "
               "report")
         return
+    _print_run(run, chosen)
+
+
+def _print_run(run: Any, chosen: Any) -> None:
+    """What ``dpfy train`` prints when the run is written (rank 0)."""
     from rich.console import Console
 
     console = Console()
