@@ -16,24 +16,9 @@ from dpfy.queries import GaussianSumQuery
 from dpfy.training import PrivateGradient, check_module
 from dpfy.training.dry_run import RUN_TIME_CHECKS
 from dpfy.training.validate import Severity
+from tests.training.test_layout import BatchFirst, TimeMajorLinear
 
 LOSS = nn.CrossEntropyLoss(reduction="none")
-
-
-class TimeMajorLinear(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(3, 4)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, 3]
-        h = self.inp(x.transpose(0, 1))  # time-major [T, B, 4]
-        return self.head(torch.tanh(h).mean(0))
-
-
-class BatchFirst(TimeMajorLinear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, 3]
-        return self.head(torch.tanh(self.inp(x)).mean(1))
 
 
 class PerExampleLoop(nn.Module):

@@ -17,9 +17,10 @@ data (no norm, no batch size, no index).
 Randomness. The alone pass runs with the random streams forked, so a seeded run draws the same
 numbers with the check on or off. A model with dropout or other randomness in training mode
 (``nn.Dropout`` or ``F.dropout`` alike) cannot be compared: its masks for one example differ
-between a batch pass and an alone pass. On its first run the check therefore does the alone
-pass twice under two different seeds; if the gradients differ, the model is stochastic, and
-the check stands down for the run (:attr:`AttributionCheck.stochastic`; the layout probe of
+between a batch pass and an alone pass. The first check in a given set of module modes
+(train/eval of every submodule) therefore does the alone pass twice under two different seeds;
+if the gradients differ, the model is stochastic, and the check stands down while those modes
+last (:attr:`AttributionCheck.stochastic`; an all-zero gradient settles nothing; the layout probe of
 :mod:`dpfy.training.norms.layout` still runs, in ``eval`` mode). Modules that change buffers in
 forward (``spectral_norm``'s power iteration, BatchNorm's running statistics) would change
 them again in the alone pass; the generic rule refuses the first and ``check_module`` the
@@ -27,7 +28,8 @@ second, before the check could run.
 
 Cost: one forward and backward on ``k`` rows (one example) per checked chunk -- about ``1 / B``
 of the step plus the fixed cost of a forward call -- and a parameter-sized gradient, freed at
-once. ``every`` sets the frequency (every chunk by default; 0 turns it off). A loss that
+once. ``every`` sets the frequency (every chunk by default; 0 turns it off) and ``budget`` the
+share of the engine's own time the checks may take (5 % by default; ``None``: no limit). A loss that
 cannot be recomputed on one example's rows (:func:`recomputable`; ``dpfy.opacus``' hooks mode,
 whose losses come from the user's backward) is not checked.
 """
