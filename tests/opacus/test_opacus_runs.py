@@ -180,3 +180,38 @@ def test_under_torchrun_one_line_from_rank_0_then_every_rank_leaves_its_group(
                                          "dpfy.opacus runs in one process")
         else:
             assert printed == []  # rank 1 says nothing: rank 0's line is the run's
+
+
+@pytest.mark.parametrize("penalty", ["weights", "second_call"])
+def test_a_loss_term_outside_the_models_outputs_is_refused_not_dropped(tmp_path, penalty):
+    """A term that reaches the parameters without passing through model(batch)'s outputs has
+    no per-example gradient; Opacus drops it silently, dpfy.opacus refuses the step."""
+    engine = PrivacyEngine(accountant="rdp", run_dir=tmp_path / "run")
+    model = _model()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=6), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    batches = iter(loader)  # kept alive: the batch is out while the loop holds it
+    x, y = next(batches)
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    if penalty == "weights":
+        loss = loss + 1e-4 * sum(p.pow(2).sum() for p in model.parameters())
+    else:  # the first layer called again on the batch, outside the model's forward
+        loss = loss + model[0](x).pow(2).mean()
+    loss.backward()
+    with pytest.raises(ValueError, match=r"reached parameter\(s\) 0\.bias, 0\.weight"):
+        opt.step()
+    assert not Ledger.load(engine.run_dir / "ledger.jsonl").noise_multipliers()  # no release
+
+
+def test_a_plain_loss_still_steps_after_the_refusal_check(tmp_path):
+    engine = PrivacyEngine(accountant="rdp", run_dir=tmp_path / "run")
+    model = _model()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(), batch_size=6), noise_multiplier=1.0, max_grad_norm=1.0,
+    )
+    _epochs(model, opt, loader, 1)
+    assert len(Ledger.load(engine.run_dir / "ledger.jsonl").noise_multipliers()) == 4

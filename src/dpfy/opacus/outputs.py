@@ -22,6 +22,15 @@ the model:
    a real row (padding rows come last), and its gradient reaches every row's layers through
    the model as before.
 
+A loss term computed from the parameters themselves rather than from the model's outputs (a weight
+penalty added to the loss, or a second call of a submodule outside ``model(batch)``) reaches the
+parameters' ``.grad`` directly in the user's backward, bypassing the detached outputs. It has no
+per-example gradient that dpfy could clip, and Opacus drops it silently when it overwrites
+``.grad`` with the noisy sum. Here it is refused at ``optimizer.step()``, naming the parameters: a
+hook on every trainable parameter notes any gradient accumulated while a batch is out. (A weight
+penalty that reads no data belongs in the optimizer, e.g. ``weight_decay``: it is applied after the
+release.)
+
 Assumption (Opacus makes the same one): the backpropagated loss is a mean (or a sum, with
 ``loss_reduction="sum"``) over the rows of the batch of terms that each depend on one row only,
 as cross-entropy, MSE or a token-mean language-model loss per row are. A loss that couples
@@ -61,19 +70,36 @@ class OutputGradients:
         self._rows = 0
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._handle: RemovableHandle | None = None
+        self._param_hooks: list[RemovableHandle] = []
+        self._reached: list[str] = []
 
     def open(self, rows: int) -> None:
         """A physical batch of ``rows`` rows is out: detach the model's outputs from now on."""
         self.close()
         self._rows = int(rows)
         self._handle = self.model.register_forward_hook(self._detach_outputs)
+        self._reached = []
+        self._param_hooks = [
+            p.register_post_accumulate_grad_hook(self._note_direct(name))
+            for name, p in self.model.named_parameters()
+            if p.requires_grad
+        ]
 
     def close(self) -> None:
-        """Remove the hook and forget the batch's outputs."""
+        """Remove the hooks and forget the batch's outputs."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for hook in self._param_hooks:
+            hook.remove()
+        self._param_hooks = []
         self._pairs = []
+
+    def _note_direct(self, name: str) -> Any:
+        def note(_param: torch.Tensor) -> None:
+            self._reached.append(name)
+
+        return note
 
     def _detach_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
         leaves, spec = tree_flatten(output)
@@ -102,11 +128,22 @@ class OutputGradients:
         :func:`dpfy.training.make_private`. Closes the batch.
 
         Raises:
+          ValueError: the user's backward reached a parameter directly (module docstring).
           RuntimeError: no output of the batch received a gradient (``optimizer.step()``
             without ``loss.backward()``, or a loss not computed from the model's outputs).
         """
-        pairs, rows = self._pairs, self._rows
+        pairs, rows, reached = self._pairs, self._rows, sorted(set(self._reached))
         self.close()
+        if reached:
+            more = f" and {len(reached) - 3} more" if len(reached) > 3 else ""
+            shown = ", ".join(reached[:3]) + more
+            raise ValueError(
+                f"loss.backward() reached parameter(s) {shown} directly, not through the model's "
+                "outputs: a loss term computed from the parameters outside model(batch) (a weight "
+                "penalty, a second call of a submodule) has no per-example gradient and would be "
+                "dropped from the private step; use the optimizer's weight_decay for a penalty "
+                "that reads no data, or compute the term inside the model's forward"
+            )
         f = float(rows) if self.reduction == "mean" else 1.0
         terms: torch.Tensor | None = None
         whole: torch.Tensor | None = None
