@@ -2,7 +2,10 @@
 ``fixed_os_key`` keys secure randomness reproducibly for statistical checks.
 
 Every file ledger draws an Ed25519 key and stores its private half under ``$DPFY_KEY_DIR``
-(``dpfy.ledger.signing``); tests must not fill the user's ``~/.config/dpfy/keys``.
+(``dpfy.ledger.signing``); tests must not fill the user's ``~/.config/dpfy/keys``. Secure runs
+register their key commitments in ``$DPFY_KEY_REGISTRY`` (``dpfy.ledger.commitments``): a
+temporary file for the session, and one per test under ``fixed_os_key``, whose keys repeat
+from test to test by design.
 """
 
 from __future__ import annotations
@@ -19,11 +22,17 @@ import pytest
 def _ledger_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     old = os.environ.get("DPFY_KEY_DIR")
     os.environ["DPFY_KEY_DIR"] = str(tmp_path_factory.mktemp("dpfy-keys"))
+    old_registry = os.environ.get("DPFY_KEY_REGISTRY")
+    os.environ["DPFY_KEY_REGISTRY"] = str(tmp_path_factory.mktemp("dpfy-data") / "commitments")
     yield
     if old is None:
         os.environ.pop("DPFY_KEY_DIR", None)
     else:
         os.environ["DPFY_KEY_DIR"] = old
+    if old_registry is None:
+        os.environ.pop("DPFY_KEY_REGISTRY", None)
+    else:
+        os.environ["DPFY_KEY_REGISTRY"] = old_registry
 
 
 class _SeededOS:
@@ -43,13 +52,17 @@ class _SeededOS:
 
 
 @pytest.fixture
-def fixed_os_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def fixed_os_key(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+                 ) -> None:
     """Secure randomness keyed from a seeded stream instead of the OS, in this process only
     (spawned ranks key their own). For statistical checks on the secure path: deterministic,
-    where an OS key would fail a check at level alpha in a fraction alpha of the runs."""
+    where an OS key would fail a check at level alpha in a fraction alpha of the runs. The
+    keys repeat from test to test, so the test registers them in a key registry of its own."""
     import dpfy.randomness
 
     monkeypatch.setattr(dpfy.randomness, "os", _SeededOS(0))
+    registry = tmp_path_factory.mktemp("dpfy-data") / "commitments"
+    monkeypatch.setenv("DPFY_KEY_REGISTRY", str(registry))
 
 
 @pytest.fixture

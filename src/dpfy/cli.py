@@ -350,6 +350,11 @@ def audit(
     public_key: PublicKeyOption = None,
     trust: TrustOption = None,
     as_json: AsJson = False,
+    real_model: Annotated[
+        bool,
+        typer.Option("--real-model/--no-real-model",
+                     help="Test the noise on every tensor of the run's own model (image runs)."),
+    ] = True,
 ) -> None:
     """Measure an empirical epsilon lower bound for a run's release; add it to its report.
 
@@ -359,7 +364,7 @@ def audit(
 
     section = runs.audit_and_report(
         run_dir, method=method.value, trials=trials, confidence=confidence, seed=seed,
-        progress=not as_json, public_key=public_key, trust=trust,
+        progress=not as_json, public_key=public_key, trust=trust, real_model=real_model,
     )
     _warn_unless_trusted(section.get("ledger_trust"))
     if as_json:

@@ -39,6 +39,7 @@ NumPy only at import time; torch and ``cryptography`` are imported lazily.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -64,6 +65,18 @@ SECURE_RADIUS_BITS = 95
 SEEDED_RADIUS_BITS = 31
 #: How ledgers and reports name the secure generator (:meth:`Randomness.describe`).
 SECURE_DESCRIPTION = "secure (AES-256-CTR, OS key)"
+
+
+#: Domain separation of a key commitment (docs/randomness.md, "Key commitments").
+KEY_COMMITMENT_DOMAIN = b"dpfy-keystream-key-commitment\0"
+
+
+def key_commitment(key: bytes) -> str:
+    """The commitment to one keystream key: SHA-256 (hex) of :data:`KEY_COMMITMENT_DOMAIN`
+    followed by the 32 key bytes. Recording it reveals nothing usable about a uniform 256-bit
+    key (finding a preimage is as hard as guessing the key); two runs that drew one key have
+    equal commitments."""
+    return hashlib.sha256(KEY_COMMITMENT_DOMAIN + bytes(key)).hexdigest()
 
 
 def _max_radius(bits: int) -> float:
@@ -118,6 +131,15 @@ class Randomness:
         """What a ledger records about this source: ``"secure (AES-256-CTR, OS key)"`` or
         ``"seeded (seed N)"`` (a seeded run is reproducible by anyone who knows N)."""
         return SECURE_DESCRIPTION if self.secure else f"seeded (seed {self.seed})"
+
+    def key_commitments(self) -> tuple[str, ...]:
+        """Commitments (:func:`key_commitment`) to every key this secure source has drawn, in
+        order; it draws its first key now when it has none in this process yet (so a run can
+        record and register it before it starts). A seeded source has none: ``()``."""
+        if self._stream is None:
+            return ()
+        self._stream.ensure_keyed()
+        return tuple(self._stream.commitments)
 
     # -- tails ------------------------------------------------------------------------------
     @property
@@ -603,11 +625,19 @@ class _Keystream:
         self._pid = -1
         self._used = 0
         self._zeros = memoryview(bytes(self._CHUNK))
+        self.commitments: list[str] = []  # key_commitment of every key drawn, in order
+
+    def ensure_keyed(self) -> None:
+        """Draw a key now unless this process holds one (what :meth:`fill` does first)."""
+        if self._enc is None or self._used >= self._REKEY or self._pid != os.getpid():
+            self._rekey()
 
     def _rekey(self) -> None:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-        cipher = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16)))
+        key = os.urandom(32)
+        self.commitments.append(key_commitment(key))
+        cipher = Cipher(algorithms.AES(key), modes.CTR(bytes(16)))
         self._enc = cipher.encryptor()
         self._pid = os.getpid()
         self._used = 0
@@ -617,8 +647,7 @@ class _Keystream:
         view = memoryview(out).cast("B")  # type: ignore[arg-type]
         n, pos = len(view), 0
         while pos < n:
-            if self._enc is None or self._used >= self._REKEY or self._pid != os.getpid():
-                self._rekey()
+            self.ensure_keyed()
             k = min(self._CHUNK, n - pos, self._REKEY - self._used)
             if pos + k + 15 <= n:  # OpenSSL wants block_size - 1 spare bytes after the output
                 self._enc.update_into(self._zeros[:k], view[pos : pos + k + 15])

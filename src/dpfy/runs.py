@@ -862,13 +862,13 @@ def audit_and_report(
     seed: int = 0,
     progress: bool = False,
     public_key: str | None = None,
-    trust: str | os.PathLike[str] | None = None,
+    trust: str | os.PathLike[str] | None = None, real_model: bool = True,
 ) -> dict[str, Any]:
     """``dpfy audit``: audit a run directory and add the Audit section to its report.
 
     See :func:`dpfy.audit.run.audit_run` (the method, what is audited, what a result means);
     ``progress`` shows a rich progress bar over the audit's releases. ``public_key`` /
-    ``trust``: the key you trust, as in :func:`report_ledger`.
+    ``trust``: the key you trust, as in :func:`report_ledger`; ``real_model``: as audit_run's.
     """
     from dpfy.audit.run import METHODS, audit_run
 
@@ -880,7 +880,7 @@ def audit_and_report(
     if not progress:
         return audit_run(
             run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]
-            trusted_key=trusted_key,
+            trusted_key=trusted_key, real_model=real_model,
         )
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -895,5 +895,5 @@ def audit_and_report(
 
         return audit_run(
             run_dir, method=method, trials=trials, confidence=confidence, seed=seed,  # type: ignore[arg-type]
-            progress=step, trusted_key=trusted_key,
+            progress=step, trusted_key=trusted_key, real_model=real_model,
         )

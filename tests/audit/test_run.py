@@ -55,7 +55,8 @@ def test_audit_writes_the_section(tmp_path: Path, capsys: pytest.CaptureFixture[
     md = (run / "report.md").read_text()
     assert "## Audit" in md and "Ceiling of the method" in md and "no violation found" in md
     assert "| Layer types replayed | Linear |" in md  # no types recorded: the Linear probe
-    assert section["self_tests_run"] == ["replay", "sampler", "ledger counts", "dpsgd"]
+    assert section["self_tests_run"] == [
+        "replay", "sampler", "ledger counts", "recorded epsilon", "keys", "dpsgd"]
     report = json.loads((run / "report.json").read_text())
     assert report["audit"]["epsilon_lower"] == section["epsilon_lower"]
     assert report["epsilon"] > 0  # the rest of the report is kept

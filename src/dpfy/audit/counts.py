@@ -17,8 +17,13 @@ such as a tuning trial's validation score, are other releases). It also checks t
 no gap (``0 .. last``; a step recorded twice, e.g. around a resume, charges it twice and is
 allowed) and that every step has at least one release record (sum query, non-private release
 or correlated-noise step); a sample a crash left without one is allowed when its step was
-taken again with a release (a resumed run). The functions return findings (sentences); empty:
-none.
+taken again with a release (a resumed run).
+
+:func:`recorded_epsilon_check` holds the file to the epsilon its writer accounted from the
+records in its memory at close (``dpfy train``, ``make_private``, the Hugging Face
+``DPTrainer``, ``dpfy.opacus``: metadata ``epsilon``, ``delta``, ``accounting``): lines that
+account to less (a serializer that overstated the noise, releases lost on the way to the file)
+are named. The functions return findings (sentences); empty: none.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dpfy.ledger import Ledger
+from dpfy.ledger import Ledger, LedgerIntegrityError
 from dpfy.ledger.records import MatrixStepRecord, NonPrivateRecord, SumQueryRecord
 
 
@@ -91,3 +96,27 @@ def ledger_count_check(
             f"ledger: {distinct} steps recorded, but the run's summary.json counts {own} steps"
         )
     return tuple(findings)
+
+
+def recorded_epsilon_check(ledger: Ledger) -> tuple[str, ...]:
+    """A finding when the file's lines account to less than the epsilon its writer recorded
+    (:func:`dpfy.report.consistency.check_recorded_epsilon`, the check ``dpfy report`` refuses
+    on); none when the writer recorded none (ledgers of older versions, runs without a delta).
+    """
+    from dpfy import accounting
+    from dpfy.report.consistency import check_recorded_epsilon
+
+    meta = ledger.metadata
+    delta, method = meta.get("delta"), meta.get("accounting")
+    if not isinstance(delta, int | float) or isinstance(delta, bool) or not 0 < delta < 1:
+        return ()
+    if not isinstance(method, str) or "epsilon" not in meta:
+        return ()
+    try:
+        result = accounting.epsilon(ledger, float(delta), method)
+        check_recorded_epsilon(ledger, result, float(delta))
+    except LedgerIntegrityError as err:
+        return (f"recorded epsilon: {err}",)
+    except ValueError:  # a method this version does not know: nothing to compare
+        return ()
+    return ()

@@ -27,9 +27,11 @@ from dpfy import accounting
 from dpfy import events as ev
 from dpfy._validate import check_int, check_range, check_seed
 from dpfy.audit.canary import CanaryModel, canary_audit, one_run_audit
-from dpfy.audit.counts import ledger_count_check
+from dpfy.audit.counts import ledger_count_check, recorded_epsilon_check
 from dpfy.audit.fdp import one_run_gdp_bound, one_run_gdp_ceiling
+from dpfy.audit.keys import key_check
 from dpfy.audit.probes import LayerReplay, replay_layer_types
+from dpfy.audit.realmodel import ModelNoiseCheck, model_noise_check, run_model
 from dpfy.audit.replay import sampler_check
 from dpfy.audit.selftests import (
     SelfTest,
@@ -165,21 +167,45 @@ class RunChecks:
       tests_run: the checks that ran, in order.
       replayed_layer_types: the layer types replayed on probe models.
       not_replayed_layer_types: layer types the run recorded that have no probe model.
+      notes: what a check could not cover, one sentence each (not a breach).
+      real_model: the noise check on the run's own model, when it ran.
     """
 
     findings: tuple[str, ...]
     tests_run: tuple[str, ...]
     replayed_layer_types: tuple[str, ...]
     not_replayed_layer_types: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    real_model: ModelNoiseCheck | None = None
+
+
+def _real_model(ledger: Ledger, cfg: dict[str, Any], model: Any, seed: int
+                ) -> ModelNoiseCheck | str:
+    """The noise check on ``model`` at the std the run's ledger declares, or why it cannot run."""
+    if any(isinstance(r, MatrixRunRecord) for r in ledger.entries):
+        return "real model: not run (correlated noise: the noise of a step is not white)"
+    sums = [r for r in ledger.entries if isinstance(r, SumQueryRecord) and r.noise_std > 0]
+    if not sums or cfg["expected_batch_size"] is None:
+        return "real model: not run (no noisy sum or expected batch size recorded)"
+    secure = str(ledger.metadata.get("noise_randomness", "")).startswith("secure")
+    return model_noise_check(
+        model, noise_std=min(r.noise_std for r in sums), clip_norm=cfg["clip_norm"],
+        noise_multiplier=cfg["noise_multiplier"],
+        expected_batch_size=cfg["expected_batch_size"], secure=secure, seed=seed,
+    )
 
 
 def check_run(
-    ledger: Ledger, summary: Mapping[str, Any] | None = None, *, seed: int = 0
+    ledger: Ledger, summary: Mapping[str, Any] | None = None, *, seed: int = 0,
+    model: Any = None,
 ) -> RunChecks:
     """The gray-box checks of a run: a replay of its query on its layer types, its sampler
     against its spec, the ledger's step and release counts against the sampler's plan and
-    ``summary`` (the run's ``summary.json``; :mod:`dpfy.audit.counts`), and the self-tests of
-    its release paths, among them step-to-step noise independence.
+    ``summary`` (the run's ``summary.json``; :mod:`dpfy.audit.counts`), the epsilon its writer
+    recorded against its lines, its key commitments against the local registry
+    (:mod:`dpfy.audit.keys`), the self-tests of its release paths, among them step-to-step
+    noise independence, and, given the run's ``model`` (an ``nn.Module``), the noise on each
+    of its tensors (:mod:`dpfy.audit.realmodel`).
 
     Raises:
       ValueError: the ledger records no noisy release.
@@ -187,13 +213,24 @@ def check_run(
     cfg = _configuration(ledger)
     found, replay = _self_tests(cfg, ledger.metadata.get("layer_types"), seed)
     found += ledger_count_check(ledger, summary)
+    found += recorded_epsilon_check(ledger)
+    keys, notes = key_check(ledger.metadata)
+    found += keys
     paths = _path_tests(ledger, cfg)
     found += [f"{t.name}: {f}" for t in paths for f in t.findings]
+    real = None if model is None else _real_model(ledger, cfg, model, seed)
+    if isinstance(real, str):
+        notes, real = (*notes, real), None
+    elif real is not None:
+        found += real.findings
     return RunChecks(
         tuple(found),
-        ("replay", "sampler", "ledger counts", *(t.name for t in paths)),
+        ("replay", "sampler", "ledger counts", "recorded epsilon", "keys",
+         *(t.name for t in paths), *(("real model",) if real is not None else ())),
         replay.replayed,
         replay.not_replayed,
+        tuple(notes),
+        real,
     )
 
 
@@ -206,6 +243,7 @@ def audit_run(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
     trusted_key: str | None = None,
+    real_model: bool = True,
 ) -> dict[str, Any]:
     """Audit a run directory's release configuration; write the Audit section; return it.
 
@@ -221,6 +259,9 @@ def audit_run(
       trusted_key: an Ed25519 public key (64 hex digits) held apart from the run: its own
         key or a long-lived key that endorsed it (:mod:`dpfy.ledger.trust`). The section's
         ``ledger_trust`` says which level the ledger reached.
+      real_model: run the noise check on the run's own model (:mod:`dpfy.audit.realmodel`;
+        image runs of ``dpfy train``, rebuilt from ``model.pt``); the section says why when it
+        cannot.
 
     Raises:
       ValueError: a bad argument or a directory that is not a dpfy run (named).
@@ -314,12 +355,21 @@ def audit_run(
         noise_multiplier=z,
         clip_norm=c,
     )
-    checks = check_run(ledger, _summary(out), seed=seed)
+    model, why = run_model(out, ledger.metadata) if real_model else (None, "real model: off")
+    checks = check_run(ledger, _summary(out), seed=seed, model=model)
+    real = checks.real_model
     section.update(
         self_tests=list(checks.findings),
         self_tests_run=list(checks.tests_run),
         replayed_layer_types=list(checks.replayed_layer_types),
         not_replayed_layer_types=list(checks.not_replayed_layer_types),
+        self_test_notes=[*checks.notes, *(() if model is not None else (why,))],
+        real_model=None if real is None else {
+            "tensors": real.tensors, "values": real.values, "releases": real.releases,
+            "alpha": real.alpha, "half_noise_miss": real.half_noise_miss,
+            "seconds": real.seconds, "min_std_ratio": min(real.std_ratio.values()),
+            "max_std_ratio": max(real.std_ratio.values()),
+        },
         seconds=time.perf_counter() - start,
     )
     broken = (

@@ -79,6 +79,7 @@ from dpfy.ledger import Ledger
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetGuard, spent
 from dpfy.training.closing import LedgerCloser
+from dpfy.training.keys import key_facts
 from dpfy.training.loader import (
     PrivateBatchSampler,
     RowsDataset,
@@ -362,6 +363,8 @@ class DPTrainingMixin:
             "secure_randomness": bool(rng.secure),
             "sampling_randomness": _describe(getattr(sampler, "randomness", None)),
             "noise_randomness": rng.describe(),
+            # the keys' commitments, registered now: a key another run drew refuses this one
+            **key_facts(rng, getattr(sampler, "randomness", None)),
             "layer_types": list(layer_type_names(p.module for p in self._dp_gradient.plans_)),
             "calibrated": calibrated,
             "model": type(self.model).__name__,
@@ -460,7 +463,9 @@ class DPTrainingMixin:
         self._dp_trained = True
         self._dp_ledger = Ledger(path)
         # the end record says whether the planned steps all ran (dpfy.training.closing)
-        closer, how = LedgerCloser(self._dp_ledger, self._dp_planned), ""
+        closer = LedgerCloser(self._dp_ledger, self._dp_planned, delta=self._dp_delta,
+                              method=self._dp_method)  # records the epsilon it accounts
+        how = ""
         try:
             output = super().train(None, *args, **kwargs)  # type: ignore[misc]
         except BaseException as err:

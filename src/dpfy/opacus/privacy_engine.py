@@ -181,7 +181,7 @@ class PrivacyEngine:
         if d is None:
             raise ValueError("delta must be given: no target_delta was set, got delta=None")
         if self._close_ledger is not None:
-            self._close_ledger("write_report")
+            self._close_ledger("write_report", delta=d)
         report = build_report(
             self.ledger, delta=d, method=self.accountant.method,
             ledger_path=str(self.run_dir / "ledger.jsonl"),

@@ -213,6 +213,16 @@ def _audit_lines(audit: dict[str, Any]) -> list[str]:
                        ("not_replayed_layer_types", "Layer types not replayed (no probe model)")):
         if audit.get(key):
             rows.append((label, ", ".join(str(t).rsplit(".", 1)[-1] for t in audit[key])))
+    real = audit.get("real_model")
+    if isinstance(real, dict):
+        rows.append(("Noise on the run's own model", (
+            f"{real.get('tensors')} tensors, {real.get('values')} values, "
+            f"{real.get('releases')} noise-only releases: std ratio "
+            f"{_fmt(real.get('min_std_ratio'))} to {_fmt(real.get('max_std_ratio'))}; false "
+            f"alarm <= {_fmt(real.get('alpha'))}, a half-noise tensor missed with probability "
+            f"<= {_fmt(real.get('half_noise_miss'))}; {_fmt(real.get('seconds'))} s")))
+    if audit.get("self_test_notes"):
+        rows.append(("Not covered", "; ".join(str(t) for t in audit["self_test_notes"])))
     if audit.get("guesses") is not None:
         rows.append(("Guesses (correct)", f"{audit['guesses']} ({audit.get('correct')})"))
     if audit.get("mu_lower") is not None:

@@ -18,16 +18,25 @@ the run stays one hash chain, and the next close (at the latest, at exit) ends i
 A run whose objects are garbage-collected before the end (a script's next run rebinds its
 variables, as Opacus' ``--n-runs``) has its ledger closed then. Releases are counted from the
 ledger (samples with a release).
+
+Given the run's ``delta`` and accountant, each close first records in the ledger's metadata the
+epsilon the writer computed from its *in-memory* records (``epsilon``, ``delta``,
+``accounting``), as ``dpfy train`` does at its end. A reader recomputes it from the file's lines
+(:func:`dpfy.report.consistency.check_recorded_epsilon`; ``dpfy report`` refuses, ``dpfy audit``
+names, a file that accounts to less): a file whose lines overstate the noise, or lost
+releases, while the process drew and recorded the right noise, is seen there.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import sys
 import weakref
 from typing import Any
 
 from dpfy.ledger import Ledger
+from dpfy.training.budget import statement
 
 #: The closers of file ledgers still open to a live run (closed at interpreter exit).
 _LIVE: weakref.WeakSet[LedgerCloser] = weakref.WeakSet()
@@ -44,15 +53,19 @@ class LedgerCloser:
     Args:
       ledger: the run's ledger.
       planned: logical batches the run plans to release (None: no planned end).
+      delta, method: the run's delta and accountant; when both are given, every close records
+        the epsilon of the in-memory ledger at ``delta`` (module docstring).
 
     :meth:`watch` ties it to the object that runs the training: when that object is
     garbage-collected (a script's next run rebinds its variables) the ledger is closed then;
     until then a file ledger is closed at interpreter exit.
     """
 
-    def __init__(self, ledger: Ledger, planned: int | None) -> None:
+    def __init__(self, ledger: Ledger, planned: int | None, *, delta: float | None = None,
+                 method: str | None = None) -> None:
         self.ledger = ledger
         self.planned = planned
+        self.delta, self.method = delta, method
         self._first = _released(ledger)  # releases before this run (a reused ledger)
 
     def watch(self, owner: Any) -> None:
@@ -70,9 +83,13 @@ class LedgerCloser:
         """Whether every planned release was made (False without a plan)."""
         return self.planned is not None and self.released() >= self.planned
 
-    def close(self, how: str) -> None:
+    def close(self, how: str, *, delta: float | None = None) -> None:
         """Close the ledger now, its end record saying how the run ended (module docstring);
-        nothing when it is closed already. ``how``: why it is closed now, in words."""
+        nothing when it is closed already. ``how``: why it is closed now, in words; ``delta``:
+        the delta of the report about to be written, for a run that set none (kept for the
+        later closes)."""
+        if delta is not None:
+            self.delta = float(delta)
         ledger = self.ledger
         if ledger.read_only:
             return
@@ -83,7 +100,25 @@ class LedgerCloser:
             ended = f"as planned: {done} of {self.planned} planned releases"
         else:
             ended = f"early ({how}): {done} of {self.planned} planned releases"
+        self.record_epsilon()
         ledger.close(ended=ended, reopen=True)
+
+    def record_epsilon(self) -> None:
+        """Record the epsilon of the in-memory ledger at the run's delta (nothing without a
+        delta and accountant, or before the first release). An accountant that refuses the
+        ledger's event records why instead: a close never fails for it."""
+        ledger = self.ledger
+        if self.delta is None or self.method is None or not ledger.noise_multipliers():
+            return
+        try:
+            result = statement(ledger, self.delta, self.method)
+        except (ValueError, ArithmeticError) as err:  # UnsupportedEventError is a ValueError
+            ledger.record_metadata(epsilon_not_recorded=f"{type(err).__name__}: {err}"[:300])
+            return
+        if not math.isfinite(result.epsilon):  # JSON has no infinity; nothing to check then
+            return
+        ledger.record_metadata(epsilon=float(result.epsilon), delta=float(self.delta),
+                               accounting=result.method)
 
 
 @atexit.register

@@ -52,6 +52,7 @@ from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
 from dpfy.training.chunk import OpenChunk
 from dpfy.training.closing import LedgerCloser
+from dpfy.training.keys import key_facts
 from dpfy.training.loader import (
     ChunkInfo,
     PrivateBatchSampler,
@@ -138,7 +139,8 @@ class _Engine:
         self.on_budget = on_budget
         self.facts = facts
         planned = None if epochs is None else int(epochs) * int(sampler.steps_per_epoch)
-        self.closer = LedgerCloser(ledger, planned)  # at the plan's end, on request, at exit
+        # at the plan's end, on request, at exit; recording the epsilon this process accounts
+        self.closer = LedgerCloser(ledger, planned, delta=delta, method=accounting)
         self.closer.watch(self)  # and when the run's objects are released
         self.epoch = 0
         self.steps = 0
@@ -442,11 +444,13 @@ class PrivateOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
-    def close_ledger(self, how: str = "closed by the script") -> None:
+    def close_ledger(self, how: str = "closed by the script", *,
+                     delta: float | None = None) -> None:
         """Close the run's ledger now: its end record says whether every planned release was
         made (:mod:`dpfy.training.closing`; it closes itself when the planned epochs are done
-        and at interpreter exit). A later release reopens it with a resume marker."""
-        self._engine.closer.close(how)
+        and at interpreter exit). A later release reopens it with a resume marker. The
+        epsilon this process accounts is recorded first, at the run's delta (or ``delta``)."""
+        self._engine.closer.close(how, delta=delta)
 
     def autocast(self) -> Any:
         """``with optimizer.autocast(): loss = criterion(model(x), y)``: the forward in the
@@ -644,6 +648,8 @@ def make_private(
         # what the report's headline reads: a DP release, or a seeded experiment
         "sampling_randomness": _describe(getattr(sampler, "randomness", None)),
         "noise_randomness": rng.describe(),
+        # the keys' commitments, registered now: a key another run drew refuses this one
+        **key_facts(rng, getattr(sampler, "randomness", None)),
         "calibrated": given_z is None,
         "precision": pg.precision,
         "loss_scale": pg.loss_scale,

@@ -41,6 +41,7 @@ from dpfy.sampling.kinds import kind as sampler_kind
 from dpfy.training import users
 from dpfy.training.distributed import Distributed
 from dpfy.training.history import History, ProgressInfo
+from dpfy.training.keys import key_facts
 from dpfy.training.precision import check_precision
 from dpfy.training.trainer import PrivateTrainer, TrainerOptions
 
@@ -157,23 +158,28 @@ class RunHooks:
         return self.batch_plan(units)
 
 
-def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, str]]:
+def run_randomness(seed: int | None) -> tuple[Randomness, Randomness, dict[str, Any]]:
     """(sampling stream, noise stream, their ledger description) of a recipe run.
 
-    ``seed=None``: two secure generators (docs/randomness.md), a DP release. An int: both
-    streams derive from the one seed a user would pass again, and ``torch.manual_seed(seed)``
-    fixes the initialisation: a reproducible experiment, not a DP release.
+    ``seed=None``: two secure generators (docs/randomness.md), a DP release; their keys are
+    drawn now, and their commitments recorded and registered (:mod:`dpfy.training.keys`: a
+    key another run drew refuses this one). An int: both streams derive from the one seed a
+    user would pass again, and ``torch.manual_seed(seed)`` fixes the initialisation: a
+    reproducible experiment, not a DP release.
     """
     if seed is None:
         sample_rng, noise_rng = Randomness.secure_mode(), Randomness.secure_mode()
         return sample_rng, noise_rng, {"sampling_randomness": sample_rng.describe(),
-                                       "noise_randomness": noise_rng.describe()}
+                                       "noise_randomness": noise_rng.describe(),
+                                       **key_facts(noise_rng, sample_rng)}
     base = Randomness(int(seed))
     sample_rng = Randomness(int(base.uniform(1)[0] * 2**62))
     noise_rng = Randomness(int(base.uniform(1)[0] * 2**62))
     torch.manual_seed(int(seed))
-    return sample_rng, noise_rng, dict.fromkeys(("sampling_randomness", "noise_randomness"),
-                                                base.describe())
+    return sample_rng, noise_rng, {
+        **dict.fromkeys(("sampling_randomness", "noise_randomness"), base.describe()),
+        **key_facts(noise_rng, sample_rng),
+    }
 
 
 @dataclasses.dataclass(kw_only=True)
