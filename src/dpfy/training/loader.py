@@ -244,6 +244,11 @@ class PrivateBatchSampler:
     weight-0 rows). False: each holds only its real rows (an empty draw: one weight-0 row),
     for a loop the user writes whose printed losses and accuracies must count real rows only
     (``dpfy.opacus``' ``BatchMemoryManager``); privacy is the same either way.
+
+    ``shard`` (default None): ``(rank, world_size)`` of a data-parallel run whose ranks all
+    iterate the same logical batches (:class:`dpfy.training.distributed.SharedSampler`): each
+    physical batch is cut into ``world_size`` consecutive parts and this rank yields part
+    ``rank`` (:func:`share_rows`), so the ranks' real rows together are the batch's, each once.
     """
 
     def __init__(
@@ -257,6 +262,7 @@ class PrivateBatchSampler:
         self.sampler = sampler
         self.max_physical_batch_size = max_physical_batch_size
         self.pad = True
+        self.shard: tuple[int, int] | None = None
         self.infos: collections.deque[ChunkInfo] = collections.deque()
         self._epoch = 0
         self._limit: int | None = None
@@ -275,6 +281,8 @@ class PrivateBatchSampler:
         for step, indices in enumerate(self.sampler.batches(epoch)):
             parts = chunk_rows(indices, self.max_physical_batch_size, mb)
             for c, (rows, count) in enumerate(parts):
+                if self.shard is not None:
+                    rows, count = share_rows(rows, count, *self.shard)
                 rows = rows if self.pad else rows[: max(count, 1)]
                 self.infos.append(ChunkInfo(epoch, step, c, len(parts), count, len(rows)))
                 yield rows.tolist()
@@ -284,6 +292,18 @@ class PrivateBatchSampler:
     def __len__(self) -> int:
         """Logical batches per epoch (physical batches per epoch vary with random batches)."""
         return int(self.sampler.steps_per_epoch)
+
+
+def share_rows(rows: np.ndarray, count: int, rank: int, world_size: int) -> tuple[np.ndarray, int]:
+    """Part ``rank`` of ``world_size`` consecutive parts of a physical batch whose first
+    ``count`` rows are real: (its rows, its real rows). Part r holds rows
+    ``[r S / W, (r+1) S / W)`` of the S rows (``P / W`` each when W divides the physical batch
+    size P, as :class:`dpfy.training.distributed.ShardBatcher` cuts); an empty part is one
+    weight-0 row (index of the batch's first row)."""
+    size = len(rows)
+    lo, hi = rank * size // world_size, (rank + 1) * size // world_size
+    real = max(0, min(hi, count) - lo)
+    return (rows[lo:hi] if hi > lo else rows[:1]), real
 
 
 class RowsDataset(Dataset[Any]):

@@ -52,6 +52,12 @@ from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
 from dpfy.training.chunk import OpenChunk
 from dpfy.training.closing import LedgerCloser
+from dpfy.training.distributed import (
+    Distributed,
+    SharedSampler,
+    check_mirror_ledger,
+    per_process_batch,
+)
 from dpfy.training.keys import key_facts
 from dpfy.training.loader import (
     ChunkInfo,
@@ -521,6 +527,12 @@ class PrivateOptions:
       attribution_budget: the share of the engine's time (backward, norms, clipping) the
         attribution check may take (default 0.05: a batch is skipped while the checks so far
         took more; the first is always checked); ``None``: every n-th batch whatever it costs.
+      distributed: this process of a data-parallel run (:mod:`dpfy.training.distributed`,
+        docs/architecture.md 5.18): rank 0 draws each logical batch and broadcasts it, each
+        rank takes its part of every physical batch (``PrivateBatchSampler.shard``), the
+        clipped sums are all-reduced, and rank 0 alone writes the ledger and draws the noise;
+        the other ranks keep an in-memory mirror ledger (``ledger`` must be None or in
+        memory there). Rank 0's weights are broadcast to every rank here.
     """
 
     max_physical_batch_size: int | None = None
@@ -538,6 +550,7 @@ class PrivateOptions:
     noise_multiplier: float | None = None
     attribution_check: int = DEFAULT_EVERY
     attribution_budget: float | None = DEFAULT_BUDGET
+    distributed: Distributed | None = None
 
 
 def make_private(
@@ -603,6 +616,7 @@ def make_private(
     check_randomness(randomness)
     rng = randomness if randomness is not None else Randomness.secure_mode()
     sampler = _the_sampler(sampler, data, expected_batch_size, o.max_batch_size, rng)
+    d = _check_distributed(o.distributed, ledger, max_physical_batch_size)
     per_example = _per_example(loss_fn)
     if validate:
         validate_module(model)
@@ -629,6 +643,7 @@ def make_private(
         expected_batch_size=sampler.expected_batch_size,
         precision=precision,
         loss_scale=loss_scale,
+        reducer=d,
     )
     pg.attribution.every, pg.attribution.budget = o.attribution_check, o.attribution_budget
     facts = {
@@ -654,7 +669,10 @@ def make_private(
         "precision": pg.precision,
         "loss_scale": pg.loss_scale,
         "layer_types": list(layer_type_names(p.module for p in pg.plans_)),
-    }
+    } | ({} if d is None else {"workers": d.world_size})
+    if d is not None:  # every rank starts from rank 0's weights and gets rank 0's draws
+        d.sync_module_(model)
+        sampler = SharedSampler(sampler, d)
     engine = _Engine(
         private_gradient=pg,
         sampler=sampler,
@@ -677,6 +695,7 @@ def make_private(
         device=None if device is None else torch.device(device),
         loader_kwargs=dict(loader_kwargs or {}),
     )
+    loader.batch_sampler.shard = None if d is None else (d.rank, d.world_size)
     criterion = PrivateCriterion(engine, per_example)
     return Private(model, PrivateOptimizer(optimizer, engine), criterion, loader)
 
@@ -720,6 +739,20 @@ def _check_numbers(
         check_range("max_physical_batch_size", max_physical_batch_size, 1, None, integer=True)
     if on_budget not in ("stop", "raise"):
         raise ValueError(f"on_budget must be one of {{stop, raise}}, got on_budget={on_budget!r}")
+
+
+def _check_distributed(
+    d: Distributed | None, ledger: Ledger | None, physical: int | None
+) -> Distributed | None:
+    """``d``, checked: a rank other than 0 keeps an in-memory mirror ledger, and W divides
+    the physical batch size."""
+    if d is None:
+        return None
+    if not d.releases and ledger is not None:
+        check_mirror_ledger(ledger, d.rank)  # only rank 0 writes the ledger file
+    if physical is not None:
+        per_process_batch(physical, d.world_size)
+    return d
 
 
 def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
