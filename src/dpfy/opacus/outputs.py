@@ -31,6 +31,11 @@ hook on every trainable parameter notes any gradient accumulated while a batch i
 penalty that reads no data belongs in the optimizer, e.g. ``weight_decay``: it is applied after the
 release.)
 
+The attribution check (:mod:`dpfy.training.norms.attribution`) reruns the model on one example
+alone and differentiates ``f * <o_alone, g[i]>`` with the same ``g`` (:meth:`OutputGradients.
+losses_of_rows`): without mixing between examples that is the example's own gradient, so a model
+that mixes examples in its forward (centring over the batch, say) is refused before the release.
+
 Assumption (Opacus makes the same one): the backpropagated loss is a mean (or a sum, with
 ``loss_reduction="sum"``) over the rows of the batch of terms that each depend on one row only,
 as cross-entropy, MSE or a token-mean language-model loss per row are. A loss that couples
@@ -72,15 +77,19 @@ class OutputGradients:
         self._handle: RemovableHandle | None = None
         self._param_hooks: list[RemovableHandle] = []
         self._reached: list[str] = []
+        #: the last batch's output gradients (None where an output got none), kept for
+        #: :meth:`losses_of_rows`; None when an output had no row per example
+        self._alone: list[torch.Tensor | None] | None = None
+        self._factor = 1.0
 
     def open(self, rows: int) -> None:
         """A physical batch of ``rows`` rows is out: detach the model's outputs from now on."""
         self.close()
         self._rows = int(rows)
         self._handle = self.model.register_forward_hook(self._detach_outputs)
-        self._reached = []
+        self._reached, self._alone = [], None
         self._param_hooks = [
-            p.register_post_accumulate_grad_hook(self._note_direct(name))
+            p.register_post_accumulate_grad_hook(self._note_direct(name))  # type: ignore[no-untyped-call]
             for name, p in self.model.named_parameters()
             if p.requires_grad
         ]
@@ -105,7 +114,7 @@ class OutputGradients:
         leaves, spec = tree_flatten(output)
         handed = []
         for o in leaves:
-            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point():
+            if _differentiable(o):
                 leaf = o.detach().requires_grad_()
                 self._pairs.append((o, leaf))
                 handed.append(leaf)
@@ -113,9 +122,38 @@ class OutputGradients:
                 handed.append(o)
         return tree_unflatten(handed, spec)
 
-    #: The losses are read off the user's backward, not recomputed from the outputs, so the
-    #: attribution check (dpfy.training.norms.attribution) cannot rerun them on one example.
-    recomputable = False
+    @property
+    def recomputable(self) -> bool:
+        """Whether the attribution check (:mod:`dpfy.training.norms.attribution`) can rerun the
+        last batch's surrogate on some of its rows (:meth:`losses_of_rows`): every output that
+        received a gradient had one row per example. A loss the model computed over the whole
+        batch (``outputs.loss``) cannot be cut per row, and the check stands down."""
+        return self._alone is not None
+
+    def losses_of_rows(self, outputs: Any, rows: torch.Tensor) -> torch.Tensor:
+        """The surrogate of the last batch on a fresh forward pass over its ``rows`` only:
+        ``f * <o_alone[r], g[rows[r]]>``, with the output gradients ``g`` the user's backward
+        left and the same factor ``f``. Without mixing between examples, its gradient is the
+        per-example gradient of each of those rows; with mixing, it is not, and the check
+        refuses the step."""
+        grads = self._alone
+        if grads is None:
+            raise RuntimeError("the last batch's surrogate cannot be cut per row")
+        leaves = [o for o in tree_flatten(outputs)[0] if _differentiable(o)]
+        if len(leaves) != len(grads):
+            raise RuntimeError(
+                f"the model's forward on some rows gave {len(leaves)} differentiable outputs, "
+                f"its forward on the batch {len(grads)}"
+            )
+        total: torch.Tensor | None = None
+        for o, g in zip(leaves, grads, strict=True):
+            if g is None:
+                continue
+            part = _row_products(o, g.index_select(0, rows.to(g.device)), len(rows))
+            total = part if total is None else total + part
+        if total is None:
+            raise RuntimeError("no output of the last batch received a gradient")
+        return total * self._factor
 
     def __call__(self, outputs: Any = None, targets: Any = None) -> torch.Tensor:
         """:meth:`per_example_losses`: the object serves as ``make_private``'s ``loss_fn``."""
@@ -147,17 +185,19 @@ class OutputGradients:
         f = float(rows) if self.reduction == "mean" else 1.0
         terms: torch.Tensor | None = None
         whole: torch.Tensor | None = None
+        kept: list[torch.Tensor | None] = []
         for o, leaf in pairs:
             g = leaf.grad
+            kept.append(None if g is None else g.detach())
             if g is None:
                 continue
-            product = (o * g.to(o.dtype)).float()
             if o.dim() >= 1 and o.shape[0] == rows:
-                part = product.reshape(rows, -1).sum(1) * f
+                part = _row_products(o, g, rows) * f
                 terms = part if terms is None else terms + part
             else:
-                part = product.sum() * f
+                part = _row_products(o.reshape(1, -1), g.reshape(1, -1), 1)[0] * f
                 whole = part if whole is None else whole + part
+        self._alone, self._factor = (kept, f) if whole is None else (None, f)
         if terms is None and whole is None:
             raise RuntimeError(
                 "optimizer.step() found no gradient on the model's outputs for this batch: "
@@ -172,3 +212,13 @@ class OutputGradients:
             first[0] = 1.0
             terms = terms + first * whole
         return terms
+
+
+def _differentiable(o: Any) -> bool:
+    return isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()
+
+
+def _row_products(o: torch.Tensor, g: torch.Tensor, rows: int) -> torch.Tensor:
+    """``<o[i], g[i]>`` over the non-batch dimensions, in at least fp32 (fp64 stays fp64)."""
+    dtype = torch.promote_types(o.dtype, torch.float32)
+    return (o.to(dtype) * g.to(dtype)).reshape(rows, -1).sum(1)

@@ -30,8 +30,9 @@ Cost: one forward and backward on ``k`` rows (one example) per checked chunk -- 
 of the step plus the fixed cost of a forward call -- and a parameter-sized gradient, freed at
 once. ``every`` sets the frequency (every chunk by default; 0 turns it off) and ``budget`` the
 share of the engine's own time the checks may take (5 % by default; ``None``: no limit). A loss that
-cannot be recomputed on one example's rows (:func:`recomputable`; ``dpfy.opacus``' hooks mode,
-whose losses come from the user's backward) is not checked.
+cannot be recomputed on one example's rows (:func:`recomputable`) is not checked. A loss built
+from the batch rather than from fresh outputs (``dpfy.opacus``' hooks mode: a surrogate read off
+the user's backward) recomputes the chosen rows itself (:class:`RowsLoss`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import random
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -68,6 +69,15 @@ def recomputable(loss_fn: object) -> bool:
     gradient the user's own backward left on them) declares ``recomputable = False``; the
     check then stands down for that loop."""
     return getattr(loss_fn, "recomputable", True) is not False
+
+
+@runtime_checkable
+class RowsLoss(Protocol):
+    """A per-example loss that recomputes some rows of its last batch from a fresh forward pass
+    over those rows only (``outputs``), instead of from ``(outputs, targets)``: ``rows`` are the
+    indices in that batch. Returns the per-example losses ``[len(rows)]``."""
+
+    def losses_of_rows(self, outputs: Any, rows: torch.Tensor) -> torch.Tensor: ...
 
 
 class AttributionCheckWarning(UserWarning):

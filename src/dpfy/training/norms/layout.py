@@ -86,7 +86,7 @@ def replays(
     """The chunk's forward on reordered rows (the layout probe) and the caller's per-example
     losses of some rows (the attribution check; ``None`` without a loss, or for one that is
     not :func:`~dpfy.training.norms.attribution.recomputable`)."""
-    from dpfy.training.norms.attribution import recomputable
+    from dpfy.training.norms.attribution import RowsLoss, recomputable
 
     def rerun(perm: torch.Tensor | None) -> Any:
         with autocast():
@@ -95,6 +95,8 @@ def replays(
     def loss_of(rows: torch.Tensor) -> torch.Tensor:
         assert loss_fn is not None
         with autocast():
+            if isinstance(loss_fn, RowsLoss):  # a loss that knows the batch's rows itself
+                return loss_fn.losses_of_rows(rerun(rows), rows)
             return loss_fn(rerun(rows), permute_batch(targets, rows, batch))
 
     return rerun, loss_of if loss_fn is not None and recomputable(loss_fn) else None
