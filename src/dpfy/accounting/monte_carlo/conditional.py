@@ -45,7 +45,7 @@ from dpfy.accounting.monte_carlo.normals import (
     log_sum_exp_rows,
     truncated_normals_below,
 )
-from dpfy.accounting.monte_carlo.sum_tails import GL64, SumTails, gauss_legendre
+from dpfy.accounting.monte_carlo.sum_tails import SumTails, gauss_legendre
 
 HIST_BINS = 1 << 17
 
@@ -59,7 +59,7 @@ def psi_remove(s: FloatArray, z: float, steps: int, epsilon: float) -> FloatArra
         a = np.where(gap > 0, z * (np.log(np.where(gap > 0, gap, 1.0)) - 2 * c), -np.inf)
     lo = np.maximum(a, -16.0)
     hi = np.maximum(lo, 0.0) + 14.0
-    g, w = gauss_legendre(lo, hi, GL64)
+    g, w = gauss_legendre(lo, hi, 64)
     with np.errstate(over="ignore"):
         denom = np.exp(np.minimum(g / z + 2 * c, 700.0)) + s[..., None]
     inner = np.maximum(1.0 - np.exp(log_k) / denom, 0.0)

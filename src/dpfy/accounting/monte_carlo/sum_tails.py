@@ -8,6 +8,7 @@ functions are computed by Gauss-Legendre quadrature on g in [-16, m].
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -17,15 +18,20 @@ from dpfy.accounting.monte_carlo.base import FloatArray
 
 QuadratureRule = tuple[FloatArray, FloatArray]
 
-GL64: QuadratureRule = np.polynomial.legendre.leggauss(64)
-GL400: QuadratureRule = np.polynomial.legendre.leggauss(400)
+
+@functools.cache
+def gauss_legendre_rule(points: int) -> QuadratureRule:
+    """The ``points``-point Gauss-Legendre rule on [-1, 1], computed on first use (400 points
+    take a tenth of a CPU-second; importing the accountant should not pay it)."""
+    nodes, weights = np.polynomial.legendre.leggauss(points)
+    nodes.flags.writeable = weights.flags.writeable = False  # shared by every caller
+    return nodes, weights
 
 
-def gauss_legendre(
-    a: FloatArray, b: FloatArray, rule: QuadratureRule
-) -> tuple[FloatArray, FloatArray]:
-    """Nodes and weights of ``rule`` mapped to [a, b] (broadcast over a trailing axis)."""
-    x, w = rule
+def gauss_legendre(a: FloatArray, b: FloatArray, points: int) -> tuple[FloatArray, FloatArray]:
+    """Nodes and weights of the ``points``-point Gauss-Legendre rule mapped to [a, b]
+    (broadcast over a trailing axis)."""
+    x, w = gauss_legendre_rule(points)
     half = (b - a)[..., None] / 2.0
     return a[..., None] + half * (x + 1.0), half * w
 
@@ -51,7 +57,7 @@ class SumTails:
             self.log_union = np.array([-np.inf])
         theta = np.geomspace(1e-4, 40.0, 48)
         lam = theta[None, :] * np.exp(-self.m[:, None] / z)  # lam e^{g/z} <= theta on g <= m
-        g, w = gauss_legendre(np.full(self.m.shape, -16.0), self.m, GL400)  # (M, 400)
+        g, w = gauss_legendre(np.full(self.m.shape, -16.0), self.m, 400)  # (M, 400)
         log_phi = -0.5 * g * g - 0.5 * math.log(2 * math.pi)
         y = np.exp(g / z)
         expo = log_phi[:, None, :] + lam[:, :, None] * y[:, None, :]  # (M, L, 400)
@@ -62,7 +68,7 @@ class SumTails:
         # left tail: P(S <= s) <= exp(lam s + n log E[e^{-lam Y}])
         self.lam_left = np.geomspace(1e-8, 1e3, 400) * math.exp(-0.5 / (z * z))
         top = 16.0 if truncate is None else min(16.0, float(truncate))
-        g2, w2 = gauss_legendre(np.array(-16.0), np.array(top), GL400)
+        g2, w2 = gauss_legendre(np.array(-16.0), np.array(top), 400)
         log_phi2 = -0.5 * g2 * g2 - 0.5 * math.log(2 * math.pi)
         e2 = log_phi2[None, :] - self.lam_left[:, None] * np.exp(g2 / z)[None, :]
         mx2 = e2.max(axis=-1, keepdims=True)
