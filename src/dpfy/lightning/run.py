@@ -135,6 +135,17 @@ class PrivateRun:
         sampler = PoissonSampler(n, 1.0 / steps, steps_per_epoch=steps, randomness=sampling)
         self.run_dir = None if settings.run_dir is None or not self.releases else Path(
             settings.run_dir)
+        self.hyperparameters = run_hyperparameters(
+            target_epsilon=settings.target_epsilon, clip_norm=settings.clip_norm,
+            delta=settings.delta, epochs=int(epochs),
+            expected_batch_size=sampler.expected_batch_size, microbatch_size=None,
+            accounting=self.method,
+        )
+        if resume is not None:  # refused before the ledger is opened (nothing written)
+            check_resume(resume["hyperparameters"], self.hyperparameters, raise_budget=False,
+                         step=int(resume["releases"]))
+            check_randomness_modes(resume["randomness"], {
+                "noise": randomness_mode(noise), "sampling": randomness_mode(sampling)})
         self.ledger = self._open_ledger(resume)
         if self.releases:
             self._share_records(self.ledger)
@@ -155,12 +166,6 @@ class PrivateRun:
         self.optimizer = DPOptimizer(
             private.optimizer, private.criterion, outputs, settings.clip_norm,
             sampler.expected_batch_size,
-        )
-        self.hyperparameters = run_hyperparameters(
-            target_epsilon=settings.target_epsilon, clip_norm=settings.clip_norm,
-            delta=settings.delta, epochs=int(epochs),
-            expected_batch_size=sampler.expected_batch_size, microbatch_size=None,
-            accounting=self.method,
         )
         if resume is not None:
             self._resume(resume)
@@ -239,19 +244,13 @@ class PrivateRun:
     def _resume(self, saved: dict[str, Any]) -> None:
         """Continue from a checkpoint's :meth:`state` (module docstring)."""
         engine = self._engine()
-        check_resume(saved["hyperparameters"], self.hyperparameters, raise_budget=False,
-                     step=int(saved["releases"]))
         if not math.isclose(float(saved["noise_multiplier"]), engine.z, rel_tol=1e-12):
             raise CheckpointMismatchError(
                 f"the noise multiplier must be {saved['noise_multiplier']!r} to resume this "
                 f"checkpoint (its releases were calibrated with it), got {engine.z!r}"
             )
-        sampler = engine.sampler
-        check_randomness_modes(saved["randomness"], {
-            "noise": randomness_mode(engine.randomness),
-            "sampling": randomness_mode(sampler.randomness)})
-        sampler.load_state_dict(saved["sampler"])  # a secure stream goes on with fresh bits
-        if "noise" in saved:
+        engine.sampler.load_state_dict(saved["sampler"])  # a secure stream goes on with fresh bits
+        if "noise" in saved and not engine.randomness.secure:  # seeded: the same stream
             engine.randomness.load_state_dict(saved["noise"])
         engine.epoch = int(saved["sampler"]["epoch"])  # the epoch in progress begins again
         in_ledger = len(self.ledger.noise_multipliers())
@@ -264,6 +263,7 @@ class PrivateRun:
                 "releases_in_ledger": in_ledger,
                 "releases_lost": in_ledger - int(saved["releases"]),
                 "randomness": "a fresh secure key" if secure else "the checkpoint's seeded state",
+                "key_commitments": engine.facts.get("key_commitments"),  # the fresh keys'
             })
 
     def _engine(self) -> Any:
