@@ -203,7 +203,7 @@ WITHIN_LAYER: dict[str, tuple[str, ...]] = {
     "features": ("training.progress",),
     "fed": ("queries", "training.checkpoint"),
     "planning": (), "publication": (), "report": ("planning", "publication"), "audit": ("report",),
-    "hf": ("report",), "opacus": ("report",), "lightning": ("opacus",),
+    "hf": ("report",), "opacus": ("report",), "lightning": ("opacus", "report"),
     "run_accounting": ("planning", "report"),
     "runs": ("audit", "planning", "publication", "report"), "tuning_runs": ("runs",),
     "cli": ("cli_options",), "cli_options": (), "": (),
