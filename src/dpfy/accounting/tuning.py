@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -266,6 +266,129 @@ _NOTES = (
 
 
 register_accountant(RdpTuningAccountant())
+
+
+# --------------------------------------------------------------------------------------------
+# A search calibrated to a total budget
+# --------------------------------------------------------------------------------------------
+
+
+def search_event(
+    trial: ev.Event, final: ev.Event | None, mean: float, shape: float | None
+) -> tuple[ev.Event, str]:
+    """The event of a whole search and the accountant that states it: ``(event, method)``.
+
+    ``shape`` None: a fixed number ``K = mean`` of trials, every trial and the final release
+    composed (Ponomareva et al. 2023, Table 4, "RDP/PLD composition": valid for any search),
+    accounted by ``auto``. Otherwise K random (Papernot & Steinke 2022, Thm. 2 and 6): the
+    trials as ``RepeatAndSelect(trial, mean, shape)``, then the final release, by
+    ``rdp_tuning``. ``trial`` covers everything a trial releases (its training and its score);
+    ``final`` None: no release after the trials.
+    """
+    last = () if final is None else (final,)
+    if shape is None:
+        check_int("mean", mean, 1, 1000)
+        return ev.Composed((*(trial,) * int(mean), *last)), "auto"
+    return ev.Composed((ev.RepeatAndSelect(trial, float(mean), float(shape)), *last)), (
+        "rdp_tuning")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SearchBudget:
+    """What :func:`calibrate_search` found.
+
+    Attributes:
+      per_run_epsilon: the target each run (every trial's training, the final release) is
+        calibrated to alone.
+      epsilon: the whole search's epsilon at that per-run target (<= ``total_epsilon``).
+      total_epsilon, delta: the budget of the whole search.
+      method: the accountant of ``epsilon`` (:func:`search_event`).
+    """
+
+    per_run_epsilon: float
+    epsilon: float
+    total_epsilon: float
+    delta: float
+    method: str
+
+
+def calibrate_search(
+    events: Callable[[float], tuple[ev.Event, ev.Event]],
+    total_epsilon: float,
+    delta: float,
+    *,
+    mean: float,
+    shape: float | None,
+    floor: ev.Event | None = None,
+    rtol: float = 1e-4,
+) -> SearchBudget:
+    """The largest per-run target whose whole search meets ``(total_epsilon, delta)``.
+
+    Args:
+      events: ``per_run_epsilon -> (trial, final)``: a trial's event (its training calibrated
+        to the per-run target, and its noisy score) and the final release's; a ``ValueError``
+        from it (a target no noise can meet) counts as an unmet budget.
+      total_epsilon, delta: the budget of the whole search (trials, scores, choice, release).
+      mean, shape: the number of trials (:func:`search_event`).
+      floor: what a trial releases whatever its per-run target (its score): a search of this
+        alone that spends ``total_epsilon`` already is refused at once.
+      rtol: relative tolerance of the per-run target.
+
+    Returns:
+      The per-run target found by Brent's method (:func:`dpfy.accounting.roots.safe_root`) on
+      ``epsilon(search_event(*events(r))) - total_epsilon``, which is non-decreasing in ``r``
+      (a larger per-run target means less noise in every run), taken on the certified side:
+      the search's epsilon at it, evaluated exactly there, is at most ``total_epsilon``.
+
+    Raises:
+      ValueError: a bad budget, or one that no per-run target meets (the scores' noise or the
+        number of trials alone spend more), naming ``total_epsilon``.
+    """
+    check_range("total_epsilon", total_epsilon, 0.0, None, low_open=True, high_open=True)
+    check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    spent: dict[float, float] = {}
+    why: list[str] = []
+
+    def epsilon_at(per_run: float) -> float:
+        if per_run not in spent:
+            try:
+                trial, final = events(per_run)
+            except ValueError as err:  # the per-run target itself is out of reach
+                why[:] = [str(err)]
+                spent[per_run] = math.inf
+            else:
+                event, method = search_event(trial, final, mean, shape)
+                spent[per_run] = _epsilon(event, delta, method=method).epsilon
+        return spent[per_run]
+
+    method = "auto" if shape is None else "rdp_tuning"
+    if floor is not None:
+        least = _epsilon(search_event(floor, None, mean, shape)[0], delta, method=method).epsilon
+        if least >= total_epsilon:
+            raise ValueError(
+                f"total_epsilon={total_epsilon!r} cannot be met at delta={delta!r}: the trials' "
+                f"scores alone spend {least:.4g} whatever the runs' noise; raise total_epsilon "
+                "or the score noise, or plan fewer trials")
+    hi = float(total_epsilon)
+    trial, final = events(hi)  # a configuration error surfaces as itself, not as a budget
+    spent[hi] = _epsilon(search_event(trial, final, mean, shape)[0], delta, method=method).epsilon
+    if epsilon_at(hi) <= total_epsilon:
+        return SearchBudget(hi, epsilon_at(hi), float(total_epsilon), float(delta), method)
+    # every run at most total / (runs + 1) is a first guess of the certified end (then halved)
+    lo = hi / (1.0 + (mean if shape is None else 2.0 * mean))
+    while epsilon_at(lo) > total_epsilon:
+        if lo < total_epsilon * 2.0**-20:
+            reason = f" ({why[0]})" if why else ""
+            raise ValueError(
+                f"total_epsilon={total_epsilon!r} cannot be met at delta={delta!r}: even a "
+                f"per-run target of {lo:.3g} spends {epsilon_at(lo):.4g} in all (the scores' "
+                f"noise or the number of trials alone cost more); raise total_epsilon or the "
+                f"score noise, or plan fewer trials{reason}")
+        hi, lo = lo, lo / 2.0
+    per_run = float(roots.safe_root(lambda r: epsilon_at(r) - total_epsilon, lo, hi,
+                                    side="low", xtol=1e-12, rtol=rtol))
+    return SearchBudget(per_run, epsilon_at(per_run), float(total_epsilon), float(delta),
+                        method)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+"""A search calibrated to a total budget (:func:`dpfy.accounting.tuning.calibrate_search`): the
+whole search's epsilon, recomputed here from the events, is at most the budget and within a
+small gap of it, at the largest such per-run target; a budget the scores alone exceed is refused
+at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from dpfy import accounting
+from dpfy import events as ev
+from dpfy.accounting.tuning import calibrate_search, search_event
+
+DELTA = 1e-5
+
+
+def _events(per_run: float) -> tuple[ev.Event, ev.Event]:
+    """A trial (Poisson DP-SGD and its score) and a final run whose noise falls as the
+    per-run target grows (z = 1.5 / per_run: monotone, no calibration, so this stays fast)."""
+    def run(rate: float) -> ev.Event:
+        return ev.SelfComposed(ev.PoissonSampled(rate, ev.Gaussian(1.5 / per_run)), 60)
+
+    return ev.Composed((run(0.025), ev.Gaussian(10.0))), run(0.02)
+
+
+@pytest.mark.parametrize(("total", "mean", "shape"),
+                         [(1.0, 4.0, 1.0), (8.0, 4.0, 1.0), (3.0, 2.0, None), (3.0, 3.0, 0.0)])
+def test_the_calibrated_search_spends_at_most_its_total_and_nearly_all_of_it(total, mean, shape):
+    budget = calibrate_search(_events, total, DELTA, mean=mean, shape=shape, rtol=1e-4)
+    event, method = search_event(*_events(budget.per_run_epsilon), mean, shape)
+    spent = accounting.epsilon(event, DELTA, method).epsilon
+    assert spent == budget.epsilon <= total
+    assert spent >= total * (1 - 2e-3)  # the per-run target is within 1e-4 of the root
+    assert budget.per_run_epsilon < total  # the trials cost something
+    more = search_event(*_events(budget.per_run_epsilon * 1.01), mean, shape)[0]
+    assert accounting.epsilon(more, DELTA, method).epsilon > total  # the largest such target
+
+
+def test_a_total_the_scores_alone_exceed_is_refused():
+    with pytest.raises(ValueError, match=r"total_epsilon=0\.05 cannot be met .* scores alone"):
+        calibrate_search(_events, 0.05, DELTA, mean=4.0, shape=1.0, floor=ev.Gaussian(0.5))
+    with pytest.raises(ValueError, match="total_epsilon must be in"):
+        calibrate_search(_events, 0.0, DELTA, mean=4.0, shape=1.0)
