@@ -227,6 +227,7 @@ def test_a_killed_run_resumed_from_its_checkpoint_counts_every_release(runs):
     assert facts["releases_in_checkpoint"] == CHECKPOINT_EVERY
     assert facts["releases_lost"] == KILL_AT - CHECKPOINT_EVERY
     assert facts["randomness"] == "a fresh secure key"
+    assert facts["key_commitments"]["noise"]  # the fresh key's, committed
     assert 0 < resumed.strategy.epsilon() <= 3.0
 
 
