@@ -134,3 +134,15 @@ def test_a_fit_that_fails_closes_its_ledger_saying_so(tmp_path):
     ledger = Ledger.load(tmp_path / "ledger.jsonl")
     assert Ledger.verify(tmp_path / "ledger.jsonl").complete
     assert ledger.ended == f"early (fit interrupted): 2 of {ROWS // BATCH} planned releases"
+
+
+def test_dpstrategy_in_one_of_several_launched_processes_is_refused(tmp_path, monkeypatch):
+    """Under torchrun (or any launcher setting RANK and WORLD_SIZE) each process would release
+    a run of its own over the whole data: refused, naming the strategy that shares one run."""
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511")):
+        monkeypatch.setenv(name, value)
+    strategy = DPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=1.0, run_dir=tmp_path)
+    with pytest.raises(ValueError, match="^DPStrategy trains in one process.*Distributed"):
+        _trainer(strategy).fit(TinyMLP())
+    assert not (tmp_path / "ledger.jsonl").exists()

@@ -112,6 +112,14 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, run_dir, out = sys.argv[1:4]
     if mode == "ddp":
+        refused = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
+                                        run_dir=run_dir + "-refused", start_method="fork")
+        try:  # both ranks refuse at setup, before anything is written
+            trainer(refused, [], devices=2, enable_checkpointing=False,
+                    accumulate_grad_batches=2).fit(TinyMLP())
+        except Exception as error:
+            with open(out + ".refused", "w") as f:
+                f.write(str(error))
         strategy = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
                                          run_dir=run_dir, seed=7, start_method="fork")
         trainer(strategy, [KeepResult(out)], devices=2, enable_checkpointing=False).fit(
@@ -171,6 +179,14 @@ def test_two_processes_spend_at_most_the_target_with_a_complete_signed_ledger(ru
     assert "differential privacy" in report.getvalue()
     assert "incomplete" not in report.getvalue().lower()
     assert (root / "ddp" / "report.md").exists()  # written by rank 0 at teardown
+
+
+def test_two_processes_refuse_what_touches_gradients_outside_dpfy(runs):
+    root, _, done = runs
+    assert done["ddp"][0] == 0, done["ddp"][1][-3000:]
+    refusal = (root / "ddp.pt.refused").read_text()
+    assert "accumulate_grad_batches must be 1 with DPStrategy" in refusal
+    assert not (root / "ddp-refused").exists()
 
 
 def test_two_processes_make_the_one_process_update_of_the_same_sample(runs):
