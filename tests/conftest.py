@@ -18,6 +18,15 @@ from typing import Any
 import pytest
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Test files holding a ``slow`` test run first, each file's tests kept together and in
+    order (a module's shared fixtures are built once). ``pytest -n 2`` hands each worker a
+    contiguous share of this order and an idle worker takes queued tests from the other: slow
+    tests collected last (tests/training sorts last) would run alone at the end instead."""
+    slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order is otherwise kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _ledger_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     old = os.environ.get("DPFY_KEY_DIR")
