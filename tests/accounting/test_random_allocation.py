@@ -154,3 +154,17 @@ def test_between_lower_bound_and_no_amplification(z, steps, epochs):
     b = ra.allocation_epsilon(z, steps, epochs, 1e-5)
     assert math.isfinite(b.upper)
     assert b.lower <= b.upper <= no_amp
+
+
+def test_the_refinement_states_the_tolerance_it_reached_met_or_not():
+    from dpfy.accounting.random_allocation import RandomAllocationAccountant, _bounds
+
+    met = _bounds({(1.0, 10): 1}, "epsilon", 1e-5, 2e-3)
+    assert met.converged and met.gap <= 2e-3
+    short = _bounds({(1.0, 10): 1}, "epsilon", 1e-5, 1e-9, levels=2)  # cannot meet 1e-9
+    assert not short.converged and short.gap > 1e-9 and short.upper >= met.upper * (1 - 1e-3)
+    event = ev.BallsAndBins(1.0, 10)
+    notes = RandomAllocationAccountant(tolerance=1e-9, lower=False).epsilon(event, 1e-5).notes
+    assert any("NOT met" in n and "valid upper bound" in n for n in notes), notes
+    notes = RandomAllocationAccountant(lower=False).epsilon(event, 1e-5).notes
+    assert any("tolerance=0.002 met" in n for n in notes), notes

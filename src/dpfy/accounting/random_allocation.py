@@ -46,7 +46,8 @@ How the numbers are made.
    rounding the loss down (lower), then epochs compose by FFT (:func:`dpfy.accounting.pld.compose`).
 
 3. **Grids.** The geometric ratio and the loss interval are halved until two levels agree to
-   the tolerance; every level is a valid bound and the tightest is reported.
+   the tolerance, at most ``_MAX_LEVELS`` times; every level is a valid bound and the tightest
+   is reported, with the agreement reached (a note says when the tolerance was not met).
 
 T = 1 is the Gaussian mechanism; it is answered exactly by :mod:`dpfy.accounting.gaussian`.
 
@@ -432,10 +433,15 @@ def _loss_pld(
 
 @dataclasses.dataclass(frozen=True)
 class AllocationBounds:
-    """Upper (provable) and lower (optimistic) figures for one query."""
+    """Upper (provable) and lower (optimistic) figures for one query, and how far the grid
+    refinement got: ``gap`` is the relative change of the upper figure between the last two
+    grid levels (nan after one level, 0 where the answer is exact), ``converged`` whether it
+    met the tolerance before the level limit."""
 
     upper: float
     lower: float
+    gap: float = 0.0
+    converged: bool = True
 
 
 def allocation_plds(
@@ -591,6 +597,7 @@ def _bounds(
 
     best = math.inf
     prev = None
+    gap, converged = math.nan, False
     z_max = max(z for z, _ in parts)
     # The grid resolves the spread of log X (std 1/z) and the loss of one epoch.
     g = min(_FIRST_RATIO_LOG, 1.0 / (25.0 * z_max))
@@ -598,14 +605,17 @@ def _bounds(
     for _ in range(levels):
         up = read(_composed(parts, g, h, upper=True))
         best = min(best, up)
-        if prev is not None and abs(prev - up) <= tolerance * max(abs(up), 1e-6):
-            break
+        if prev is not None:
+            gap = abs(prev - up) / max(abs(up), 1e-6) if math.isfinite(up) else math.nan
+            if gap <= tolerance:
+                converged = True
+                break
         prev = up
         g, h = g / 2.0, h / 2.0
     if not lower:
-        return AllocationBounds(best, -math.inf)
+        return AllocationBounds(best, -math.inf, gap, converged)
     low = read(_composed(parts, g, h, upper=False))
-    return AllocationBounds(best, min(low, best))
+    return AllocationBounds(best, min(low, best), gap, converged)
 
 
 def allocation_epsilon(
@@ -688,6 +698,23 @@ _NOTE = (
 )
 
 
+def _refinement_note(b: AllocationBounds, tolerance: float, what: str) -> str:
+    """What the grid refinement reached, stated either way (the upper figure is a valid bound
+    at every level; the tolerance is about its tightness only)."""
+    if b.converged and b.gap == 0.0:
+        return f"{what} exact (Gaussian mechanism): no grid"
+    if b.converged:
+        return (
+            f"tolerance={tolerance:g} met: the last two grid levels agree to {b.gap:.2g} "
+            f"(relative) in {what}"
+        )
+    reached = "one level only" if math.isnan(b.gap) else f"they differ by {b.gap:.2g} (relative)"
+    return (
+        f"tolerance={tolerance:g} NOT met within {_MAX_LEVELS} grid levels: {reached}; the "
+        f"{what} is still a valid upper bound, looser than the tolerance asked"
+    )
+
+
 class RandomAllocationAccountant:
     """Provable PLD accountant for Balls-and-Bins (1-of-T random allocation) events.
 
@@ -722,7 +749,7 @@ class RandomAllocationAccountant:
             adjacency=event.adjacency_relation.value,
             provable=True,
             epsilon_lower=b.lower if self.lower else None,
-            notes=(_NOTE,),
+            notes=(_NOTE, _refinement_note(b, self.tolerance, "epsilon")),
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
@@ -733,7 +760,10 @@ class RandomAllocationAccountant:
             method=self.name,
             adjacency=event.adjacency_relation.value,
             provable=True,
-            notes=(_NOTE, f"delta_lower = {b.lower:.6g} (optimistic twin)"),
+            notes=(
+                _NOTE, f"delta_lower = {b.lower:.6g} (optimistic twin)",
+                _refinement_note(b, self.tolerance, "delta"),
+            ),
         )
 
     def calibration_search(self, delta: float) -> _AllocationSearch:
