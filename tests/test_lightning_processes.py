@@ -1,7 +1,7 @@
 """dpfy.lightning in real processes: two ranks (gloo) and a run killed with SIGKILL, resumed.
 
-Both runs are one script (:data:`SCRIPT`, written to a temporary folder) started as a child
-process by a module-scoped fixture, the two at once; the tests read what they left behind.
+Both runs are one script (:data:`SCRIPT`, written to a temporary folder) that a module-scoped
+fixture runs as a child process, one after the other; the tests read what they left behind.
 
 * ``ddp``: ``DistributedDPStrategy`` on two CPU processes (Lightning's multiprocessing launch,
   start method ``fork``: the ranks do not import torch and Lightning again), seed 7, one epoch
@@ -110,61 +110,45 @@ def checkpointing(run_dir, ckpt_dir, every, kill=None, seed=None, clip_norm=0.1,
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    mode, run_dir, out = sys.argv[1:4]
-    if mode == "ddp":
-        refused = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
-                                        run_dir=run_dir + "-refused", start_method="fork")
-        try:  # both ranks refuse at setup, before anything is written
-            trainer(refused, [], devices=2, enable_checkpointing=False,
-                    accumulate_grad_batches=2).fit(TinyMLP())
-        except Exception as error:
-            with open(out + ".refused", "w") as f:
-                f.write(str(error))
-        strategy = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
-                                         run_dir=run_dir, seed=7, start_method="fork")
-        trainer(strategy, [KeepResult(out)], devices=2, enable_checkpointing=False).fit(
-            TinyMLP())
-    else:
-        checkpointing(run_dir, out, every=int(sys.argv[4]), kill=int(sys.argv[5])).fit(
-            TinyMLP())
+    root, every, kill = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    refused = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
+                                    run_dir=os.path.join(root, "ddp-refused"),
+                                    start_method="fork")
+    try:  # both ranks refuse at setup, before anything is written
+        trainer(refused, [], devices=2, enable_checkpointing=False,
+                accumulate_grad_batches=2).fit(TinyMLP())
+    except Exception as error:
+        with open(os.path.join(root, "ddp-refused.txt"), "w") as f:
+            f.write(str(error))
+    strategy = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
+                                     run_dir=os.path.join(root, "ddp"), seed=7,
+                                     start_method="fork")
+    trainer(strategy, [KeepResult(os.path.join(root, "ddp.pt"))], devices=2,
+            enable_checkpointing=False).fit(TinyMLP())
+    # then this process trains alone and kills itself mid-epoch
+    checkpointing(os.path.join(root, "kill"), os.path.join(root, "ckpt"), every, kill).fit(
+        TinyMLP())
 '''
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The two child processes, run at once; their folders, exit codes and output."""
+    """The script's process (one import of torch and Lightning for both runs): its folder,
+    exit code (SIGKILL: -9) and output."""
     root = tmp_path_factory.mktemp("lightning-processes")
     script = root / "script.py"
     script.write_text(SCRIPT, encoding="utf-8")
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    commands = {
-        "ddp": [sys.executable, str(script), "ddp", str(root / "ddp"), str(root / "ddp.pt")],
-        "kill": [sys.executable, str(script), "kill", str(root / "kill"), str(root / "ckpt"),
-                 str(CHECKPOINT_EVERY), str(KILL_AT)],
-    }
-    procs = {
-        name: subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-        for name, cmd in commands.items()
-    }
-    done = {}
-    try:
-        for name, proc in procs.items():
-            out, _ = proc.communicate(timeout=540)
-            done[name] = (proc.returncode, out)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return root, script, done
+    command = [sys.executable, str(script), str(root), str(CHECKPOINT_EVERY), str(KILL_AT)]
+    proc = subprocess.run(command, cwd=root, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=540, check=False)
+    return root, script, (proc.returncode, proc.stdout)
 
 
 def test_two_processes_spend_at_most_the_target_with_a_complete_signed_ledger(runs):
-    root, _, done = runs
-    code, out = done["ddp"]
-    assert code == 0, out[-3000:]
+    root, _, (_, out) = runs
     path = root / "ddp" / "ledger.jsonl"
+    assert (root / "ddp.pt").exists(), out[-3000:]
     verification = Ledger.verify(path)
     assert verification.complete, verification.describe()
     ledger = Ledger.load(path)
@@ -182,9 +166,8 @@ def test_two_processes_spend_at_most_the_target_with_a_complete_signed_ledger(ru
 
 
 def test_two_processes_refuse_what_touches_gradients_outside_dpfy(runs):
-    root, _, done = runs
-    assert done["ddp"][0] == 0, done["ddp"][1][-3000:]
-    refusal = (root / "ddp.pt.refused").read_text()
+    root, _, (_, out) = runs
+    refusal = (root / "ddp-refused.txt").read_text()
     assert "accumulate_grad_batches must be 1 with DPStrategy" in refusal
     assert not (root / "ddp-refused").exists()
 
@@ -192,8 +175,8 @@ def test_two_processes_refuse_what_touches_gradients_outside_dpfy(runs):
 def test_two_processes_make_the_one_process_update_of_the_same_sample(runs):
     """Same seed: same Poisson draws (rank 0's stream) and the same noise (drawn once), so the
     two-process weights equal the one-process weights up to the order of float sums."""
-    root, script, done = runs
-    assert done["ddp"][0] == 0, done["ddp"][1][-3000:]
+    root, script, (_, out) = runs
+    assert (root / "ddp.pt").exists(), out[-3000:]
     TinyMLP = runpy.run_path(str(script))["TinyMLP"]  # the definitions; no run
     module = TinyMLP()
     strategy = DPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1, run_dir=None, seed=7)
@@ -208,8 +191,7 @@ def test_two_processes_make_the_one_process_update_of_the_same_sample(runs):
 
 
 def test_a_killed_run_resumed_from_its_checkpoint_counts_every_release(runs):
-    root, script, done = runs
-    code, out = done["kill"]
+    root, script, (code, out) = runs
     assert code == -9, out[-3000:]  # SIGKILL
     path = root / "kill" / "ledger.jsonl"
     killed = Ledger.load(path)
