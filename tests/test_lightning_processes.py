@@ -159,7 +159,7 @@ def test_two_processes_spend_at_most_the_target_with_a_complete_signed_ledger(ru
     assert 0 < result["epsilon"] <= 3.0
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
-        assert dpfy_main(["report", str(path)]) == 0
+        assert dpfy_main(["report", str(path), "--no-figures", "--out", str(root / "rep")]) == 0
     assert "differential privacy" in report.getvalue()
     assert "incomplete" not in report.getvalue().lower()
     assert (root / "ddp" / "report.md").exists()  # written by rank 0 at teardown
