@@ -251,6 +251,38 @@ def test_two_default_runs_differ_and_two_seeded_runs_are_identical(train_runs):
     assert all(torch.equal(seeded_a[k], seeded_b[k]) for k in seeded_a)
 
 
+def test_secure_runs_commit_to_distinct_keys_and_seeded_runs_say_seeded(train_runs):
+    from dpfy.audit.keys import key_check
+    from dpfy.ledger import Ledger
+
+    meta = {k: Ledger.load(train_runs[k][0] / "ledger.jsonl").metadata for k in train_runs}
+    a, b = (meta[k]["key_commitments"] for k in ("secure_a", "secure_b"))
+    assert len({*a["noise"], *a["sampling"], *b["noise"], *b["sampling"]}) == 4
+    for name in ("secure_a", "secure_b"):  # each found in this session's registry, once
+        assert key_check(meta[name]) == ((), ())
+    assert meta["seeded_a"]["key_commitments"] == "seeded"
+    assert key_check(meta["seeded_a"]) == (
+        (), ("keys: a seeded run (not a DP release): no key to commit to",))
+
+
+# statistical: the real-model check's secure noise under a fixed OS key (fixed_os_key)
+@pytest.mark.usefixtures("fixed_os_key")
+@pytest.mark.parametrize("name", ["secure_a", "seeded_a"])
+def test_the_real_model_and_recorded_epsilon_checks_pass_on_train_runs(train_runs, name):
+    from dpfy.audit import run as run_mod
+    from dpfy.audit.counts import recorded_epsilon_check
+    from dpfy.audit.realmodel import run_model
+    from dpfy.ledger import Ledger
+
+    run_dir = train_runs[name][0]
+    ledger = Ledger.load(run_dir / "ledger.jsonl")
+    model, why = run_model(run_dir, ledger.metadata)
+    assert model is not None, why
+    real = run_mod._real_model(ledger, run_mod._configuration(ledger), model, 0)
+    assert not isinstance(real, str) and real.findings == () and real.tensors == 8
+    assert recorded_epsilon_check(ledger) == ()
+
+
 def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypatch):
     import numpy as np
 

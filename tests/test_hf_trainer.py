@@ -85,6 +85,19 @@ def test_example_ledger_report_and_model_card(tmp_path):
         assert '"loss"' not in state.read_text() and "train_loss" not in state.read_text()
     # Only the LoRA parameters were trained (and noised).
     assert all("lora_" in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    # what dpfy audit checks beside the replay: the epsilon recorded at close is the file's,
+    # the keys are committed and registered, every tensor of the model gets the declared noise
+    from dpfy.audit.counts import recorded_epsilon_check
+    from dpfy.audit.keys import key_check
+    from dpfy.audit.realmodel import model_noise_check
+
+    meta = ledger.metadata
+    assert meta["epsilon"] == pytest.approx(eps) and recorded_epsilon_check(ledger) == ()
+    assert key_check(meta) == ((), ()) and meta["key_registry"] == "local"
+    real = model_noise_check(  # seeded: deterministic
+        trainer.model, noise_std=z * meta["clip_norm"], clip_norm=meta["clip_norm"],
+        noise_multiplier=z, expected_batch_size=16.0, secure=False)
+    assert real.findings == () and real.tensors > 0
 
 
 class Capturing(DPTrainer):

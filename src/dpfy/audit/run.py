@@ -195,6 +195,16 @@ def _real_model(ledger: Ledger, cfg: dict[str, Any], model: Any, seed: int
     )
 
 
+def _real_section(real: ModelNoiseCheck) -> dict[str, Any]:
+    """The Audit section's summary of the noise check on the run's own model."""
+    return {
+        "tensors": real.tensors, "values": real.values, "releases": real.releases,
+        "alpha": real.alpha, "half_noise_miss": real.half_noise_miss, "seconds": real.seconds,
+        "min_std_ratio": min(real.std_ratio.values()),
+        "max_std_ratio": max(real.std_ratio.values()),
+    }
+
+
 def check_run(
     ledger: Ledger, summary: Mapping[str, Any] | None = None, *, seed: int = 0,
     model: Any = None,
@@ -357,19 +367,13 @@ def audit_run(
     )
     model, why = run_model(out, ledger.metadata) if real_model else (None, "real model: off")
     checks = check_run(ledger, _summary(out), seed=seed, model=model)
-    real = checks.real_model
     section.update(
         self_tests=list(checks.findings),
         self_tests_run=list(checks.tests_run),
         replayed_layer_types=list(checks.replayed_layer_types),
         not_replayed_layer_types=list(checks.not_replayed_layer_types),
         self_test_notes=[*checks.notes, *(() if model is not None else (why,))],
-        real_model=None if real is None else {
-            "tensors": real.tensors, "values": real.values, "releases": real.releases,
-            "alpha": real.alpha, "half_noise_miss": real.half_noise_miss,
-            "seconds": real.seconds, "min_std_ratio": min(real.std_ratio.values()),
-            "max_std_ratio": max(real.std_ratio.values()),
-        },
+        real_model=None if checks.real_model is None else _real_section(checks.real_model),
         seconds=time.perf_counter() - start,
     )
     broken = (
