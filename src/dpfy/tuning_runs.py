@@ -90,8 +90,8 @@ TUNABLE = ("learning_rate", "clip_norm", "epochs", "batch_size", "warmup", "adam
            "lora_rank", "lora_targets", "bias_only", "linear_probe", "max_length")
 #: Fields that change a trial's privacy event: a random-K search must keep them fixed.
 EVENT_FIELDS = ("epochs", "batch_size", "linear_probe")
-#: The plan's total is calibrated to this fraction of the budget (see calibrate_total).
-_SAFETY = 1.0 - 1e-6
+#: The plan's total is calibrated to (1 - this) of the budget (see calibrate_total).
+_MARGIN = 1e-6
 #: How a dimension of the space is drawn.
 DIMENSION_KINDS = ("choices", "uniform", "log_uniform", "int_uniform")
 
@@ -422,10 +422,10 @@ def calibrate_total(config: RunConfig, options: TuneOptions) -> SearchBudget:
     from dpfy import events as ev
 
     # a hair under the budget: the ledgers' own events account a few ulps apart from the plan's
-    budget = calibrate_search(planned_events(config, options), options.total_epsilon * _SAFETY,
-                              config.delta, mean=options.trials, shape=options.shape,
-                              floor=ev.Gaussian(float(options.score_noise)), rtol=1e-3)
-    return dataclasses.replace(budget, total_epsilon=float(options.total_epsilon))
+    return calibrate_search(planned_events(config, options), options.total_epsilon,
+                            config.delta, mean=options.trials, shape=options.shape,
+                            floor=ev.Gaussian(float(options.score_noise)), rtol=1e-3,
+                            margin=_MARGIN)
 
 
 def planned_events(
@@ -434,18 +434,19 @@ def planned_events(
     """``per_run_epsilon -> (trial, final)``: the events a trial (training and score) and the
     final release will write to their ledgers when calibrated to that target alone."""
     from dpfy import events as ev
-    from dpfy.randomness import Randomness
-    from dpfy.sampling import make_sampler
-    from dpfy.sampling.kinds import kind as sampler_kind
-    from dpfy.training.private import calibrate_to_budget
 
     _check_plannable(config)
-    epochs, batch = _epochs_and_batch(config)
-    kind = config.sampler_kind
-    method = sampler_kind(kind).default_accountant
     score = ev.Gaussian(float(options.score_noise))  # sensitivity 1: std = noise multiplier
 
     def run_event(units: int, per_run: float) -> ev.Event:
+        from dpfy.randomness import Randomness
+        from dpfy.sampling import make_sampler
+        from dpfy.sampling.kinds import kind as sampler_kind
+        from dpfy.training.private import calibrate_to_budget
+
+        kind = config.sampler_kind
+        method = sampler_kind(kind).default_accountant
+        epochs, batch = _epochs_and_batch(config)  # torch loads on the first call only
         sampler = make_sampler(kind, units, batch, randomness=Randomness(0))
         z = calibrate_to_budget(sampler, per_run, config.delta, method, epochs=epochs)
         return sampler.privacy_event(z, epochs=epochs)

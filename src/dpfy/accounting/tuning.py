@@ -321,6 +321,7 @@ def calibrate_search(
     shape: float | None,
     floor: ev.Event | None = None,
     rtol: float = 1e-4,
+    margin: float = 0.0,
 ) -> SearchBudget:
     """The largest per-run target whose whole search meets ``(total_epsilon, delta)``.
 
@@ -333,6 +334,8 @@ def calibrate_search(
       floor: what a trial releases whatever its per-run target (its score): a search of this
         alone that spends ``total_epsilon`` already is refused at once.
       rtol: relative tolerance of the per-run target.
+      margin: calibrate to ``total_epsilon * (1 - margin)``, in [0, 1): room for an accounting
+        of the same events that differs in the last digits.
 
     Returns:
       The per-run target found by Brent's method (:func:`dpfy.accounting.roots.safe_root`) on
@@ -346,6 +349,8 @@ def calibrate_search(
     """
     check_range("total_epsilon", total_epsilon, 0.0, None, low_open=True, high_open=True)
     check_range("delta", delta, 0.0, 1.0, low_open=True, high_open=True)
+    check_range("margin", margin, 0.0, 1.0, high_open=True)
+    aim = total_epsilon * (1.0 - margin)
     spent: dict[float, float] = {}
     why: list[str] = []
 
@@ -364,7 +369,7 @@ def calibrate_search(
     method = "auto" if shape is None else "rdp_tuning"
     if floor is not None:
         least = _epsilon(search_event(floor, None, mean, shape)[0], delta, method=method).epsilon
-        if least >= total_epsilon:
+        if least >= aim:
             raise ValueError(
                 f"total_epsilon={total_epsilon!r} cannot be met at delta={delta!r}: the trials' "
                 f"scores alone spend {least:.4g} whatever the runs' noise; raise total_epsilon "
@@ -372,11 +377,11 @@ def calibrate_search(
     hi = float(total_epsilon)
     trial, final = events(hi)  # a configuration error surfaces as itself, not as a budget
     spent[hi] = _epsilon(search_event(trial, final, mean, shape)[0], delta, method=method).epsilon
-    if epsilon_at(hi) <= total_epsilon:
+    if epsilon_at(hi) <= aim:
         return SearchBudget(hi, epsilon_at(hi), float(total_epsilon), float(delta), method)
     # every run at most total / (runs + 1) is a first guess of the certified end (then halved)
     lo = hi / (1.0 + (mean if shape is None else 2.0 * mean))
-    while epsilon_at(lo) > total_epsilon:
+    while epsilon_at(lo) > aim:
         if lo < total_epsilon * 2.0**-20:
             reason = f" ({why[0]})" if why else ""
             raise ValueError(
@@ -385,7 +390,7 @@ def calibrate_search(
                 f"noise or the number of trials alone cost more); raise total_epsilon or the "
                 f"score noise, or plan fewer trials{reason}")
         hi, lo = lo, lo / 2.0
-    per_run = float(roots.safe_root(lambda r: epsilon_at(r) - total_epsilon, lo, hi,
+    per_run = float(roots.safe_root(lambda r: epsilon_at(r) - aim, lo, hi,
                                     side="low", xtol=1e-12, rtol=rtol))
     return SearchBudget(per_run, epsilon_at(per_run), float(total_epsilon), float(delta),
                         method)
