@@ -125,6 +125,16 @@ if __name__ == "__main__":
                                      start_method="fork")
     trainer(strategy, [KeepResult(os.path.join(root, "ddp.pt"))], devices=2,
             enable_checkpointing=False).fit(TinyMLP())
+    for part, steps in (("first", every), ("rest", None)):  # the same run, stopped and resumed
+        strategy = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
+                                         run_dir=os.path.join(root, "ddp-split"), seed=7,
+                                         start_method="fork")
+        saving = ModelCheckpoint(dirpath=os.path.join(root, "ddp-ckpt-" + part),
+                                 every_n_train_steps=every, save_top_k=-1)
+        keep = KeepResult(os.path.join(root, "ddp-" + part + ".pt"))
+        trainer(strategy, [saving, keep], devices=2, max_steps=steps or -1).fit(
+            TinyMLP(), ckpt_path=None if steps else os.path.join(
+                root, "ddp-ckpt-first", "epoch=0-step=%d.ckpt" % every))
     # then this process trains alone and kills itself mid-epoch
     checkpointing(os.path.join(root, "kill"), os.path.join(root, "ckpt"), every, kill).fit(
         TinyMLP())
@@ -188,6 +198,23 @@ def test_two_processes_make_the_one_process_update_of_the_same_sample(runs):
     for name, weight in module.state_dict().items():
         torch.testing.assert_close(result["weights"][name], weight, rtol=0, atol=1e-6)
     assert not torch.equal(result["weights"]["net.0.weight"], TinyMLP().net[0].weight)
+
+
+def test_two_processes_stopped_and_resumed_make_the_uninterrupted_run(runs):
+    """The sampler's and the noise generator's states travel in rank 0's checkpoint and the
+    other rank rebuilds its mirror ledger from rank 0's records: seeded, stopped after step 3
+    and resumed on two ranks, the run ends with the weights of the run never stopped."""
+    root, _, (_, out) = runs
+    assert (root / "ddp-rest.pt").exists(), out[-3000:]
+    whole, resumed = torch.load(root / "ddp.pt"), torch.load(root / "ddp-rest.pt")
+    for name, weight in whole["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], weight, rtol=0, atol=1e-6)
+    path = root / "ddp-split" / "ledger.jsonl"
+    assert Ledger.verify(path).complete
+    ledger = Ledger.load(path)
+    assert ledger.ended == f"as planned: {STEPS} of {STEPS} planned releases"
+    assert ledger.metadata["resumed_from_checkpoint"]["releases_in_checkpoint"] == CHECKPOINT_EVERY
+    assert resumed["epsilon"] == whole["epsilon"]
 
 
 def test_a_killed_run_resumed_from_its_checkpoint_counts_every_release(runs):
