@@ -20,7 +20,9 @@ this attack did not find one. Modules:
   ledger declares.
 * :mod:`~dpfy.audit.probes` - the replay on a probe model of each layer type a run recorded.
 * :mod:`~dpfy.audit.counts` - the ledger's steps and releases against the sampler's plan and
-  the run's own step count.
+  the run's own step count; the epsilon its writer recorded against its lines.
+* :mod:`~dpfy.audit.realmodel` - the noise on every tensor of the run's own model.
+* :mod:`~dpfy.audit.keys` - the run's key commitments against the local key registry.
 * :mod:`~dpfy.audit.selftests` - white-box self-tests of one process's DP-SGD steps and the
   distributed (noise once across ranks), federated (one release per round) and
   correlated-noise (``C W`` white) releases; independent noise is also tested step to step.
