@@ -31,9 +31,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/mypy
-	# two workers, one per core; an idle worker steals queued tests from the busy one
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	# mypy (one process: a fresh clone has no cache, so minutes of one core) runs beside the
+	# tests, so the second core is not left idle meanwhile; its report is printed after the
+	# tests' and the target fails if either fails. Tests: two workers, one per core; an idle
+	# worker steals queued tests from the busy one.
+	@echo "$(BIN)/mypy > $(VENV)/mypy.log (beside the tests; printed after them)"
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & types=$$!; \
+	  $(BIN)/python -m pytest -q -n 2 --dist worksteal; tests=$$?; \
+	  wait $$types; types=$$?; echo "mypy:"; cat $(VENV)/mypy.log; \
+	  test $$tests -eq 0 && test $$types -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
