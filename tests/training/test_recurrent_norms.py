@@ -15,6 +15,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from dpfy.queries.sum import NoPrivacyQuery
 from dpfy.training import PrivateGradient
+from dpfy.training.norms import recurrent
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
 from dpfy.training.norms.registry import Capture, norm_rule_for, recompute_for
 
@@ -213,8 +214,17 @@ def _check_rule(lg, units, layer):
         assert _rel(ws[n], torch.einsum("n,n...->...", v, g)) <= 1e-6, n
 
 
+@pytest.fixture(params=["ghost", "materialize"])
+def gate_mode(request, monkeypatch):
+    """The gate weights' norms by the shared-Gram ghost form or the materialising linear
+    forms (the cost model picks one by the shapes; both must be exact)."""
+    ghost = request.param == "ghost"
+    monkeypatch.setattr(recurrent, "ghost_cheaper", lambda *args: ghost)
+    return request.param
+
+
 @pytest.mark.parametrize("name,packed,with_h0", CASES, ids=lambda v: str(v))
-def test_recurrent_rule_matches_loop(name, packed, with_h0):
+def test_recurrent_rule_matches_loop(name, packed, with_h0, gate_mode):
     model, layer, inputs, y = _rnn_case(name, packed, with_h0)
     per_ex = per_example_gradients(model, inputs, y, _mse)
     scale = torch.rand(B, dtype=torch.float64) + 0.5
@@ -225,7 +235,7 @@ def test_recurrent_rule_matches_loop(name, packed, with_h0):
 
 @pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
 @pytest.mark.parametrize("with_h0", [False, True])
-def test_cell_loop_matches_loop(kind, with_h0):
+def test_cell_loop_matches_loop(kind, with_h0, gate_mode):
     model, cell, inputs, y = _cell_case(kind, with_h0)
     per_ex = per_example_gradients(model, inputs, y, _mse)
     scale = torch.rand(B, dtype=torch.float64) + 0.5
@@ -245,20 +255,65 @@ def test_frozen_parameters_are_not_reported():
     _check_rule(lg, _units(per_ex, scale, 1), layer)
 
 
-def test_dropout_between_layers_in_training():
-    """The recompute draws its own dropout mask; the rule matches the per-example gradients
-    of *that* computation (autograd per example through the recomputed graph)."""
+class _Chain(nn.Module):
+    """``layer``'s layers one at a time (single-layer modules sharing its Parameters), the
+    given dropout masks between them: the computation the recomputed layer hands on, for a
+    per-example loop (``masks`` [B, T, F] per layer > 0, sliced with the batch)."""
+
+    def __init__(self, layer: nn.RNNBase):
+        super().__init__()
+        self.layer = layer
+        dirs = 2 if layer.bidirectional else 1
+        self.subs = []
+        for i in range(layer.num_layers):
+            width = layer.input_size if i == 0 else dirs * layer.hidden_size
+            sub = type(layer)(width, layer.hidden_size, batch_first=True,
+                              bidirectional=layer.bidirectional)
+            for name, _ in list(sub.named_parameters()):
+                delattr(sub, name)
+                setattr(sub, name, getattr(layer, name.replace("_l0", f"_l{i}")))
+            self.subs.append(sub)
+
+    def forward(self, x, *masks):
+        states = []
+        for i, sub in enumerate(self.subs):
+            if i > 0:
+                x = x * masks[i - 1]
+            x, hidden = sub(x)
+            states.append(hidden if isinstance(hidden, tuple) else (hidden,))
+        feats = [torch.tanh(x).flatten(1)]
+        for j in range(len(states[0])):
+            feats.append(torch.cat([s[j] for s in states], 0).transpose(0, 1).flatten(1))
+        return torch.cat(feats, 1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.LSTM(D_IN, 4, num_layers=3, dropout=0.5, batch_first=True),
+        lambda: nn.GRU(D_IN, 3, num_layers=2, dropout=0.4, bidirectional=True, batch_first=True),
+    ],
+    ids=["lstm-3x", "gru-2x-bi"],
+)
+def test_dropout_between_layers_in_training(make, gate_mode):
+    """In training mode the recurrence draws its own dropout masks (every layer run here);
+    the rule matches the per-example loop over the same computation with those masks."""
     torch.manual_seed(5)
-    layer = nn.LSTM(D_IN, 4, num_layers=3, dropout=0.5, batch_first=True).double().train()
-    model = RecurrentHead(layer, "unsorted")
-    inputs = (torch.randn(B, T, D_IN, dtype=torch.float64), torch.tensor(LENGTHS["unsorted"]))
-    y = torch.randn(B, 3 * 4 * 2 + T * 4, dtype=torch.float64)
-    scale = torch.ones(B, dtype=torch.float64)
-    lg, losses, _ = _fast(model, layer, inputs, y, scale, 1, check_output=False, retain=True)
-    names = [n for n, _ in layer.named_parameters()]
-    rows = [torch.autograd.grad(losses[i], list(layer.parameters()), retain_graph=True)
-            for i in range(B)]
-    per_ex = {f"layer.{n}": torch.stack([r[j] for r in rows]) for j, n in enumerate(names)}
+    layer = make().double().train()
+    model = RecurrentHead(layer, None)
+    x = torch.randn(B, T, D_IN, dtype=torch.float64)
+    inputs = (x, torch.tensor(LENGTHS[None]))
+    dirs = 2 if layer.bidirectional else 1
+    states = (2 if isinstance(layer, nn.LSTM) else 1) * layer.num_layers * dirs
+    y = torch.randn(B, T * dirs * layer.hidden_size + states * layer.hidden_size,
+                    dtype=torch.float64)
+    scale = torch.rand(B, dtype=torch.float64) + 0.5
+    lg, _, calls = _fast(model, layer, inputs, y, scale, 1, check_output=False)
+    tracks = calls[0][2].extra
+    masks = [tr.mask.transpose(0, 1) for tr in tracks[dirs::dirs]]  # layers > 0, batch first
+    assert len(masks) == layer.num_layers - 1 and all(m is not None for m in masks)
+    assert 0.0 in masks[0]  # dropout did drop
+    per_ex = per_example_gradients(_Chain(layer), (x, *masks), y, _mse)
     _check_rule(lg, _units(per_ex, scale, 1), layer)
 
 
@@ -336,3 +391,79 @@ def test_private_gradient_refuses_unbatched():
     pg = PrivateGradient(model, NoPrivacyQuery(1.0), expected_batch_size=1.0)
     with pytest.raises(ValueError, match="batch dimension"):
         pg.accumulate(torch.randn(T, D_IN), torch.zeros(T, 4), lambda out, y: _mse(out[0], y))
+
+
+# -- what flows out of the layer: its input's and initial states' gradients, and the batch
+# gradients of its parameters (the coverage check's) ---------------------------------------
+
+
+class Upstream(nn.Module):
+    """Trainable layers before the recurrent one: a Linear on its input and one making
+    ``h0`` (and ``c0``) from the first step, so their per-example gradients need the
+    gradients the recurrence hands back to its input and initial states."""
+
+    def __init__(self, layer: nn.RNNBase, packed: str | None):
+        super().__init__()
+        self.pre = nn.Linear(D_IN, D_IN)
+        dirs = 2 if layer.bidirectional else 1
+        self.states = layer.num_layers * dirs
+        self.h_out = layer.proj_size or layer.hidden_size
+        width = self.states * (self.h_out + layer.hidden_size)
+        self.init = nn.Linear(D_IN, width)
+        self.head = RecurrentHead(layer, packed)
+
+    def forward(self, x, lengths):
+        layer = self.head.layer
+        s = torch.tanh(self.init(x[:, 0]))
+        h0 = s[:, : self.states * self.h_out].reshape(x.shape[0], self.states, self.h_out)
+        if isinstance(layer, nn.LSTM):
+            c0 = s[:, self.states * self.h_out :].reshape(x.shape[0], self.states, -1)
+            return self.head(self.pre(x), lengths, h0, c0)
+        return self.head(self.pre(x), lengths, h0)
+
+
+UPSTREAM = [
+    ("lstm-proj-2x-bi", "unsorted"),
+    ("gru-2x-bi", "sorted"),
+    ("gru-2x-bi", None),
+    ("rnn-tanh", "unsorted"),
+    ("rnn-relu-2x-bi-nobias", None),
+    ("lstm", None),
+]
+
+
+@pytest.mark.parametrize("name,packed", UPSTREAM, ids=lambda v: str(v))
+def test_gradients_handed_back_upstream(name, packed):
+    torch.manual_seed(7)
+    model = Upstream(LAYERS[name](), packed).double()
+    inputs = (torch.randn(B, T, D_IN, dtype=torch.float64), torch.tensor(LENGTHS[packed]))
+    with torch.no_grad():
+        y = torch.randn_like(model(*inputs))
+    weights = torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    assert _private_clipped_sum(model, inputs, y, weights, 1) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "name,packed", [*UPSTREAM, ("lstm-2x-bi", "sorted")], ids=lambda v: str(v)
+)
+def test_batch_gradients_match_the_module(name, packed):
+    """Through the recomputed call, autograd's gradients of the input, the initial states and
+    the parameters (the probes' backward) are the module's own."""
+    torch.manual_seed(8)
+    model = Upstream(LAYERS[name](), packed).double()
+    layer = model.head.layer
+    inputs = (torch.randn(B, T, D_IN, dtype=torch.float64), torch.tensor(LENGTHS[packed]))
+    params = list(model.parameters())
+    v = torch.randn_like(model(*inputs))
+    ref = torch.autograd.grad((model(*inputs) * v).sum(), params)
+
+    def hook(module, args, kwargs, output):
+        return recompute_for(module)(module, args, kwargs, output).output
+
+    handle = layer.register_forward_hook(hook, with_kwargs=True)
+    try:
+        got = torch.autograd.grad((model(*inputs) * v).sum(), params)
+    finally:
+        handle.remove()
+    for (n, _), a, b in zip(model.named_parameters(), got, ref, strict=True):
+        assert _rel(a, b) <= 1e-10, n

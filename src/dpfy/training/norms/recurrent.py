@@ -81,6 +81,8 @@ class Track:
       reset: GRU only: the reset gate ``r_t`` [T, B, H].
       proj_in: LSTM with projections only: ``o_t * tanh(c_t)`` [T, B, H].
       proj: index in ``Capture.grad_outputs`` of ``dL/dh_t`` [T, B, P] (projections only).
+      mask: the inter-layer dropout mask (scaled by ``1 / (1 - p)``) that ``x`` was
+        multiplied by [T, B, d], or ``None``; kept for checking against a per-example loop.
     """
 
     suffix: str
@@ -90,6 +92,7 @@ class Track:
     reset: torch.Tensor | None = None
     proj_in: torch.Tensor | None = None
     proj: int | None = None
+    mask: torch.Tensor | None = None
 
 
 def _kind(module: nn.Module) -> Kind:
@@ -461,7 +464,8 @@ def _apply(
         s = call.gates[k]
         proj = i + 1 if s.proj_in is not None else None
         suffix = _suffix(k // call.dirs, k % call.dirs, call.layout == "cell")
-        tracks.append(Track(suffix, s.x, s.h_prev, i, s.reset, s.proj_in, proj))
+        mask = call.masks.get(k // call.dirs)
+        tracks.append(Track(suffix, s.x, s.h_prev, i, s.reset, s.proj_in, proj, mask))
         i += 2 if proj is not None else 1
     return outs, probes, tuple(tracks)
 
