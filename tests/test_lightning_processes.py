@@ -25,6 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,6 +35,7 @@ from dpfy.cli import main as dpfy_main  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.lightning import DPStrategy  # noqa: E402
 from dpfy.training.checkpoint import CheckpointMismatchError  # noqa: E402
+from dpfy.training.loader import share_rows  # noqa: E402
 from dpfy.training.resume import ResumeMismatchError  # noqa: E402
 
 STEPS, CHECKPOINT_EVERY, KILL_AT = 10, 3, 6
@@ -180,6 +182,18 @@ def test_two_processes_refuse_what_touches_gradients_outside_dpfy(runs):
     refusal = (root / "ddp-refused.txt").read_text()
     assert "accumulate_grad_batches must be 1 with DPStrategy" in refusal
     assert not (root / "ddp-refused").exists()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(("size", "count"), [(1, 0), (1, 1), (5, 5), (8, 3), (7, 7), (64, 61)])
+def test_the_ranks_parts_of_a_physical_batch_hold_each_real_row_once(world_size, size, count):
+    """share_rows: the real rows of the parts, in rank order, are the batch's real rows; every
+    part holds at least one row (an empty part is one weight-0 row)."""
+    rows = np.arange(100, 100 + size)
+    parts = [share_rows(rows, count, r, world_size) for r in range(world_size)]
+    real = np.concatenate([part[:n] for part, n in parts])
+    np.testing.assert_array_equal(real, rows[:count])
+    assert all(len(part) >= max(n, 1) for part, n in parts)
 
 
 def test_two_processes_make_the_one_process_update_of_the_same_sample(runs):
