@@ -38,6 +38,7 @@ def _dpfy(args: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_a_four_trial_search_calibrated_to_a_total_reports_it_and_the_final(tmp_path):
     space = tmp_path / "space.toml"
     space.write_text("[learning_rate]\nlog_uniform = [0.5, 4.0]\n[clip_norm]\n"
@@ -96,6 +97,7 @@ def test_a_total_and_a_per_run_target_are_refused_together(tmp_path):
     assert len(printed.strip().splitlines()) == 1 and not out.exists()
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 def test_an_interrupted_random_k_search_resumes_from_its_ledgers(tmp_path):
     space = SearchSpace((Dimension("learning_rate", "log_uniform", (0.5, 4.0)),))
     config = RunConfig(out=str(tmp_path / "s"), **{**TINY, "seed": 1})  # seed 1 draws K = 2
@@ -163,6 +165,7 @@ def test_bad_searches_are_refused_before_anything_is_written(tmp_path, space, op
     assert not out.exists()
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
 def test_a_rotten_tomatoes_search_holds_out_movies_and_releases_the_choice(tmp_path):
     pytest.importorskip("transformers")
@@ -184,3 +187,24 @@ def test_a_rotten_tomatoes_search_holds_out_movies_and_releases_the_choice(tmp_p
     final = Ledger.load(tmp_path / "s" / "final" / "ledger.jsonl")
     assert final.samples[0].spec.dataset_size == 128  # the choice trains on every movie
     assert run.final_epsilon <= 4.0 + 1e-9 < run.search_epsilon
+
+
+def test_a_release_the_budget_no_longer_covers_is_refused(tmp_path, monkeypatch):
+    # an interrupted trial's ledger counts in full: with a large one beside the plan, neither
+    # the next trial nor the release may run (the unit counts, epochs and batch as TINY's,
+    # not read from the data and the recipe)
+    from dpfy import tuning_runs
+
+    monkeypatch.setattr(tuning_runs, "_search_units", lambda config: (413, 512))
+    monkeypatch.setattr(tuning_runs, "_epochs_and_batch", lambda config: (1, 128))
+    options = TuneOptions(trials=2, distribution="fixed", total_epsilon=2.0)
+    config = RunConfig(**{**TINY, "target_epsilon": 0.5})
+    tuning_runs._check_total(tmp_path, config, options, trial=None)  # nothing written: fine
+    cut = tmp_path / "trials" / "trial-00-interrupted-1"
+    cut.mkdir(parents=True)
+    partial = Ledger(cut / "ledger.jsonl")
+    sid = partial.record_sample(SampleSpec(sampler="full_batch", dataset_size=413))
+    partial.record_sum_query(sid, sensitivity=1.0, noise_std=0.5)  # about epsilon 10 alone
+    partial.close()
+    with pytest.raises(ValueError, match=r"total_epsilon=2\.0 can no longer be met"):
+        tuning_runs._check_total(tmp_path, config, options, trial=None)

@@ -309,8 +309,10 @@ def tune_and_report(
     Args:
       config: the base run (every trial and the final run start from it; ``config.out`` is
         the search directory, default ``runs/tune-<dataset>-<date>-<time>``; a directory
-        holding a ``search.json`` is resumed). Each trial is calibrated to
-        ``config.target_epsilon`` alone; the report states what the search costs in total.
+        holding a ``search.json`` is resumed). Each run is calibrated to
+        ``config.target_epsilon`` alone (with ``options.total_epsilon``, to the per-run target
+        :func:`calibrate_total` finds instead); the report leads with what the whole search
+        costs.
       space: the searched fields and their distributions, or a TOML file of them
         (:meth:`SearchSpace.from_file`).
       options: the number and distribution of trials, the score noise, an interruption.
@@ -318,8 +320,10 @@ def tune_and_report(
 
     Raises:
       ValueError: a bad option, a space field that changes the trial's privacy event with a
-        random K, a unit of privacy other than ``example``, or a resumed directory whose plan
-        differs from the given space and options.
+        random K (or with a total budget), a unit of privacy other than ``example``, a resumed
+        directory whose plan differs from the given space and options; with a total budget:
+        one no per-run target meets (before anything is written), a release the ledgers
+        written so far no longer leave room for, or ledgers that spend more than the budget.
     """
     options = TuneOptions() if options is None else options
     if not isinstance(space, SearchSpace):
@@ -347,6 +351,8 @@ def tune_and_report(
     if trials:
         best = max(trials, key=lambda t: (t.score, -t.index))
         if not (out / "final" / "report.json").exists():
+            if (out / "final").exists():  # an interrupted release: its ledger counts too
+                _set_aside(out / "final")
             _check_total(out, config, options, trial=best)
         final = _final(out, config, best, progress)
     result = _result(out, trials, config, options, final=final)
@@ -439,16 +445,18 @@ def planned_events(
     score = ev.Gaussian(float(options.score_noise))  # sensitivity 1: std = noise multiplier
 
     def run_event(units: int, per_run: float) -> ev.Event:
+        from dpfy.accounting.calibrate import calibrate_noise_multiplier
         from dpfy.randomness import Randomness
         from dpfy.sampling import make_sampler
         from dpfy.sampling.kinds import kind as sampler_kind
-        from dpfy.training.private import calibrate_to_budget
 
         kind = config.sampler_kind
         method = sampler_kind(kind).default_accountant
-        epochs, batch = _epochs_and_batch(config)  # torch loads on the first call only
+        epochs, batch = _epochs_and_batch(config)
         sampler = make_sampler(kind, units, batch, randomness=Randomness(0))
-        z = calibrate_to_budget(sampler, per_run, config.delta, method, epochs=epochs)
+        # the trainer's own calibration (PrivateTrainer.calibrate): the same function and event
+        z = calibrate_noise_multiplier(lambda z: sampler.privacy_event(z, epochs=epochs),
+                                       per_run, config.delta, method)
         return sampler.privacy_event(z, epochs=epochs)
 
     def events(per_run: float) -> tuple[ev.Event, ev.Event]:
