@@ -248,46 +248,54 @@ def backward_through_time(
       want_h0: also return the initial states' gradients.
     """
     big_t, batch = d_ext.shape[0], d_ext.shape[1]
-    w = s.w
     dg = torch.empty_like(s.k)
     dh = torch.empty_like(d_ext)
-    order = range(big_t) if s.reverse else range(big_t - 1, -1, -1)
-    blocks = 3 if s.kind in ("lstm", "gru") else 1
-    hidden = s.k.shape[-1] // (4 if s.kind == "lstm" else blocks)
+    order = list(range(big_t) if s.reverse else range(big_t - 1, -1, -1))
+    # per-step views made once (unbind), not indexed step by step
+    ext, dhs, dgs = d_ext.unbind(0), dh.unbind(0), dg.unbind(0)
+    w_hh = s.w.w_hh
     dc_carry = d_cn
-    carry: torch.Tensor | None = None
-    prev = -1
-    for t in order:
-        if s.kind == "gru":
-            assert s.kh is not None and s.z is not None
+    if s.kind == "gru":
+        assert s.kh is not None and s.z is not None
+        hidden = s.k.shape[-1] // 3
+        ks = s.k.view(big_t, batch, 3, hidden).unbind(0)
+        khs = s.kh.view(big_t, batch, 3, hidden).unbind(0)
+        g3s, zs = dg.view(big_t, batch, 3, hidden).unbind(0), s.z.unbind(0)
+        carry: torch.Tensor | None = None
+        for t in order:
             if carry is None:
-                dh_t = dh[t].copy_(d_ext[t])
+                dh_t = dhs[t].copy_(ext[t])
             else:
-                dh_t = torch.add(d_ext[t], carry, out=dh[t])
-            torch.mul(
-                s.k[t].view(batch, 3, hidden), dh_t.unsqueeze(1), out=dg[t].view(batch, 3, hidden)
-            )
-            dgh = (s.kh[t].view(batch, 3, hidden) * dh_t.unsqueeze(1)).view(batch, -1)
-            carry = torch.addmm(dh_t * s.z[t], dgh, w.w_hh)
-            continue
-        if prev < 0:
-            dh_t = dh[t].copy_(d_ext[t])
-        else:
-            dh_t = torch.addmm(d_ext[t], dg[prev], w.w_hh, out=dh[t])
-        prev = t
-        if s.kind != "lstm":
-            torch.mul(dh_t, s.k[t], out=dg[t])
-            continue
+                dh_t = torch.add(ext[t], carry, out=dhs[t])
+            dh3 = dh_t.unsqueeze(1)
+            torch.mul(ks[t], dh3, out=g3s[t])
+            carry = torch.addmm(dh_t * zs[t], (khs[t] * dh3).view(batch, -1), w_hh)
+    elif s.kind != "lstm":
+        ks = s.k.unbind(0)
+        for j, t in enumerate(order):
+            if j == 0:
+                dh_t = dhs[t].copy_(ext[t])
+            else:
+                dh_t = torch.addmm(ext[t], dgs[order[j - 1]], w_hh, out=dhs[t])
+            torch.mul(dh_t, ks[t], out=dgs[t])
+    else:
         assert s.a is not None and s.f is not None
-        dhu = dh_t if w.w_hr is None else torch.mm(dh_t, w.w_hr)
-        dc = dhu * s.a[t] if dc_carry is None else torch.addcmul(dc_carry, dhu, s.a[t])
-        torch.mul(
-            s.k[t, :, : 3 * hidden].view(batch, 3, hidden),
-            dc.unsqueeze(1),
-            out=dg[t, :, : 3 * hidden].view(batch, 3, hidden),
-        )
-        torch.mul(dhu, s.k[t, :, 3 * hidden :], out=dg[t, :, 3 * hidden :])
-        dc_carry = dc * s.f[t]
+        hidden = s.k.shape[-1] // 4
+        k_ifg = s.k[..., : 3 * hidden].view(big_t, batch, 3, hidden).unbind(0)
+        k_o = s.k[..., 3 * hidden :].unbind(0)
+        g_ifg = dg[..., : 3 * hidden].view(big_t, batch, 3, hidden).unbind(0)
+        g_o = dg[..., 3 * hidden :].unbind(0)
+        a_s, f_s, w_hr = s.a.unbind(0), s.f.unbind(0), s.w.w_hr
+        for j, t in enumerate(order):
+            if j == 0:
+                dh_t = dhs[t].copy_(ext[t])
+            else:
+                dh_t = torch.addmm(ext[t], dgs[order[j - 1]], w_hh, out=dhs[t])
+            dhu = dh_t if w_hr is None else torch.mm(dh_t, w_hr)
+            dc = dhu * a_s[t] if dc_carry is None else torch.addcmul(dc_carry, dhu, a_s[t])
+            torch.mul(k_ifg[t], dc.unsqueeze(1), out=g_ifg[t])
+            torch.mul(dhu, k_o[t], out=g_o[t])
+            dc_carry = dc * f_s[t]
     h0 = _initial_h(s, dg, dh, steps) if want_h0 else None
     # off-sequence steps of the reverse direction hold what flowed past the first step
     return Backward(dg, steps.masked(dh), h0, dc_carry if want_h0 else None)
