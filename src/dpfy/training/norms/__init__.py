@@ -8,8 +8,9 @@ unfolded patches), ``nn.Embedding`` (``embedding.py``: row-sparse norms), ``nn.L
 ``nn.GroupNorm`` and ``nn.RMSNorm`` (``normalization.py``), and -- by class name, without
 importing ``transformers`` -- its GPT-2 ``Conv1D`` (``linear.py``, weight stored transposed)
 and its per-model RMSNorm copies (``LlamaRMSNorm`` etc., ``normalization.py``).
-``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their cells (``recurrent.py``) are recomputed unrolled
-in Python, each weight a linear form over the time steps; ``nn.MultiheadAttention``
+``nn.RNN``/``nn.LSTM``/``nn.GRU`` and their cells (``recurrent.py``) keep their fused forward
+and get a hand-written backward through time in batched ops (``recurrent_bptt.py``), the gate
+weights' ghost norms sharing one Gram matrix (``recurrent_grads.py``); ``nn.MultiheadAttention``
 (``attention.py``) is recomputed with its projections as targets, each a linear form. A Parameter
 shared by several modules (tied input/output embeddings) is clipped exactly: the owners'
 norms plus cross terms (:func:`~dpfy.training.norms.registry.register_cross_term`). Every
