@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpfy: error: {_with_notes(exc, _os_message(exc))}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        if type(exc).__name__ not in ("LedgerKeyError", "LedgerLockedError"):
+        if type(exc).__name__ not in ("LedgerKeyError", "LedgerLockedError", "RepeatedKeyError"):
             raise
         print(f"dpfy: error: {_with_notes(exc, str(exc))}", file=sys.stderr)
         return 2

@@ -531,6 +531,21 @@ class _SameKeyOS(_ConstantOS):
         return bytes(n)
 
 
+@pytest.mark.usefixtures("fixed_os_key")
+def test_dpfy_train_refuses_one_key_in_one_line_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dpfy.randomness
+    from dpfy.cli import main
+
+    monkeypatch.setattr(dpfy.randomness, "os", _SameKeyOS())
+    code = main(["train", "mnist", "--out", str(tmp_path / "run"), "--epochs", "1",
+                 "--train-limit", "64", "--test-limit", "64"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "drew one key" in err, err
+    assert not (tmp_path / "run" / "ledger.jsonl").exists()
+
+
 # -- 10. a ledger file that overstates the noise (the records in memory and the noise are right) -
 def _overstating_file(monkeypatch: pytest.MonkeyPatch) -> None:
     from dpfy.ledger.records import SumQueryRecord
