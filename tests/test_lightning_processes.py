@@ -283,6 +283,17 @@ def test_a_checkpoint_without_the_private_state_is_refused(runs, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoint_resumed_on_another_runs_ledger_is_refused_leaving_it_untouched(runs):
+    root, script, _ = runs
+    other = root / "ddp" / "ledger.jsonl"  # the two-rank run's, complete and signed
+    before = other.read_bytes()
+    defs = runpy.run_path(str(script))
+    trainer = defs["checkpointing"](root / "ddp", root / "nowhere", CHECKPOINT_EVERY)
+    with pytest.raises(CheckpointMismatchError, match="belongs to run"):
+        trainer.fit(defs["TinyMLP"](), ckpt_path=root / "ckpt" / "epoch=0-step=3.ckpt")
+    assert other.read_bytes() == before
+
+
 def test_a_seeded_run_resumed_from_a_checkpoint_is_the_uninterrupted_run(tmp_path, runs):
     """The sampler's and the noise generator's states travel in the checkpoint: a seeded run
     stopped after step 3 and resumed ends with the weights of a run never stopped."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,11 +195,15 @@ class PrivateRun:
                 f"to resume (its releases must stay counted), got run_dir="
                 f"{os.fspath(self.run_dir)!r} without ledger.jsonl"
             )
+        if resume is not None:  # read-only first: another run's ledger is refused untouched
+            restore_ledger(Ledger.load(path), resume["ledger"])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ledger = Ledger(path)
         if resume is not None:
             try:
-                restore_ledger(ledger, resume["ledger"])
+                with warnings.catch_warnings():  # said once, above
+                    warnings.simplefilter("ignore")
+                    restore_ledger(ledger, resume["ledger"])
             except BaseException:
                 ledger.close()
                 raise
