@@ -269,3 +269,23 @@ def test_fp16_training_arguments_refused_with_the_alternative(tmp_path):
     )
     assert trainer._dp_gradient.loss_scale == 2.0**8
     assert not (tmp_path / "ledger.jsonl").exists()
+
+
+def test_every_field_the_trainer_writes_is_a_release_public_or_configuration(tmp_path):
+    """The Trainer's own files (checkpoints' trainer_state.json, config.json, ...) beside the
+    ledger and the privacy report: each field is classified (dpfy.publication.PROVENANCE),
+    none is an unnoised statistic of the private batches."""
+    from dpfy.publication import unclassified_fields
+
+    privacy = PrivacyArguments(noise_multiplier=1.0, clip_norm=1.0, randomness=Randomness(2))
+    counting = _args(tmp_path, include_num_input_tokens_seen=True)
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen"):
+        DPTrainer(model=_gpt2(), args=counting, train_dataset=Ids(), privacy=privacy)
+    args = _args(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1)
+    trainer = DPTrainer(
+        model=_gpt2(), args=args, train_dataset=Ids(), privacy=privacy,
+    )
+    trainer.train()
+    trainer.save_model()
+    assert list(tmp_path.glob("checkpoint-*/trainer_state.json"))
+    assert unclassified_fields(tmp_path) == []

@@ -308,20 +308,49 @@ PROVENANCE: dict[str, dict[str, str]] = {
         "user_level": RELEASE, "user_level.num_users": PUBLIC, "user_level.unit": CONFIGURATION,
     },
     "run.toml": {"": CONFIGURATION},
+    # A transformers Trainer's output_dir under dpfy.hf.DPTrainer (and each checkpoint-*/):
+    # its model files are the release; what the Trainer logs is filtered (dpfy.hf.trainer).
+    "trainer_state.json": {
+        "": CONFIGURATION,  # the schedule: steps, epochs, save/eval/logging settings
+        "global_step": RELEASE, "epoch": RELEASE,  # the ledger's step count
+        "log_history[].grad_norm": RELEASE,  # norm of the noisy averaged gradient
+        "log_history[].learning_rate": CONFIGURATION,
+        "log_history[].epoch": RELEASE, "log_history[].step": RELEASE,
+        # DPTrainer.floating_point_ops is 0 by construction: a count of the tokens of each
+        # Poisson batch would follow its realised size
+        "log_history[].total_flos": CONFIGURATION, "total_flos": CONFIGURATION,
+        # an evaluation split is the user's: public data by the docs' contract
+        # (docs/hf.md: evaluate on data whose scores may be published)
+        "log_history[].eval_": PUBLIC,
+        "log_history[].train_loss": PRIVATE, "log_history[].loss": PRIVATE,
+        "log_history[].train_runtime": PRIVATE,
+        # 0: DPTrainer refuses include_num_input_tokens_seen (a count of private tokens)
+        "num_input_tokens_seen": CONFIGURATION,
+        "log_history[].num_input_tokens_seen": PRIVATE,
+    },
+    "privacy_report.json": {},  # the statement: as report.json (filled in below)
+    "adapter_config.json": {"": CONFIGURATION},
+    "config.json": {"": CONFIGURATION},
+    "generation_config.json": {"": CONFIGURATION},
 }
+PROVENANCE["privacy_report.json"] = PROVENANCE["report.json"]
 
 
 def provenance(file: str, path: str) -> str | None:
     """The class of the field ``path`` of a published ``file`` (:data:`PROVENANCE`): that of
     its longest listed prefix, or ``None`` when no prefix is listed."""
-    table = PROVENANCE[file]
+    table = PROVENANCE.get(file)
+    if table is None:
+        return None
     parts = path.split(".")
     for n in range(len(parts), -1, -1):
         prefix = ".".join(parts[:n])
         for key in (prefix, prefix.replace("[]", "")):
             if key in table:
                 return table[key]
-    return None
+    # a family of keys by prefix: "log_history[].eval_" covers every eval_* metric
+    families = [k for k in table if k.endswith("_") and path.startswith(k)]
+    return table[max(families, key=len)] if families else None
 
 
 def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -337,14 +366,15 @@ def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def published_fields(out_dir: Path) -> Iterator[tuple[str, str, Any]]:
-    """``(file, path, value)`` of every field of a run directory's data files (those of
-    :data:`PROVENANCE` that it holds): a ledger line's path starts with its type."""
+    """``(file, path, value)`` of every field of a run directory's data files: every JSON file
+    under it (a file :data:`PROVENANCE` does not list has every field unlisted), ``run.toml``
+    and the ledger, whose line paths start with their type."""
     import tomllib
 
-    for name in ("summary.json", "report.json"):
-        if (out_dir / name).is_file():
-            yield from ((name, p, v) for p, v in _leaves(
-                json.loads((out_dir / name).read_text(encoding="utf-8"))))
+    for path in sorted(out_dir.rglob("*.json")):  # every JSON file, checkpoints included
+        name = path.name
+        yield from ((name, p, v) for p, v in _leaves(
+            json.loads(path.read_text(encoding="utf-8"))))
     if (out_dir / "run.toml").is_file():
         config = tomllib.loads((out_dir / "run.toml").read_text(encoding="utf-8"))
         yield from (("run.toml", p, v) for p, v in _leaves(config))

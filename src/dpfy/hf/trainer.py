@@ -201,7 +201,7 @@ _PRIVACY_FIELDS = frozenset(f.name for f in dataclasses.fields(PrivacyArguments)
 #: ``all_results.json``, stdout or a logging integration; ``last_step`` keeps the loss.
 _PRIVATE_LOGS = frozenset({
     "loss", "train_loss", "train_runtime", "train_samples_per_second",
-    "train_steps_per_second",
+    "train_steps_per_second", "train_tokens_per_second",
 })
 
 
@@ -481,8 +481,10 @@ class DPTrainingMixin:
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's log without what it computed from the private batches without noise
         (:data:`_PRIVATE_LOGS`); evaluation on the user's data is the user's to judge."""
+        # no start_time: the Trainer would add speed metrics (wall time per private batch)
+        kwargs.pop("start_time", None)
         super().log({k: v for k, v in logs.items() if k not in _PRIVATE_LOGS},  # type: ignore[misc]
-                    *args, **kwargs)
+                    *args[:0], **kwargs)
 
     def write_privacy_report(self, out_dir: str | os.PathLike[str] | None = None) -> Any:
         """Write ``privacy_report.md`` and ``.json`` (default: into ``output_dir``)."""
@@ -512,6 +514,12 @@ class DPTrainingMixin:
                 target, self._dp_ledger, delta=self._dp_delta, method=self._dp_method,
                 ledger_ref=os.path.relpath(self.ledger_path, target),
             )
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """0: the Trainer's count (6 x tokens x parameters of each batch) would follow the
+        realised Poisson batch sizes, a statistic of the private data without noise, into
+        ``total_flos`` of ``trainer_state.json``."""
+        return 0
 
     # -- helpers ----------------------------------------------------------------------------
     def _per_example_loss(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -572,6 +580,9 @@ def _refuse_arguments(args: TrainingArguments, cls: type, kwargs: dict[str, Any]
         (args.auto_find_batch_size, "auto_find_batch_size"),
         (bool(args.deepspeed) or bool(args.fsdp), "DeepSpeed/FSDP (several processes)"),
         (args.label_smoothing_factor != 0, "label_smoothing_factor != 0"),
+        (args.include_num_input_tokens_seen not in (False, "no", None),
+         "include_num_input_tokens_seen (a count of the private batches' tokens, and a "
+         "tokens-per-second rate, logged without noise)"),
         (kwargs.get("model_init") is not None, "model_init"),
         (kwargs.get("compute_loss_func") is not None, "compute_loss_func (it reduces a batch "
          "to one loss; pass per_example_loss=(outputs, labels) -> Tensor[B] instead)"),
