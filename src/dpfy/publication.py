@@ -371,10 +371,9 @@ def published_fields(out_dir: Path) -> Iterator[tuple[str, str, Any]]:
     and the ledger, whose line paths start with their type."""
     import tomllib
 
-    for path in sorted(out_dir.rglob("*.json")):  # every JSON file, checkpoints included
-        name = path.name
-        yield from ((name, p, v) for p, v in _leaves(
-            json.loads(path.read_text(encoding="utf-8"))))
+    for file in sorted(out_dir.rglob("*.json")):  # every JSON file, checkpoints included
+        yield from ((file.name, p, v) for p, v in _leaves(
+            json.loads(file.read_text(encoding="utf-8"))))
     if (out_dir / "run.toml").is_file():
         config = tomllib.loads((out_dir / "run.toml").read_text(encoding="utf-8"))
         yield from (("run.toml", p, v) for p, v in _leaves(config))
