@@ -320,7 +320,7 @@ PROVENANCE: dict[str, dict[str, str]] = {
         # Poisson batch would follow its realised size
         "log_history[].total_flos": CONFIGURATION, "total_flos": CONFIGURATION,
         # an evaluation split is the user's: public data by the docs' contract
-        # (docs/hf.md: evaluate on data whose scores may be published)
+        # (docs/usage.md: evaluate on data whose scores may be published)
         "log_history[].eval_": PUBLIC,
         "log_history[].train_loss": PRIVATE, "log_history[].loss": PRIVATE,
         "log_history[].train_runtime": PRIVATE,
