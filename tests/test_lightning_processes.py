@@ -127,6 +127,16 @@ if __name__ == "__main__":
                                      start_method="fork")
     trainer(strategy, [KeepResult(os.path.join(root, "ddp.pt"))], devices=2,
             enable_checkpointing=False).fit(TinyMLP())
+    # only rank 0 sees the ledger in run_dir; rank 1 must stop at once, not wait out a
+    # 600 s timeout (this process would outlive the fixture's limit)
+    again = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
+                                  run_dir=os.path.join(root, "ddp"), start_method="fork",
+                                  timeout=600)
+    try:
+        trainer(again, [], devices=2, enable_checkpointing=False).fit(TinyMLP())
+    except Exception as error:
+        with open(os.path.join(root, "ddp-again.txt"), "w") as f:
+            f.write(str(error))
     for part, steps in (("first", every), ("rest", None)):  # the same run, stopped and resumed
         strategy = DistributedDPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=0.1,
                                          run_dir=os.path.join(root, "ddp-split"), seed=7,
@@ -182,6 +192,8 @@ def test_two_processes_refuse_what_touches_gradients_outside_dpfy(runs):
     refusal = (root / "ddp-refused.txt").read_text()
     assert "accumulate_grad_batches must be 1 with DPStrategy" in refusal
     assert not (root / "ddp-refused").exists()
+    # a refusal rank 0 alone sees (the ledger already in run_dir) stops both ranks at once
+    assert "run_dir must be a folder without a ledger" in (root / "ddp-again.txt").read_text()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

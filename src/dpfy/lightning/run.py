@@ -147,9 +147,7 @@ class PrivateRun:
                          step=int(resume["releases"]))
             check_randomness_modes(resume["randomness"], {
                 "noise": randomness_mode(noise), "sampling": randomness_mode(sampling)})
-        self.ledger = self._open_ledger(resume)
-        if self.releases:
-            self._share_records(self.ledger)
+        self.ledger = self._opened_on_every_rank(resume)
         outputs = OutputGradients(module, "mean")
         options = PrivateOptions(
             ledger=self.ledger, accounting=self.method, on_budget="stop",
@@ -209,18 +207,30 @@ class PrivateRun:
                 raise
         return ledger
 
-    def _share_records(self, ledger: Ledger) -> None:
-        """Rank 0 sends its ledger's records to the other ranks' mirrors (a resumed run)."""
+    def _opened_on_every_rank(self, resume: dict[str, Any] | None) -> Ledger:
+        """:meth:`_open_ledger`; rank 0 then sends the other ranks its ledger's records (their
+        mirrors start from them: a resumed run) or, when it refused, its error, which they
+        raise at once instead of waiting for a collective that never comes."""
         d = self.distributed
-        if d is not None and d.world_size > 1:
-            records = [r.to_dict() for r in ledger.entries]
-            dist.broadcast_object_list([records], src=0, group=d.group)
+        if d is None or d.world_size == 1 or not self.releases:
+            return self._open_ledger(resume)
+        try:
+            ledger = self._open_ledger(resume)
+        except BaseException as error:
+            refusal = f"{type(error).__name__}: {error}"
+            dist.broadcast_object_list([None, refusal], src=0, group=d.group)
+            raise
+        records = [r.to_dict() for r in ledger.entries]
+        dist.broadcast_object_list([records, None], src=0, group=d.group)
+        return ledger
 
     def _rank0_records(self) -> list[dict[str, Any]]:
         d = self.distributed
         assert d is not None
-        box: list[Any] = [None]
+        box: list[Any] = [None, None]
         dist.broadcast_object_list(box, src=0, group=d.group)
+        if box[1] is not None:
+            raise RuntimeError(f"rank 0 refused the run ({box[1]}); rank {d.rank} stops too")
         return list(box[0])
 
     # -- checkpoints -----------------------------------------------------------------------
