@@ -58,8 +58,10 @@ def test_never_looser_than_dp_accounting_on_a_grid_sample() -> None:
 
 @pytest.mark.slow
 def test_never_looser_than_dp_accounting_on_the_whole_grid() -> None:
+    """With the sample above: every row of the grid, each checked once."""
     assert len(ROWS) == 8 * 9 * 6 * 4
-    assert _check_rows(ROWS) <= 1.0 + 1e-12  # measured: worst ratio 1.0 (ties at q = 1)
+    rest = [row for i, row in enumerate(ROWS) if i % 11]  # the rows the sample leaves out
+    assert _check_rows(rest) <= 1.0 + 1e-12  # measured: worst ratio 1.0 (ties at q = 1)
 
 
 def test_issue_example_beats_dp_accounting_and_the_grid() -> None:
