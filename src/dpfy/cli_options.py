@@ -284,6 +284,11 @@ class TrainPrecision(StrEnum):
     fp16 = "fp16"
 
 
+class Clipping(StrEnum):
+    flat = "flat"
+    automatic = "automatic"
+
+
 #: Where an option's value came from when it counts as given (the command line, or the
 #: environment): names of click's ``ParameterSource`` members, compared by name because typer's
 #: copy of click has its own ``ParameterSource`` enum, never equal to the installed click's.
@@ -688,6 +693,15 @@ TRAIN_OPTIONS: dict[str, tuple[Any, Any]] = {
                      parser=count_option("attribution_check", low=0)),
     ],
         1,
+    ),
+    "clipping": (
+        Annotated[
+        Clipping,
+        typer.Option("--clipping", help="Images, DP-SGD: the clip function. flat: "
+                     "min(1, C/||g||); automatic: C/(||g|| + 0.01) (Bu et al. 2023), every "
+                     "gradient normalised, so --clip-norm only scales the step (same privacy)."),
+    ],
+        Clipping.flat,
     ),
 }
 

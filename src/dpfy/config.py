@@ -69,6 +69,9 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
 }
 #: Precisions of the forward and backward pass (the DP arithmetic is fp32 in all three).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+#: Clip functions (``dpfy.queries.clipping.CLIPPING_MODES``): flat ``min(1, C / norm)`` or
+#: automatic ``C / (norm + 0.01)`` (Bu et al. 2023; the clip norm then only scales the step).
+CLIPPINGS: tuple[str, ...] = ("flat", "automatic")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,6 +134,9 @@ class RunConfig:
         computed alone is the one its per-example rules recorded (1, the default: every batch
         within 5 % of the engine's time, the first always; 0: off;
         :mod:`dpfy.training.norms.attribution`).
+      clipping: the clip function of DP-SGD on the image datasets, one of :data:`CLIPPINGS`
+        (``"automatic"``: every gradient normalised, so ``clip_norm`` only scales the step
+        and the learning rate absorbs it; the privacy is the same).
     """
 
     dataset: str = "mnist"
@@ -171,6 +177,7 @@ class RunConfig:
     validation: bool = False
     private_diagnostics: str | os.PathLike[str] | None = None
     attribution_check: int = 1
+    clipping: str = "flat"
 
     def __post_init__(self) -> None:
         for name in ("out", "private_diagnostics"):
@@ -220,8 +227,18 @@ class RunConfig:
             check_seed("seed", self.seed)
         if self.tan_steps is not None:
             self._check_tan()
+        self._check_clipping()
         if self.sampler is not None and not isinstance(self.sampler, str):
             raise ValueError(f"sampler must be a sampler kind's name, got sampler={self.sampler!r}")
+
+    def _check_clipping(self) -> None:
+        if self.clipping not in CLIPPINGS:
+            raise ValueError(f"clipping must be one of {{{', '.join(CLIPPINGS)}}}, got "
+                             f"clipping={self.clipping!r}")
+        if self.clipping != "flat" and (self.text or self.mechanism != "dpsgd"):
+            raise ValueError(f"clipping={self.clipping!r} applies only to DP-SGD on the image "
+                             f"datasets, got dataset={self.dataset!r}, "
+                             f"mechanism={self.mechanism!r}")
 
     def _check_tan(self) -> None:
         check_int("tan_steps", self.tan_steps)
@@ -368,6 +385,7 @@ class RunConfig:
             "lora_targets": None if self.lora_targets == "attention" else self.lora_targets,
             "warmup": self.warmup or None, "adam_eps": self.adam_eps,
             "linear_probe": self.linear_probe, "validation": "" if self.validation else None,
+            "clipping": None if self.clipping == "flat" else self.clipping,
         }
 
     def audit_guess_count(self) -> int:

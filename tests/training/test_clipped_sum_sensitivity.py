@@ -32,6 +32,12 @@ case some removal and some replacement move S by more than C/2. Clip weights equ
 clip norm 1e-6 too large, squared norms 1e-7 too small (which the coverage check of
 ``dpfy.training.norms.coverage`` cannot see: it compares sums with weights 1), or one clip
 weight for all rows, each fails every case they change.
+
+Automatic clipping (Bu et al. 2023; :mod:`dpfy.queries.clipping`) weights every unit by
+``C / (norm + gamma)``, above 1 for units with norm below ``C - gamma``; the mixed models run
+again with it (gamma = C / 4, so some weights exceed 1). The same bounds hold, and they are
+reached as closely as the clip function allows: removing the unit of largest norm n moves S by
+exactly ``C n / (n + gamma)``, its mirror image by twice that (both asserted).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch
 from torch import nn
 
 from dpfy.queries import GaussianSumQuery
+from dpfy.queries.clipping import ClippingMode
 from dpfy.queries.sum import ClippedUnit
 from dpfy.training import PrivateGradient
 from dpfy.training.losses import causal_lm_loss
@@ -57,6 +64,8 @@ from tests.training.test_layer_zoo import DT, EXACT, Net, _force_mode, _loss, _M
 RTOL = 1e-9
 #: Scale of the floating inputs of the extreme replacement.
 EXTREME = 1e3
+#: Automatic clipping's gamma, relative to C: units with norm below 3C/4 get weights above 1.
+GAMMA = 0.25
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]  # inputs, targets, weights
 
@@ -299,9 +308,12 @@ def _clipped_sum(pg: PrivateGradient, batch: Batch, loss_fn: Any) -> torch.Tenso
     return torch.cat([v.reshape(-1) for v in pg.clipped_sum().values()])
 
 
-def _step(model: nn.Module, case: Case, clip: float) -> PrivateGradient:
+def _step(
+    model: nn.Module, case: Case, clip: float, clipping: ClippingMode = "flat"
+) -> PrivateGradient:
     unit: ClippedUnit = "microbatch_average" if case.mode == "average" else "example"
-    query = GaussianSumQuery(clip, 1.0, clipped_unit=unit)
+    query = GaussianSumQuery(clip, 1.0, clipped_unit=unit, clipping=clipping,
+                             stability=GAMMA * clip)
     return PrivateGradient(
         model, query, expected_batch_size=float(case.batch * case.group),
         microbatch_size=case.microbatch_size, microbatch_mode=case.mode,
@@ -321,7 +333,8 @@ class Measured:
     """||S(D) - S(D')|| for each neighbour, with the clip norm C and the sensitivity the query
     records. ``largest``: the clipped unit of largest norm removed (in average mode the rows of
     the largest microbatch, all turned into padding: a probe, not a neighbour); ``mirror``:
-    that unit replaced by its mirror image (squared-error models only)."""
+    that unit replaced by its mirror image (squared-error models only); ``reach``: how far the
+    clip function moves S for that unit, C (flat) or ``C n / (n + gamma)`` (automatic)."""
 
     largest: float
     removal: list[float]
@@ -329,6 +342,7 @@ class Measured:
     mirror: float | None
     clip: float
     sensitivity: float
+    reach: float
 
 
 class _Neighbours:
@@ -365,7 +379,7 @@ class _Neighbours:
         return inputs, targets, weights
 
 
-def _measure(case: Case, seed: int) -> Measured:
+def _measure(case: Case, seed: int, clipping: ClippingMode = "flat") -> Measured:
     torch.manual_seed(seed)
     rng = random.Random(seed)
     model = case.model().to(DT)
@@ -386,8 +400,10 @@ def _measure(case: Case, seed: int) -> Measured:
     if case.batch > 1:  # clipping active for some units, not for others
         assert bool((norms > clip).any()) and bool((norms < clip).any()), (norms, clip)
     order = [int(i) for i in torch.argsort(norms, descending=True)]  # units, largest first
-    pg = _step(model, case, clip)
+    pg = _step(model, case, clip, clipping)
     sensitivity = pg.query.sensitivity  # type: ignore[attr-defined]
+    top = float(norms.max())
+    reach = clip if clipping == "flat" else clip * top / (top + GAMMA * clip)
     assert sensitivity == (2.0 if case.mode == "average" else 1.0) * clip
 
     # the unit of privacy: a row in average mode (its microbatch's rows, largest first)
@@ -427,20 +443,21 @@ def _measure(case: Case, seed: int) -> Measured:
         gone = moved_r[0]  # the largest unit deleted
     return Measured(
         gone, moved_r, [moved(n) for n in replacements],
-        None if mirror is None else moved(mirror), clip, sensitivity,
+        None if mirror is None else moved(mirror), clip, sensitivity, reach,
     )
 
 
-def _check(case: Case, seed: int) -> None:
-    m = _measure(case, seed)
+def _check(case: Case, seed: int, clipping: ClippingMode = "flat") -> None:
+    m = _measure(case, seed, clipping)
     replaced = m.replacement + ([] if m.mirror is None else [m.mirror])
     assert max(m.removal) <= m.sensitivity * (1 + RTOL), m
     assert max(replaced) <= 2 * m.clip * (1 + RTOL), m
-    # reachable: removing the largest unit (clipped) moves S by exactly C, its mirror image
-    # by exactly 2C; in every case some neighbour moves S by more than C / 2
-    assert m.largest <= m.clip * (1 + RTOL) and m.largest == pytest.approx(m.clip, rel=1e-6), m
+    # reachable: removing the largest unit (clipped) moves S by exactly C (automatic: the
+    # reach), its mirror image by exactly twice that; in every case some neighbour moves S by
+    # more than C / 2
+    assert m.largest <= m.clip * (1 + RTOL) and m.largest == pytest.approx(m.reach, rel=1e-6), m
     if m.mirror is not None:
-        assert m.mirror == pytest.approx(2 * m.clip, rel=1e-6), m
+        assert m.mirror == pytest.approx(2 * m.reach, rel=1e-6), m
     assert max(m.removal) > 0.5 * m.clip and max(m.replacement) > 0.5 * m.clip, m
 
 
@@ -455,3 +472,23 @@ def test_one_example_moves_the_clipped_sum_of_a_zoo_layer_by_at_most_c(
 @pytest.mark.parametrize("name", sorted(MIXED))
 def test_one_unit_moves_the_clipped_sum_of_a_mixed_model_by_at_most_c(name: str) -> None:
     _check(MIXED[name], seed=100 + sorted(MIXED).index(name))
+
+
+#: Automatic clipping runs the clip weights through the same per-layer weighted sums as flat
+#: clipping; these cases cover each kind of sum (embedding, recurrent, attention, tied and
+#: frozen weights, user-level groups, microbatch averages, a convolution both ways) cheaply.
+AUTOMATIC = ("embedding-lstm-attention-linear", "tied-lm", "lora-frozen-base",
+             "user-level-groups-b1", "microbatch-averages")
+
+
+@pytest.mark.parametrize("name", AUTOMATIC)
+def test_one_unit_moves_an_automatically_clipped_sum_by_at_most_c(name: str) -> None:
+    _check(MIXED[name], seed=200 + sorted(MIXED).index(name), clipping="automatic")
+
+
+@pytest.mark.parametrize("mode", ["ghost", "materialize"])
+def test_one_example_moves_an_automatically_clipped_conv_sum_by_at_most_c(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _force_mode(monkeypatch, mode)
+    _check(_zoo_case("Conv2d"), seed=300, clipping="automatic")

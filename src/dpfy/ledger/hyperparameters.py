@@ -61,7 +61,7 @@ def ledger_hyperparameters(ledger: Ledger) -> dict[str, Any]:
         )
     meta = ledger.metadata
     keys = (
-        "clip_norm", "optimizer", "learning_rate", "momentum", "model", "dataset",
+        "clip_norm", "clip_function", "optimizer", "learning_rate", "momentum", "model", "dataset",
         "microbatch_size", "max_physical_batch_size", "ema_decay", "secure_randomness",
         "target_epsilon", "budget_raised_on_resume",
     )

@@ -2,7 +2,9 @@
 
 * :class:`GaussianSumQuery` clips all tensors of an example as one vector to ``clip_norm`` C and
   adds N(0, (z S)^2) per coordinate, S the sensitivity that follows from what is clipped
-  (McMahan et al. 2018, Sec. 2; Abadi et al. 2016).
+  (McMahan et al. 2018, Sec. 2; Abadi et al. 2016). The clip function is flat
+  (``min(1, C / norm)``) or automatic (``C / (norm + gamma)``, Bu et al. 2023;
+  :mod:`dpfy.queries.clipping`); both bound every clipped norm by C, so S is the same.
 * :class:`AverageQuery` divides another query's release by a *fixed* denominator (the expected
   batch size; never the realised size of a Poisson batch) -- post-processing, same privacy.
 * :class:`NoPrivacyQuery` clips (optionally) and sums without noise, for debugging; the ledger
@@ -24,12 +26,17 @@ from dpfy.queries._tree import (
     Tensors,
     Weights,
     check_mask,
-    clip_weights_from_norms,
     flat_norm,
     flatten,
     unflatten_like,
 )
 from dpfy.queries.base import LedgerEntry, Query, QueryBase, ReleasesClippedSums
+from dpfy.queries.clipping import (
+    DEFAULT_STABILITY,
+    ClippingMode,
+    check_clipping,
+    clip_weights_for,
+)
 from dpfy.randomness import Randomness
 
 #: What one clipped contribution is: one ``"example"`` (one unit of privacy adds or removes
@@ -51,6 +58,9 @@ class GaussianSumQuery(QueryBase):
       clipped_unit: ``"example"`` (default) or ``"microbatch_average"`` (see
         :data:`ClippedUnit`).
       name: label written to the ledger.
+      clipping: ``"flat"`` (default, ``min(1, C / norm)``) or ``"automatic"``
+        (``C / (norm + stability)``, Bu et al. 2023); :mod:`dpfy.queries.clipping`.
+      stability: gamma > 0 of automatic clipping, in gradient-norm units (default 0.01).
     """
 
     groups = None
@@ -62,6 +72,8 @@ class GaussianSumQuery(QueryBase):
         *,
         clipped_unit: ClippedUnit = "example",
         name: str = "sum",
+        clipping: ClippingMode = "flat",
+        stability: float = DEFAULT_STABILITY,
     ) -> None:
         check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
         check_range(
@@ -76,6 +88,8 @@ class GaussianSumQuery(QueryBase):
         self.noise_multiplier = float(noise_multiplier)
         self.clipped_unit: ClippedUnit = clipped_unit
         self.name = name
+        self.clipping: ClippingMode = check_clipping(clipping, stability, "stability")
+        self.stability = float(stability)
 
     @property
     def sensitivity(self) -> float:
@@ -95,11 +109,16 @@ class GaussianSumQuery(QueryBase):
         return self.noise_std
 
     def clip_weights(self, norms: Norms, *, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-example weights ``min(1, C / norm)`` from flat norms (or partial norms)."""
-        return clip_weights_from_norms(flat_norm(norms), self.clip_norm, mask)
+        """Per-example weights (``min(1, C / norm)``, or ``C / (norm + gamma)`` when
+        automatic) from flat norms (or partial norms)."""
+        return clip_weights_for(
+            self.clipping, flat_norm(norms), self.clip_norm, self.stability, mask
+        )
 
     def __repr__(self) -> str:
         unit = "" if self.clipped_unit == "example" else f", clipped_unit={self.clipped_unit!r}"
+        if self.clipping != "flat":
+            unit += f", clipping={self.clipping!r}, stability={self.stability}"
         return (
             f"GaussianSumQuery(clip_norm={self.clip_norm}, "
             f"noise_multiplier={self.noise_multiplier}, sensitivity={self.sensitivity}{unit})"
@@ -116,11 +135,22 @@ class NoPrivacyQuery(QueryBase):
     groups = None
     noise_multiplier = 0.0
 
-    def __init__(self, clip_norm: float | None = None, *, name: str = "no_privacy") -> None:
+    def __init__(
+        self,
+        clip_norm: float | None = None,
+        *,
+        name: str = "no_privacy",
+        clipping: ClippingMode = "flat",
+        stability: float = DEFAULT_STABILITY,
+    ) -> None:
         if clip_norm is not None:
             check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
             clip_norm = float(clip_norm)
+        self.clipping: ClippingMode = check_clipping(clipping, stability, "stability")
+        if clip_norm is None and clipping != "flat":
+            raise ValueError(f"clip_norm must be given with clipping={clipping!r}, got None")
         self.clip_norm = clip_norm
+        self.stability = float(stability)
         self.name = name
 
     def ledger_entries(self) -> tuple[LedgerEntry, ...]:
@@ -135,10 +165,11 @@ class NoPrivacyQuery(QueryBase):
         if self.clip_norm is None:
             w = torch.ones_like(flat)
             return w if mask is None else w * check_mask(mask, w)
-        return clip_weights_from_norms(flat, self.clip_norm, mask)
+        return clip_weights_for(self.clipping, flat, self.clip_norm, self.stability, mask)
 
     def __repr__(self) -> str:
-        return f"NoPrivacyQuery(clip_norm={self.clip_norm})"
+        mode = "" if self.clipping == "flat" else f", clipping={self.clipping!r}"
+        return f"NoPrivacyQuery(clip_norm={self.clip_norm}{mode})"
 
 
 class AverageQuery(ReleasesClippedSums):

@@ -48,6 +48,12 @@ from torch.utils.data import DataLoader
 
 from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
+from dpfy.queries.clipping import (
+    DEFAULT_STABILITY,
+    ClippingMode,
+    check_clipping,
+    describe_clipping,
+)
 from dpfy.randomness import Randomness
 from dpfy.training.budget import BudgetExceededError, BudgetGuard, spent
 from dpfy.training.chunk import OpenChunk
@@ -527,6 +533,11 @@ class PrivateOptions:
       attribution_budget: the share of the engine's time (backward, norms, clipping) the
         attribution check may take (default 0.05: a batch is skipped while the checks so far
         took more; the first is always checked); ``None``: every n-th batch whatever it costs.
+      clipping: the clip function, ``"flat"`` (``min(1, C / norm)``, the default) or
+        ``"automatic"`` (``C / (norm + clip_stability)``, Bu et al. 2023): every example's
+        gradient normalised, so ``clip_norm`` only scales the step (set it to 1 and tune the
+        learning rate); the privacy is the same (:mod:`dpfy.queries.clipping`).
+      clip_stability: gamma > 0 of automatic clipping, in gradient-norm units (default 0.01).
       distributed: this process of a data-parallel run (:mod:`dpfy.training.distributed`,
         docs/architecture.md 5.18): rank 0 draws each logical batch and broadcasts it, each
         rank takes its part of every physical batch (``PrivateBatchSampler.shard``), the
@@ -550,6 +561,8 @@ class PrivateOptions:
     noise_multiplier: float | None = None
     attribution_check: int = DEFAULT_EVERY
     attribution_budget: float | None = DEFAULT_BUDGET
+    clipping: ClippingMode = "flat"
+    clip_stability: float = DEFAULT_STABILITY
     distributed: Distributed | None = None
 
 
@@ -637,9 +650,11 @@ def make_private(
     from dpfy.queries import GaussianSumQuery
     from dpfy.queries.sum import NoPrivacyQuery
 
+    mode, gamma = o.clipping, o.clip_stability
     pg = PrivateGradient(
         model,
-        NoPrivacyQuery(clip_norm) if z == 0 else GaussianSumQuery(clip_norm, z, name="gradient"),
+        NoPrivacyQuery(clip_norm, clipping=mode, stability=gamma) if z == 0
+        else GaussianSumQuery(clip_norm, z, name="gradient", clipping=mode, stability=gamma),
         expected_batch_size=sampler.expected_batch_size,
         precision=precision,
         loss_scale=loss_scale,
@@ -650,6 +665,7 @@ def make_private(
         "trainer": "dpfy.make_private",
         "noise_multiplier": z,
         "clip_norm": float(clip_norm),
+        "clip_function": describe_clipping(o.clipping, o.clip_stability),
         "epochs": None if epochs is None else int(epochs),
         "steps_per_epoch": int(sampler.steps_per_epoch),
         "expected_batch_size": float(sampler.expected_batch_size),
@@ -731,6 +747,7 @@ def _check_numbers(
     if epochs is not None:
         check_range("epochs", epochs, 1, None, integer=True)
     check_range("clip_norm", clip_norm, 0.0, math.inf, low_open=True, high_open=True)
+    check_clipping(o.clipping, o.clip_stability)
     check_range("num_workers", num_workers, 0, None, integer=True)
     check_precision(precision)
     if loss_scale is not None:

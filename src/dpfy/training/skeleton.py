@@ -35,6 +35,7 @@ from torch import nn
 from dpfy._files import write_atomic
 from dpfy.config import RunConfig
 from dpfy.ledger import Ledger
+from dpfy.queries.clipping import DEFAULT_STABILITY, check_clipping
 from dpfy.randomness import Randomness
 from dpfy.sampling import make_sampler
 from dpfy.sampling.kinds import kind as sampler_kind
@@ -346,6 +347,7 @@ def run_recipe(recipe: Recipe) -> TrainResultSummary:
         precision=check_precision(config.precision),
         correlated=plan, device=None if device.type == "cpu" else device,
         attribution_check=config.attribution_check,
+        clipping=check_clipping(config.clipping, DEFAULT_STABILITY),
     ))
     # Calibrate before anything is written: an unreachable target is refused while out_dir
     # is still empty, so the corrected command is not refused for an existing ledger.

@@ -47,6 +47,12 @@ from torch.utils.data import Dataset
 from dpfy._validate import check_int, check_range
 from dpfy.ledger import Ledger
 from dpfy.models.modes import evaluating
+from dpfy.queries.clipping import (
+    DEFAULT_STABILITY,
+    ClippingMode,
+    check_clipping,
+    describe_clipping,
+)
 from dpfy.randomness import Randomness
 from dpfy.training import checkpoint as ckpt
 from dpfy.training.budget import (
@@ -136,6 +142,8 @@ class TrainerOptions:
     correlated: CorrelatedPlan | None = None
     clip_groups: Sequence[str] = ()
     attribution_check: int = DEFAULT_EVERY
+    clipping: ClippingMode = "flat"
+    clip_stability: float = DEFAULT_STABILITY
 
 
 class PrivateTrainer:
@@ -209,6 +217,10 @@ class PrivateTrainer:
         with ``correlated`` or ``distributed``.
       attribution_check: the attribution check's frequency (``PrivateGradient``'s
         ``attribution.every``: 1, the default, every chunk within its time budget; 0 off).
+      clipping: the clip function, ``"flat"`` (``min(1, C / norm)``) or ``"automatic"``
+        (``C / (norm + clip_stability)``, Bu et al. 2023: C then only scales the step;
+        :mod:`dpfy.queries.clipping`). Automatic only with joint clipping and independent
+        noise. ``clip_stability``: its gamma > 0 (default 0.01).
 
     Example:
         >>> trainer = PrivateTrainer(model, torch.optim.SGD(model.parameters(), lr=1.0),
@@ -307,6 +319,12 @@ class PrivateTrainer:
                 f"on_budget must be one of {{stop, raise}}, got on_budget={self.on_budget!r}"
             )
         check_sampler(self.sampler, self.sampler_size(), "sampler")
+        check_clipping(self.options.clipping, self.options.clip_stability)
+        if self.options.clipping != "flat" and (self.clip_groups or self.correlated is not None):
+            raise ValueError(
+                f"clipping must be 'flat' with clip_groups or correlated noise (their queries "
+                f"clip flat), got clipping={self.options.clipping!r}"
+            )
         if self.clip_groups and (self.correlated is not None or self.distributed is not None):
             raise ValueError(
                 f"clip_groups must be empty with correlated noise or several processes "
@@ -391,7 +409,10 @@ class PrivateTrainer:
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         self.query_: Query = (
             separate_clipping(names, self.clip_groups, self.clip_norm, z) if self.clip_groups
-            else GaussianSumQuery(self.clip_norm, z, name="gradient") if self.correlated is None
+            else GaussianSumQuery(self.clip_norm, z, name="gradient",
+                                  clipping=self.options.clipping,
+                                  stability=self.options.clip_stability)
+            if self.correlated is None
             else correlated_query(self.correlated, self.clip_norm, z, self.sampler.sample_spec(),
                                   self.total_steps, parameters=sum(p.numel() for p in trainable),
                                   device=trainable[0].device if trainable else None)
@@ -696,6 +717,7 @@ class PrivateTrainer:
             "trainer": "dpfy.training.PrivateTrainer",
             "noise_multiplier": self.calibrate(),  # already calibrated: the cached value
             "clip_norm": float(self.clip_norm),
+            "clip_function": describe_clipping(self.options.clipping, self.options.clip_stability),
             "epochs": int(self.epochs),
             "steps_per_epoch": int(self.sampler.steps_per_epoch),
             "expected_batch_size": float(self.sampler.expected_batch_size),
