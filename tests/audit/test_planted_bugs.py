@@ -532,6 +532,25 @@ class _SameKeyOS(_ConstantOS):
 
 
 @pytest.mark.usefixtures("fixed_os_key")
+def test_one_generator_in_two_runs_is_no_repeat() -> None:
+    """A generator handed to a second run continues its keystream: registered again, not
+    refused; the same key drawn by another generator is."""
+    from dpfy.ledger.commitments import RepeatedKeyError
+    from dpfy.training.keys import key_facts
+
+    noise, sampling = Randomness.secure_mode(), Randomness.secure_mode()
+    first, again = key_facts(noise, sampling), key_facts(noise, sampling)
+    assert first == again and set(first["key_registration"]) == {"noise", "sampling"}
+    assert key_check(first)[0] == ()
+    twin = Randomness.secure_mode()
+    twin.key_commitments()
+    assert twin._stream is not None
+    twin._stream.commitments[:] = noise.key_commitments()  # as if it drew noise's key
+    with pytest.raises(RepeatedKeyError, match="another run registered"):
+        key_facts(twin)
+
+
+@pytest.mark.usefixtures("fixed_os_key")
 def test_dpfy_train_refuses_one_key_in_one_line_before_writing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

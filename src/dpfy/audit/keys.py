@@ -1,8 +1,9 @@
 """The run's key commitments against the local registry (:mod:`dpfy.ledger.commitments`).
 
 A secure run records a commitment to each key its generators drew (metadata
-``key_commitments``: ``{"noise": [...], "sampling": [...]}``, with its registration token
-``key_registration``); a seeded run records ``"seeded"``. :func:`key_check` finds:
+``key_commitments``: ``{"noise": [...], "sampling": [...]}``, with each generator's
+registration token, ``key_registration``); a seeded run records ``"seeded"``.
+:func:`key_check` finds:
 
 * one key drawn by both of the run's generators (they drew the same bits);
 * a commitment that the registry holds under another registration: another run on this machine
@@ -45,10 +46,11 @@ def key_check(meta: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]
     for c in sorted(noise & sampling):
         findings.append(f"keys: the noise and sampling generators drew one key (commitment "
                         f"{c[:16]}...): they drew the same bits")
-    token = meta.get("key_registration")
+    tokens = meta.get("key_registration")
     path, found = lookup(sorted(noise | sampling))
     unseen = 0
     for name, cs in gens.items():
+        token = tokens.get(name) if isinstance(tokens, dict) else None
         for c in cs:
             others = [(t, when) for t, when in found.get(c, []) if t != token]
             if others:

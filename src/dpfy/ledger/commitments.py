@@ -14,8 +14,9 @@ run (:class:`RepeatedKeyError`). ``dpfy audit`` looks the ledger's commitments u
 (:func:`lookup`) and names every other registration of the same key.
 
 The registry is one text file, append-only, one line per commitment:
-``<64 hex commitment> <registration token> <UTC time>``; the token is a random string the run
-records beside its commitments, so a reader tells the run's own line from another run's. The
+``<64 hex commitment> <registration token> <UTC time>``; the token is a random string per
+generator that the run records beside its commitments, so a reader tells the generator's own
+lines from another run's. The
 file is ``$DPFY_KEY_REGISTRY`` when set (tests point it at a temporary file; the value ``none``
 turns registration off and is recorded as such), else ``$XDG_DATA_HOME/dpfy/key-commitments``,
 else ``~/.local/share/dpfy/key-commitments``. Appends hold an exclusive lock (``fcntl.flock``)

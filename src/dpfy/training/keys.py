@@ -11,10 +11,22 @@ release) and registers nothing: its stream is reproducible by design.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from dpfy.ledger.commitments import NO_REGISTRY, RepeatedKeyError, new_token, register
 from dpfy.randomness import Randomness
+
+#: Each generator's registration token: a generator handed to a second run continues its
+#: keystream (no bit repeats), so its keys are registered under the same token again.
+_TOKENS: weakref.WeakKeyDictionary[Randomness, str] = weakref.WeakKeyDictionary()
+
+
+def _token(generator: Randomness) -> str:
+    token = _TOKENS.get(generator)
+    if token is None:
+        token = _TOKENS[generator] = new_token()
+    return token
 
 
 def key_facts(noise: Randomness, sampling: Any = None) -> dict[str, Any]:
@@ -26,8 +38,9 @@ def key_facts(noise: Randomness, sampling: Any = None) -> dict[str, Any]:
         sampler without one).
 
     Returns ``{"key_commitments": {"noise": [...], "sampling": [...]}, "key_registration":
-    token, "key_registry": "local" | "none"}`` when a generator is secure, else
-    ``{"key_commitments": "seeded"}``.
+    {"noise": token, "sampling": token}, "key_registry": "local" | "none"}`` when a generator
+    is secure (a token per generator object: the same generator in a later run continues its
+    stream and is no repeat), else ``{"key_commitments": "seeded"}``.
 
     Raises:
       RepeatedKeyError: two generators of the run drew one key, or another run drew it.
@@ -48,10 +61,14 @@ def key_facts(noise: Randomness, sampling: Any = None) -> dict[str, Any]:
                 "refused; the operating system's random source (os.urandom) or the generator's "
                 "keying is broken"
             )
-    token = new_token()
-    path = register([c for cs in commitments.values() for c in cs], token)
+    tokens: dict[str, str] = {}
+    path = None
+    for name, g in gens.items():
+        if commitments[name]:
+            tokens[name] = _token(g)
+            path = register(commitments[name], tokens[name])
     return {
         "key_commitments": {k: v for k, v in commitments.items() if v},
-        "key_registration": token,
+        "key_registration": tokens,
         "key_registry": NO_REGISTRY if path is None else "local",
     }
