@@ -78,6 +78,9 @@ def test_features_and_report_on_given_features(tmp_path):
     # no seed given: the noise is secure and the report says the run is a DP release
     assert meta["noise_randomness"] == "secure (AES-256-CTR, OS key)"
     assert run.report.release.startswith("DP release")
+    from dpfy.publication import unclassified_fields
+
+    assert unclassified_fields(tmp_path / "run") == []  # a release, public or configuration
 
 
 def test_features_and_report_takes_the_class_list_from_the_dataset_definition(tmp_path):
