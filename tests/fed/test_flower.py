@@ -139,6 +139,10 @@ def test_flower_simulation_ledger_and_restart(tmp_path) -> None:
     text = (tmp_path / "report" / "report.md").read_text()
     assert report.report.unit_of_privacy == "client" and "one client" in text
     assert "server-side clipping" in text and "in the clear" in text
+    from dpfy.publication import unclassified_fields
+
+    for directory in (run_dir, tmp_path / "report"):  # a release, public or configuration
+        assert unclassified_fields(directory) == [], directory
 
 
 @pytest.mark.slow
