@@ -141,7 +141,7 @@ def test_flower_simulation_ledger_and_restart(tmp_path) -> None:
     assert "server-side clipping" in text and "in the clear" in text
     from dpfy.publication import unclassified_fields
 
-    for directory in (run_dir, tmp_path / "report"):  # a release, public or configuration
+    for directory in (tmp_path, tmp_path / "report"):  # a release, public or configuration
         assert unclassified_fields(directory) == [], directory
 
 
