@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from filelock import FileLock
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -156,15 +157,26 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The script's process (one import of torch and Lightning for both runs): its folder,
-    exit code (SIGKILL: -9) and output."""
-    root = tmp_path_factory.mktemp("lightning-processes")
-    script = root / "script.py"
-    script.write_text(SCRIPT, encoding="utf-8")
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    command = [sys.executable, str(script), str(root), str(CHECKPOINT_EVERY), str(KILL_AT)]
-    proc = subprocess.run(command, cwd=root, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=540, check=False)
-    return root, script, (proc.returncode, proc.stdout)
+    exit code (SIGKILL: -9) and output. Run once per session: under pytest-xdist the workers
+    share it through a file lock (a worker that gets some of this module's tests reads what
+    the first one left), and its signing keys stay in its folder (``keys``)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = shared / "lightning-processes"
+    with FileLock(str(shared / "lightning-processes.lock")):
+        if not (root / "exit.txt").exists():
+            root.mkdir(exist_ok=True)
+            (root / "script.py").write_text(SCRIPT, encoding="utf-8")
+            env = dict(os.environ, PYTHONWARNINGS="ignore", DPFY_KEY_DIR=str(root / "keys"))
+            command = [sys.executable, str(root / "script.py"), str(root),
+                       str(CHECKPOINT_EVERY), str(KILL_AT)]
+            proc = subprocess.run(command, cwd=root, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=540,
+                                  check=False)
+            (root / "output.txt").write_text(proc.stdout, encoding="utf-8")
+            (root / "exit.txt").write_text(str(proc.returncode), encoding="utf-8")
+    code = int((root / "exit.txt").read_text())
+    return root, root / "script.py", (code, (root / "output.txt").read_text())
 
 
 def test_two_processes_spend_at_most_the_target_with_a_complete_signed_ledger(runs):
@@ -243,8 +255,9 @@ def test_two_processes_stopped_and_resumed_make_the_uninterrupted_run(runs):
     assert resumed["epsilon"] == whole["epsilon"]
 
 
-def test_a_killed_run_resumed_from_its_checkpoint_counts_every_release(runs):
+def test_a_killed_run_resumed_from_its_checkpoint_counts_every_release(runs, monkeypatch):
     root, script, (code, out) = runs
+    monkeypatch.setenv("DPFY_KEY_DIR", str(root / "keys"))  # the run's key, to append
     assert code == -9, out[-3000:]  # SIGKILL
     path = root / "kill" / "ledger.jsonl"
     killed = Ledger.load(path)
