@@ -434,7 +434,8 @@ def test_audit_run_runs_the_self_tests_of_the_run(tmp_path: Path, monkeypatch) -
     run = _correlated_fed_run(tmp_path)
     section = audit_run(run, method="one-run", trials=1000)
     assert section["self_tests_run"] == [
-        "replay", "sampler", "ledger counts", "federated", "correlated (bandmf)"
+        "replay", "sampler", "ledger counts", "recorded epsilon", "keys", "federated",
+        "correlated (bandmf)"
     ]
     assert section["self_tests"] == [] and section["verdict"] == "no violation found"
     assert "Self-tests run" in (run / "report.md").read_text()
