@@ -116,6 +116,81 @@ def check_floor(x: torch.Tensor, y: torch.Tensor) -> float:
     return (num / den) ** 0.5
 
 
+#: Parts of dpfy's step named in the profile: (label, file suffix, function name).
+PARTS = (
+    ("accumulate (whole chunk)", "training/step.py", "_accumulate_one"),
+    ("  forward, hooks recording", "modules/module.py", "_call_impl"),
+    ("  backward to the layer outputs", "norms/capture.py", "backward"),
+    ("  layout check (batch dimension)", "norms/layout.py", "settle"),
+    ("  rules' linear forms", "training/step.py", "_layer_grads"),
+    ("  squared norms", "training/step.py", "_squared_norms"),
+    ("  clip weights (query)", "training/step.py", "_clip_weights"),
+    ("  clipped sums (book-keeping GEMMs)", "training/step.py", "_add_weighted_sums"),
+    ("  attribution check (alone pass)", "norms/attribution.py", "run"),
+    ("release", "training/step.py", "release"),
+    ("  noise (seeded Philox, Box-Muller)", "dpfy/randomness.py", "_normal32_into"),
+    ("  flat buffers (new p.grad)", "training/step.py", "_flat_buffers"),
+    ("ledger.record_sample", "ledger/ledger.py", "record_sample"),
+    ("optimizer step", "torch/optim/optimizer.py", "wrapper"),
+)
+
+
+#: The arithmetic both the floor and dpfy do, by the builtin (or dpfy function) doing it.
+WORK = (
+    ("forward GEMMs (linear)", "~", "<built-in method torch._C._nn.linear>"),
+    ("backward (autograd engine)", "~",
+     "<method 'run_backward' of 'torch._C._EngineBase' objects>"),
+    ("clipped-sum GEMMs (addmm_)", "~", "<method 'addmm_' of 'torch._C.TensorBase' objects>"),
+    ("noise (Randomness)", "dpfy/randomness.py", "_normal32_into"),
+)
+
+
+def profile(x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, float]:
+    """cProfile (CPU clock) of ``steps`` dpfy steps and as many floor steps: milliseconds per
+    step of each of :data:`PARTS` (cumulative, so nested parts add up to their parent), the
+    profiled totals of both, and the calls into torch per step.
+
+    cProfile's own overhead falls on Python calls, so it inflates dpfy (more Python per step)
+    more than the floor; the timed ratios come from :func:`measure`, the shares from here.
+    """
+    import cProfile
+    import pstats
+    import time
+
+    torch.manual_seed(0)
+    base = MODELS["mlp"]()
+    out: dict[str, float] = {}
+    for name, builder in (("floor", floor_step), ("dpfy", dpfy_step)):
+        step = builder(copy.deepcopy(base), x, y)
+        for _ in range(5):
+            step()
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
+        for _ in range(steps):
+            step()
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        total = sum(tt for (_, _, _), (_, _, tt, _, _) in stats.items())
+        out[f"{name}: total (profiled)"] = 1e3 * total / steps
+        shared = 0.0
+        for label, suffix, func in WORK:
+            ms = 1e3 * sum(
+                (tt if f == "~" else ct) for (f, _, fn), (_, _, tt, ct, _) in stats.items()
+                if f.endswith(suffix) and fn == func
+            ) / steps
+            out[f"{name}: {label}"] = ms
+            shared += ms
+        out[f"{name}: everything else"] = 1e3 * total / steps - shared
+        py = sum(nc for (f, _, _), (_, nc, _, _, _) in stats.items() if f != "~")
+        out[f"{name}: Python function calls per step"] = py / steps
+        if name == "dpfy":
+            for label, suffix, func in PARTS:
+                cum = sum(ct for (f, _, fn), (_, _, _, ct, _) in stats.items()
+                          if f.endswith(suffix) and fn == func)
+                out[f"dpfy part: {label}"] = 1e3 * cum / steps
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=256)
@@ -123,10 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json", default=None, help="write JSON to this path (- = stdout)")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="STEPS",
+        help="also profile STEPS dpfy and floor steps (cProfile, CPU clock): where the time goes",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x, y = torch.randn(args.batch, 1, 28, 28), torch.randint(0, 10, (args.batch,))
+    if args.profile:
+        prof = profile(x, y, args.profile)
+        print(f"profile of {args.profile} steps, ms per step (cumulative; CPU clock):")
+        for label, ms in prof.items():
+            print(f"  {label:40s} {ms:8.3f}")
     err = check_floor(x, y)
     if not err < 1e-5:
         raise SystemExit(f"the floor step disagrees with PrivateGradient: relative error {err}")

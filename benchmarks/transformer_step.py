@@ -32,6 +32,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -259,7 +260,132 @@ def _status_mb(key: str) -> float:
     return float("nan")
 
 
-def child_memory(name: str, variant: str, method: str, warmup: int, steps: int) -> None:
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view of another counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class Phases:
+    """Where a step's memory goes: per phase, the high-water RSS above the step's start.
+
+    Each phase ends by reading ``VmHWM`` and resetting it (``/proc/self/clear_refs``), so a
+    phase's peak is its own. For dpfy it also counts the bytes of the tensors the engine holds
+    (captured activations, output gradients, the accumulator, the attribution check's
+    parameter-sized gradients), read directly from the tensors' storages.
+    """
+
+    def __init__(self) -> None:
+        self.start = self.high = 0.0
+        self.peaks: dict[str, list[float]] = {}
+        self.bytes: dict[str, list[float]] = {}
+
+    def _reset(self) -> float:
+        """The high-water RSS so far (kept in ``high``), then the mark reset to the RSS now."""
+        hwm = _status_mb("VmHWM")
+        self.high = max(self.high, hwm)
+        Path("/proc/self/clear_refs").write_text("5")
+        return hwm
+
+    def begin(self) -> None:
+        self._reset()
+        self.start = _status_mb("VmRSS")
+
+    def end(self, phase: str) -> None:
+        self.peaks.setdefault(phase, []).append(self._reset() - self.start)
+
+    def peak(self) -> float:
+        """The whole run's high-water RSS (the marks reset between phases are kept)."""
+        return max(self.high, _status_mb("VmHWM"))
+
+    def held(self, what: str, n_bytes: int) -> None:
+        self.bytes.setdefault(what, []).append(n_bytes / 2**20)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """The last step's figures (the warm-up step also runs the first-chunk checks)."""
+        return {
+            "peak_above_start_mb": {k: round(v[-1], 1) for k, v in self.peaks.items()},
+            "first_step_peak_mb": {k: round(v[0], 1) for k, v in self.peaks.items()},
+            "held_mb": {k: round(v[-1], 1) for k, v in self.bytes.items()},
+        }
+
+
+def instrument(phases: Phases) -> None:
+    """Wrap the engine's phases (forward, backward, norms and sums, attribution, release,
+    optimizer) and plain PyTorch's (forward, backward, optimizer) with :class:`Phases` marks.
+
+    Only for the memory child process: the wrappers add no tensors and change no result.
+    """
+    from dpfy.training import step as step_mod
+    from dpfy.training.norms import attribution, capture
+
+    pg_cls, rec_cls = step_mod.PrivateGradient, capture.LayerCapture
+    att_cls = attribution.AttributionCheck
+    one, back, run, rel = (pg_cls._accumulate_one, rec_cls.backward, att_cls.run, pg_cls.release)
+    opt_step, autograd_backward = torch.optim.SGD.step, torch.autograd.backward
+    state = {"in_step": False}
+
+    def accumulate_one(self: Any, *a: Any, **k: Any) -> Any:
+        phases.begin()
+        out = one(self, *a, **k)
+        if state["in_step"]:  # no attribution run ended the phase
+            phases.end("norms + clipped sums")
+        if self._acc_flat is not None:
+            phases.held("accumulator", self._acc_flat.numel() * self._acc_flat.element_size())
+        return out
+
+    def backward(self: Any, *a: Any, **k: Any) -> Any:
+        phases.end("forward")
+        caps, grads = back(self, *a, **k)
+        phases.end("backward to outputs")
+        state["in_step"] = True
+        acts = [t for cs in caps for c in cs for t in c.args if isinstance(t, torch.Tensor)]
+        gouts = [g for cs in caps for c in cs for g in c.grad_outputs]
+        phases.held("captured activations", _storage_bytes(acts))
+        phases.held("captured output gradients", _storage_bytes(gouts))
+        return caps, grads
+
+    def attribution_run(self: Any, loss_of: Any, params: Any, *a: Any, **k: Any) -> Any:
+        phases.end("norms + clipped sums")
+        state["in_step"] = False
+        learn = self._modes() not in self._verdicts
+        out = run(self, loss_of, params, *a, **k)
+        phases.end("attribution check" + (" (learning: 2 passes)" if learn else ""))
+        size = sum(p.numel() * p.element_size() for p in params.values())
+        phases.held("attribution gradients", size * (2 if learn else 1))
+        return out
+
+    def release(self: Any, *a: Any, **k: Any) -> Any:
+        phases.begin()
+        out = rel(self, *a, **k)
+        phases.end("release (noise, ledger)")
+        return out
+
+    def sgd_step(self: Any, *a: Any, **k: Any) -> Any:
+        phases.begin()
+        out = opt_step(self, *a, **k)
+        phases.end("optimizer step")
+        return out
+
+    def plain_backward(*a: Any, **k: Any) -> Any:
+        phases.end("forward")
+        out = autograd_backward(*a, **k)
+        phases.end("backward")
+        return out
+
+    pg_cls._accumulate_one, rec_cls.backward = accumulate_one, backward  # type: ignore[method-assign]
+    att_cls.run, pg_cls.release = attribution_run, release  # type: ignore[method-assign]
+    torch.optim.SGD.step = sgd_step  # type: ignore[method-assign]
+    torch.autograd.backward = plain_backward  # Tensor.backward looks it up at each call
+
+
+def child_memory(
+    name: str, variant: str, method: str, warmup: int, steps: int, breakdown: bool = True
+) -> None:
     """Run in a fresh process: print JSON with its peak RSS and the step's own memory (MB).
 
     ``peak_mb`` is the process's high-water RSS (``VmHWM``; not ``ru_maxrss``, which Linux
@@ -267,23 +393,32 @@ def child_memory(name: str, variant: str, method: str, warmup: int, steps: int) 
     would report at least 6 GB). ``step_mb`` is the high-water RSS during ``build`` +
     ``warmup`` + ``steps`` minus the RSS after model and batch load: the high-water mark is
     reset after load (``/proc/self/clear_refs``), so a transient of the load itself does not
-    hide in it.
+    hide in it. With ``breakdown`` (plain and dpfy), ``phases`` says where the step's memory
+    goes (:class:`Phases`, :func:`instrument`).
     """
     torch.manual_seed(0)
     model, loss = make_model(name, variant)
     x, y = make_batch(name, model)
     load_peak, loaded = _status_mb("VmHWM"), _status_mb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    out: dict[str, float | str] = {"loaded_mb": loaded}
+    out: dict[str, Any] = {"loaded_mb": loaded}
+    phases = Phases()
+    breakdown = breakdown and method in ("plain", "dpfy")
+    if breakdown:
+        instrument(phases)
     try:
         step = build(method, model, loss, x, y)
         for _ in range(warmup + steps):
+            if method == "plain":
+                phases.begin()
             step()
     except Exception as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"[:110]
-    high = _status_mb("VmHWM")
+    high = phases.peak()
     out["peak_mb"] = max(load_peak, high)
     out["step_mb"] = high - loaded
+    if breakdown:
+        out["phases"] = phases.summary()
     print(json.dumps(out))
 
 
@@ -330,6 +465,15 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
         elif m in mem:
             line += f"  memory: {mem[m]['error']}"
         print(line)
+    for m in ("plain", "dpfy"):
+        ph = ok.get(m, {}).get("phases")
+        if ph:
+            print(f"  where {m}'s step memory goes (MB above the step's start RSS; first step,"
+                  " last step):")
+            for k, v in ph["first_step_peak_mb"].items():
+                print(f"    {k:42s} {v:8.1f} {ph['peak_above_start_mb'][k]:8.1f}")
+            for k, v in ph["held_mb"].items():
+                print(f"    held: {k:36s} {v:8.1f}")
     goals(variant, res, ok)
 
 
