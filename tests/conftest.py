@@ -86,17 +86,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture
-def quick_image_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Image runs of `dpfy train` in this process without their fixed cost: physical batches
-    of 64 rows (the image recipes pad every batch to 512-4096 rows) and the report without
-    its figures (seconds of drawing per run). For tests of what a run records (ledger, report
-    text, model), not of its padding or figures (tests/training, tests/test_report.py and
-    tests/test_runs.py test those)."""
+def _small_image_chunks(patch: pytest.MonkeyPatch) -> None:
+    """Image recipes in physical batches of 64 rows (they pad every batch to 512-4096 rows)."""
     import dataclasses
-    import functools
 
-    from dpfy import runs
     from dpfy.training import recipes
 
     real = recipes.train_image_classifier
@@ -105,6 +98,30 @@ def quick_image_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         recipe = recipes.default_recipe(config.model) if recipe is None else recipe
         return real(config, dataclasses.replace(recipe, max_physical_batch_size=64), hooks)
 
-    monkeypatch.setattr(recipes, "train_image_classifier", small_chunks)
+    patch.setattr(recipes, "train_image_classifier", small_chunks)
+
+
+@pytest.fixture
+def quick_image_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Image runs of `dpfy train` in this process without their fixed cost: physical batches
+    of 64 rows (the image recipes pad every batch to 512-4096 rows) and the report without
+    its figures (seconds of drawing per run). For tests of what a run records (ledger, report
+    text, model), not of its padding or figures (tests/training, tests/test_report.py and
+    tests/test_runs.py test those)."""
+    import functools
+
+    from dpfy import runs
+
+    _small_image_chunks(monkeypatch)
     monkeypatch.setattr(runs, "_report_files",
                         functools.partial(runs._report_files, figures=False))
+
+
+@pytest.fixture(scope="module")
+def small_image_chunks() -> Iterator[None]:
+    """For a module's shared image runs: physical batches of 64 rows, figures kept, from the
+    first test that needs it to the end of the module. For tests of what a run publishes, not
+    of its padding (tests/training tests that)."""
+    with pytest.MonkeyPatch.context() as patch:
+        _small_image_chunks(patch)
+        yield

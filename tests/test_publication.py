@@ -37,7 +37,7 @@ def _leaks(published: list[str], private: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, small_image_chunks):
     base = tmp_path_factory.mktemp("publish")
     run = runs.train_and_report(RunConfig(
         dataset="mnist", out=base / "run", epochs=1, batch_size=64, train_limit=256,
@@ -127,7 +127,7 @@ def test_a_second_train_on_one_out_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def validation_run(tmp_path_factory):
+def validation_run(tmp_path_factory, small_image_chunks):
     """A --validation run: its accuracies are measured on held-out training images."""
     base = tmp_path_factory.mktemp("validation")
     return runs.train_and_report(RunConfig(
