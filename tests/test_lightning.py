@@ -146,3 +146,19 @@ def test_dpstrategy_in_one_of_several_launched_processes_is_refused(tmp_path, mo
     with pytest.raises(ValueError, match="^DPStrategy trains in one process.*Distributed"):
         _trainer(strategy).fit(TinyMLP())
     assert not (tmp_path / "ledger.jsonl").exists()
+
+
+class WithBatchNorm(TinyMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(784, 16), nn.BatchNorm1d(16), nn.Linear(16, 10))
+
+
+def test_a_module_dpfy_cannot_make_private_leaves_no_ledger_behind(tmp_path):
+    """BatchNorm mixes the examples of a batch: refused by make_private, after the ledger file
+    was opened; the file (a header only) goes, so the fixed script can use the same run_dir."""
+    run_dir = tmp_path / "run"
+    strategy = DPStrategy(target_epsilon=3.0, delta=1e-5, clip_norm=1.0, run_dir=run_dir)
+    with pytest.raises(Exception, match="BatchNorm"):
+        _trainer(strategy).fit(WithBatchNorm())
+    assert not run_dir.exists()

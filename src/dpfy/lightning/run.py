@@ -155,11 +155,15 @@ class PrivateRun:
             num_workers=int(loader.num_workers), loader_kwargs=_loader_kwargs(loader),
             distributed=distributed,
         )
-        private = make_private(
-            module, optimizer, loader.dataset, target_epsilon=settings.target_epsilon,
-            delta=settings.delta, epochs=int(epochs), clip_norm=settings.clip_norm,
-            sampler=sampler, loss_fn=outputs, randomness=noise, options=options,
-        )
+        try:
+            private = make_private(
+                module, optimizer, loader.dataset, target_epsilon=settings.target_epsilon,
+                delta=settings.delta, epochs=int(epochs), clip_norm=settings.clip_norm,
+                sampler=sampler, loss_fn=outputs, randomness=noise, options=options,
+            )
+        except BaseException:
+            self._forget(fresh=resume is None)
+            raise
         private.loader.batch_sampler.pad = False  # training_step sees real rows (as Opacus)
         self.loader = DPDataLoader(private.loader, outputs, loader)
         self.optimizer = DPOptimizer(
@@ -206,6 +210,16 @@ class PrivateRun:
                 ledger.close()
                 raise
         return ledger
+
+    def _forget(self, *, fresh: bool) -> None:
+        """A run refused by ``make_private`` (a layer that is not private, ...) releases its
+        ledger file; a fresh one, holding only its header, is removed with it (and run_dir
+        if it is left empty), so that the corrected script can start in the same run_dir."""
+        self.ledger.close()
+        if fresh and self.ledger.path is not None and self.run_dir is not None:
+            Path(self.ledger.path).unlink(missing_ok=True)
+            if not any(self.run_dir.iterdir()):
+                self.run_dir.rmdir()
 
     def _opened_on_every_rank(self, resume: dict[str, Any] | None) -> Ledger:
         """:meth:`_open_ledger`; rank 0 then sends the other ranks its ledger's records (their
