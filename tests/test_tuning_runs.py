@@ -67,7 +67,7 @@ def test_a_four_trial_search_calibrated_to_a_total_reports_it_and_the_final(tmp_
         assert [s.spec.sampler for s in ledger.samples][-1] == "full_batch"
         assert ledger.metadata["validation_size"] > 0
         assert "test_accuracy" not in ledger.metadata  # the raw score: never beside the noisy
-    for run_dir in [*sorted((out / "trials").iterdir()), out / "final"]:
+    for run_dir in [*sorted((out / "trials").iterdir()), out / "final", out]:
         assert unclassified_fields(run_dir) == [], run_dir  # a release, public or config
     assert not list((out / "trials").glob("*/model.pt"))  # only the choice leaves the search
     final = Ledger.load(out / "final" / "ledger.jsonl")

@@ -328,6 +328,24 @@ PROVENANCE: dict[str, dict[str, str]] = {
         "num_input_tokens_seen": CONFIGURATION,
         "log_history[].num_input_tokens_seen": PRIVATE,
     },
+    # dpfy tune's search directory (beside trials/*/ and final/, themselves run directories)
+    "search.json": {  # the plan, drawn from the options and a generator before any data
+        "": CONFIGURATION,  # configuration, space, K and the trials' draws, the randomness
+        "per_run_epsilon": CONFIGURATION, "planned_total_epsilon": CONFIGURATION,
+    },
+    "tuning.json": {
+        "": CONFIGURATION,  # data set, delta, space, K's law, the score noise, the budget
+        "total_epsilon": RELEASE, "total_method": CONFIGURATION,
+        "search_epsilon": RELEASE, "search_method": CONFIGURATION,
+        "final_epsilon": RELEASE, "all_scores_epsilon": RELEASE,
+        "number_of_trials": CONFIGURATION,  # K, drawn before any trial
+        "trials[].index": CONFIGURATION, "trials[].params": CONFIGURATION,
+        "trials[].score": RELEASE,  # the noisy score (all_scores_epsilon covers them)
+        "trials[].epsilon": RELEASE,
+        "trials[].seconds": PRIVATE,  # follows the realised batches: never written
+        "chosen": RELEASE,  # a function of the noisy scores
+        "final_test_accuracy": PUBLIC,
+    },
     "privacy_report.json": {},  # the statement: as report.json (filled in below)
     "adapter_config.json": {"": CONFIGURATION},
     "config.json": {"": CONFIGURATION},
