@@ -184,15 +184,18 @@ def gates(
     else:
         c_prev = torch.cat([c0.unsqueeze(0), c[:-1]], 0)
     tc = _tanh(c)  # c itself is not needed any more
-    # d tanh(c)/dc and the sigmoid/tanh derivatives, all steps at once
-    a = steps.masked(torch.addcmul(o, o, tc * tc, value=-1.0))
+    hu = o * tc  # the hidden state before any projection
+    # d tanh(c)/dc and the sigmoid/tanh derivatives, all steps at once, reusing u = i g and
+    # hu = o tanh(c): a = o (1 - tanh(c)^2), ki = g i (1 - i), kf = c_prev f (1 - f),
+    # kg = i (1 - g^2), ko = tanh(c) o (1 - o)
+    a = steps.masked(torch.addcmul(o, hu, tc, value=-1.0))
     k = torch.empty_like(act)
     ki, kf, kg, ko = _blocks(k, 4)
-    torch.mul(g, torch.addcmul(i, i, i, value=-1.0), out=ki)
+    torch.addcmul(u, u, i, value=-1.0, out=ki)
     torch.mul(c_prev, torch.addcmul(f, f, f, value=-1.0), out=kf)
-    torch.mul(i, torch.addcmul(torch.ones_like(g), g, g, value=-1.0), out=kg)
-    torch.mul(tc, torch.addcmul(o, o, o, value=-1.0), out=ko)
-    proj_in = o * tc if w.w_hr is not None else None
+    torch.addcmul(i, u, g, value=-1.0, out=kg)
+    torch.addcmul(hu, hu, o, value=-1.0, out=ko)
+    proj_in = hu if w.w_hr is not None else None
     return Gates(kind, reverse, w, x, h_prev, steps.masked(k), a=a, f=f, proj_in=proj_in)
 
 
