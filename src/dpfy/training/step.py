@@ -531,6 +531,8 @@ class PrivateGradient:
             watched = captures[len(self.plans_):]
             del captures[len(self.plans_):]
             layers = self._layer_grads(captures, batch, k)
+            if guard is None:  # the layers hold what the rules need, each freed after its sum
+                captures.clear()
             wd = work_dtype(losses.dtype)
             like = losses.new_empty((), dtype=wd)
             if guard is not None:  # read with the chunk's statistics below
@@ -583,7 +585,9 @@ class PrivateGradient:
                 sq = {key: torch.where(bad, inf, v) for key, v in sq.items()}
                 total_sq = torch.where(bad, inf, total_sq)
             weights_by_param = self._clip_weights(sq, total_sq, real, n, wd)
-            self._add_weighted_sums(layers, weights_by_param, sq)
+            self._add_weighted_sums(layers, weights_by_param, sq)  # empties ``layers``
+            for held in (captures, watched, batch_grads):  # before the attribution check
+                held.clear()
         if self.attribution.due() and recorder.loss_of is not None and math.isfinite(host[0]):
             self.attribution.run(
                 recorder.loss_of, self._params, sq, real, mask, k,
@@ -613,7 +617,8 @@ class PrivateGradient:
         self._dirty, self._active = False, True
         covered: set[str] = set()
         shared = self._shared
-        for idx, lg in layers.items():
+        for idx in list(layers):  # each layer's activations and output gradients freed
+            lg = layers.pop(idx)  # after its sum, in the order of the plans
             qnames = self._qnames[idx]
             if self.plans_[idx].adoptable and isinstance(lg, MaterializedGrads):
                 qnames = {ln: qn for ln, qn in qnames.items() if ln in lg.grads}

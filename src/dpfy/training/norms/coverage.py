@@ -79,18 +79,20 @@ def measure(
     Read with the chunk's other statistics in its one host read (``docs/devices.md``).
     """
     rows = []
+    f64 = torch.float64
     for name, ref in batch_grads.items():
         got = recorded.get(name)
-        ref64 = None if ref is None else ref.double()
-        got64 = None if got is None else got.double()
-        zero = (ref64 if ref64 is not None else got64)
-        z = torch.zeros((), dtype=torch.float64, device=None if zero is None else zero.device)
-        r = z if ref64 is None else torch.linalg.vector_norm(ref64)
-        g = z if got64 is None else torch.linalg.vector_norm(got64)
-        if ref64 is None or got64 is None:
-            d = r if got64 is None else g
+        # Norms accumulated in float64 without float64 copies of the gradients (each the
+        # size of a parameter); the difference in the working dtype: one rounding of it,
+        # far inside the tolerance.
+        zero = ref if ref is not None else got
+        z = torch.zeros((), dtype=f64, device=None if zero is None else zero.device)
+        r = z if ref is None else torch.linalg.vector_norm(ref, dtype=f64)
+        g = z if got is None else torch.linalg.vector_norm(got, dtype=f64)
+        if ref is None or got is None:
+            d = r if got is None else g
         else:
-            d = torch.linalg.vector_norm(got64 - ref64)
+            d = torch.linalg.vector_norm(got - ref.to(got.dtype), dtype=f64)
         rows.append(torch.stack([r, g, d]))
     return torch.stack(rows)
 
@@ -190,8 +192,9 @@ class CoverageGuard:
     ) -> tuple[torch.Tensor, set[str]]:
         """Device norms to read with the chunk's statistics, and the recorded parameters."""
         recorded = recorded_sums(layers, self.qualified, n, like)
-        ref = {
-            name: None if g is None else g.to(like.dtype) / loss_scale
+        ref = {  # no copy of a model-sized gradient where nothing is to be divided out
+            name: None if g is None else g.to(like.dtype) if loss_scale == 1 else
+            g.to(like.dtype) / loss_scale
             for name, g in zip(self.names, batch_grads, strict=True)
         }
         return measure(recorded, ref), set(recorded)
