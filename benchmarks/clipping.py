@@ -55,6 +55,7 @@ GRID: tuple[tuple[str, str, float, float], ...] = (  # the most telling runs fir
     ("auto-C1-lr0.05", "automatic", 1.0, 0.05),
     ("auto-C1-lr0.8", "automatic", 1.0, 0.8),
     ("auto-C0.1-lr2", "automatic", 0.1, 2.0),
+    ("flat-C0.1-lr8", "flat", 0.1, 8.0),  # flat at the best automatic C x lr (0.8)
 )
 
 
