@@ -57,6 +57,9 @@ def test_lora_run_reports_the_ledger_epsilon(tmp_path):
     assert {"head.weight", "head.bias"} <= set(state)
     assert any("lora_A" in k for k in state)
     assert f"{meta['epsilon']:.4f}"[:5] in printed
+    from dpfy.publication import unclassified_fields
+
+    assert unclassified_fields(run_dir) == []  # every field: a release, public or config
 
 
 @pytest.mark.parametrize(
