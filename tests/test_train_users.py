@@ -96,6 +96,7 @@ def test_report_refuses_inconsistent_user_level_metadata():
         build_report(ledger, delta=1e-5)
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
 def test_mnist_user_level_run_end_to_end(tmp_path):
     run_dir = tmp_path / "users"
@@ -121,6 +122,7 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
     assert "one user" in printed
 
 
+@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
 def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
     pytest.importorskip("transformers")
