@@ -117,6 +117,13 @@ def quick_image_runs(monkeypatch: pytest.MonkeyPatch) -> None:
                         functools.partial(runs._report_files, figures=False))
 
 
+@pytest.fixture
+def image_chunks_of_64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One test's image runs in physical batches of 64 rows, figures kept: an end-to-end run
+    whose padding tests/training covers."""
+    _small_image_chunks(monkeypatch)
+
+
 @pytest.fixture(scope="module")
 def small_image_chunks() -> Iterator[None]:
     """For a module's shared image runs: physical batches of 64 rows, figures kept, from the
