@@ -331,7 +331,9 @@ class _Recurrence(torch.autograd.Function):
             probe_grads.append(results[k].gate.transpose(0, 1))
             if call.gates[k].proj_in is not None:
                 probe_grads.append(results[k].h.transpose(0, 1))
-        dx = None if d_x is None or not want_x else call.from_time(d_x)
+        # contiguous: a layer upstream may read its output gradient as its own layout (a
+        # GroupNorm's rule did not agree with the batch gradient on a strided one)
+        dx = None if d_x is None or not want_x else call.from_time(d_x).contiguous()
         dh0 = torch.stack(d_h0, 0) if want_h0 and ctx.needs_input_grad[2] else None  # type: ignore[arg-type]
         dc0 = None
         if want_h0 and call.kind == "lstm" and ctx.needs_input_grad[3]:
