@@ -11,24 +11,26 @@ run whose hyperparameters did not look at that dataset's private images:
 * ``rule``: fixed before any search (clip norm 0.1 and SGD momentum 0.9, Tramer & Boneh 2021's
   setting for ScatterNet models, never searched in this repository).
 
-So the ledger's epsilon of the run is the epsilon of the whole procedure. Each row is trained
-with ``dpfy train`` (seeds 0, 1, 2: seeded experiments, each a complete run with its own signed
-ledger) and the figures are read back from the run directories: test accuracy (10,000 test
-images), its mean, the seed spread (sample std) and the test split's standard error
-``sqrt(p (1 - p) / 10000)``, and the verdict against the goal (met: mean - SE >= goal; missed:
-mean + SE < goal; otherwise within noise). Each ledger's epsilon is also given under RDP
-(dpfy's RDP accountant, Balle et al. 2020's conversion) and as Tramer & Boneh's code states it
-(Opacus's RDP of the Poisson-subsampled Gaussian at their orders 1.1-10.9 and 12-63, converted
-with ``eps = RDP(a) + log(1/delta) / (a - 1)``; their loader shuffles fixed-size batches and
+So the ledger's epsilon of the run is the epsilon of the whole procedure. Each row of
+:data:`ROWS` is trained with ``dpfy train`` (seeds 0, 1, 2: seeded experiments, each a complete
+run with its own signed ledger; ``--train``) and read back from the run directories; the rows of
+:data:`REUSED` are ``images.py``'s CNN test rows, whose configuration both grids chose. Per row:
+test accuracy (10,000 test images), its mean, the seed spread (sample std), the test split's
+standard error ``sqrt(p (1 - p) / 10000)``, and the verdict against the goal by
+``benchmarks/goals.py`` (met: mean - SE >= goal; missed: mean + SE < goal; else within noise).
+Each ledger's epsilon is also given under RDP (dpfy's RDP accountant, Balle et al. 2020's
+conversion) and as Tramer & Boneh's code states it (Opacus's RDP of the Poisson-subsampled
+Gaussian at their orders 1.1-10.9 and 12-63, converted with
+``eps = RDP(a) + log(1/delta) / (a - 1)``; their loader shuffles fixed-size batches and
 accounts them as Poisson), so the comparison with their epsilon-3 rows is in their units.
 
 Non-private rows (``--nonprivate``): the same model without clipping or noise, plain SGD with
 momentum 0.9 (15 epochs, batches of 256); the step size is chosen on the validation split
 (``dpfy.datasets.validation_images``, the split of ``dpfy train --validation``).
 
-    PYTHONPATH=src python benchmarks/images_total_eps.py --runs /tmp/te3 --train mnist-cnn  # runs
-    PYTHONPATH=src python benchmarks/images_total_eps.py --runs /tmp/te3 --nonprivate
-    PYTHONPATH=src python benchmarks/images_total_eps.py --runs /tmp/te3          # the table
+    PYTHONPATH=src python benchmarks/images_total_eps.py --runs R --train mnist-cnn  # runs
+    PYTHONPATH=src python benchmarks/images_total_eps.py --runs R --nonprivate fashion-mnist mnist
+    PYTHONPATH=src python benchmarks/images_total_eps.py --runs R          # the table
 """
 
 from __future__ import annotations
