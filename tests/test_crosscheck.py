@@ -221,3 +221,21 @@ def test_the_commands_refuse_with_one_line_and_exit_2(run, capsys):
         assert (run / "report.json").read_bytes() == kept
     finally:
         (run / "summary.json").write_text(original)
+
+
+def test_a_torchrun_runs_configuration_is_checked_as_launched(tmp_path, monkeypatch):
+    """run.toml of a sharded torchrun run, read back outside torchrun (the audit, a later
+    `dpfy report`): validated under the launch its ledger records, not this process's."""
+    from dpfy.config import RunConfig, as_launched
+    from dpfy.report.crosscheck import _check_run_toml
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with as_launched(2):
+        ran = RunConfig(dataset="mnist", shard=True, epochs=1)
+    (tmp_path / "run.toml").write_text(ran.to_toml(), encoding="utf-8")
+    ledger = Ledger()
+    ledger.record_metadata(config=ran.to_dict(), workers=2)
+    found = _check_run_toml(tmp_path / "run.toml", ledger)  # no launcher: one process's shard
+    assert [m.published for m in found] == ["not a run configuration"]
+    ledger.record_metadata(launcher="torchrun")
+    assert _check_run_toml(tmp_path / "run.toml", ledger) == []

@@ -20,12 +20,14 @@ imports no recipe and no torch.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -526,12 +528,37 @@ def check_device(name: str, value: Any) -> None:
                          f"{count} (torch.cuda.is_available() is {torch.cuda.is_available()})")
 
 
+#: The world size configurations are validated under instead of this process's launch, while
+#: :func:`as_launched` holds it.
+_AS_LAUNCHED: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "dpfy_as_launched", default=None
+)
+
+
+@contextlib.contextmanager
+def as_launched(world_size: int) -> Iterator[None]:
+    """Validate configurations as in a launch of ``world_size`` processes (1: no launch), not
+    in this process's environment: a run's published configuration read back (the report's
+    and the audit's cross-check, :mod:`dpfy.report.crosscheck`) is checked against the launch
+    that ran it, which its ledger records, wherever it is read (a torchrun run's ``shard``
+    outside torchrun, or a one-process run's inside a launch)."""
+    token = _AS_LAUNCHED.set(world_size)
+    try:
+        yield
+    finally:
+        _AS_LAUNCHED.reset(token)
+
+
 def _launched_world_size() -> int:
-    """``WORLD_SIZE`` of the ``torchrun`` launch this process belongs to (1 outside a launch).
+    """``WORLD_SIZE`` of the ``torchrun`` launch this process belongs to (1 outside a launch),
+    or the one :func:`as_launched` holds.
 
     Read as it is: the launch as a whole (every variable, their ranges) is checked where a run
     joins it (:func:`dpfy.training.torchrun.torchrun_env`, through
     :func:`dpfy.runs.torchrun_rank`), before anything is written.
     """
+    held = _AS_LAUNCHED.get()
+    if held is not None:
+        return held
     text = os.environ.get("WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() else 1

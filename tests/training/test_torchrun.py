@@ -126,6 +126,7 @@ def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys,
     meta = ledger.metadata
     assert (meta["workers"], meta["sharded"], meta["launcher"]) == (2, True, "torchrun")
     assert {"model.pt", "report.md", "report.json", "run.toml"} <= {p.name for p in out.iterdir()}
+    _audit_raises_no_false_alarm(out, monkeypatch)
     # the same configuration in one process (sharding needs two: the event is the same), in
     # physical batches of 64 rows and without figures (the two-node run above has both)
     from dpfy.cli import main
@@ -138,6 +139,38 @@ def test_dpfy_train_detects_torchrun_on_two_nodes(tmp_path, monkeypatch, capsys,
     reported = [json.loads((d / "report.json").read_text())["epsilon"] for d in
                 (out, tmp_path / "one")]
     assert reported[0] == reported[1] == _epsilon(one) <= 3.0
+
+
+def _audit_raises_no_false_alarm(out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dpfy audit` of the two-node run directory: no violation, its own model (gathered from
+    the shards into model.pt) checked. The two-process self-tests the ledger calls for are
+    recorded, not run (each spawns a gloo group again: ~20 s here); their runs on unmodified
+    code are in tests/audit/test_selftests.py and tests/audit/test_planted_bugs.py."""
+    from dpfy.audit import run as run_mod
+    from dpfy.audit.selftests import SelfTest
+    from dpfy.cli import main
+
+    called: list[tuple[str, int, float, float]] = []
+
+    def recorded(name: str):
+        def selftest(world: int, *, clip_norm: float, noise_multiplier: float) -> SelfTest:
+            called.append((name, world, clip_norm, noise_multiplier))
+            return SelfTest(name, True, 0.0, 1.0, ())
+        return selftest
+
+    monkeypatch.setattr(run_mod, "distributed_selftest", recorded("distributed"))
+    monkeypatch.setattr(run_mod, "sharded_selftest", recorded("sharded"))
+    assert main(["audit", str(out), "--method", "one-run", "--trials", "1000"]) == 0
+    audit = json.loads((out / "report.json").read_text())["audit"]
+    assert audit["verdict"] == "no violation found" and audit["self_tests"] == []
+    z, c = audit["noise_multiplier"], audit["clip_norm"]
+    assert called == [("distributed", 2, c, z), ("sharded", 2, c, z)]
+    assert audit["self_tests_run"] == ["replay", "sampler", "ledger counts", "recorded epsilon",
+                                       "keys", "distributed", "sharded", "real model"]
+    assert audit["real_model"]["tensors"] == 8  # every tensor of the mnist CNN
+    assert audit["self_test_notes"] == [
+        "keys: a seeded run (not a DP release): no key to commit to"]
+    assert "## Audit" in (out / "report.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -493,22 +493,29 @@ def _leading_samples(ledger: Ledger) -> int:
 def _check_run_toml(path: Path, ledger: Ledger) -> list[Mismatch]:
     """``run.toml`` resolved to the full configuration equals the configuration the ledger
     recorded (resolved the same way)."""
-    from dpfy.config import RunConfig
+    from dpfy.config import RunConfig, as_launched
 
     if not path.is_file():
         return []
-    recorded = ledger.metadata.get("config")
+    meta = ledger.metadata
+    recorded = meta.get("config")
     if not isinstance(recorded, dict):
         return [Mismatch("run.toml", "(whole file)", "a configuration",
                          "none: the ledger records no configuration")]
-    try:
-        published = RunConfig.from_file(path)
-    except ValueError as err:
-        return [Mismatch("run.toml", "(whole file)", "not a run configuration", str(err))]
-    try:
-        expected = RunConfig.from_mapping(recorded, source="the ledger's config")
-    except ValueError as err:
-        return [Mismatch("run.toml", "(whole file)", "a configuration", str(err))]
+    # validated as in the launch that ran it (a torchrun run's `shard` needs its world size),
+    # not in the environment of the process reading it
+    workers = meta.get("workers")
+    world = (workers if meta.get("launcher") == "torchrun" and isinstance(workers, int)
+             and not isinstance(workers, bool) and workers > 1 else 1)
+    with as_launched(world):
+        try:
+            published = RunConfig.from_file(path)
+        except ValueError as err:
+            return [Mismatch("run.toml", "(whole file)", "not a run configuration", str(err))]
+        try:
+            expected = RunConfig.from_mapping(recorded, source="the ledger's config")
+        except ValueError as err:
+            return [Mismatch("run.toml", "(whole file)", "a configuration", str(err))]
     found = []
     for f in dataclasses.fields(RunConfig):
         a, b = getattr(published, f.name), getattr(expected, f.name)
