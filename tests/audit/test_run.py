@@ -113,6 +113,15 @@ def test_bad_input_is_one_line(
     assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_a_directory_without_a_report_is_refused(tmp_path: Path) -> None:
+def test_a_directory_without_a_report_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ValueError, match="ledger.jsonl"):
         runs.audit_and_report(tmp_path)
+    # a ledger alone (a federated server's directory): one line naming the step that writes it
+    run = _run_dir(tmp_path)
+    (run / "report.json").unlink()
+    assert main(["audit", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds ledger.jsonl but no report.json: write the run's report there first" in err
+    assert "dpfy report" in err and len(err.splitlines()) == 1 and "Traceback" not in err

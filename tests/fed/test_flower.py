@@ -25,6 +25,7 @@ from flwr.simulation import run_simulation  # noqa: E402
 
 from dpfy import accounting, runs  # noqa: E402
 from dpfy import events as ev  # noqa: E402
+from dpfy.audit.run import audit_run  # noqa: E402
 from dpfy.fed import CohortSampler, DPFedAvg, client_update_query  # noqa: E402
 from dpfy.fed.flower import DPStrategy, make_client_app  # noqa: E402
 from dpfy.fed.simulation import LocalTraining  # noqa: E402
@@ -108,7 +109,7 @@ def _simulate(tmp_path, phases: tuple[int, ...], *, clipping: str = "server") ->
 
 
 @pytest.mark.slow
-def test_flower_simulation_ledger_and_restart(tmp_path) -> None:
+def test_flower_simulation_ledger_and_restart(tmp_path, request) -> None:
     first, second = _simulate(tmp_path, (2, 4))
     assert first["rounds_done"] == 2 and not first["resumed"]
     # the restarted server continues from its checkpoint: the same model, the same ledger
@@ -143,6 +144,18 @@ def test_flower_simulation_ledger_and_restart(tmp_path) -> None:
 
     for directory in (tmp_path, tmp_path / "report"):  # a release, public or configuration
         assert unclassified_fields(directory) == [], directory
+    # the audit of the server's directory: it needs the run's report beside the ledger, then
+    # raises no false alarm and states the checks a federated run cannot have
+    with pytest.raises(ValueError, match="holds ledger.jsonl but no report.json: write the"):
+        audit_run(tmp_path, method="one-run", trials=1000)
+    request.getfixturevalue("fixed_os_key")  # the self-tests' noise: deterministic
+    runs.report_ledger(tmp_path / "ledger.jsonl", delta=1e-3, figures=False)
+    audit = audit_run(tmp_path, method="one-run", trials=1000)
+    assert audit["verdict"] == "no violation found" and audit["self_tests"] == []
+    assert audit["self_tests_run"][-1] == "federated" and audit["real_model"] is None
+    notes = "\n".join(audit["self_test_notes"])
+    assert "keys: not checked (the federated server" in notes
+    assert "real model: not rebuilt (a federated run" in notes
 
 
 @pytest.mark.slow

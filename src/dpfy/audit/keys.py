@@ -37,6 +37,9 @@ def key_check(meta: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]
     if recorded == "seeded":
         return (), ("keys: a seeded run (not a DP release): no key to commit to",)
     gens = _commitments(meta)
+    if gens is None and meta.get("trainer") == "dpfy.fed.DPFedAvg":
+        return (), ("keys: not checked (the federated server, dpfy.fed.DPFedAvg, records no key "
+                    "commitment)",)
     if gens is None:
         secure = str(meta.get("noise_randomness", "")).startswith("secure")
         return (), (("keys: the ledger records no key commitment (written before dpfy recorded "

@@ -149,6 +149,10 @@ def run_model(run_dir: Path, meta: dict[str, Any]) -> tuple[nn.Module | None, st
 
     name = meta.get("model")
     path = run_dir / "model.pt"
+    if meta.get("trainer") == "dpfy.fed.DPFedAvg":
+        return None, ("real model: not rebuilt (a federated run: its model is the application's, "
+                      "not a dpfy train recipe); dpfy.audit.realmodel.model_noise_check takes "
+                      "the model itself")
     if not isinstance(name, str) or name not in MODELS:
         return None, (f"real model: not rebuilt (model {name!r} has no image recipe here); "
                       "dpfy.audit.realmodel.model_noise_check takes the model itself")

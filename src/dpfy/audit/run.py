@@ -63,11 +63,16 @@ def _load(run_dir: Path) -> tuple[Ledger, dict[str, Any]]:
     ledger_path, report_path = run_dir / "ledger.jsonl", run_dir / "report.json"
     if not run_dir.is_dir():
         raise ValueError(f"run_dir must be a run directory, got run_dir={str(run_dir)!r}")
-    for p in (ledger_path, report_path):
-        if not p.is_file():
-            raise ValueError(
-                f"run_dir must hold {p.name} (a dpfy run), missing in {str(run_dir)!r}"
-            )
+    if not ledger_path.is_file():
+        raise ValueError(
+            f"run_dir must hold ledger.jsonl (a dpfy run), missing in {str(run_dir)!r}"
+        )
+    if not report_path.is_file():  # e.g. a federated (Flower) server's directory: ledger only
+        raise ValueError(
+            f"run_dir {str(run_dir)!r} holds ledger.jsonl but no report.json: write the run's "
+            f"report there first (dpfy report {str(ledger_path)!r}); the audit takes its delta "
+            "and adds its section to it"
+        )
     ledger = Ledger.load(ledger_path)
     try:
         report = json.loads(report_path.read_text(encoding="utf-8"))
