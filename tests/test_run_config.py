@@ -145,6 +145,7 @@ def test_device_cpu_trains_a_text_run_and_the_cli_refuses_an_unseen_device(tmp_p
     assert not out.exists()
 
 
+@pytest.mark.usefixtures("image_chunks_of_64")  # the image run's padding: tests/training
 def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_path: Path):
     from dpfy.planning import plan, tan_scaled
     from dpfy.training.recipes import train_image_classifier
@@ -158,13 +159,13 @@ def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_pa
     from dpfy.runs import batch_plan
     from dpfy.training.skeleton import RunHooks
 
-    config = RunConfig(dataset="rotten-tomatoes", seed=0, train_limit=128, test_limit=16,
-                       max_length=16, bias_only=True, target_epsilon=8.0, tan_steps=6,
+    config = RunConfig(dataset="rotten-tomatoes", seed=0, train_limit=96, test_limit=16,
+                       max_length=8, bias_only=True, target_epsilon=8.0, tan_steps=6,
                        out=tmp_path / "text")
     with pytest.raises(ValueError, match="tan_steps=6 needs hooks.batch_plan"):
         train_text_classifier(config.replace(out=None))
     text = train_text_classifier(config, hooks=RunHooks(batch_plan=batch_plan(config)))
-    batch, epochs = tan_scaled(128, 8.0, 1e-5, 6)
+    batch, epochs = tan_scaled(96, 8.0, 1e-5, 6)
     assert (text.batch_size, text.epochs) == (batch, epochs)
     assert text.ledger.metadata["tan_steps"] == 6
     assert text.noise_multiplier > 1.0  # near the planned z >= 2 (calibrated to the steps run)
