@@ -20,6 +20,7 @@ recorded is first offered to its smallest called ancestor (:class:`CoverageGuard
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 
 import torch
@@ -190,14 +191,36 @@ class CoverageGuard:
         loss_scale: float,
         like: torch.Tensor,
     ) -> tuple[torch.Tensor, set[str]]:
-        """Device norms to read with the chunk's statistics, and the recorded parameters."""
-        recorded = recorded_sums(layers, self.qualified, n, like)
+        """Device norms to read with the chunk's statistics, and the recorded parameters.
+
+        A parameter's recorded sum (:func:`recorded_sums`, layer by layer) is measured and
+        freed as soon as every layer that may report it is done: one layer's sums are held at
+        a time, not the whole model's (a tied parameter waits for all of its owners).
+        """
         ref = {  # no copy of a model-sized gradient where nothing is to be divided out
             name: None if g is None else g.to(like.dtype) if loss_scale == 1 else
             g.to(like.dtype) / loss_scale
             for name, g in zip(self.names, batch_grads, strict=True)
         }
-        return measure(recorded, ref), set(recorded)
+        left = Counter(qn for idx in layers for qn in self.qualified[idx].values())
+        partial: dict[str, torch.Tensor] = {}
+        rows: dict[str, torch.Tensor] = {}
+        recorded: set[str] = set()
+        for idx, lg in layers.items():
+            sums = recorded_sums({idx: lg}, self.qualified, n, like)
+            recorded.update(sums)
+            for qn, value in sums.items():
+                partial[qn] = partial[qn] + value if qn in partial else value
+            for qn in self.qualified[idx].values():
+                left[qn] -= 1
+                if not left[qn] and qn in partial:
+                    got = partial.pop(qn)
+                    if qn in ref:
+                        rows[qn] = measure({qn: got}, {qn: ref[qn]})[0]
+        return torch.stack([
+            rows[name] if name in rows else measure({}, {name: ref[name]})[0]
+            for name in ref
+        ]), recorded
 
     def settle(
         self,
