@@ -116,7 +116,7 @@ def test_a_ledger_whose_key_cannot_be_stored_leaves_no_file(
     assert list(path.parent.iterdir()) == []  # no 0-byte ledger blocks the next try
     monkeypatch.setenv("DPFY_KEY_DIR", str(tmp_path / "keys"))
     Ledger(path).close()
-    assert Ledger.verify(path).status == "verified"
+    assert Ledger.verify(path).status == "intact and signed"
 
 
 def test_output_to_a_full_device_is_one_line(
@@ -194,7 +194,7 @@ def test_a_fault_after_releases_keeps_the_ledger_and_says_to_use_a_new_out(
     with pytest.raises(OSError) as caught:
         _run_that_fails(out, release=True)
     assert sorted(p.name for p in out.iterdir()) == ["figures", "ledger.jsonl", "run.toml"]
-    assert Ledger.verify(out / "ledger.jsonl").status == "verified"
+    assert Ledger.verify(out / "ledger.jsonl").status == "intact and signed"
     note = caught.value.__notes__[0]
     assert "keeps the 1 releases" in note and "give a new --out" in note
 
@@ -268,7 +268,7 @@ def test_train_on_a_full_disk_keeps_the_closed_ledger_and_no_model_debris(
     assert "keeps the 2 releases" in line and "give a new --out" in line, line
     assert sorted(p.name for p in out.iterdir()) == ["ledger.jsonl"]  # no 0-byte model.pt
     ledger = Ledger.load(out / "ledger.jsonl")
-    assert ledger.verification.status == "verified"  # closed, and its end record says how
+    assert ledger.verification.status == "intact and signed"  # closed, and its end record says how
     end = json.loads((out / "ledger.jsonl").read_text().splitlines()[-2])
     assert end["type"] == "end" and end["ended"].startswith("early (the run failed: OSError)")
 
@@ -282,5 +282,5 @@ def test_a_fault_while_a_run_holds_its_ledger_closes_it_saying_so(tmp_path: Path
     ledger.record_sum_query(sid, sensitivity=1.0, noise_std=1.0)
     with pytest.raises(OSError), closed_on_fault(ledger):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "run.toml"))
-    assert Ledger.verify(path).status == "verified"
+    assert Ledger.verify(path).status == "intact and signed"
     assert Ledger.load(path).ended == "early (the run failed: OSError): 1 releases before the fault"

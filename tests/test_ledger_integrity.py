@@ -49,7 +49,8 @@ def test_every_line_is_chained_and_close_writes_the_end_record(tmp_path):
                         "prev": objs[-2]["prev"]}
     assert objs[-1]["type"] == "signature" and objs[-1]["lines"] == len(objs) - 1
     v = Ledger.load(path).verification
-    assert v.status == "verified" and v.lines == len(objs) and v.run_id == objs[0]["run_id"]
+    assert v.status == "intact and signed" and v.lines == len(objs)
+    assert v.run_id == objs[0]["run_id"]
     assert v.head == ledger.head == ledger.verification.head
     assert "intact and signed (hash chain over" in v.describe()
 
@@ -61,12 +62,12 @@ def test_resuming_continues_the_chain_and_an_open_ledger_is_not_verified(tmp_pat
     assert resumed.run_id == run_id
     resumed.record_sum_query(resumed.record_sample(POISSON), sensitivity=1.0, noise_std=1.0)
     resumed.flush()
-    assert Ledger.load(path).verification.status == "verified, open or crash-cut"
-    assert resumed.verification.status == "verified, open or crash-cut"
+    assert Ledger.load(path).verification.status == "intact, open or crash-cut"
+    assert resumed.verification.status == "intact, open or crash-cut"
     resumed.close()
-    assert resumed.verification.status == "verified"
+    assert resumed.verification.status == "intact and signed"
     loaded = Ledger.load(path)
-    assert loaded.verification.status == "verified" and loaded.iteration == 3
+    assert loaded.verification.status == "intact and signed" and loaded.iteration == 3
 
 
 def test_crash_cut_last_line_is_not_a_broken_chain_and_resume_chains_past_it(tmp_path):
@@ -75,14 +76,14 @@ def test_crash_cut_last_line_is_not_a_broken_chain_and_resume_chains_past_it(tmp
     lines = _lines(path)[:-1]  # the end record is gone: the writer crashed
     path.write_bytes(b"".join(line + b"\n" for line in lines) + b'{"type":"sample","sampl')
     with pytest.warns(LedgerTruncationWarning):
-        assert Ledger.load(path).verification.status == "verified, open or crash-cut"
+        assert Ledger.load(path).verification.status == "intact, open or crash-cut"
     with pytest.warns(LedgerTruncationWarning):
         with Ledger(path) as resumed:
             resumed.record_sum_query(resumed.record_sample(POISSON), sensitivity=1.0,
                                      noise_std=1.0)
     with pytest.warns(LedgerTruncationWarning):
         loaded = Ledger.load(path)
-    assert loaded.verification.status == "verified" and loaded.iteration == 3
+    assert loaded.verification.status == "intact and signed" and loaded.iteration == 3
 
 
 # -- tampering ----------------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def test_deleting_trailing_steps_and_the_end_record_is_not_verified(tmp_path):
     _run(path)
     _write(path, _lines(path)[:-6])
     v = Ledger.load(path).verification
-    assert v.status == "verified, open or crash-cut" and "no end record" in v.reason
+    assert v.status == "intact, open or crash-cut" and "no end record" in v.reason
     # the end record's count is chained too
     _run(path2 := tmp_path / "b.jsonl")
     lines = _lines(path2)
@@ -211,7 +212,7 @@ def test_the_lock_is_released_when_the_writer_dies(tmp_path):
     proc.wait(timeout=30)
     with Ledger(path) as ledger:
         assert ledger.iteration == 0
-    assert Ledger.load(path).verification.status == "verified"
+    assert Ledger.load(path).verification.status == "intact and signed"
 
 
 # -- writes that fail ----------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def test_a_failed_write_leaves_the_file_loadable_and_refuses_further_appends(tmp
         ledger.record_sample(POISSON)
     ledger.close()  # no end record after a failure
     loaded = Ledger.load(path)
-    assert loaded.iteration == 1 and loaded.verification.status == "verified, open or crash-cut"
+    assert loaded.iteration == 1 and loaded.verification.status == "intact, open or crash-cut"
 
 
 def test_resuming_a_crash_cut_file_on_a_full_disk_leaves_it_as_it_was(tmp_path, monkeypatch):
@@ -278,7 +279,7 @@ def test_the_report_states_the_chain_and_dpfy_report_refuses_a_tampered_ledger(t
     path = tmp_path / "run.jsonl"
     ledger = _run(path)
     rep = build_report(Ledger.load(path), delta=DELTA, method="rdp", ledger_path=str(path))
-    assert rep.ledger_integrity["status"] == "verified"
+    assert rep.ledger_integrity["status"] == "intact and signed"
     assert rep.ledger_integrity["head"] == ledger.head
     line = (f"- Ledger integrity: intact and signed (hash chain over 16 lines, run "
             f"{ledger.run_id[:8]}…")

@@ -97,7 +97,7 @@ def test_close_signs_the_head_with_a_key_kept_outside_the_run_directory(tmp_path
     assert key_file.exists() and oct(key_file.stat().st_mode & 0o777) == "0o600"
     assert not any(p.suffix == ".key" for p in path.parent.rglob("*"))
     v = Ledger.load(path).verification
-    assert v.status == "verified" and v.complete and v.public_key == public
+    assert v.status == "intact and signed" and v.complete and v.public_key == public
     assert v.signed_lines == len(objs) - 1 and v.signed_head == objs[-1]["prev"]
     assert public in v.describe()
     # the public key alone verifies the signed head; another key does not
@@ -128,7 +128,7 @@ def test_resume_signs_with_the_stored_key_and_a_checkpoint_signature_verifies(tm
     with Ledger(path) as resumed:
         resumed.record_sum_query(resumed.record_sample(POISSON), sensitivity=1.0, noise_std=1.0)
     v = Ledger.load(path).verification
-    assert v.status == "verified" and v.signed_lines == v.lines - 1
+    assert v.status == "intact and signed" and v.signed_lines == v.lines - 1
     monkeypatch.setenv("DPFY_KEY_DIR", str(tmp_path.parent / "empty-keys"))
     with pytest.raises(signing.LedgerKeyError, match="not readable"):
         Ledger(path)  # no key, no appending to a signed file
@@ -164,7 +164,7 @@ def test_removing_the_signature_reads_as_incomplete_everywhere(tmp_path, capsys)
     _run(path)
     path.write_bytes(b"".join(x + b"\n" for x in path.read_bytes().split(b"\n")[:-2]))
     v = Ledger.load(path).verification
-    assert v.status == "verified, open or crash-cut" and not v.complete
+    assert v.status == "intact, open or crash-cut" and not v.complete
     assert "not signed" in v.reason
     assert main(["report", str(path), "--delta", "1e-5", "--method", "rdp",
                  "--no-figures"]) == 0
@@ -306,7 +306,7 @@ def test_a_checkpoint_signs_the_head_it_records(tmp_path):
     assert last["type"] == "signature" and last["lines"] == state["lines"] - 1
     assert state["head"] == ledger.head and ledger.verification.signed_lines == last["lines"]
     ledger.close()
-    assert Ledger.load(path).verification.status == "verified"
+    assert Ledger.load(path).verification.status == "intact and signed"
 
 
 def test_a_broken_ledger_loaded_for_forensics_is_headlined_broken(tmp_path):
@@ -331,7 +331,7 @@ def test_a_ledger_re_signed_with_another_key_is_refused_under_the_kept_key(tmp_p
     kept = _run(original, steps=4).verification.public_key
     other = _run(forged, steps=2).verification.public_key
     assert kept and other and kept != other
-    assert Ledger.load(forged).verification.status == "verified"  # its own key holds
+    assert Ledger.load(forged).verification.status == "intact and signed"  # its own key holds
     with pytest.raises(LedgerIntegrityError, match="not the key kept apart"):
         Ledger.load(forged, public_key=kept)
     assert Ledger.load(forged, public_key=other).verification.complete

@@ -24,9 +24,9 @@ from typing import Any
 
 from dpfy.ledger.signing import signature_holds
 
-VERIFIED = "verified"
+VERIFIED = "intact and signed"  # by the header's key: whose key, the reader checks
 UNSIGNED = "unsigned"
-OPEN = "verified, open or crash-cut"
+OPEN = "intact, open or crash-cut"
 BROKEN = "broken"
 UNVERIFIED = "unverified (no chain)"
 IN_MEMORY = "in memory (no file)"
@@ -59,9 +59,9 @@ class Verification:
     """What the hash chain says about a ledger file.
 
     Attributes:
-      status: ``"verified"`` (chain intact, closed by its writer, the end record signed by
+      status: ``"intact and signed"`` (chain intact, closed by its writer, the end record signed by
         the header's key), ``"unsigned"`` (chain intact and closed, but no key: a file written
-        before dpfy signed its ledgers; its completeness cannot be checked), ``"verified, open
+        before dpfy signed its ledgers; its completeness cannot be checked), ``"intact, open
         or crash-cut"`` (chain intact, no signed end record: still being written, crashed, or
         its tail was cut off), ``"broken"``, ``"unverified (no chain)"`` (a version 1 file) or
         ``"in memory (no file)"``.

@@ -53,7 +53,7 @@ from typing import Any
 
 from dpfy import events as ev
 from dpfy._validate import check_count, check_finite_nonneg, check_range
-from dpfy.ledger import signing
+from dpfy.ledger import chain, signing
 from dpfy.ledger.chain import (
     IN_MEMORY,
     ChainChecker,
@@ -153,7 +153,7 @@ class Ledger:
     A file ledger holds an exclusive lock on its file until :meth:`close` (or until the
     process dies): a second writer is refused with :class:`LedgerLockedError`. :meth:`close`
     writes the end record that marks the file as complete; a ledger dropped without it reads
-    as "verified, open or crash-cut". Every line is hash-chained to the one before it
+    as "intact, open or crash-cut". Every line is hash-chained to the one before it
     (``docs/ledger.md``). A failed write (e.g. a full disk) raises :class:`LedgerWriteError`,
     leaves the file loadable and makes the ledger refuse further appends.
 
@@ -678,22 +678,21 @@ class Ledger:
     def verification(self) -> Verification:
         """What the hash chain says about this ledger's file (see :class:`Verification`).
 
-        A loaded file: the result of checking it. A ledger writing a file: "verified, open or
-        crash-cut" until :meth:`close` has written the end record, "verified" after.
+        A loaded file: the result of checking it; a file being written: OPEN, then VERIFIED.
         """
         if self._verification is not None:
             return self._verification
         if self.path is None or self._run_id is None:
             return Verification(IN_MEMORY)
         if self._closed:
-            status = "verified" if self._key is not None else "unsigned"
+            status = chain.VERIFIED if self._key is not None else chain.UNSIGNED
             why = "" if self._key is not None else "closed, but written without a signing key"
             return with_signature(Verification(status, self._lines, self._run_id, self._head,
                                                None, why), self._public_key, self._signed)
         failed = self._file.failed if self._file is not None else None
         why = failed or ("open for appending" if self._file is not None else "closed without "
                          "its end record")
-        return with_signature(Verification("verified, open or crash-cut", self._lines,
+        return with_signature(Verification(chain.OPEN, self._lines,
                                            self._run_id, self._head, None, why),
                               self._public_key, self._signed)
 
