@@ -95,6 +95,11 @@ def test_a_re_signed_rewrite_is_never_verified_without_a_trusted_key_and_refused
     assert "self-consistency only" in rep.formal_statement
     integrity = [x for x in rep.to_markdown().splitlines() if "Ledger integrity" in x]
     assert integrity and not any("verified" in x for x in integrity)
+    # nor in report.json: no value of its ledger_integrity says verified
+    values = [v for v in rep.ledger_integrity.values() if isinstance(v, str)]
+    values += [v for v in trust.values() if isinstance(v, str)]
+    assert values and not any("verified" in v for v in values), values
+    assert trust["verified"] is False
     args = ["report", str(path), "--method", "rdp", "--no-figures"]
     assert main(args) == 0  # intact: one warning line, exit 0
     err = capsys.readouterr().err.strip()
