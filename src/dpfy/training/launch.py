@@ -156,6 +156,15 @@ def _stop(procs: list[Any], wait: float) -> None:
             p.join(5.0)
 
 
+def _states(procs: list[Any]) -> str:
+    """How each helper rank stood when rank 0 gave up waiting for it to join."""
+    return "; ".join(
+        f"rank {rank}: " + ("still running (not joined)" if p.exitcode is None
+                            else f"exit code {p.exitcode} before joining")
+        for rank, p in enumerate(procs, start=1)
+    )
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -188,13 +197,15 @@ def run_local(
         result = fn(d, *(args if rank0_args is None else rank0_args))
         _close(d, closed)
     except BaseException as e:
-        found = _drain(errors)
+        found, states = _drain(errors), _states(procs)
         _stop(procs, 1.0)  # rank 0 failed: the helpers are of no use any more
         _shutdown(None)  # after the helpers: the store they talk to lives here
         found.update(_drain(errors))
         if found:
             lines = "; ".join(f"rank {r}: {m}" for r, m in sorted(found.items()))
             raise DistributedError(f"the distributed run failed: {lines}") from e
+        if not dist.is_initialized() and isinstance(e, RuntimeError):  # the join failed
+            raise DistributedError(f"the ranks could not join: {states}") from e
         raise
     _stop(procs, timeout + START_TIMEOUT)
     found = _drain(errors)
