@@ -67,6 +67,7 @@ def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
 @pytest.mark.parametrize(
     ("options", "model", "saved"),
     [
+        ([], "minilm", ""),  # full fine-tuning: every parameter released
         (["--bias-only"], "minilm-bitfit", "bias"),
         (["--lora", "--lora-rank", "4", "--lora-targets", "all-linear", "--adam-eps", "1e-6"],
          "minilm-lora-r4-all-linear", "lora_"),
