@@ -57,6 +57,8 @@ def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
     assert meta["linear_probe"]["epsilon_alone"] <= 0.3 * 4 + 1e-9
     assert meta["model"] == "minilm-lpft" and meta["warmup"] == 0.5
     assert "--linear-probe 0.3" in meta["train_command"]
+    # the fine-tuning trainer's own run facts follow the probe's records
+    assert meta["trainer"] == "dpfy.training.PrivateTrainer" and meta["steps_per_epoch"] >= 1
     assert unclassified_fields(run_dir) == []  # every field: a release, public or config
     # the report's sampler describes both stages: the probe's full batch, then Poisson
     assert [s["sampler"] for s in report["sampler"]["stages"]] == ["full_batch", "poisson"]

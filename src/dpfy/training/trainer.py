@@ -589,7 +589,7 @@ class PrivateTrainer:
         z = self.calibrate()  # set by _setup: a float from here on
         spe = int(self.sampler.steps_per_epoch)
         stopped = "completed"
-        if self.global_step_ == 0 and self.ledger.iteration == 0:
+        if self.global_step_ == 0:  # also after earlier records (LP-FT's probe): its own facts
             warn_eval_mode(self.model)  # then the labels, before the first line is written
             if self.distributed is None:  # a lone forward would stall a sharded model
                 check_tensor_labels(
