@@ -292,6 +292,7 @@ def init_process_group(
     check_range("start_timeout", start_timeout, 0.0, 86400.0, low_open=True)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     backend = _backend(backend, dev)
+    _fresh_group_names()
     dist.init_process_group(
         backend,
         init_method=f"tcp://{master_addr}:{int(master_port)}",
@@ -306,6 +307,21 @@ def init_process_group(
         backend=backend,
     )
     return Distributed(int(rank), int(world_size), float(timeout), dev, group)
+
+
+def _fresh_group_names() -> None:
+    """Number this process's groups from 0, as a freshly started rank does.
+
+    torch names each new group by a per-process counter, and the ranks' store keys carry that
+    name. An earlier attempt in this process that failed to join (no default group left, the
+    counter still advanced) would leave rank 0 one name ahead of its fresh helper ranks: each
+    side then waits for keys the other never writes, until the start timeout. With no default
+    group alive, nothing else uses the counter.
+    """
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def from_env(
