@@ -26,34 +26,13 @@ from dpfy.opacus import PrivacyEngine
 from dpfy.randomness import Randomness
 from dpfy.training import PrivateOptions
 from dpfy.training.norms.reference import clipped_sum_reference, per_example_gradients
+from tests.training.test_layout import BatchFirst, Quantise
+from tests.training.test_layout import TimeMajorLinear as TimeMajor
 
 CLIP, N, E, T = 0.5, 24, 6, 6  # clip norm, examples, expected batch, sequence length
 LOSS = nn.CrossEntropyLoss(reduction="none")
 # Poisson batch sizes of the seeded sampler (q = E / N, Randomness(0)): 3, 6, 5, 11, so the
 # second step's batch is as long as the sequence and as the codebook, the first is not.
-
-
-class BatchFirst(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 3]
-        return self.head(torch.tanh(self.inp(x)).mean(1))
-
-
-class TimeMajor(BatchFirst):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # a time-major view [T, B, 3]
-        return self.head(torch.tanh(self.inp(x.transpose(0, 1))).mean(0))
-
-
-class Quantise(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(3, 3))
-
-    def forward(self, x: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
-        return (x @ self.w) @ book.T
 
 
 class Codebook(nn.Module):
