@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -67,6 +68,8 @@ if TYPE_CHECKING:
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2's ``fully_shard``)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # no DTensor can exist yet; importing the package costs over a second
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
