@@ -114,6 +114,27 @@ def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _logsumexp_rows_split(x: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``_logsumexp_rows`` of the entries of ``x`` where ``neg`` is False, and where it is True.
+
+    The same arithmetic as two calls on ``np.where(neg, -inf, x)`` and ``np.where(neg, x,
+    -inf)`` (same shifts, same sums, so bit for bit the same result), with one ``exp`` pass.
+    """
+    rows = np.arange(x.shape[0])
+    x_pos, x_neg = np.where(neg, -np.inf, x), np.where(neg, x, -np.inf)
+    top_pos, top_neg = x_pos.argmax(axis=1), x_neg.argmax(axis=1)
+    peak_pos, peak_neg = x_pos[rows, top_pos], x_neg[rows, top_neg]
+    shift_pos = np.where(np.isfinite(peak_pos), peak_pos, 0.0)
+    shift_neg = np.where(np.isfinite(peak_neg), peak_neg, 0.0)
+    e = np.exp(x - np.where(neg, shift_neg[:, None], shift_pos[:, None]))
+    e_pos, e_neg = np.where(neg, 0.0, e), np.where(neg, e, 0.0)
+    e_pos[rows, top_pos] = 0.0
+    e_neg[rows, top_neg] = 0.0
+    out_pos = np.where(np.isfinite(peak_pos), np.log1p(e_pos.sum(axis=1)) + shift_pos, peak_pos)
+    out_neg = np.where(np.isfinite(peak_neg), np.log1p(e_neg.sum(axis=1)) + shift_neg, peak_neg)
+    return out_pos, out_neg
+
+
 def _log_binom(n: np.ndarray, k: np.ndarray) -> np.ndarray:
     """log|binom(n, k)| for real n and integer k >= 0 (gammaln is log|Gamma|)."""
     out: np.ndarray = (
@@ -175,18 +196,18 @@ def _log_phi_plus_shift(x: np.ndarray, k: np.ndarray, z0: np.ndarray, z: np.ndar
     """log Phi(x) + (k^2 - k)/(2 z^2) where x = +-(z0 - k)/z, without cancelling huge terms.
 
     For x < 0, log Phi(x) = log(erfcx(-x/sqrt 2)/2) - x^2/2 and the quadratic parts combine
-    exactly: (k^2 - k - (z0 - k)^2)/(2z^2) = (k(2 z0 - 1) - z0^2)/(2 z^2).
+    exactly: (k^2 - k - (z0 - k)^2)/(2z^2) = (k(2 z0 - 1) - z0^2)/(2 z^2). ``z0`` and ``z``
+    may be per-row columns (they broadcast against ``x`` and ``k``); only the special
+    functions are evaluated per branch, the quadratic parts are cheap on the whole array.
     """
-    x, k, z0, z = np.broadcast_arrays(x, k, z0, z)
-    out = np.empty(x.shape)
     neg = x < 0
     pos = ~neg
-    inv = 0.5 / z[neg] ** 2
-    out[neg] = np.log(0.5 * special.erfcx(x[neg] * -math.sqrt(0.5))) + (
-        k[neg] * (2.0 * z0[neg] - 1.0) - z0[neg] ** 2
-    ) * inv
-    kp = k[pos]
-    out[pos] = special.log_ndtr(x[pos]) + (kp * kp - kp) * (0.5 / z[pos] ** 2)
+    log_phi = np.empty(x.shape)
+    log_phi[neg] = np.log(0.5 * special.erfcx(x[neg] * -math.sqrt(0.5)))
+    log_phi[pos] = special.log_ndtr(x[pos])
+    inv = 0.5 / z**2
+    shift = np.where(neg, (k * (2.0 * z0 - 1.0) - z0**2) * inv, (k * k - k) * inv)
+    out: np.ndarray = log_phi + shift
     return out
 
 
@@ -227,15 +248,10 @@ def _log_a_frac(q: np.ndarray, z: np.ndarray, a: np.ndarray) -> np.ndarray:
         log_u = np.logaddexp(t0, t1)
         # sign(binom(a, i)) is + for i <= floor(a) + 1 and alternates afterwards.
         excess = i - floor_a[active, None] - 1.0
-        negative = (excess > 0) & (np.mod(excess, 2.0) == 1.0)
-        body = log_u[:, :-1]
-        neg_body = negative[:, :-1]
-        log_pos[active] = np.logaddexp(
-            log_pos[active], _logsumexp_rows(np.where(neg_body, -np.inf, body))
-        )
-        log_neg[active] = np.logaddexp(
-            log_neg[active], _logsumexp_rows(np.where(neg_body, body, -np.inf))
-        )
+        negative = (excess > 0) & (np.fmod(excess, 2.0) == 1.0)
+        chunk_pos, chunk_neg = _logsumexp_rows_split(log_u[:, :-1], negative[:, :-1])
+        log_pos[active] = np.logaddexp(log_pos[active], chunk_pos)
+        log_neg[active] = np.logaddexp(log_neg[active], chunk_neg)
         with np.errstate(invalid="ignore"):
             log_sum = log_pos[active] + np.log1p(-np.exp(log_neg[active] - log_pos[active]))
         nxt, nxt_neg = log_u[:, -1], negative[:, -1]
