@@ -63,7 +63,7 @@ import math
 from typing import Any
 
 import numpy as np
-from scipy import signal, special
+from scipy import special
 
 from dpfy import events as ev
 from dpfy._validate import check_range
@@ -288,6 +288,8 @@ def _add(a: AllocationSum, b: AllocationSum, mode: str, steps: int) -> Allocatio
             plain = np.zeros(n0)
             plain[d_star:] = np.cumsum(m)[: n0 - d_star]
             geo = np.zeros(n0)
+            from scipy import signal  # here: importing it costs a second of CPU at start-up
+
             rec = signal.lfilter([1.0], [1.0, -math.exp(-g)], m)
             geo[d_star:] = math.exp(-d_star * g) * rec[: n0 - d_star]
             return plain, geo
