@@ -1,11 +1,20 @@
 """Start a data-parallel run on this machine: N processes joined by a gloo/nccl process group.
 
 :func:`run_local` is what ``dpfy train --workers N`` uses: the calling process becomes rank 0
-(it keeps its ledger, report and return value) and ``N - 1`` helper processes are spawned
-(``torch.multiprocessing``, start method ``spawn``) on a free localhost port. Every rank runs
+(it keeps its ledger, report and return value) and ``N - 1`` helper processes are started
+(``torch.multiprocessing``) on a free localhost port. Every rank runs
 ``fn(distributed, *args)`` with its :class:`dpfy.training.distributed.Distributed`.
+
 :func:`spawn_workers` starts every rank as a child instead and reports how each one ended (for
 tests that kill a rank). Under ``torchrun`` use :func:`dpfy.training.distributed.from_env`.
+
+Helpers start fresh, as with the ``spawn`` start method: ``fn`` and ``args`` travel pickled
+and nothing of the caller's memory is shared. Where the platform has it (Linux, macOS) they are
+forked from a ``forkserver`` process that imported torch and dpfy once, when this process
+first launched ranks, and has run nothing since; each helper then takes a copy of the
+launching process's environment variables, so it sees what a spawned one would. Importing
+torch and dpfy costs seconds of CPU per process, which every helper after the first saves.
+Elsewhere (Windows) the start method is ``spawn``.
 
 Failures are reported, never hidden: a helper that raises sends its error to the parent, which
 raises :class:`~dpfy.training.distributed.DistributedError` naming the rank and the error. When
@@ -23,6 +32,7 @@ sometimes, under load.
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import socket
 import time
@@ -70,7 +80,11 @@ def _child(
     args: tuple[Any, ...],
     errors: Any,
     closed: Any,
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None and dict(os.environ) != environ:  # forkserver: the caller's variables
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         d = init_process_group(rank, world_size, master_port=port, backend=backend, timeout=timeout)
         try:
@@ -112,6 +126,18 @@ def _check(world_size: int, timeout: float) -> None:
     check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
 
 
+def _context() -> Any:
+    """``forkserver`` with torch and dpfy imported in the server (see the module docstring),
+    or ``spawn`` where there is no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: torch imports it (and sympy) when the first optimizer is built, seconds
+    # of CPU that each helper would otherwise spend after joining, under the short timeout
+    ctx.set_forkserver_preload([__name__, "torch._dynamo"])  # no effect once the server runs
+    return ctx
+
+
 def _start(
     fn: Callable[..., Any],
     ranks: range,
@@ -121,14 +147,15 @@ def _start(
     backend: str | None,
     args: tuple[Any, ...],
 ) -> tuple[list[Any], Any, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     errors = ctx.Queue()
     closed = ctx.Semaphore(0)  # released once by each helper rank that has left the group
+    environ = dict(os.environ)
     procs = []
     for rank in ranks:
         p = ctx.Process(
             target=_child,
-            args=(fn, rank, world_size, port, timeout, backend, args, errors, closed),
+            args=(fn, rank, world_size, port, timeout, backend, args, errors, closed, environ),
             daemon=True,
         )
         p.start()
