@@ -63,11 +63,22 @@ def clopper_pearson(
             f"successes must be in [0, trials] and trials >= 1, got successes={successes!r}, "
             f"trials={trials!r}"
         )
+    return _cp_lower(k, n, confidence), _cp_upper(k, n, confidence)
+
+
+def _cp_lower(k: np.ndarray, n: np.ndarray, confidence: float) -> np.ndarray:
+    """The lower side of :func:`clopper_pearson` alone (float counts, already checked)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out: np.ndarray = np.where(k > 0, stats.beta.ppf(1.0 - confidence, k, n - k + 1), 0.0)
+    return out
+
+
+def _cp_upper(k: np.ndarray, n: np.ndarray, confidence: float) -> np.ndarray:
+    """The upper side of :func:`clopper_pearson` alone (float counts, already checked)."""
     a = 1.0 - confidence
     with np.errstate(invalid="ignore", divide="ignore"):
-        lower = np.where(k > 0, stats.beta.ppf(a, k, n - k + 1), 0.0)
-        upper = np.where(k < n, stats.beta.ppf(1.0 - a, k + 1, n - k), 1.0)
-    return lower, upper
+        out: np.ndarray = np.where(k < n, stats.beta.ppf(1.0 - a, k + 1, n - k), 1.0)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,8 +145,9 @@ def _bounds(
     n_neg = np.concatenate(
         [np.full(thresholds.size, s_out.size), np.full(thresholds.size, s_in.size)]
     )
-    tpr_lo, _ = clopper_pearson(pos, n_pos, conf_each)
-    _, fpr_hi = clopper_pearson(neg, n_neg, conf_each)
+    # only the side each rate needs (the beta quantiles dominate the cost of a bound)
+    tpr_lo = _cp_lower(pos.astype(np.float64), n_pos.astype(np.float64), conf_each)
+    fpr_hi = _cp_upper(neg.astype(np.float64), n_neg.astype(np.float64), conf_each)
     with np.errstate(divide="ignore", invalid="ignore"):
         eps = np.log(np.maximum(tpr_lo - delta, 0.0) / fpr_hi)
     eps = np.where(np.isfinite(eps), eps, 0.0)
