@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,19 +55,19 @@ def _plain_fedavg() -> FedAvg:
     )
 
 
-def _server_phase(tmp_path, grid: Grid, total_rounds: int, clipping: str) -> dict:
+def _server_phase(directory: Path, grid: Grid, total_rounds: int, clipping: str) -> dict:
     """A server built only from what is on disk (ledger file, checkpoint) runs until
     ``total_rounds`` rounds are done, then is dropped as a crash would drop it.
 
     Server-side clipping uses a fixed clip norm; client-side clipping the adaptive one."""
-    ledger = Ledger(tmp_path / "ledger.jsonl")
+    ledger = Ledger(directory / "ledger.jsonl")
     cohort = CohortSampler(NUM_CLIENTS, sampling_rate=RATE)
     query = client_update_query(
         CLIP, Z, adaptive=clipping == "client", expected_clients=cohort.expected_size,
         count_noise_std=10.0, learning_rate=0.5,
     )
     server = DPFedAvg(cohort, query, ledger, clipping=clipping)
-    strategy = DPStrategy(_plain_fedavg(), server, checkpoint=tmp_path / "ckpt.pt")
+    strategy = DPStrategy(_plain_fedavg(), server, checkpoint=directory / "ckpt.pt")
     fresh = ArrayRecord({k: v.detach() for k, v in _model().state_dict().items()})
     start = strategy.initial_arrays(fresh)
     out = {"resumed": strategy.resumed_arrays is not None, "run_id": ledger.run_id}
@@ -81,16 +82,17 @@ def _server_phase(tmp_path, grid: Grid, total_rounds: int, clipping: str) -> dic
     return out
 
 
-def _simulate(tmp_path, phases: tuple[int, ...], *, clipping: str = "server") -> list[dict]:
-    """One Flower simulation (Ray backend) whose ServerApp runs one fresh server per phase."""
+def _simulate(phases: tuple[tuple[Path, int, str], ...]) -> list[dict]:
+    """One Flower simulation (Ray backend) whose ServerApp runs one fresh server per phase:
+    ``(directory, total rounds, clipping site)``, each server built from that directory."""
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # no GPU here: quiet Ray
     outs: list[dict] = []
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        for total in phases:
-            outs.append(_server_phase(tmp_path, grid, total, clipping))
+        for directory, total, clipping in phases:
+            outs.append(_server_phase(directory, grid, total, clipping))
 
     # Ray workers unpickle the client app; this test module is not on their path.
     import ray.cloudpickle
@@ -108,16 +110,28 @@ def _simulate(tmp_path, phases: tuple[int, ...], *, clipping: str = "server") ->
     return outs
 
 
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """Both federated runs of this module in one Flower simulation, as starting Ray and its
+    client worker costs far more than the rounds: a server with server-side clipping that
+    runs 2 rounds, is dropped as a crash would drop it and is restarted to finish 4; then, in
+    a directory of its own, a server with client-side adaptive clipping that runs 3 rounds."""
+    restart = tmp_path_factory.mktemp("flower-restart")
+    client = tmp_path_factory.mktemp("flower-client-clipping")
+    outs = _simulate(((restart, 2, "server"), (restart, 4, "server"), (client, 3, "client")))
+    return {"restart": (restart, outs[:2]), "client": (client, outs[2:])}
+
+
 @pytest.mark.slow
-def test_flower_simulation_ledger_and_restart(tmp_path, request) -> None:
-    first, second = _simulate(tmp_path, (2, 4))
+def test_flower_simulation_ledger_and_restart(simulated, request) -> None:
+    run_dir, (first, second) = simulated["restart"]
     assert first["rounds_done"] == 2 and not first["resumed"]
     # the restarted server continues from its checkpoint: the same model, the same ledger
     assert second["resumed"] and second["rounds_done"] == 4
     assert second["run_id"] == first["run_id"]
     for k, v in first["arrays"].items():
         assert torch.equal(second["start"][k], v)
-    ledger = Ledger.load(tmp_path / "ledger.jsonl")
+    ledger = Ledger.load(run_dir / "ledger.jsonl")
     assert ledger.run_id == first["run_id"] and ledger.verification.ok
     assert ledger.unit == "client"
     assert ledger.iteration == 4  # one sample per round, over both servers
@@ -136,21 +150,21 @@ def test_flower_simulation_ledger_and_restart(tmp_path, request) -> None:
     assert ledger.metadata["clipping_site"] == "server"
     assert all(np.isfinite(v.numpy()).all() for v in second["arrays"].values())
     # the report at the end: unit client, the trust model stated
-    report = runs.report_ledger(tmp_path / "ledger.jsonl", delta=1e-3, out=tmp_path / "report")
-    text = (tmp_path / "report" / "report.md").read_text()
+    report = runs.report_ledger(run_dir / "ledger.jsonl", delta=1e-3, out=run_dir / "report")
+    text = (run_dir / "report" / "report.md").read_text()
     assert report.report.unit_of_privacy == "client" and "one client" in text
     assert "server-side clipping" in text and "in the clear" in text
     from dpfy.publication import unclassified_fields
 
-    for directory in (tmp_path, tmp_path / "report"):  # a release, public or configuration
+    for directory in (run_dir, run_dir / "report"):  # a release, public or configuration
         assert unclassified_fields(directory) == [], directory
     # the audit of the server's directory: it needs the run's report beside the ledger, then
     # raises no false alarm and states the checks a federated run cannot have
     with pytest.raises(ValueError, match="holds ledger.jsonl but no report.json: write the"):
-        audit_run(tmp_path, method="one-run", trials=1000)
+        audit_run(run_dir, method="one-run", trials=1000)
     request.getfixturevalue("fixed_os_key")  # the self-tests' noise: deterministic
-    runs.report_ledger(tmp_path / "ledger.jsonl", delta=1e-3, figures=False)
-    audit = audit_run(tmp_path, method="one-run", trials=1000)
+    runs.report_ledger(run_dir / "ledger.jsonl", delta=1e-3, figures=False)
+    audit = audit_run(run_dir, method="one-run", trials=1000)
     assert audit["verdict"] == "no violation found" and audit["self_tests"] == []
     assert audit["self_tests_run"][-1] == "federated" and audit["real_model"] is None
     notes = "\n".join(audit["self_test_notes"])
@@ -159,10 +173,10 @@ def test_flower_simulation_ledger_and_restart(tmp_path, request) -> None:
 
 
 @pytest.mark.slow
-def test_flower_client_side_adaptive_clipping(tmp_path) -> None:
-    (only,) = _simulate(tmp_path, (3,), clipping="client")
+def test_flower_client_side_adaptive_clipping(simulated) -> None:
+    run_dir, (only,) = simulated["client"]
     assert only["rounds_done"] == 3
-    ledger = Ledger.load(tmp_path / "ledger.jsonl")
+    ledger = Ledger.load(run_dir / "ledger.jsonl")
     assert ledger.metadata["clipping_site"] == "client"
     # two Gaussian parts per round (clipped sum, unclipped count), effective z as requested
     assert ledger.noise_multipliers() == pytest.approx(dict.fromkeys(range(3), Z))
