@@ -74,8 +74,9 @@ def test_tightness_one_step_z1() -> None:
     # 60k parameters: 10k Linear + 50k Embedding canaries (as 100 x 100 x 200 x 250 would
     # have, with the same scores bit for bit: noise and coins are drawn per flat coordinate);
     # 10-wide Embedding rows halve the cost of each release. Measured with seed 3: bound 3.68
-    # (the 10M trials give the best group ~1.25M evaluation trials per side; over 8 seeds the
-    # bound was 3.41 +- 0.11, so 3.0 is ~4 standard deviations below it).
+    # (Embedding; ~4.2M trials per side, half of them evaluate the chosen threshold). Ideal
+    # N(1, 1) / N(0, 1) scores with the same group sizes gave 3.41 +- 0.11 over 8 seeds, so
+    # 3.0 sits ~4 standard deviations below what a correct release yields.
     model = CanaryModel(100, 100, 5000, 10)
     audit = canary_audit(1.0, 1.0, delta=DELTA, trials=10_000_000, seed=3, model=model)
     assert 3.0 <= audit.epsilon <= float(gaussian_epsilon(1.0, DELTA))
