@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_encoder import tiny_minilm_encoder
 
 from dpfy import cli, runs
 from dpfy.cli import main
@@ -131,8 +132,12 @@ def test_train_from_a_config_file_records_it_in_ledger_and_report(tmp_path):
 
 
 def test_device_cpu_trains_a_text_run_and_the_cli_refuses_an_unseen_device(tmp_path: Path,
-                                                                            capsys):
+                                                                            capsys, monkeypatch):
+    from dpfy.models import pretrained
     from dpfy.training.text import train_text_classifier
+
+    # the device, not the weights, is under test: a tiny encoder of MiniLM's architecture
+    monkeypatch.setattr(pretrained, "load_minilm_encoder", tiny_minilm_encoder)
 
     summary = train_text_classifier(RunConfig(
         dataset="rotten-tomatoes", device="cpu", seed=0, epochs=1, train_limit=64,
@@ -146,7 +151,9 @@ def test_device_cpu_trains_a_text_run_and_the_cli_refuses_an_unseen_device(tmp_p
 
 
 @pytest.mark.usefixtures("image_chunks_of_64")  # the image run's padding: tests/training
-def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_path: Path):
+def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_path: Path,
+                                                                           monkeypatch):
+    from dpfy.models import pretrained
     from dpfy.planning import plan, tan_scaled
     from dpfy.training.recipes import train_image_classifier
     from dpfy.training.text import train_text_classifier
@@ -159,6 +166,8 @@ def test_tan_steps_takes_the_planned_batch_and_epochs_for_text_and_images(tmp_pa
     from dpfy.runs import batch_plan
     from dpfy.training.skeleton import RunHooks
 
+    # the plan, not the weights, is under test: a tiny encoder of MiniLM's architecture
+    monkeypatch.setattr(pretrained, "load_minilm_encoder", tiny_minilm_encoder)
     config = RunConfig(dataset="rotten-tomatoes", seed=0, train_limit=96, test_limit=16,
                        max_length=8, bias_only=True, target_epsilon=8.0, tan_steps=6,
                        out=tmp_path / "text")
