@@ -84,9 +84,21 @@ def test_bad_combinations_are_one_line_errors(
 
 
 @pytest.mark.parametrize("sampler", ["fixed-size", "full-batch"])
-def test_plan_for_the_sampler_that_runs(capsys: pytest.CaptureFixture[str], sampler: str) -> None:
-    from dpfy.planning import plan
+def test_plan_for_the_sampler_that_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, sampler: str
+) -> None:
+    from dpfy import planning
 
+    # the plan the command computes is kept and checked below (a plan costs seconds: the
+    # library call is the command's own, not a second computation of it)
+    made: list[tuple[tuple, dict, planning.Plan]] = []
+    real = planning.plan
+
+    def kept(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append((args, kwargs, real(*args, **kwargs)))
+        return made[-1][2]
+
+    monkeypatch.setattr(planning, "plan", kept)
     out = run_json(
         capsys,
         ["plan", "--dataset-size", "20000", "--target-epsilon", "4", "--delta", "1e-5",
@@ -100,7 +112,11 @@ def test_plan_for_the_sampler_that_runs(capsys: pytest.CaptureFixture[str], samp
         assert rec["batch_size"] == 20000 and out["adjacency"] == "add_or_remove"
     else:
         assert out["adjacency"] == "replace_one"
-    p = plan(20000, 4.0, 1e-5, max_steps=300, sampler=sampler)
+    ((args, kwargs, p),) = made
+    assert args == (20000, 4.0, 1e-5) and kwargs["max_steps"] == 300
+    assert kwargs["sampler"] == sampler and kwargs.get("max_examples_processed") is None
+    assert (rec["batch_size"], rec["noise_multiplier"], rec["steps"]) == (
+        p.recommendation.batch_size, p.recommendation.noise_multiplier, p.recommendation.steps)
     for o in (p.recommendation, *p.runner_ups):
         event = o.privacy_event()
         assert accounting.epsilon(event, 1e-5).epsilon <= 4.0
