@@ -8,8 +8,6 @@ clip-norm trajectory for the client-side adaptive variant.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -250,13 +248,3 @@ def test_updates_from_outside_the_cohort_are_refused_before_anything_is_recorded
     assert not [r for r in server.ledger.entries if isinstance(r, SumQueryRecord)]
     with pytest.raises(RuntimeError, match="begin_round"):
         _server(11).finish_round(TEMPLATE, {})
-
-
-def test_dpfy_imports_without_flower_and_names_the_extra() -> None:
-    code = (
-        "import sys; sys.modules['flwr'] = None\n"
-        "import dpfy, dpfy.fed\n"
-        "try:\n    import dpfy.fed.flower\nexcept ImportError as e:\n    print(e)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "dpfy[fed]" in out.stdout
