@@ -144,8 +144,10 @@ def test_plan_json_meets_budget_under_the_real_accountant(capsys):
 # ---------------------------------------------------------------------------------------------
 # dpfy train / dpfy features: secure by default, --seed N is a seeded experiment
 # ---------------------------------------------------------------------------------------------
+# One torch thread: the two test workers already keep both cores busy, and a second thread
+# spinning beside the other worker costs more CPU than it saves on 32-row batches.
 TINY_TRAIN = ["--epochs", "1", "--batch-size", "32", "--train-limit", "128", "--test-limit", "256",
-              "--threads", "2"]
+              "--threads", "1"]
 SECURE = "secure (AES-256-CTR, OS key)"
 
 
@@ -184,16 +186,22 @@ def _dpfy(args):
 @pytest.fixture(scope="module")
 def train_runs(tmp_path_factory):
     """Two default runs and two ``--seed 0`` runs with otherwise identical arguments."""
+    import torch
+
     root = tmp_path_factory.mktemp("train")
     runs = {}
+    threads = torch.get_num_threads()  # --threads sets it for the process: put it back after
     with pytest.MonkeyPatch.context() as patch:
         _no_figures(patch)
-        for name, extra in [("secure_a", []), ("secure_b", []),
-                            ("seeded_a", ["--seed", "0"]), ("seeded_b", ["--seed", "0"])]:
-            code, printed = _dpfy(["train", "mnist", "--out", str(root / name), *TINY_TRAIN,
-                                   *extra])
-            assert code == 0, printed
-            runs[name] = (root / name, printed)
+        try:
+            for name, extra in [("secure_a", []), ("secure_b", []),
+                                ("seeded_a", ["--seed", "0"]), ("seeded_b", ["--seed", "0"])]:
+                code, printed = _dpfy(["train", "mnist", "--out", str(root / name), *TINY_TRAIN,
+                                       *extra])
+                assert code == 0, printed
+                runs[name] = (root / name, printed)
+        finally:
+            torch.set_num_threads(threads)
     return runs
 
 
@@ -311,6 +319,7 @@ def test_features_default_is_secure_and_seed_makes_it_seeded(tmp_path, monkeypat
     assert "--seed 5" in seeded_md
 
 
+@pytest.mark.usefixtures("one_thread")  # TINY_TRAIN's --threads 1, put back after the test
 def test_train_precision_bf16_is_recorded_and_repeated(tmp_path, monkeypatch):
     from dpfy.ledger import Ledger
 

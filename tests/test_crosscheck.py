@@ -32,7 +32,7 @@ from dpfy.report.crosscheck import RunDirMismatch, check_run_dir, file_sha256
 from dpfy.training import recipes
 
 TRAIN = ["train", "mnist", "--train-limit", "32", "--test-limit", "16", "--epochs", "2",
-         "--batch-size", "8", "--seed", "0"]
+         "--batch-size", "8", "--seed", "0", "--threads", "1"]  # 8-row batches: one thread
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +46,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # the recipe's own knob: 8-row forward passes instead of 1,024 (a tiny, fast run)
         return dataclasses.replace(recipe(model), max_physical_batch_size=8)
 
+    import torch
+
+    threads = torch.get_num_threads()  # --threads sets it for the process: put it back after
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
         patch.setattr(recipes, "default_recipe", small)
-        code = main([*TRAIN, "--out", str(out), "--signing-key", str(root / "org.key")])
+        try:
+            code = main([*TRAIN, "--out", str(out), "--signing-key", str(root / "org.key")])
+        finally:
+            torch.set_num_threads(threads)
     assert code == 0
     ledger = Ledger.load(out / "ledger.jsonl")
     card = privacy_section(build_report(ledger, delta=1e-5, method="pld",

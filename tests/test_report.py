@@ -144,11 +144,11 @@ def test_cli_report_on_shuffle_ledger_refuses_poisson_and_shows_honest_bounds(tm
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("image_chunks_of_64")
+@pytest.mark.usefixtures("image_chunks_of_64", "one_thread")  # --threads 1, put back after
 def test_train_end_to_end_small(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "mnist", "--epochs", "1", "--batch-size", "128", "--train-limit",
-                 "512", "--test-limit", "256", "--out", str(out), "--threads", "2"])
+                 "512", "--test-limit", "256", "--out", str(out), "--threads", "1"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     for name in ("model.pt", "ledger.jsonl", "report.md", "report.json", "summary.json",

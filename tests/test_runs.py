@@ -176,11 +176,11 @@ def test_pipelines_run_without_the_command_or_matplotlib(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("image_chunks_of_64")
+@pytest.mark.usefixtures("image_chunks_of_64", "one_thread")  # threads=1, put back after
 def test_train_and_report_small(tmp_path):
     run = runs.train_and_report(RunConfig(
         dataset="mnist", out=tmp_path / "run", epochs=1, batch_size=128, train_limit=512,
-        threads=2, test_limit=256,
+        threads=1, test_limit=256,
     ))
     for name in ("model.pt", "ledger.jsonl", "report.md", "report.json", "summary.json",
                  "figures/epsilon_over_training.png"):

@@ -92,7 +92,9 @@ def test_models_belong_to_their_kind_of_dataset():
 
 
 @pytest.mark.parametrize("model", ["scatternet-linear", "scatternet-cnn"])
-@pytest.mark.usefixtures("quick_image_runs")  # physical batches of 64 rows, no figures
+# physical batches of 64 rows, no figures; --threads 1 (the other test worker has the other
+# core), the test's thread count put back after it
+@pytest.mark.usefixtures("quick_image_runs", "one_thread")
 def test_dpfy_train_runs_on_scatternet_features(model, tmp_path, monkeypatch):
     from dpfy.cli import main
 
@@ -100,7 +102,7 @@ def test_dpfy_train_runs_on_scatternet_features(model, tmp_path, monkeypatch):
     out = tmp_path / "run"
     code = main([
         "train", "mnist", "--model", model, "--train-limit", "256", "--test-limit", "64",
-        "--epochs", "1", "--batch-size", "64", "--out", str(out), "--seed", "0",
+        "--epochs", "1", "--batch-size", "64", "--out", str(out), "--seed", "0", "--threads", "1",
     ])
     assert code == 0
     assert f'"model":"{model.replace("-", "_")}"' in (out / "ledger.jsonl").read_text()
@@ -120,6 +122,7 @@ def test_flat_rows_are_normalised_per_example():
         scatternet.flat_normalised(x.flatten(1))
 
 
+@pytest.mark.usefixtures("one_thread")  # the transform of 400 images, beside the other worker
 def test_dpfy_features_learns_on_scatternet_features(tmp_path, monkeypatch):
     from dpfy import datasets, runs
 

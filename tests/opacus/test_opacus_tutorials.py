@@ -57,6 +57,7 @@ def run(name: str, source: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")  # char_lstm's own
+@pytest.mark.usefixtures("one_thread")  # tiny models: one thread beside the other test worker
 def test_an_opacus_tutorial_runs_with_its_imports_changed(name):
     source = (TUTORIALS / f"{name}.py").read_text(encoding="utf-8")
     ours = run(name, ported(source))
