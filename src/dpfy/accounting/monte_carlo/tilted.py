@@ -20,6 +20,7 @@ quadrature), minimised over a grid of lam. It is an upper bound, not an estimate
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -54,18 +55,29 @@ def partitions(a: int, largest: int, parts: int) -> list[tuple[int, ...]]:
     return out
 
 
-def tilt_table(z: float, steps: int, order: int) -> tuple[FloatArray, FloatArray, float]:
-    """(count shapes padded to ``order`` columns, log-probabilities, log M_order) of one epoch."""
-    shapes = partitions(order, order, min(order, steps))
+@functools.lru_cache(maxsize=256)
+def _shape_table(order: int, parts: int) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """The z- and T-free part of :func:`tilt_table` (read-only; cached, as every tilted run
+    looks at the orders 2..MAX_TILT_ORDER): count shapes padded to ``order`` columns, the
+    number of used bins of each, and the log of the multiplicities of its equal counts."""
+    shapes = partitions(order, order, parts)
     counts = np.zeros((len(shapes), order))
     for i, s in enumerate(shapes):
         counts[i, : len(s)] = s
     used = counts > 0
-    r = used.sum(axis=1)
+    r = used.sum(axis=1).astype(np.float64)
     log_mult = np.zeros(len(shapes))
     for i, s in enumerate(shapes):
         _, m = np.unique(s, return_counts=True)
         log_mult[i] = special.gammaln(m + 1.0).sum()
+    for arr in (counts, r, log_mult):
+        arr.setflags(write=False)
+    return counts, r, log_mult
+
+
+def tilt_table(z: float, steps: int, order: int) -> tuple[FloatArray, FloatArray, float]:
+    """(count shapes padded to ``order`` columns, log-probabilities, log M_order) of one epoch."""
+    counts, r, log_mult = _shape_table(order, min(order, steps))
     log_w = (
         special.gammaln(steps + 1.0) - special.gammaln(steps - r + 1.0) - log_mult
         + special.gammaln(order + 1.0) - special.gammaln(counts + 1.0).sum(axis=1)
