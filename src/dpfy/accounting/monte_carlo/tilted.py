@@ -178,13 +178,14 @@ def add_log_mgf(z: float, steps: int, lams: FloatArray) -> FloatArray:
         u = np.exp(v[i : i + 250])[:, None]
         log_m[i : i + 250] = _logsumexp_finite_rows(log_phi[None, :] - u * y[None, :])
     log_m = np.minimum(np.logaddexp(log_m, float(special.log_ndtr(-12.0)) + math.log(2.0)), 0.0)
-    parts = [special.logsumexp(lams[:, None] * v[None, :] + steps * log_m[None, :], axis=1)
+    parts = [_logsumexp_finite_rows(lams[:, None] * v[None, :] + steps * log_m[None, :])
              + math.log(dv)]
     parts.append(lams * lo_v - np.log(lams))  # int_{-inf}^{lo_v} e^(lam v) dv
     w = np.linspace(hi_v, 2000.0, 20001)
     with np.errstate(over="ignore"):
         env = np.logaddexp(special.log_ndtr(-0.5 * z * w), -np.exp(0.5 * w))
-    parts.append(special.logsumexp(lams[:, None] * w[None, :] + steps * env[None, :], axis=1)
+    # env is finite: log_ndtr stays finite far out and logaddexp ignores the -inf of exp overflow
+    parts.append(_logsumexp_finite_rows(lams[:, None] * w[None, :] + steps * env[None, :])
                  + math.log(w[1] - w[0]) + 1.0)  # Riemann sum of a unimodal envelope, x e
     integral = special.logsumexp(np.stack(parts), axis=0)
     out: FloatArray = lams * (math.log(steps) + c) - special.gammaln(lams) + integral
