@@ -20,6 +20,7 @@ quadrature), minimised over a grid of lam. It is an upper bound, not an estimate
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Sequence
@@ -45,14 +46,20 @@ MAX_TILT_ORDER = 24
 
 def partitions(a: int, largest: int, parts: int) -> list[tuple[int, ...]]:
     """Partitions of a into at most ``parts`` parts, each <= ``largest`` (non-increasing)."""
+    return list(_partitions(a, largest, parts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _partitions(a: int, largest: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`partitions` as a tuple, cached: the recursion meets the same sub-problems often."""
     if a == 0:
-        return [()]
+        return ((),)
     if parts == 0:
-        return []
+        return ()
     out: list[tuple[int, ...]] = []
     for p in range(min(a, largest), 0, -1):
-        out.extend((p, *rest) for rest in partitions(a - p, p, parts - 1))
-    return out
+        out.extend((p, *rest) for rest in _partitions(a - p, p, parts - 1))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)
@@ -68,7 +75,8 @@ def _shape_table(order: int, parts: int) -> tuple[FloatArray, FloatArray, FloatA
     r = used.sum(axis=1).astype(np.float64)
     log_mult = np.zeros(len(shapes))
     for i, s in enumerate(shapes):
-        _, m = np.unique(s, return_counts=True)
+        # multiplicities of the equal counts, by increasing count (as np.unique orders them)
+        m = np.array([c for _, c in sorted(collections.Counter(s).items())], dtype=np.float64)
         log_mult[i] = special.gammaln(m + 1.0).sum()
     for arr in (counts, r, log_mult):
         arr.setflags(write=False)
