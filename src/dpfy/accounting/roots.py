@@ -29,8 +29,9 @@ from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
-from scipy import optimize
-from scipy.optimize import elementwise
+
+# scipy.optimize is imported in the two functions that solve, not here: importing it costs
+# about a second, and most processes that import the accountants never search for a root.
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -173,6 +174,8 @@ def safe_root(
         kwargs: dict[str, Any] = {"tolerances": tolerances, "args": more}
         if maxiter is not None:
             kwargs["maxiter"] = maxiter
+        from scipy.optimize import elementwise
+
         res = elementwise.find_root(g, (xl, xr), **kwargs)
         (bl, br), (fl, fr) = res.bracket, res.f_bracket
         # The final bracket has f <= 0 at exactly one end (both when f hit 0): take that end.
@@ -202,6 +205,8 @@ def _scalar_root(
     Brent's method (SciPy's compiled ``brentq``, much cheaper per call than the vectorised
     engine), then steps of growing size towards the certified end until ``g(x) <= 0``.
     """
+    from scipy import optimize
+
     x = float(
         optimize.brentq(
             g, a, b, xtol=xtol, rtol=max(rtol, 4.0 * _EPS), maxiter=maxiter or 500, disp=False

@@ -24,7 +24,6 @@ from types import ModuleType
 from typing import Literal
 
 import numpy as np
-from scipy.optimize import minimize
 from scipy.special import gammaln
 
 from dpfy._validate import check_int
@@ -200,6 +199,8 @@ def optimize_bandmf(
 
     def f(x: np.ndarray) -> float:
         return _loss(np.concatenate(([1.0], x)), steps, participations, objective)
+
+    from scipy.optimize import minimize  # imported when used: a heavy import
 
     res = minimize(
         f,

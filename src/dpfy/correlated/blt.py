@@ -25,8 +25,6 @@ from types import ModuleType
 
 import numpy as np
 from numpy.polynomial import polynomial as P
-from scipy.optimize import minimize
-from scipy.signal import lfilter
 
 from dpfy._validate import check_int
 from dpfy.correlated.schemas import Schema
@@ -116,6 +114,10 @@ class BLT(ToeplitzStrategy):
             num = P.polyadd(num, om * P.polymulx(rest))
         impulse = np.zeros(steps)
         impulse[0] = 1.0
+        # scipy.signal and scipy.optimize are imported where they are used: importing them
+        # costs seconds, and every ledger reader imports this module
+        from scipy.signal import lfilter
+
         return np.asarray(lfilter(den, num, impulse))
 
     def first_column(self, steps: int) -> np.ndarray:
@@ -201,5 +203,7 @@ def optimize_blt(steps: int, buffers: int = 4, maxiter: int = 300) -> BLT:
 
     decays = 1.0 - np.logspace(-0.5, -np.log10(max(steps, 10)), buffers)
     x0 = np.concatenate((np.zeros(buffers), np.log(decays / (1 - decays)), [0.0]))
+    from scipy.optimize import minimize
+
     res = minimize(f, x0, method="L-BFGS-B", options={"maxiter": maxiter})
     return make(res.x if res.fun <= f(x0) else x0)

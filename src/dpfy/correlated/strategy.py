@@ -27,7 +27,6 @@ from types import ModuleType
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from scipy.signal import fftconvolve
 
 from dpfy.correlated.schemas import Schema
 from dpfy.correlated.workload import prefix_error_total, toeplitz_inverse_coeffs, toeplitz_lower
@@ -192,6 +191,8 @@ class ToeplitzStrategy(Strategy):
         return toeplitz_lower(self.inverse_column(steps), steps)
 
     def apply(self, u: np.ndarray) -> np.ndarray:
+        from scipy.signal import fftconvolve  # a heavy import; most importers never apply
+
         u = np.asarray(u, dtype=float)
         return np.asarray(fftconvolve(self.first_column(u.size), u)[: u.size])
 

@@ -9,7 +9,6 @@ in tests (Choquette-Choo et al. 2023, Sec. 4; McMahan et al. 2024, Sec. 2).
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import lfilter
 
 from dpfy._validate import check_int
 
@@ -49,6 +48,10 @@ def toeplitz_inverse_coeffs(coeffs: np.ndarray, steps: int) -> np.ndarray:
         raise ValueError(f"coeffs[0] must be in (0, inf), got coeffs={c!r}")
     impulse = np.zeros(steps)
     impulse[0] = 1.0
+    # imported here: scipy.signal pulls in scipy.stats and more (seconds), and every ledger
+    # reader imports this module without needing a filter
+    from scipy.signal import lfilter
+
     return np.asarray(lfilter([1.0], c, impulse))
 
 
