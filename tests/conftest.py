@@ -17,6 +17,13 @@ from typing import Any
 
 import pytest
 
+# Under pytest-xdist (`make test` runs one worker per core) each worker has one core: torch's
+# default of one thread per core would have two workers' thread pools fight over both cores,
+# where a second thread mostly spins on these tiny models. Set before any test imports torch;
+# subprocesses (ranks, the CLI) inherit it. Tests that set a thread count still do.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Test files holding a ``slow`` test run first, each file's tests kept together and in
