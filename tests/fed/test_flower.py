@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 flwr = pytest.importorskip("flwr")
-pytest.importorskip("ray")
+# ray and flwr.simulation are imported by the simulation itself: together they take several
+# CPU seconds, which every pytest worker would otherwise pay when it collects this module
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("could not import 'ray'", allow_module_level=True)
 
 from flwr.app import ArrayRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
@@ -22,7 +26,6 @@ from flwr.serverapp.strategy import (  # noqa: E402
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
 )
-from flwr.simulation import run_simulation  # noqa: E402
 
 from dpfy import accounting, runs  # noqa: E402
 from dpfy import events as ev  # noqa: E402
@@ -96,6 +99,7 @@ def _simulate(phases: tuple[tuple[Path, int, str], ...]) -> list[dict]:
 
     # Ray workers unpickle the client app; this test module is not on their path.
     import ray.cloudpickle
+    from flwr.simulation import run_simulation
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     client_app = make_client_app(_model, _data, local=LocalTraining(epochs=1, batch_size=4))
