@@ -79,7 +79,13 @@ def _imports(path: Path, name: str | None = None) -> set[str]:
 
 
 MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
-IMPORTS = {name: _imports(path) for name, path in MODULES.items()}
+
+
+@functools.cache
+def _all_imports() -> dict[str, set[str]]:
+    """What every source module imports (parsed on first use, not at collection: every test
+    worker collects this file, one runs its tests)."""
+    return {name: _imports(path) for name, path in MODULES.items()}
 
 
 def _in(name: str, package: str) -> bool:
@@ -88,7 +94,7 @@ def _in(name: str, package: str) -> bool:
 
 def _violations(owner: str, forbidden: tuple[str, ...]) -> list[str]:
     bad = []
-    for module, imported in IMPORTS.items():
+    for module, imported in _all_imports().items():
         if not _in(module, owner):
             continue
         for target in sorted(imported):
@@ -213,7 +219,7 @@ WITHIN_LAYER: dict[str, tuple[str, ...]] = {
 def test_every_import_goes_to_the_same_layer_or_one_it_may_import() -> None:
     unplaced = sorted(set(LAYER_OF) - set(WITHIN_LAYER))
     assert not unplaced, f"add to WITHIN_LAYER (what each may import of its layer): {unplaced}"
-    bad = _layer_violations(IMPORTS)
+    bad = _layer_violations(_all_imports())
     assert not bad, "\n".join(bad)
 
 
@@ -261,13 +267,13 @@ def test_features_reach_accounting_only_through_their_accounting_module() -> Non
     door = "dpfy.features.accounting"
     bad = [
         f"{module} imports {target}"
-        for module, imported in IMPORTS.items()
+        for module, imported in _all_imports().items()
         if _in(module, "dpfy.features") and module != door
         for target in imported
         if _in(target, "dpfy.accounting")
     ]
     assert not bad, "\n".join(bad)
-    assert any(_in(t, "dpfy.accounting") for t in IMPORTS[door])
+    assert any(_in(t, "dpfy.accounting") for t in _all_imports()[door])
 
 
 #: Calibration is the one accounting import any training module may make; everything else
@@ -278,14 +284,14 @@ BUDGET_GUARD = "dpfy.training.budget"
 
 def test_training_reaches_accounting_only_through_calibration_and_the_budget_guard() -> None:
     bad = []
-    for module, imported in IMPORTS.items():
+    for module, imported in _all_imports().items():
         if not _in(module, "dpfy.training") or module == BUDGET_GUARD:
             continue
         for target in imported:
             if _in(target, "dpfy.accounting") and not any(_in(target, c) for c in CALIBRATION):
                 bad.append(f"{module} imports {target}")
     assert not bad, "\n".join(bad)
-    assert any(_in(t, "dpfy.accounting") for t in IMPORTS[BUDGET_GUARD])
+    assert any(_in(t, "dpfy.accounting") for t in _all_imports()[BUDGET_GUARD])
 
 
 def test_federated_code_reaches_accounting_only_through_calibration_and_flower_in_one_module(
@@ -293,7 +299,7 @@ def test_federated_code_reaches_accounting_only_through_calibration_and_flower_i
     """``dpfy.fed`` calibrates before a run and never computes epsilon; Flower (an optional
     extra) is imported by ``dpfy.fed.flower`` alone, so ``dpfy.fed`` works without it."""
     bad = []
-    for module, imported in IMPORTS.items():
+    for module, imported in _all_imports().items():
         if not _in(module, "dpfy.fed"):
             continue
         for target in imported:
@@ -302,12 +308,12 @@ def test_federated_code_reaches_accounting_only_through_calibration_and_flower_i
             if _in(target, "flwr") and module != "dpfy.fed.flower":
                 bad.append(f"{module} imports {target}")
     assert not bad, "\n".join(bad)
-    assert any(_in(t, "flwr") for t in IMPORTS["dpfy.fed.flower"])
+    assert any(_in(t, "flwr") for t in _all_imports()["dpfy.fed.flower"])
 
 
 def test_the_cli_holds_no_pipeline() -> None:
     """``dpfy.cli`` parses and prints; training, ledgers and reports are reached via runs."""
-    imported = IMPORTS["dpfy.cli"] | IMPORTS["dpfy.cli_options"]
+    imported = _all_imports()["dpfy.cli"] | _all_imports()["dpfy.cli_options"]
     reached = {
         t
         for t in imported
