@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import PrefixStore, TCPStore  # not re-exported by torch.distributed
 
 from dpfy._validate import check_int, check_range
 from dpfy.training.torchrun import REQUIRED, torchrun_env
@@ -269,6 +270,7 @@ def init_process_group(
     timeout: float = DEFAULT_TIMEOUT,
     device: torch.device | str | None = None,
     start_timeout: float = START_TIMEOUT,
+    store: TCPStore | None = None,
 ) -> Distributed:
     """Join (or start, as rank 0) a process group over TCP; returns this process's context.
 
@@ -281,6 +283,9 @@ def init_process_group(
       backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPUs); default nccl when ``device`` is a GPU.
       timeout: collective timeout in seconds, in (0, 86400].
       device: the device of the model (default cpu).
+      store: rank 0 only: its store, already listening on ``master_port`` (``run_local`` opens
+        it on a port the OS chose, so that no other process can take the port between
+        choosing it and listening on it). The other ranks join it as usual.
 
     Raises:
       ValueError: bad arguments (before anything connects).
@@ -292,14 +297,21 @@ def init_process_group(
     check_range("start_timeout", start_timeout, 0.0, 86400.0, low_open=True)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     backend = _backend(backend, dev)
+    if store is not None and (rank != 0 or store.port != master_port):
+        raise ValueError("store: only rank 0 passes its store, listening on master_port")
     _fresh_group_names()
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{int(master_port)}",
-        rank=int(rank),
-        world_size=int(world_size),
-        timeout=datetime.timedelta(seconds=max(float(timeout), float(start_timeout))),
-    )
+    join = datetime.timedelta(seconds=max(float(timeout), float(start_timeout)))
+    if store is None:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{int(master_port)}",
+            rank=int(rank), world_size=int(world_size), timeout=join,
+        )
+    else:  # the keys under the prefix torch's tcp:// rendezvous gives the other ranks' stores
+        store.set_timeout(join)
+        dist.init_process_group(
+            backend, store=PrefixStore("default_pg", store),
+            rank=0, world_size=int(world_size), timeout=join,
+        )
     # the run's collectives: every rank is here now, so the short timeout applies from here
     group = dist.new_group(
         list(range(int(world_size))),

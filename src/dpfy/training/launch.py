@@ -2,11 +2,13 @@
 
 :func:`run_local` is what ``dpfy train --workers N`` uses: the calling process becomes rank 0
 (it keeps its ledger, report and return value) and ``N - 1`` helper processes are started
-(``torch.multiprocessing``) on a free localhost port. Every rank runs
+(``torch.multiprocessing``), joining the TCP store that this process opened on a localhost
+port the OS chose. Every rank runs
 ``fn(distributed, *args)`` with its :class:`dpfy.training.distributed.Distributed`.
 
 :func:`spawn_workers` starts every rank as a child instead and reports how each one ended (for
-tests that kill a rank). Under ``torchrun`` use :func:`dpfy.training.distributed.from_env`.
+tests that kill a rank); the calling process hosts the store, as torchrun's agent does. Under
+``torchrun`` use :func:`dpfy.training.distributed.from_env`.
 
 Helpers start fresh, as with the ``spawn`` start method: ``fn`` and ``args`` travel pickled
 and nothing of the caller's memory is shared. Where the platform has it (Linux, macOS) they are
@@ -32,6 +34,7 @@ sometimes, under load.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import queue
 import socket
@@ -42,6 +45,9 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._C._distributed_c10d import (
+    TCPStore,  # torch.distributed uses it, without re-exporting it
+)
 
 from dpfy._validate import check_int, check_range
 from dpfy.training.distributed import (
@@ -121,6 +127,16 @@ def _shutdown(closed: Any) -> None:
         closed.release()
 
 
+def _listening_store(world_size: int, timeout: float) -> TCPStore:
+    """The run's TCP store, listening on a port the OS chose, opened before any rank learns
+    the port: a port merely found free (``free_port``) could be taken by another process
+    before rank 0 listens on it (EADDRINUSE, seen with test runs in parallel)."""
+    return TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout + START_TIMEOUT),
+    )
+
+
 def _check(world_size: int, timeout: float) -> None:
     check_int("world_size", world_size, 1, 1024)
     check_range("timeout", timeout, 0.0, 86400.0, low_open=True)
@@ -146,11 +162,12 @@ def _start(
     timeout: float,
     backend: str | None,
     args: tuple[Any, ...],
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[list[Any], Any, Any]:
     ctx = _context()
     errors = ctx.Queue()
     closed = ctx.Semaphore(0)  # released once by each helper rank that has left the group
-    environ = dict(os.environ)
+    environ = {**os.environ, **(extra_env or {})}
     procs = []
     for rank in ranks:
         p = ctx.Process(
@@ -213,13 +230,14 @@ def run_local(
         failed.
     """
     _check(world_size, timeout)
-    port = free_port()
+    store = _listening_store(world_size, timeout)
+    port = store.port
     procs, errors, closed = _start(
         fn, range(1, world_size), world_size, port, timeout, backend, args
     )
     try:
         d: Distributed = init_process_group(
-            0, world_size, master_port=port, backend=backend, timeout=timeout
+            0, world_size, master_port=port, backend=backend, timeout=timeout, store=store
         )
         result = fn(d, *(args if rank0_args is None else rank0_args))
         _close(d, closed)
@@ -265,8 +283,12 @@ def spawn_workers(
     still running then is stopped and reported with exit code ``None``.
     """
     _check(world_size, timeout)
+    # this process hosts the store and every rank joins it as a client, as under torchrun's
+    # agent (torch's tcp:// rendezvous reads TORCHELASTIC_USE_AGENT_STORE for that)
+    store = _listening_store(world_size, timeout)
     procs, errors, _ = _start(
-        fn, range(world_size), world_size, free_port(), timeout, backend, args
+        fn, range(world_size), world_size, store.port, timeout, backend, args,
+        extra_env={"TORCHELASTIC_USE_AGENT_STORE": "True"},
     )
     deadline = time.monotonic() + (timeout + START_TIMEOUT if wait is None else float(wait))
     for p in procs:
