@@ -37,12 +37,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 SOURCES = ("accounted search", "rule", "unaccounted search")
 PERCENT = re.compile(r"(\d+(?:\.\d+)?) ?%")
 
-#: README details link -> the JSON rows behind that headline (path, key of the accuracy as a
-#: fraction).
-HEADLINES: dict[str, list[tuple[str, str]]] = {
+#: README details link -> the JSON rows behind that headline (path, key of the accuracy,
+#: percent per unit of that key: 100 for a fraction, 1 for a percentage).
+HEADLINES: dict[str, list[tuple[str, str, float]]] = {
     "benchmarks/results/sentiment/README.md": [
-        (f"sentiment/bitfit-eps{e}.json", "test_accuracy") for e in (1, 3, 8)],
-    "benchmarks/results/fedavg/README.md": [("fedavg/results.json", "final_accuracy")],
+        (f"sentiment/bitfit-eps{e}.json", "test_accuracy", 100.0) for e in (1, 3, 8)],
+    "benchmarks/results/fedavg/README.md": [("fedavg/results.json", "final_accuracy", 100.0)],
+    "benchmarks/results/images/README.md": [("images/total_eps3.json", "mean", 1.0)],
 }
 
 
@@ -76,13 +77,16 @@ def test_every_labelled_results_row_is_consistent():
     assert labelled > 0
 
 
-def _headline_rows(link: str) -> list[tuple[dict[str, Any], str]]:
-    return [(row, key) for name, key in HEADLINES[link] for row in _rows(RESULTS / name)]
+def _headline_rows(link: str) -> list[tuple[dict[str, Any], str, float]]:
+    """The rows behind a headline; a row marked ``"private": false`` beside them (a
+    non-private reference in the same file) is not one."""
+    return [(row, key, percent) for name, key, percent in HEADLINES[link]
+            for row in _rows(RESULTS / name) if row.get("private", True) is not False]
 
 
 @pytest.mark.parametrize("link", sorted(HEADLINES))
 def test_headline_rows_carry_a_total_epsilon_and_their_source(link):
-    for row, _ in _headline_rows(link):
+    for row, _, _ in _headline_rows(link):
         assert _valid_source(row.get("hp_source")) and row["hp_source"] != "unaccounted search"
         total = row["total_epsilon"]
         assert total is None or (isinstance(total, float) and math.isfinite(total)), row
@@ -136,10 +140,10 @@ def test_readme_headlines_are_at_the_procedures_total_epsilon():
             link = re.search(r"\]\(([^)]+)\)", row[-1])
             assert link and link.group(1) in HEADLINES, f"no headline rows for {row[-1]}"
             rows = _headline_rows(link.group(1))
-            stated = [r["total_epsilon"] for r, _ in rows if r["total_epsilon"] is not None]
+            stated = [r["total_epsilon"] for r, _, _ in rows if r["total_epsilon"] is not None]
             for value in _numbers(row[at_total]):
                 assert any(abs(value - t) <= 0.005 for t in stated), (value, stated)
-            measured = [100 * float(r[key]) for r, key in rows]
+            measured = [percent * float(r[key]) for r, key, percent in rows]
             for match in PERCENT.finditer(row[accuracy]):
                 value = float(match.group(1))
                 assert any(abs(value - m) <= 0.005 for m in measured), (value, measured)
