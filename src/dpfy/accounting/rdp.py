@@ -95,27 +95,9 @@ def _log_expm1(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _logsumexp_rows(x: np.ndarray) -> np.ndarray:
-    """``log(sum(exp(x), axis=1))`` of a 2-d array; a row of ``-inf`` gives ``-inf``.
-
-    The arithmetic of ``scipy.special.logsumexp(x, axis=1)`` (shift by the row maximum, then
-    ``log1p`` of the other terms, which keeps full relative precision when the sum is ``1 +
-    tiny``, as ``A_a`` is for tiny RDP), without its per-call overhead, which dominated the
-    fractional-order series.
-    """
-    top = x.argmax(axis=1)
-    rows = np.arange(x.shape[0])
-    peak = x[rows, top]
-    finite = np.isfinite(peak)
-    shift = np.where(finite, peak, 0.0)
-    rest = np.exp(x - shift[:, None])
-    rest[rows, top] = 0.0
-    out: np.ndarray = np.where(finite, np.log1p(rest.sum(axis=1)) + shift, peak)
-    return out
-
-
 def _logsumexp_rows_split(x: np.ndarray, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``_logsumexp_rows`` of the entries of ``x`` where ``neg`` is False, and where it is True.
+    """``logsumexp_rows`` (``dpfy.accounting._logsumexp``) of the entries of ``x`` where
+    ``neg`` is False, and of those where it is True.
 
     The same arithmetic as two calls on ``np.where(neg, -inf, x)`` and ``np.where(neg, x,
     -inf)`` (same shifts, same sums, so bit for bit the same result), with one ``exp`` pass.
