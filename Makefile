@@ -6,6 +6,12 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 UV     := $(BIN)/uv pip install --python $(BIN)/python -q
 
+# Modules are byte-compiled on first import and the bytecode kept (.venv, __pycache__/). Some
+# images set PYTHONDONTWRITEBYTECODE=1: then nothing is ever kept, and every process (each test
+# worker, each CLI run or torchrun rank a test starts) compiles torch, transformers and dpfy from
+# source again: importing torch + transformers + dpfy.hf took 29-33 s of CPU instead of 12-13.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
