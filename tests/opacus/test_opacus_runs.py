@@ -153,8 +153,7 @@ def test_under_torchrun_one_line_from_rank_0_then_every_rank_leaves_its_group(
     monkeypatch, capsys
 ):
     import torch.distributed as dist
-
-    from dpfy.training.launch import free_port
+    from ports import free_port
 
     port = free_port()
     for rank in (1, 0):

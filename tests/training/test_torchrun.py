@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 from dpfy import accounting
 from dpfy.ledger import Ledger
-from dpfy.training.launch import free_port
 from dpfy.training.torchrun import TorchrunEnv, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]

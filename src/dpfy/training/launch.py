@@ -37,7 +37,6 @@ import dataclasses
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -67,13 +66,6 @@ class WorkerExit:
     rank: int
     exitcode: int | None
     error: str | None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for rank 0 to listen on)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _child(
@@ -129,7 +121,7 @@ def _shutdown(closed: Any) -> None:
 
 def _listening_store(world_size: int, timeout: float) -> TCPStore:
     """The run's TCP store, listening on a port the OS chose, opened before any rank learns
-    the port: a port merely found free (``free_port``) could be taken by another process
+    the port: a port merely found free (bound and closed again) could be taken by another process
     before rank 0 listens on it (EADDRINUSE, seen with test runs in parallel)."""
     return TCPStore(
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
