@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(name, eps, data, tuple(args.seeds))
             for name in args.configs.split(",") for eps in CONFIGS[name]["epsilons"]]
     stamp = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
-             "command": "PYTHONPATH=src python benchmarks/sentiment_total_eps.py "
-             + " ".join(argv if argv is not None else sys.argv[1:])}
+             "command": " ".join(["PYTHONPATH=src python benchmarks/sentiment_total_eps.py",
+                                  *(argv if argv is not None else sys.argv[1:])])}
     rows = [{**r, **stamp} for r in rows]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "total_eps.json").write_text(json.dumps(rows, indent=1) + "\n")
