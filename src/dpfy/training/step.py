@@ -849,10 +849,15 @@ def _flat_buffers(
     dtype, device = kinds.pop()
     flat = torch.empty(sum(p.numel() for p in params.values()), dtype=dtype, device=device)
     views, start = {}, 0
-    for n, p in params.items():
-        views[n] = flat[start : start + p.numel()].view(p.shape)
+    for n, p in params.items():  # as_strided: one call per view, not a slice and a view
+        views[n] = flat.as_strided(p.shape, _contiguous_strides(p.shape), start)
         start += p.numel()
     return flat, views
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """Strides, in elements, of a contiguous (row-major) tensor of ``shape`` (as torch's)."""
+    return tuple(math.prod(max(s, 1) for s in shape[i + 1 :]) for i in range(len(shape)))
 
 
 def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
