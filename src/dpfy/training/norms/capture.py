@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
@@ -365,7 +366,7 @@ class LayerCapture:
         # compiled code runs, and eager users are spared its import (seconds).
         if "torch._dynamo" not in sys.modules:
             return hook
-        return cast(_ForwardHook, torch.compiler.disable(hook, recursive=True))  # type: ignore[no-untyped-call]
+        return cast(_ForwardHook, functools.partial(_opaque_call(), hook))
 
     def backward(
         self,
@@ -483,6 +484,26 @@ class LayerCapture:
         ]
         more = f" and {len(named) - most} more" if len(named) > most else ""
         return ", ".join(named[:most]) + more
+
+
+_OPAQUE: list[Callable[..., Any]] = []  # the disabled trampoline, made once per process
+
+
+def _call_hook(hook: _ForwardHook, *args: Any) -> Any:
+    """``hook(*args)``: the trampoline :func:`_opaque_call` hides from ``torch.compile``."""
+    return hook(*args)
+
+
+def _opaque_call() -> Callable[..., Any]:
+    """:func:`_call_hook` under ``torch.compiler.disable(recursive=True)``: a graph break
+    whose callee (the hook it is given, and all it calls) runs eagerly.
+
+    Made once: ``torch.compiler.disable`` builds a new wrapper at every call (about 10 us
+    each), which a wrapper per hook per chunk would pay on every step.
+    """
+    if not _OPAQUE:
+        _OPAQUE.append(torch.compiler.disable(_call_hook, recursive=True))  # type: ignore[no-untyped-call]
+    return _OPAQUE[0]
 
 
 def _differentiable(x: Any) -> bool:
