@@ -306,7 +306,7 @@ class Ledger:
             raise ValueError(f"matrix run {record.name!r} is already recorded")
         if isinstance(record, MatrixStepRecord) and record.name not in self._matrix:
             raise ValueError(f"matrix step of {record.name!r} before its matrix run record")
-        if write:
+        if write and self._file is not None:  # in memory: no line to build
             self._write(record.to_dict(), sync=sync)
         self._add(record)
 

@@ -141,11 +141,11 @@ class AttributionCheck:
             self._worked += time.perf_counter() - self._began
             self._began = None
         self.chunks += 1
-        if self.every <= 0 or self.stochastic or (self.chunks - 1) % self.every:
+        if self.every <= 0 or (self.chunks - 1) % self.every:
             return False
-        if self.budget is None or self.runs == 0:
-            return True
-        return self._spent <= self.budget * self._worked
+        if self.budget is not None and self.runs and not self._spent <= self.budget * self._worked:
+            return False  # over budget: the modules' modes (``stochastic``) are not read
+        return not self.stochastic
 
     def run(
         self,
