@@ -802,14 +802,8 @@ class PrivateGradient:
                     p.grad = g.div_(denom)  # the query's fresh output: scale in place
                 else:  # never alias the accumulator buffers
                     p.grad = (g / denom).to(p.dtype)
-        stats = StepStats(
-            self._loss_sum,
-            self._examples,
-            self._nonfinite,
-            self._chunks,
-            denom,
-            float(self.query.noise_multiplier),
-        )
+        stats = StepStats(self._loss_sum, self._examples, self._nonfinite, self._chunks, denom,
+                          float(self.query.noise_multiplier))
         self._reset()
         return stats
 
@@ -857,7 +851,10 @@ def _flat_buffers(
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     """Strides, in elements, of a contiguous (row-major) tensor of ``shape`` (as torch's)."""
-    return tuple(math.prod(max(s, 1) for s in shape[i + 1 :]) for i in range(len(shape)))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(shape[i], 1)
+    return tuple(strides)
 
 
 def _scaled(w: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
