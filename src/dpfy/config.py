@@ -375,9 +375,6 @@ class RunConfig:
             if self.unit != "example":
                 raise ValueError(f"linear_probe (LP-FT) needs unit='example' (the probe "
                                  f"releases per-snippet statistics), got unit={self.unit!r}")
-        if self.validation and (self.model or "").startswith("scatternet"):
-            raise ValueError(f"validation needs a model without cached features, got "
-                             f"model={self.model!r}")
 
     def recipe_options(self) -> dict[str, Any]:
         """The fine-tuning recipe's options as ``dpfy train`` flags take them (None: not

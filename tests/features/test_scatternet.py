@@ -147,3 +147,35 @@ def test_dpfy_features_learns_on_scatternet_features(tmp_path, monkeypatch):
         runs.features_and_report("rotten-tomatoes", extractor="scatternet")
     with pytest.raises(ValueError, match="extractor must be one of"):
         runs.features_and_report("mnist", extractor="wavelets")
+
+
+@pytest.mark.usefixtures("quick_image_runs", "one_thread")
+def test_validation_splits_the_training_features_and_never_reads_the_test_split(
+    tmp_path, monkeypatch
+):
+    """A search trial (``--validation``) on ScatterNet features: the features of every
+    training image (one cached file) are split by the pixels' validation hash; the held-out
+    part is scored, and the test split is not loaded at all."""
+    from dpfy import datasets
+    from dpfy.training.recipes import _ImageRun, default_recipe
+    from dpfy.training.skeleton import RunHooks
+
+    monkeypatch.setenv("DPFY_CACHE_DIR", str(tmp_path / "cache"))
+    real_load = datasets.load
+
+    def train_only(dataset: str, split: str, limit: int | None = None):
+        assert split == "train", "a validation run read the test split"
+        return real_load(dataset, split, limit=limit)
+
+    monkeypatch.setattr(datasets, "load", train_only)
+    config = RunConfig(dataset="mnist", model="scatternet-linear", validation=True,
+                       train_limit=256, seed=0)
+    data = _ImageRun(config, default_recipe("scatternet-linear"), RunHooks()).load()
+    images, labels = real_load("mnist", "train", limit=256)
+    held = torch.as_tensor(datasets.validation_images(images))
+    every = cached_features(images, "scatternet-J2-L8-mnist-train")
+    assert 0 < int(held.sum()) < 256 and data.size == int((~held).sum())
+    torch.testing.assert_close(data.train, every[~held], rtol=0, atol=0)
+    torch.testing.assert_close(data.test[0], every[held], rtol=0, atol=0)
+    assert torch.equal(data.targets, labels[~held]) and torch.equal(data.test[1], labels[held])
+    assert len(list((tmp_path / "cache" / "features").glob("*.npy"))) == 1

@@ -295,21 +295,25 @@ class _ImageRun(Recipe):
 
     def load(self) -> RecipeData:
         c, extra = self.config, self.hooks.extra_train
+        features = self.recipe.model in SCATTERNET_MODELS  # a fixed map, image by image
         x_train, y_train = datasets.load(c.dataset, "train", limit=c.train_limit)
-        if c.validation:  # a search: held-out training images, never the test split
-            held = torch.as_tensor(datasets.validation_images(x_train))
+        pixels = x_train.dtype
+        held = torch.as_tensor(datasets.validation_images(x_train)) if c.validation else None
+        if features:  # every training image's (one cached file), before any split
+            x_train = self._features("train", x_train)
+        if held is not None:  # a search: held-out training images, never the test split
             x_test, y_test = x_train[held][:c.test_limit], y_train[held][:c.test_limit]
             x_train, y_train = x_train[~held], y_train[~held]
         else:
             x_test, y_test = datasets.load(c.dataset, "test", limit=c.test_limit)
+            if features:
+                x_test = self._features("test", x_test)
         if extra is not None:
-            x_train = torch.cat([x_train, extra[0].to(x_train.dtype)])
+            added = extra[0].to(pixels)
+            if features:
+                added = self._features("train", added)
+            x_train = torch.cat([x_train, added.to(x_train.dtype)])
             y_train = torch.cat([y_train, extra[1].to(y_train.dtype)])
-        if self.recipe.model in SCATTERNET_MODELS:  # a fixed feature map: nothing to record
-            from dpfy.features.scatternet import dataset_features
-
-            x_train = dataset_features(c.dataset, "train", x_train, progress=self.hooks.progress)
-            x_test = dataset_features(c.dataset, "test", x_test, progress=self.hooks.progress)
         ids = None
         if c.unit != "example":
             if c.users is None:
@@ -318,6 +322,13 @@ class _ImageRun(Recipe):
             ids = users.synthetic_user_ids(len(x_train), c.users)
         return RecipeData(train=x_train, targets=y_train, test=(x_test, y_test),
                           size=len(x_train), unit_ids=ids)
+
+    def _features(self, split: str, images: torch.Tensor) -> torch.Tensor:
+        """ScatterNet features of ``images``: nothing to record (no statistic of other images);
+        cached by the images' content, so a limit or added images get their own file."""
+        from dpfy.features.scatternet import dataset_features
+
+        return dataset_features(self.config.dataset, split, images, progress=self.hooks.progress)
 
     def model(self, device: torch.device) -> nn.Module:
         net = make_model(self.recipe.model).to(device)
