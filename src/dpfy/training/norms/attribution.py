@@ -10,8 +10,13 @@ the gradient of its loss with respect to every trainable parameter, and compares
 parameter's norm with the per-example norm the rules reported for unit ``j`` (the norm that
 decides its clip weight). A parameter whose norms differ by more than the working precision's
 tolerance (relative 1e-3 in fp32, 5e-2 under bf16/fp16 autocast, with a floor of 1e-2 times
-that of the whole gradient's norm, as in the coverage check) refuses the step before its
-release, naming the parameter and its module. The message carries no number computed from the
+that of the larger of the unit's whole gradient norm and the chunk's median per-unit norm)
+refuses the step before its release, naming the parameter and its module. The median in the
+floor matters for a unit whose gradient is many orders below its neighbours' (a softmax
+saturated on a well-learnt example: norms of 1e-20 next to 1e-1 were seen, whose batch and
+alone computations differ in their third digit by rounding): the clipped sum is formed in the
+working precision at its neighbours' scale, where such a unit, attributed to any example,
+moves nothing. The message carries no number computed from the
 data (no norm, no batch size, no index).
 
 Randomness. The alone pass runs with the random streams forked, so a seeded run draws the same
@@ -50,7 +55,8 @@ from torch import nn
 #: The caller's per-example losses of the given rows of the chunk, from a fresh forward pass.
 LossOf = Callable[[torch.Tensor], torch.Tensor]
 
-#: Rounding floor, relative to the whole gradient's norm (the coverage check's).
+#: Rounding floor, relative to the larger of the unit's whole gradient norm (the coverage
+#: check's floor) and the chunk's median per-unit norm (the scale the sum is formed at).
 ABSOLUTE = 1e-2
 
 #: Chunks between two checks by default (0: off): every chunk, within the time budget.
@@ -236,13 +242,14 @@ class AttributionCheck:
             [torch.linalg.vector_norm(wide(g)).double() for g in alone]
             + [wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared else zero
                for n in names]
+            + [_median_unit_norm(squared, real)]
         ).tolist()
-        mine, theirs = both[: len(names)], both[len(names):]
-        whole = math.sqrt(sum(v * v for v in mine))
+        mine, theirs = both[: len(names)], both[len(names):-1]
+        floor = ABSOLUTE * tolerance * max(math.sqrt(sum(v * v for v in mine)), both[-1])
         wrong = [
             name
             for name, a, b in zip(names, mine, theirs, strict=True)
-            if not abs(a - b) <= tolerance * max(a, b) + ABSOLUTE * tolerance * whole
+            if not abs(a - b) <= tolerance * max(a, b) + floor
         ]
         if wrong:
             shown = ", ".join(
@@ -287,3 +294,14 @@ class AttributionCheck:
             torch.zeros_like(p) if g is None else g.detach()
             for p, g in zip(params.values(), grads, strict=True)
         ]
+
+
+def _median_unit_norm(
+    squared: Mapping[str, torch.Tensor], real: torch.Tensor | None
+) -> torch.Tensor:
+    """The median over the chunk's real units of their whole gradient norm (float64, 0-d), from
+    the rules' per-parameter squared norms ([n] each): the scale of the attribution floor."""
+    total = torch.stack([v.double() for v in squared.values()]).sum(0).clamp(min=0)
+    if real is not None:
+        total = total[real.to(total.device) > 0]
+    return total.median().sqrt() if total.numel() else total.new_zeros(())
