@@ -590,7 +590,7 @@ class PrivateGradient:
                 held.clear()
         if self.attribution.due() and recorder.loss_of is not None and math.isfinite(host[0]):
             self.attribution.run(
-                recorder.loss_of, self._params, sq, real, mask, k,
+                recorder.loss_of, self._params, sq, total_sq, real, mask, k,
                 1.0 / k if self.microbatch_mode == "average" else 1.0, tol,
             )
         self._loss_sum += loss_sum

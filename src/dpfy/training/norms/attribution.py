@@ -158,6 +158,7 @@ class AttributionCheck:
         loss_of: LossOf,
         params: Mapping[str, torch.Tensor],
         squared: Mapping[str, torch.Tensor],
+        totals: torch.Tensor,
         real: torch.Tensor | None,
         mask: torch.Tensor | None,
         group_size: int,
@@ -170,6 +171,7 @@ class AttributionCheck:
           loss_of: per-example losses of the given rows, from a fresh forward pass.
           params: the trainable parameters, by name.
           squared: per parameter, the squared per-unit norms the rules reported ([n]).
+          totals: [n] their sum over the parameters (each unit's squared norm, as clipped).
           real: [n] 1 for real units, 0 for padding (``None``: all real).
           mask: [B] the rows' weights (0 for a padding row inside a unit; ``None``: all 1).
           group_size: rows per unit.
@@ -178,7 +180,9 @@ class AttributionCheck:
         """
         start = time.perf_counter()
         try:
-            self._check(loss_of, params, squared, real, mask, group_size, unit_scale, tolerance)
+            self._check(
+                loss_of, params, squared, totals, real, mask, group_size, unit_scale, tolerance
+            )
         finally:
             self.runs += 1
             self._spent += time.perf_counter() - start
@@ -188,6 +192,7 @@ class AttributionCheck:
         loss_of: LossOf,
         params: Mapping[str, torch.Tensor],
         squared: Mapping[str, torch.Tensor],
+        totals: torch.Tensor,
         real: torch.Tensor | None,
         mask: torch.Tensor | None,
         group_size: int,
@@ -242,7 +247,7 @@ class AttributionCheck:
             [torch.linalg.vector_norm(wide(g)).double() for g in alone]
             + [wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared else zero
                for n in names]
-            + [_median_unit_norm(squared, real)]
+            + [_median_unit_norm(totals, real)]
         ).tolist()
         mine, theirs = both[: len(names)], both[len(names):-1]
         floor = ABSOLUTE * tolerance * max(math.sqrt(sum(v * v for v in mine)), both[-1])
@@ -296,12 +301,10 @@ class AttributionCheck:
         ]
 
 
-def _median_unit_norm(
-    squared: Mapping[str, torch.Tensor], real: torch.Tensor | None
-) -> torch.Tensor:
+def _median_unit_norm(totals: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
     """The median over the chunk's real units of their whole gradient norm (float64, 0-d), from
-    the rules' per-parameter squared norms ([n] each): the scale of the attribution floor."""
-    total = torch.stack([v.double() for v in squared.values()]).sum(0).clamp(min=0)
+    their squared norms ([n]): the scale of the attribution floor."""
+    total = totals.double().clamp(min=0)
     if real is not None:
         total = total[real.to(total.device) > 0]
     return total.median().sqrt() if total.numel() else total.new_zeros(())
