@@ -16,6 +16,8 @@ test split's. The benchmarks' READMEs and docs/results.md state goal verdicts by
 from __future__ import annotations
 
 import math
+import statistics
+from typing import Any
 
 VERDICTS = ("met", "within noise", "missed")
 
@@ -46,6 +48,19 @@ def verdict(mean: float, goal: float, n_test: int, *, percent: bool = True) -> s
     if mean + se < goal:
         return "missed"
     return "within noise"
+
+
+def summarise(accuracies: list[float], goal: float | None, n_test: int) -> dict[str, Any]:
+    """A results row's statistics of per-seed test accuracies in percent: the mean, the seed
+    spread (sample standard deviation; None for one seed), the test split's SE at the mean (in
+    points), ``n_test``, the goal and its :func:`verdict` (None without a goal)."""
+    mean = statistics.fmean(accuracies)
+    return {
+        "mean": mean,
+        "seed_std": statistics.stdev(accuracies) if len(accuracies) > 1 else None,
+        "test_se": 100.0 * standard_error(mean / 100.0, n_test), "n_test": n_test,
+        "goal": goal, "verdict": None if goal is None else verdict(mean, goal, n_test),
+    }
 
 
 if __name__ == "__main__":  # the verdicts docs/results.md states

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -98,16 +97,6 @@ def estimator_params(hp: dict[str, Any], eps: float, dim: int) -> dict[str, Any]
     return params
 
 
-def summarise(accuracies: list[float], eps: float, n_test: int) -> dict[str, Any]:
-    """Mean, seed standard deviation (n - 1) and test standard error of per-seed accuracies in
-    percent, with the goal at total epsilon ``eps`` and its verdict."""
-    mean = statistics.fmean(accuracies)
-    goal = GOALS[eps]
-    return {"mean": mean, "seed_std": statistics.stdev(accuracies) if len(accuracies) > 1
-            else 0.0, "test_se": 100.0 * goals.standard_error(mean / 100.0, n_test),
-            "n_test": n_test, "goal": goal, "verdict": goals.verdict(mean, goal, n_test)}
-
-
 def measure(name: str, eps: float, data: tuple[Any, ...], seeds: tuple[int, ...]) -> dict[str, Any]:
     """One row: ``name`` at target ``eps`` with each seed, each fit a whole procedure."""
     config = CONFIGS[name]
@@ -120,7 +109,7 @@ def measure(name: str, eps: float, data: tuple[Any, ...], seeds: tuple[int, ...]
         "all-MiniLM-L6-v2 embeddings", "dataset": "rotten-tomatoes", "private": True,
         "primary": name == PRIMARY, "target_epsilon": eps, "delta": sentiment.DELTA,
         "seeds": list(seeds), "accuracy": accuracies,
-        **summarise(accuracies, eps, len(data[3])),
+        **goals.summarise(accuracies, GOALS[eps], len(data[3])),
         "total_epsilon": max(r["epsilon"] for r in runs),
         "epsilons": [r["epsilon"] for r in runs], "epsilon_method": "gaussian (exact GDP)",
         "hp": {"steps": runs[0]["steps"], "learning_rate": runs[0]["learning_rate"],
