@@ -250,18 +250,20 @@ def merged_rows(trained: list[dict[str, Any]],
     seeds it lacks (a trained seed it already has is left out: a different code path, so not
     the same run); the mean, spread, SE and verdict are over all of them, the total epsilon
     the largest."""
-    out = [r for r in trained if not any(
-        (r["dataset"], r["model"], r["hp"]) == (u["dataset"], u["model"], u["hp"])
-        for u in reused)]
+    def config(row: dict[str, Any]) -> tuple[Any, ...]:
+        return row["dataset"], row["model"], row["hp"]
+
+    def seed(run: dict[str, Any]) -> int:  # a run directory's name ends in -s<seed>
+        return int(run["run"].rsplit("-s", 1)[1])
+
+    out = [r for r in trained if not any(config(r) == config(u) for u in reused)]
     for row in reused:
-        match = [r for r in trained if (r["dataset"], r["model"], r["hp"])
-                 == (row["dataset"], row["model"], row["hp"])]
-        runs = [r for m in match for r in m["runs"]
-                if int(r["run"].rsplit("-s", 1)[1]) not in row["seeds"]]
+        runs = [r for m in trained if config(m) == config(row) for r in m["runs"]
+                if seed(r) not in row["seeds"]]
         if not runs:
             out.append(row)
             continue
-        seeds = [int(r["run"].rsplit("-s", 1)[1]) for r in runs]
+        seeds = [seed(r) for r in runs]
         acc = row["accuracy"] + [r["accuracy"] for r in runs]
         out.append({
             **row, "source": f"{row['source']}; seed{'s' * (len(seeds) > 1)} "
