@@ -486,24 +486,21 @@ class LayerCapture:
         return ", ".join(named[:most]) + more
 
 
-_OPAQUE: list[Callable[..., Any]] = []  # the disabled trampoline, made once per process
-
-
 def _call_hook(hook: _ForwardHook, *args: Any) -> Any:
     """``hook(*args)``: the trampoline :func:`_opaque_call` hides from ``torch.compile``."""
     return hook(*args)
 
 
+@functools.cache
 def _opaque_call() -> Callable[..., Any]:
     """:func:`_call_hook` under ``torch.compiler.disable(recursive=True)``: a graph break
     whose callee (the hook it is given, and all it calls) runs eagerly.
 
-    Made once: ``torch.compiler.disable`` builds a new wrapper at every call (about 10 us
-    each), which a wrapper per hook per chunk would pay on every step.
+    Made once per process (cached): ``torch.compiler.disable`` builds a new wrapper at every
+    call (about 10 us each), which a wrapper per hook per chunk would pay on every step.
     """
-    if not _OPAQUE:
-        _OPAQUE.append(torch.compiler.disable(_call_hook, recursive=True))  # type: ignore[no-untyped-call]
-    return _OPAQUE[0]
+    opaque: Callable[..., Any] = torch.compiler.disable(_call_hook, recursive=True)  # type: ignore[no-untyped-call]
+    return opaque
 
 
 def _differentiable(x: Any) -> bool:
