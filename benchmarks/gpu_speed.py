@@ -115,15 +115,18 @@ def make_model(row: Row, tiny: bool, device: str) -> tuple[nn.Module, Callable]:
     seq = TINY_SHAPE[1] if tiny else row.seq
     cfg = config(row.family, tiny, seq)
     torch.manual_seed(0)
-    if row.family == "minilm":
-        model: nn.Module = transformers.BertForSequenceClassification(cfg)
-        loss, targets, task = sequence_classification_loss, ["query", "value"], "SEQ_CLS"
-    elif row.family == "gpt2s":
-        model = transformers.GPT2LMHeadModel(cfg)
-        loss, targets, task = causal_lm_loss, ["c_attn"], "CAUSAL_LM"
-    else:
-        model = transformers.LlamaForCausalLM(cfg)
-        loss, targets, task = causal_lm_loss, ["q_proj", "v_proj"], "CAUSAL_LM"
+    # built on the device: the random initialisation of ~1.1B weights runs there, not on one
+    # host thread
+    with torch.device(device):
+        if row.family == "minilm":
+            model: nn.Module = transformers.BertForSequenceClassification(cfg)
+            loss, targets, task = sequence_classification_loss, ["query", "value"], "SEQ_CLS"
+        elif row.family == "gpt2s":
+            model = transformers.GPT2LMHeadModel(cfg)
+            loss, targets, task = causal_lm_loss, ["c_attn"], "CAUSAL_LM"
+        else:
+            model = transformers.LlamaForCausalLM(cfg)
+            loss, targets, task = causal_lm_loss, ["q_proj", "v_proj"], "CAUSAL_LM"
     if row.variant == "lora":
         import peft
 

