@@ -90,6 +90,16 @@ def run_procedure(recipe: str, total: float, seed: int, args: argparse.Namespace
     }
 
 
+def _not_searched(recipe: str) -> str:
+    """What the search left at the recipe's defaults (set before any rotten-tomatoes run)."""
+    from dpfy.training.text import TEXT_DEFAULTS
+
+    mode = TEXT_DEFAULTS[sentiment._recipe_mode(recipe)]
+    fixed = {k: v for k, v in mode.items() if k != "learning_rate"}
+    return (f"not searched, the recipe's defaults (dpfy.training.text.TEXT_DEFAULTS): {fixed}, "
+            f"epochs {sentiment.RECIPES[recipe]['epochs']}, 64 tokens per snippet")
+
+
 def summarise(procedures: list[dict[str, Any]], n_test: int) -> list[dict[str, Any]]:
     """Rows (recipe, total) over seeds: accuracies, goal verdict, the largest total epsilon."""
     rows = []
@@ -106,7 +116,8 @@ def summarise(procedures: list[dict[str, Any]], n_test: int) -> list[dict[str, A
             "total_epsilon": max(p["total_epsilon"] for p in mine),
             "per_run_epsilon": mine[0]["per_run_epsilon"], "delta": mine[0]["delta"],
             "epsilon_method": mine[0]["epsilon_method"], "hp_source": "accounted search",
-            "hp_detail": mine[0]["hp_detail"], "chosen": [p["chosen"] for p in mine],
+            "hp_detail": f"{mine[0]['hp_detail']}; {_not_searched(recipe)}",
+            "chosen": [p["chosen"] for p in mine],
             "per_epoch": [p["per_epoch"] for p in mine], "device": mine[0]["device"],
             "minutes": [round(p["seconds"] / 60, 1) for p in mine],
             "test_limit": mine[0]["test_limit"], "train_limit": mine[0]["train_limit"],
