@@ -91,7 +91,7 @@ def run_procedure(recipe: str, total: float, seed: int, args: argparse.Namespace
 
 
 def _not_searched(recipe: str) -> str:
-    """What the search left at the recipe's defaults (set before any rotten-tomatoes run)."""
+    """What the search left at the recipe's defaults (not searched by this procedure)."""
     from dpfy.training.text import TEXT_DEFAULTS
 
     mode = TEXT_DEFAULTS[sentiment._recipe_mode(recipe)]
