@@ -31,16 +31,72 @@ def _oracle_run(q: float, z: float, steps: int) -> D.DpEvent:
 def test_repeat_and_select_matches_dp_accounting(q, z, steps):
     # Integer orders: the inner Poisson-Gaussian RDP is exact in both libraries (DESIGN 3.1), so
     # any difference comes from the repeat-and-select transform or the conversion.
-    acc = tuning.RdpTuningAccountant(INTEGER_ORDERS)
+    # With Theorem 6's delta_hat from the RDP curve (dp_accounting's formula): equal. With it
+    # from the run's PLD (the default): never above, and below for a Poisson K.
+    acc = tuning.RdpTuningAccountant(INTEGER_ORDERS, pld_delta_hat=False)
+    tight = tuning.RdpTuningAccountant(INTEGER_ORDERS)
     for mean in (1.0, 3.7, 100.0):
         for shape in SHAPES:
             event = ev.RepeatAndSelect(_run(q, z, steps), mean, shape)
             oracle = R.RdpAccountant(INTEGER_ORDERS)
             oracle.compose(D.RepeatAndSelectDpEvent(_oracle_run(q, z, steps), mean, shape))
             np.testing.assert_allclose(acc.rdp(event), np.asarray(oracle._rdp), rtol=1e-6)
+            assert np.all(tight.rdp(event) <= acc.rdp(event) * (1 + 1e-12))
             for delta in (1e-5, 1e-8):
                 ours = acc.epsilon(event, delta).epsilon
                 assert ours == pytest.approx(oracle.get_epsilon(delta), rel=1e-6), (mean, shape)
+                tighter = tight.epsilon(event, delta).epsilon
+                if math.isinf(shape) and mean > 1.0:
+                    assert tighter < ours * 0.999, (mean, delta)
+                elif not math.isinf(shape):
+                    assert tighter == ours
+
+
+def _gaussian_delta(sigma: float, eps: float) -> float:
+    """Exact delta(eps) of the Gaussian mechanism, sensitivity 1 (Balle & Wang 2018, Thm. 8)."""
+    from scipy.stats import norm
+
+    return float(norm.cdf(0.5 / sigma - eps * sigma)
+                 - math.exp(eps) * norm.cdf(-0.5 / sigma - eps * sigma))
+
+
+@pytest.mark.parametrize("sigma", [0.8, 3.0, 10.0])
+def test_pld_delta_hat_bounds_the_exact_gaussian_delta_tightly(sigma):
+    orders = np.asarray([0.5, 1.25, 2.0, 4.0, 16.0, 64.0, 256.0])
+    d_hat = tuning.pld_delta_hat(ev.Gaussian(sigma), orders)
+    assert d_hat is not None and d_hat[0] == 1.0  # no statement below order 1
+    for a, d in zip(orders[1:], d_hat[1:], strict=True):
+        exact = _gaussian_delta(sigma, math.log1p(1.0 / (a - 1.0)))
+        assert exact <= d <= exact * 1.01 + 1e-12, (a, d, exact)
+
+
+def test_pld_delta_hat_of_a_subsampled_run_agrees_with_dp_accountings_pld():
+    from dp_accounting.pld import pld_privacy_accountant as P
+
+    q, z, steps = 0.02, 1.1, 300
+    orders = np.asarray([1.5, 2.0, 3.0, 6.0, 12.0, 40.0])
+    d_hat = tuning.pld_delta_hat(_run(q, z, steps), orders)
+    assert d_hat is not None
+    oracle = P.PLDAccountant(value_discretization_interval=1e-4)  # pessimistic, finer grid
+    oracle.compose(_oracle_run(q, z, steps))
+    theirs = np.array([oracle.get_delta(math.log1p(1.0 / (a - 1.0))) for a in orders])
+    np.testing.assert_allclose(d_hat, theirs, rtol=5e-3)
+
+
+def test_pld_delta_hat_leaves_events_the_pld_engine_cannot_account_to_rdp():
+    shuffled = ev.Shuffled(1.0, 10, 2)
+    assert tuning.pld_delta_hat(shuffled, np.asarray([2.0, 8.0])) is None
+    rdp_only = tuning.RdpTuningAccountant(pld_delta_hat=False)
+    default = tuning.RdpTuningAccountant()
+    curve = np.asarray(accounting.rdp.rdp_of_event(_run(0.01, 1.0, 100), default.orders))
+    with pytest.raises(ValueError, match="delta_hat must be"):
+        tuning.rdp_repeat_and_select(default.orders, curve, 3.0, math.inf, delta_hat=[0.1])
+    # a delta_hat larger than the RDP curve's changes nothing (the smaller is used)
+    ones = np.ones_like(default.orders)
+    np.testing.assert_array_equal(
+        tuning.rdp_repeat_and_select(default.orders, curve, 3.0, math.inf, delta_hat=ones),
+        tuning.rdp_repeat_and_select(default.orders, curve, 3.0, math.inf))
+    assert rdp_only.orders.shape == default.orders.shape
 
 
 @pytest.mark.parametrize("shape", SHAPES)

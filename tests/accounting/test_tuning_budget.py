@@ -5,6 +5,8 @@ at once."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from dpfy import accounting
@@ -31,6 +33,7 @@ def _full_batch_events(per_run: float) -> tuple[ev.Event, ev.Event]:
 
 @pytest.mark.parametrize(("total", "mean", "shape", "events"), [
     (1.0, 4.0, 1.0, _events), (8.0, 4.0, 1.0, _events), (3.0, 3.0, 0.0, _events),
+    (3.0, 4.0, math.inf, _events),  # Poisson K: Theorem 6 with the PLD's delta_hat
     (3.0, 2.0, None, _full_batch_events), (8.0, 4.0, None, _full_batch_events)])
 def test_the_calibrated_search_spends_at_most_its_total_and_nearly_all_of_it(
     total, mean, shape, events

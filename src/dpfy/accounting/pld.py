@@ -88,7 +88,7 @@ _DIRECTIONS = ("remove", "add")
 _EPS_FLOOR = 1e-6  # below this epsilon the tolerance is absolute (tolerance * 1e-6)
 
 
-class _GridTooLarge(ValueError):
+class GridTooLarge(ValueError):
     """The requested accuracy needs a grid larger than the size limit."""
 
 
@@ -377,7 +377,7 @@ def compose(
     longest = max(p.pmf.size for p, _ in parts)
     size = sp_fft.next_fast_len(max(width, longest), real=True)
     if size > max_size:
-        raise _GridTooLarge(
+        raise GridTooLarge(
             f"the composed PLD grid would need {size} points (limit {max_size}); "
             "use a larger tolerance"
         )
@@ -568,7 +568,7 @@ def _refine(
     while True:
         try:
             value = _level_value(mechanisms, h, tail, max_size, evaluate)
-        except _GridTooLarge:
+        except GridTooLarge:
             if levels == 0:
                 raise
             return _Refined(best, prev_h, False, levels)
