@@ -6,7 +6,7 @@ run (each trial's training, the final release) to one per-run target so that the
 -- the trials, their noisy validation scores (a Gaussian count of sensitivity 1, std
 ``--score-noise``, default 10), the choice and the release -- meets E at delta
 (:func:`dpfy.tuning_runs.calibrate_total`). This script tabulates that per-run target for
-totals 1 / 3 / 8 at delta 1e-5 and four designs:
+totals 1 / 3 / 8 at delta 1e-5 and five designs:
 
 * no search: the released run alone spends the total (the hyperparameters come from a rule or
   another data set);
@@ -14,7 +14,8 @@ totals 1 / 3 / 8 at delta 1e-5 and four designs:
   et al. 2023, Table 4, "RDP/PLD composition", valid for any search, tighter than the simple
   composition that adds K + 1 epsilons);
 * K geometric with mean 4: Papernot & Steinke 2022 (Thm. 2, RDP), the trials as
-  ``RepeatAndSelect``, then the release.
+  ``RepeatAndSelect``, then the release;
+* K Poisson with mean 4: their Thm. 6, the single run's delta_hat from its PLD.
 
 Recipes (the runs ``dpfy tune`` plans; the unit counts come from the packaged data: a trial
 trains on the units outside the validation split, the release on all of them):
@@ -50,7 +51,8 @@ DELTA = 1e-5
 TOTALS = (1.0, 3.0, 8.0)
 #: (label, distribution, mean number of trials); "none" is the release alone.
 DESIGNS = (("no search", None, 1.0), ("fixed K = 2", "fixed", 2.0),
-           ("fixed K = 4", "fixed", 4.0), ("geometric K, mean 4", "geometric", 4.0))
+           ("fixed K = 4", "fixed", 4.0), ("geometric K, mean 4", "geometric", 4.0),
+           ("Poisson K, mean 4", "poisson", 4.0))
 RECIPES: dict[str, dict[str, Any]] = {
     "text: bias-only MiniLM, rotten-tomatoes (batch 256, 3 epochs)":
         {"dataset": "rotten-tomatoes", "bias_only": True},
@@ -133,8 +135,11 @@ def _markdown(results: dict[str, Any]) -> str:
              "at most the total). Designs: no search (the release alone); fixed K: every "
              "trial's ledger and the release composed by PLD (valid for any search; no bound "
              "specific to selecting the best of a fixed K is used); geometric K with mean 4: "
-             "Papernot & Steinke 2022 (RDP), as `dpfy tune` accounts it. A geometric K has a "
-             "long tail (K >= 10 with probability 0.75^9 = 7.5 %), a fixed K none.", "",
+             "Papernot & Steinke 2022 (RDP, Thm. 2), as `dpfy tune` accounts it; Poisson K "
+             "with mean 4: Thm. 6, its delta_hat from the trial's PLD (docs/architecture.md "
+             "5.6). A geometric K has a long tail (K >= 10 with probability 0.75^9 = 7.5 %), "
+             "a fixed K none; a Poisson K is 0 with probability exp(-4) = 1.8 % (no trial, "
+             "no release) and >= 10 with 0.8 %.", "",
              "Command: `PYTHONPATH=src python benchmarks/tuning_budget.py`.", ""]
     for entry in results["recipes"]:
         lines += [f"## {entry['recipe']}", "",
