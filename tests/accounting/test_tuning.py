@@ -83,6 +83,13 @@ def test_pld_delta_hat_of_a_subsampled_run_agrees_with_dp_accountings_pld():
     np.testing.assert_allclose(d_hat, theirs, rtol=5e-3)
 
 
+def test_the_result_says_where_delta_hat_came_from():
+    poisson = accounting.epsilon(tuning.random_trials(_run(0.01, 1.0, 100), 4.0), 1e-5)
+    geometric = accounting.epsilon(tuning.random_trials(_run(0.01, 1.0, 100), 4.0, 1.0), 1e-5)
+    assert any("delta_hat from its pessimistic PLD" in n for n in poisson.notes)
+    assert not any("delta_hat" in n for n in geometric.notes)
+
+
 def test_pld_delta_hat_leaves_events_the_pld_engine_cannot_account_to_rdp():
     shuffled = ev.Shuffled(1.0, 10, 2)
     assert tuning.pld_delta_hat(shuffled, np.asarray([2.0, 8.0])) is None

@@ -306,7 +306,7 @@ class RdpTuningAccountant:
             delta=float(delta),
             method=self.name,
             adjacency=event.adjacency_relation.value,
-            notes=_NOTES + (f"best RDP order {float(order):g}",),
+            notes=self._notes(event) + (f"best RDP order {float(order):g}",),
         )
 
     def delta(self, event: ev.Event, epsilon: float) -> PrivacyResult:
@@ -318,8 +318,20 @@ class RdpTuningAccountant:
             delta=float(d),
             method=self.name,
             adjacency=event.adjacency_relation.value,
-            notes=_NOTES,
+            notes=self._notes(event),
         )
+
+    def _notes(self, event: ev.Event) -> tuple[str, ...]:
+        if not (self._pld_delta_hat and _has_poisson_trials(event)):
+            return _NOTES
+        return _NOTES + ("Poisson number of trials (Thm. 6): the single run's delta_hat from "
+                         "its pessimistic PLD where the PLD engine accounts it",)
+
+
+def _has_poisson_trials(event: ev.Event) -> bool:
+    if isinstance(event, ev.RepeatAndSelect) and math.isinf(event.shape):
+        return True
+    return any(_has_poisson_trials(c) for c in ev._children(event))
 
 
 _NOTES = (
