@@ -180,12 +180,13 @@ def rdp_repeat_and_select(
 def pld_delta_hat(event: ev.Event, orders: ArrayLike) -> np.ndarray | None:
     """Theorem 6's ``delta_hat`` of a single run from its pessimistic PLD, one per order.
 
-    For each order ``a > 1``, the delta ``event`` meets at ``eps_hat = log(1 + 1/(a-1))``: the
-    larger over the two directions of add-or-remove adjacency of the hockey-stick divergence of
-    :func:`dpfy.accounting.pld.composed_plds` (each dominates the exact loss distribution, so
-    every value is a valid upper bound; Koskela, Jalko & Honkela 2020 for the pessimistic
-    discretisation). The grid is an eighth of the PLD engine's first interval (coarser if that
-    grid is too large); tightness only depends on it. Orders <= 1 get 1.
+    For each order ``a > 1``, the delta ``event`` meets at ``eps_hat = log(1 + 1/(a-1))`` under
+    its own adjacency: the larger over the directions :func:`dpfy.accounting.pld.composed_plds`
+    composes (remove and add when a step is subsampled) of their hockey-stick divergences. Each
+    of those PLDs dominates the exact pair of its direction (the pessimistic discretisation of
+    docs/architecture.md 5.2), so every value is a valid upper bound. The grid is an eighth of
+    the PLD engine's first interval (coarser if that grid is too large); only tightness depends
+    on it. Orders <= 1 get 1.
 
     Returns:
       The deltas, or None when the PLD engine cannot account ``event`` (the caller keeps the
