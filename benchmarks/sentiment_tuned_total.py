@@ -156,6 +156,7 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
             left.plot(range(1, len(curve) + 1), [100 * c["test_accuracy"] for c in curve],
                       "o-", color=colour, alpha=0.7,
                       label=f"total {r['target_total_epsilon']:g}" if i == 0 else None)
+    left.set_xticks(range(1, 1 + max(len(c) for r in rows for c in r["per_epoch"])))
     left.set(xlabel="epoch of the released run", ylabel="test accuracy (%)",
              title="bias-only MiniLM, each procedure's release")
     left.legend()
@@ -165,7 +166,8 @@ def figure(rows: list[dict[str, Any]], path: Path) -> None:
     for r in rows:
         right.scatter([r["total_epsilon"]] * len(r["accuracy"]), r["accuracy"], s=10,
                       color="grey")
-    right.plot(list(GOALS), list(GOALS.values()), "k--", label="goal")
+    right.plot(list(GOALS), list(GOALS.values()), "k_", markersize=18, mew=2,
+               label="goal at each total")
     right.set(xscale="log", xlabel="total epsilon of the whole procedure (delta 1e-5)",
               ylabel="test accuracy (%)", title="accounted search + release")
     right.legend()
