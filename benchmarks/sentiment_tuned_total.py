@@ -46,8 +46,8 @@ from typing import Any
 
 import goals  # benchmarks/goals.py: the verdict rule every README states
 import sentiment  # benchmarks/sentiment.py: recipes, searched space, base run
+from sentiment_total_eps import GOALS  # the goals at total epsilon 1 / 3 / 8, one home
 
-GOALS = {1.0: 76.0, 3.0: 77.5, 8.0: 78.9}
 TOTALS = (1.0, 3.0, 8.0)
 
 
@@ -62,11 +62,11 @@ def run_procedure(recipe: str, total: float, seed: int, args: argparse.Namespace
     name = _name(recipe, total, seed)
     start = time.perf_counter()
     base = sentiment._base_config(recipe, total, seed, args, args.out / "runs" / name)
+    space = sentiment.tuned_space(recipe)
+    options = tuning_runs.TuneOptions(trials=args.trials, distribution="fixed",
+                                      total_epsilon=total)
     tuned = tuning_runs.tune_and_report(
-        base, tuning_runs.SearchSpace.from_mapping(sentiment.tuned_space(recipe)),
-        tuning_runs.TuneOptions(trials=args.trials, distribution="fixed", total_epsilon=total),
-        progress=False,
-    )
+        base, tuning_runs.SearchSpace.from_mapping(space), options, progress=False)
     assert tuned.final is not None and tuned.chosen is not None  # fixed K >= 1
     chosen = tuned.trials[tuned.chosen].params
     sentiment._log(f"{name}: chosen {chosen}; test {tuned.final.test_accuracy:.4f}; per run "
@@ -78,8 +78,8 @@ def run_procedure(recipe: str, total: float, seed: int, args: argparse.Namespace
         "per_run_epsilon": tuned.per_run_epsilon, "final_epsilon": tuned.final_epsilon,
         "delta": tuned.delta, "hp_source": "accounted search",
         "hp_detail": (f"dpfy tune --total-epsilon {total:g}: {args.trials} trials (fixed K) from "
-                      f"{sentiment.tuned_space(recipe)}, noisy validation scores (std "
-                      f"{tuning_runs.TuneOptions().score_noise:g} on the count), every run at "
+                      f"{space}, noisy validation scores (std "
+                      f"{options.score_noise:g} on the count), every run at "
                       f"the per-run target; seed = whole procedure"),
         "chosen": chosen, "trials": [dataclasses.asdict(t) for t in tuned.trials],
         "per_epoch": sentiment._per_epoch(tuned.final.ledger_path),
