@@ -6,6 +6,10 @@ tied embeddings) at batch 8, seq 128. Variants: full fine-tuning and LoRA r=8 (H
 
 ``dpfy`` is the step as a user gets it (the attribution check at its default budget),
 ``dpfy_nocheck`` the same with the check off (not run unless named in ``--methods``).
+``dpfy_physical`` and ``plain_physical`` take the same step (one clipped sum, one noise draw,
+one optimizer step over the whole batch) in forward/backward passes of ``--physical-batch``
+rows: what ``max_physical_batch_size`` does in dpfy's trainer and gradient accumulation in plain
+PyTorch; the memory lever a user has when a batch does not fit (not run unless named).
 
 Time: methods run in one process in interleaved rounds (each once per round, rotating order);
 the ratio to plain is the median over rounds of the same-round ratio. Memory (unless
@@ -54,7 +58,10 @@ from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  #
 
 Step = Callable[[], None]
 SHAPES = {"minilm": (32, 64), "gpt2s": (8, 128)}
-METHODS = ("plain", "dpfy", "dpfy_nocheck", "opacus_ghost", "opacus_hooks")
+METHODS = ("plain", "dpfy", "dpfy_nocheck", "plain_physical", "dpfy_physical", "opacus_ghost",
+           "opacus_hooks")
+#: Rows per forward/backward pass of the ``*_physical`` methods (``--physical-batch``).
+PHYSICAL = {"rows": 8}
 
 
 def make_model(name: str, variant: str) -> tuple[nn.Module, Callable]:
@@ -145,16 +152,20 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
     """
     params = [p for p in model.parameters() if p.requires_grad]
     batch = y.shape[0]
-    if method == "plain":
+    rows = PHYSICAL["rows"] if method.endswith("_physical") else batch
+    passes = [(s, min(s + rows, batch)) for s in range(0, batch, rows)]
+    if method in ("plain", "plain_physical"):
         opt = torch.optim.SGD(params, lr=LR)
 
-        def plain() -> None:
-            loss(model(**x), y).mean().backward()
+        def plain() -> None:  # the batch mean, accumulated pass by pass
+            for a, b in passes:
+                part = {k: v[a:b] for k, v in x.items()}
+                (loss(model(**part), y[a:b]).sum() / batch).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         return plain
-    if method in ("dpfy", "dpfy_nocheck"):
+    if method in ("dpfy", "dpfy_nocheck", "dpfy_physical"):
         opt = torch.optim.SGD(params, lr=LR)
         pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=batch)
         if method == "dpfy_nocheck":  # the attribution check off (its cost: dpfy / this)
@@ -164,7 +175,8 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
 
         def private() -> None:
             sid = ledger.record_sample(spec)
-            pg.accumulate(x, y, loss)
+            for a, b in passes:  # one pass unless dpfy_physical
+                pg.accumulate({k: v[a:b] for k, v in x.items()}, y[a:b], loss)
             pg.release(ledger=ledger, sample_id=sid, randomness=rng)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -361,7 +373,7 @@ def instrument(phases: Phases) -> None:
         out = run(self, loss_of, params, *a, **k)
         phases.end("attribution check" + (" (learning: 2 passes)" if learn else ""))
         size = sum(p.numel() * p.element_size() for p in params.values())
-        phases.held("attribution gradients", size * (2 if learn else 1))
+        phases.held("attribution gradients", size)  # one set at a time, learning or not
         return out
 
     def release(self: Any, *a: Any, **k: Any) -> Any:
@@ -408,13 +420,13 @@ def child_memory(
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     out: dict[str, Any] = {"loaded_mb": loaded}
     phases = Phases()
-    breakdown = breakdown and method in ("plain", "dpfy")
+    breakdown = breakdown and method in ("plain", "dpfy", "plain_physical", "dpfy_physical")
     if breakdown:
         instrument(phases)
     try:
         step = build(method, model, loss, x, y)
         for _ in range(warmup + steps):
-            if method == "plain":
+            if method.startswith("plain"):
                 phases.begin()
             step()
     except Exception as exc:
@@ -432,7 +444,7 @@ def memory(name: str, variant: str, method: str, warmup: int, steps: int, thread
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
         "import torch; import transformer_step as t;"
-        f"torch.set_num_threads({threads});"
+        f"torch.set_num_threads({threads}); t.PHYSICAL['rows'] = {PHYSICAL['rows']};"
         f"t.child_memory({name!r}, {variant!r}, {method!r}, {warmup}, {steps})"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -451,7 +463,7 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
     """One table per (model, variant): time and memory, each as a ratio to plain and ghost."""
     print(f"\n{name} {variant} (batch, seq) = {SHAPES[name]}, {n_train:,} trainable parameters")
     print(
-        f"  {'method':13s} {'median ms':>10s} {'min ms':>9s} {'x plain':>7s}"
+        f"  {'method':14s} {'median ms':>10s} {'min ms':>9s} {'x plain':>7s}"
         f" {'peak MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
         f" {'step MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
     )
@@ -461,16 +473,16 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
     for m in sorted(res, key=METHODS.index):
         r = res[m]
         if "error" in r:
-            print(f"  {m:13s} {r['error']}")
+            print(f"  {m:14s} {r['error']}")
             continue
-        line = f"  {m:13s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio']:7.2f}"
+        line = f"  {m:14s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio']:7.2f}"
         if m in ok:
             p, s = ok[m]["peak_mb"], ok[m]["step_mb"]
             line += f" {p:8.0f}  {_r(p, pp)}  {_r(p, pg)} {s:8.0f}  {_r(s, sp)}  {_r(s, sg)}"
         elif m in mem:
             line += f"  memory: {mem[m]['error']}"
         print(line)
-    for m in ("plain", "dpfy"):
+    for m in ("plain", "dpfy", "plain_physical", "dpfy_physical"):
         ph = ok.get(m, {}).get("phases")
         if ph:
             print(f"  where {m}'s step memory goes (MB above the step's start RSS; first step,"
@@ -504,6 +516,20 @@ def goals(variant: str, res: dict, mem: dict) -> None:
               f" {gm['step_mb']:.0f} MB)")
     elif "opacus_ghost" in res:
         print("  goal memory <= Opacus ghost: not measurable (ghost did not run)")
+    plain = mem.get("plain")
+    for m in ("dpfy", "dpfy_physical"):
+        if m not in mem or plain is None or "error" in res.get(m, {"error": ""}):
+            continue
+        step, ratio = mem[m]["step_mb"] / plain["step_mb"], res[m]["ratio"]
+        both = step <= 1.15 and ratio <= 1.1
+        what = m if m == "dpfy" else f"{m} (passes of {PHYSICAL['rows']} rows)"
+        print(f"  goal {what}: step memory <= plain + 15 % and time <= 1.1x plain (one pass):"
+              f" {'yes' if both else 'NO'} ({step:.2f}x memory, {ratio:.2f}x time)")
+        other = mem.get("plain_physical")
+        if m == "dpfy_physical" and other is not None and "ratio" in res.get("plain_physical", {}):
+            same = mem[m]["step_mb"] / other["step_mb"]
+            print(f"    against plain in the same passes: {same:.2f}x memory,"
+                  f" {ratio / res['plain_physical']['ratio']:.2f}x time")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,15 +547,18 @@ def main(argv: list[str] | None = None) -> int:
         "--no-memory", action="store_true", help="skip the per-method memory subprocesses"
     )
     parser.add_argument("--memory-steps", type=int, default=2, help="steps after warm-up")
+    parser.add_argument("--physical-batch", type=int, default=PHYSICAL["rows"],
+                        help="rows per forward/backward pass of the *_physical methods")
     parser.add_argument(
         "--peer-limit-gb", type=float, default=20.0,
         help="skip a peer mode whose per-example gradients alone would exceed this (GB)",
     )
     args = parser.parse_args(argv)
-    for flag in ("rounds", "warmup", "threads", "memory_steps"):
+    for flag in ("rounds", "warmup", "threads", "memory_steps", "physical_batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     torch.set_num_threads(args.threads)
+    PHYSICAL["rows"] = args.physical_batch
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds,"
           f" warm-up {args.warmup}, memory: fresh process, warm-up + {args.memory_steps} steps")
     for name in args.models:

@@ -9,6 +9,7 @@ with padding rows, seeded runs) are never refused, and that the check changes no
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -276,3 +277,53 @@ def test_the_same_error_on_a_unit_at_the_chunks_scale_is_refused(monkeypatch):
     with pytest.raises(AttributionError, match=r"'0.weight' of module '0' \(Linear\)"):
         _pg(model).accumulate(x, y, LOSS)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_two_passes_equal_within_the_agreement_tolerance_do_not_differ():
+    # what allclose(rtol=1e-6) accepted, the fingerprints accept: a deterministic model is
+    # never called stochastic (norms within r * L2, sums within r * L1, by the triangle
+    # inequality), even when a gradient's entries cancel in its sum
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = torch.randn(300, generator=g, dtype=torch.float64)
+        a = a - a.mean()  # a sum near 0: a relative test on the sum alone would fail
+        b = a * (1 + 0.9e-6 * (2 * torch.rand(300, generator=g, dtype=torch.float64) - 1))
+        assert torch.allclose(a, b, rtol=1e-6, atol=0.0)
+        fa, fb = attribution._fingerprint(a)[None], attribution._fingerprint(b)[None]
+        assert not attribution._differ(fa, fb)
+
+
+def test_a_dropout_mask_drawn_anew_tells_the_passes_apart():
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        a = torch.randn(50, generator=g)
+        keep = torch.rand(50, generator=g) > 0.1
+        keep2 = torch.rand(50, generator=g) > 0.1
+        if torch.equal(keep, keep2):
+            continue
+        prints = [attribution._fingerprint(a * k / 0.9) for k in (keep, keep2)]
+        assert attribution._differ(prints[0][None], prints[1][None])
+
+
+def test_the_alone_passes_hold_one_parameter_sized_set_at_a_time(monkeypatch):
+    # each pass's gradients are reduced to 4 numbers per parameter and freed before the next
+    # pass starts: at the second pass, no gradient of the first is alive
+    model = _mlp()
+    x, y = _data()
+    alive: list[int] = []
+    grad = torch.autograd.grad
+
+    params = set(map(id, model.parameters()))
+
+    def counting(outputs, inputs, **kw):  # type: ignore[no-untyped-def]
+        out = grad(outputs, inputs, **kw)
+        if {id(t) for t in inputs} == params:  # an alone pass: all the parameters
+            alive.append(len([t for t in _live_grads if t() is not None]))
+            _live_grads.extend(weakref.ref(t) for t in out if t is not None)
+        return out
+
+    _live_grads: list[weakref.ref[torch.Tensor]] = []
+    monkeypatch.setattr(torch.autograd, "grad", counting)
+    pg = _pg(model)
+    pg.accumulate(x, y, LOSS)
+    assert pg.attribution.stochastic is False and alive == [0, 0]

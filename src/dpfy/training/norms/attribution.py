@@ -32,11 +32,13 @@ them again in the alone pass; the generic rule refuses the first and ``check_mod
 second, before the check could run.
 
 Cost: one forward and backward on ``k`` rows (one example) per checked chunk -- about ``1 / B``
-of the step plus the fixed cost of a forward call -- and a parameter-sized gradient, freed at
-once. ``every`` sets the frequency (every chunk by default; 0 turns it off) and ``budget`` the
-share of the engine's own time the checks may take (5 % by default; ``None``: no limit). A loss that
-cannot be recomputed on one example's rows (:func:`recomputable`) is not checked. A loss built
-from the batch rather than from fresh outputs (``dpfy.opacus``' hooks mode: a surrogate read off
+of the step plus the fixed cost of a forward call -- and a parameter-sized gradient, reduced to
+its norms and freed at once (the learning pass compares the two seeds' gradients through three
+float64 numbers per parameter, so it too holds one parameter-sized set at a time). ``every``
+sets the frequency (every chunk by default; 0 turns it off) and ``budget`` the share of the
+engine's own time the checks may take (5 % by default; ``None``: no limit). A loss that cannot
+be recomputed on one example's rows (:func:`recomputable`) is not checked. A loss built from
+the batch rather than from fresh outputs (``dpfy.opacus``' hooks mode: a surrogate read off
 the user's backward) recomputes the chosen rows itself (:class:`RowsLoss`).
 """
 
@@ -209,10 +211,11 @@ class AttributionCheck:
         weights = None if mask is None else mask.index_select(0, rows.to(mask.device))
         modes = self._modes()
         learn = modes not in self._verdicts
-        try:
-            alone = self._alone(loss_of, params, rows, weights, unit_scale, 1 if learn else None)
+        try:  # each pass's gradients are summarised and freed before the next pass
+            mine_t, seen = self._alone(loss_of, params, rows, weights, unit_scale,
+                                       1 if learn else None)
             if learn:
-                again = self._alone(loss_of, params, rows, weights, unit_scale, seed=2)
+                _, again = self._alone(loss_of, params, rows, weights, unit_scale, seed=2)
         except (RuntimeError, ValueError, IndexError, TypeError) as err:
             # the forward or the loss does not run on one unit's rows alone (a loss that
             # closes over per-batch state): the check stands down for the run, saying so
@@ -227,28 +230,22 @@ class AttributionCheck:
             )
             return
         if learn:
-            if any(not torch.allclose(a, b, rtol=1e-6, atol=0.0)
-                   for a, b in zip(alone, again, strict=True)):
+            if _differ(seen, again):
                 self._verdicts[modes] = True
                 return
             # equal gradients that are all zero (a zero-initialised head) say nothing about
             # the model's randomness: the verdict waits for a chunk with a gradient
-            if any(bool(g.any()) for g in alone):
+            if bool((seen[:, 2] > 0).any()):
                 self._verdicts[modes] = False
         names = list(params)
-        # one host read for both sides (fp32 norms: the tolerance is 1e-3 or looser)
+        zero = mine_t.new_zeros(())
         # norms in each tensor's own precision (fp32 at least: the tolerance is 1e-3 there,
         # tighter in float64), one host read for both sides
-        def wide(t: torch.Tensor) -> torch.Tensor:
-            return t.to(torch.promote_types(t.dtype, torch.float32))
-
-        zero = alone[0].new_zeros((), dtype=torch.float64)
-        both = torch.stack(
-            [torch.linalg.vector_norm(wide(g)).double() for g in alone]
-            + [wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared else zero
-               for n in names]
-            + [_median_unit_norm(totals, real)]
-        ).tolist()
+        both = torch.cat([
+            mine_t,
+            torch.stack([_wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared
+                         else zero for n in names] + [_median_unit_norm(totals, real)]),
+        ]).tolist()
         mine, theirs = both[: len(names)], both[len(names):-1]
         floor = ABSOLUTE * tolerance * max(math.sqrt(sum(v * v for v in mine)), both[-1])
         wrong = [
@@ -279,7 +276,11 @@ class AttributionCheck:
         weights: torch.Tensor | None,
         unit_scale: float,
         seed: int | None,
-    ) -> list[torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit's gradient computed alone, summarised per parameter and freed: its norms
+        ([P] float64, in each gradient's precision widened to fp32 at least) and, under a
+        ``seed``, its fingerprints (:func:`_fingerprint`, [P, 3]; empty without one). One
+        parameter-sized set of gradients is alive at a time."""
         devices = sorted({p.device.index for p in params.values()
                           if p.device.type == "cuda" and p.device.index is not None})
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
@@ -294,11 +295,45 @@ class AttributionCheck:
             if weights is not None:  # padding rows of the unit count for nothing, as in the step
                 losses = losses * weights.to(losses.device, losses.dtype)
             loss = losses.sum() * unit_scale
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        return [
-            torch.zeros_like(p) if g is None else g.detach()
-            for p, g in zip(params.values(), grads, strict=True)
-        ]
+            grads: list[torch.Tensor | None] = list(
+                torch.autograd.grad(loss, list(params.values()), allow_unused=True))
+        f64 = torch.float64
+        zero = torch.zeros((), dtype=f64, device=next(iter(params.values())).device)
+        norms, prints = [], []
+        for i, g in enumerate(grads):
+            grads[i] = None  # freed as soon as it is summarised
+            norms.append(zero if g is None else
+                         torch.linalg.vector_norm(_wide(g.detach())).double())
+            if seed is not None:
+                prints.append(zero.expand(3) if g is None else _fingerprint(g.detach()))
+        return torch.stack(norms), torch.stack(prints) if prints else zero.new_empty((0, 3))
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+#: Relative tolerance of two alone passes' agreement (the model is deterministic).
+_SAME = 1e-6
+
+
+def _fingerprint(g: torch.Tensor) -> torch.Tensor:
+    """``[L2 norm, sum, L1 norm]`` of one gradient, accumulated in float64 (3 numbers in place
+    of a parameter-sized copy). Two gradients equal elementwise within relative ``r``
+    (``allclose``) have norms within ``r`` times the larger L2 norm and sums within ``r`` times
+    the larger L1 norm, so :func:`_differ` never calls a deterministic model stochastic; a
+    dropout mask drawn anew changes the norm far beyond ``r``."""
+    f64 = torch.float64
+    return torch.stack([torch.linalg.vector_norm(g, dtype=f64), g.sum(dtype=f64),
+                        torch.linalg.vector_norm(g, ord=1, dtype=f64)])
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two passes' fingerprints ([P, 3]) tell their gradients apart beyond ``_SAME``."""
+    l2 = torch.maximum(a[:, 0], b[:, 0])
+    l1 = torch.maximum(a[:, 2], b[:, 2])
+    apart = ((a[:, 0] - b[:, 0]).abs() > _SAME * l2) | ((a[:, 1] - b[:, 1]).abs() > _SAME * l1)
+    return bool(apart.any())
 
 
 def _median_unit_norm(totals: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
