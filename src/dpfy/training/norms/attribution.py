@@ -54,6 +54,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dpfy.training.norms import wide
+
 #: The caller's per-example losses of the given rows of the chunk, from a fresh forward pass.
 LossOf = Callable[[torch.Tensor], torch.Tensor]
 
@@ -279,7 +281,7 @@ class AttributionCheck:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The unit's gradient computed alone, summarised per parameter and freed: its norms
         ([P] float64, in each gradient's precision widened to fp32 at least) and, under a
-        ``seed``, its fingerprints (:func:`_fingerprint`, [P, 3]; empty without one). One
+        ``seed``, its fingerprints (:func:`wide.fingerprint`, [P, 3]; empty without one). One
         parameter-sized set of gradients is alive at a time."""
         devices = sorted({p.device.index for p in params.values()
                           if p.device.type == "cuda" and p.device.index is not None})
@@ -305,7 +307,7 @@ class AttributionCheck:
             norms.append(zero if g is None else
                          torch.linalg.vector_norm(_wide(g.detach())).double())
             if seed is not None:
-                prints.append(zero.expand(3) if g is None else _fingerprint(g.detach()))
+                prints.append(zero.expand(3) if g is None else wide.fingerprint(g.detach()))
         return torch.stack(norms), torch.stack(prints) if prints else zero.new_empty((0, 3))
 
 
@@ -317,19 +319,14 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 _SAME = 1e-6
 
 
-def _fingerprint(g: torch.Tensor) -> torch.Tensor:
-    """``[L2 norm, sum, L1 norm]`` of one gradient, accumulated in float64 (3 numbers in place
-    of a parameter-sized copy). Two gradients equal elementwise within relative ``r``
-    (``allclose``) have norms within ``r`` times the larger L2 norm and sums within ``r`` times
-    the larger L1 norm, so :func:`_differ` never calls a deterministic model stochastic; a
-    dropout mask drawn anew changes the norm far beyond ``r``."""
-    f64 = torch.float64
-    return torch.stack([torch.linalg.vector_norm(g, dtype=f64), g.sum(dtype=f64),
-                        torch.linalg.vector_norm(g, ord=1, dtype=f64)])
-
-
 def _differ(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two passes' fingerprints ([P, 3]) tell their gradients apart beyond ``_SAME``."""
+    """Whether two passes' fingerprints ([P, 3] of :func:`wide.fingerprint`: L2 norm, sum and
+    L1 norm per parameter) tell their gradients apart beyond ``_SAME``.
+
+    Two gradients equal elementwise within relative ``r`` (``allclose``) have norms within
+    ``r`` times the larger L2 norm and sums within ``r`` times the larger L1 norm, so a
+    deterministic model is never called stochastic; a dropout mask drawn anew changes the norm
+    far beyond ``r``."""
     l2 = torch.maximum(a[:, 0], b[:, 0])
     l1 = torch.maximum(a[:, 2], b[:, 2])
     apart = ((a[:, 0] - b[:, 0]).abs() > _SAME * l2) | ((a[:, 1] - b[:, 1]).abs() > _SAME * l1)

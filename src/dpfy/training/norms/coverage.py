@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from dpfy.training.norms import wide
 from dpfy.training.norms.capture import ModulePlan, reported_names, watch_plans
 from dpfy.training.norms.fallback import fallback_rule
 from dpfy.training.norms.registry import Capture, LayerGrads
@@ -83,17 +84,17 @@ def measure(
     f64 = torch.float64
     for name, ref in batch_grads.items():
         got = recorded.get(name)
-        # Norms accumulated in float64 without float64 copies of the gradients (each the
-        # size of a parameter); the difference in the working dtype: one rounding of it,
-        # far inside the tolerance.
+        # Norms accumulated in float64 block by block (no float64 copy of a gradient, nor a
+        # parameter-sized difference); the difference in the working dtype: one rounding of
+        # it, far inside the tolerance.
         zero = ref if ref is not None else got
         z = torch.zeros((), dtype=f64, device=None if zero is None else zero.device)
-        r = z if ref is None else torch.linalg.vector_norm(ref, dtype=f64)
-        g = z if got is None else torch.linalg.vector_norm(got, dtype=f64)
+        r = z if ref is None else wide.norm(ref)
+        g = z if got is None else wide.norm(got)
         if ref is None or got is None:
             d = r if got is None else g
         else:
-            d = torch.linalg.vector_norm(got - ref.to(got.dtype), dtype=f64)
+            d = wide.difference_norm(got, ref)
         rows.append(torch.stack([r, g, d]))
     return torch.stack(rows)
 
