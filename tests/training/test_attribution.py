@@ -311,18 +311,17 @@ def test_the_alone_passes_hold_one_parameter_sized_set_at_a_time(monkeypatch):
     model = _mlp()
     x, y = _data()
     alive: list[int] = []
+    live_grads: list[weakref.ref[torch.Tensor]] = []
     grad = torch.autograd.grad
-
     params = set(map(id, model.parameters()))
 
     def counting(outputs, inputs, **kw):  # type: ignore[no-untyped-def]
         out = grad(outputs, inputs, **kw)
         if {id(t) for t in inputs} == params:  # an alone pass: all the parameters
-            alive.append(len([t for t in _live_grads if t() is not None]))
-            _live_grads.extend(weakref.ref(t) for t in out if t is not None)
+            alive.append(len([t for t in live_grads if t() is not None]))
+            live_grads.extend(weakref.ref(t) for t in out if t is not None)
         return out
 
-    _live_grads: list[weakref.ref[torch.Tensor]] = []
     monkeypatch.setattr(torch.autograd, "grad", counting)
     pg = _pg(model)
     pg.accumulate(x, y, LOSS)

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from dpfy.training.norms import wide
+from dpfy.training.precision import work_dtype
 
 #: The caller's per-example losses of the given rows of the chunk, from a fresh forward pass.
 LossOf = Callable[[torch.Tensor], torch.Tensor]
@@ -245,7 +246,7 @@ class AttributionCheck:
         # tighter in float64), one host read for both sides
         both = torch.cat([
             mine_t,
-            torch.stack([_wide(squared[n][j]).clamp(min=0).sqrt().double() if n in squared
+            torch.stack([_working(squared[n][j]).clamp(min=0).sqrt().double() if n in squared
                          else zero for n in names] + [_median_unit_norm(totals, real)]),
         ]).tolist()
         mine, theirs = both[: len(names)], both[len(names):-1]
@@ -305,14 +306,15 @@ class AttributionCheck:
         for i, g in enumerate(grads):
             grads[i] = None  # freed as soon as it is summarised
             norms.append(zero if g is None else
-                         torch.linalg.vector_norm(_wide(g.detach())).double())
+                         torch.linalg.vector_norm(_working(g.detach())).double())
             if seed is not None:
                 prints.append(zero.expand(3) if g is None else wide.fingerprint(g.detach()))
         return torch.stack(norms), torch.stack(prints) if prints else zero.new_empty((0, 3))
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+def _working(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the DP arithmetic's dtype (bf16/fp16 widened to fp32: ``work_dtype``)."""
+    return t.to(work_dtype(t.dtype))
 
 
 #: Relative tolerance of two alone passes' agreement (the model is deterministic).
