@@ -8,7 +8,8 @@
 #     bash benchmarks/gpu/tuned_total.sh
 # Results in $OUT: tuned.tgz (every procedure's JSON, log, search ledgers; no model files),
 # tuned_table.md, gpu_speed.json, gpu_speed.log, test_cuda.log. END (default 570 s) bounds the
-# whole script; SENT_LIMIT (330 s) each procedure. For a CPU smoke run of the plumbing:
+# whole script; SENT_LIMIT (330 s) each procedure; TOTALS= (set and empty) skips the procedures
+# (test_cuda and the speed rows only). For a CPU smoke run of the plumbing:
 #     PY=.venv/bin/python DEV=cpu TOTALS=8 SEEDS=0 EXTRA="--train-limit 300 --test-limit 100" \
 #       SPEED_EXTRA="--tiny --rows minilm-lora" bash benchmarks/gpu/tuned_total.sh
 set -u
@@ -22,7 +23,7 @@ if [ "$DEV" = cuda ]; then
   ( timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not runs_train" \
       > "$OUT/test_cuda.log" 2>&1 ) &
 fi
-for total in ${TOTALS:-8 3 1}; do
+for total in ${TOTALS-8 3 1}; do  # TOTALS= (empty): no procedures
   for seed in ${SEEDS:-0 1 2}; do
     ( timeout ${SENT_LIMIT:-330} $PY benchmarks/sentiment_tuned_total.py run --recipe bitfit \
         --total $total --seed $seed --device $DEV --out $R ${EXTRA:-} \
