@@ -6,6 +6,15 @@ tied embeddings) at batch 8, seq 128. Variants: full fine-tuning and LoRA r=8 (H
 
 ``dpfy`` is the step as a user gets it (the attribution check at its default budget),
 ``dpfy_nocheck`` the same with the check off (not run unless named in ``--methods``).
+``floor`` (not run unless named) is plain's step plus the work no DP step with exact
+per-example norms can skip, at torch's own speed: one ``torch.randn`` over every trainable
+parameter and, for every trainable Linear (or GPT-2 ``Conv1D``) that sees a sequence, its
+norms the cheaper way (Bu et al. 2023): the two T x T Gram matrices of Li et al. 2022 and their
+inner product (one input Gram shared by the layers that read the same input, as query, key
+and value do), or the materialised per-example gradient where that costs fewer flops.
+Activations and output gradients are random tensors of the captured shapes; nothing is
+clipped or stored. Its ratio to plain is the floor of any such step on this model: a time
+goal below it cannot be met by removing overhead.
 ``dpfy_physical`` and ``plain_physical`` take the same step (one clipped sum, one noise draw,
 one optimizer step over the whole batch) in forward/backward passes of ``--physical-batch``
 rows: what ``max_physical_batch_size`` does in dpfy's trainer and gradient accumulation in plain
@@ -18,6 +27,11 @@ which reports its peak RSS (VmHWM) and the step's own memory (high-water RSS aft
 the RSS at that point). Every method trains the same parameters on the same batch and loss;
 all get explicit [B, T] position (and token-type) ids, see :func:`make_batch`. A peer mode
 that would exceed ``--peer-limit-gb`` is skipped and said so; one that fails prints why.
+``faults`` is the median count of minor page faults per timed step: memory freed to the
+operating system and touched again (glibc returns chunks of 32 MB and more, and the top of
+its heap beyond a threshold, at once). ``--keep-freed-memory`` runs the benchmark again with
+glibc's mmap and trim thresholds raised (:data:`KEEP_FREED`) so that freed memory stays mapped:
+the same setting for every method and memory child of the run.
 
 Usage::
 
@@ -58,8 +72,10 @@ from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  #
 
 Step = Callable[[], None]
 SHAPES = {"minilm": (32, 64), "gpt2s": (8, 128)}
-METHODS = ("plain", "dpfy", "dpfy_nocheck", "plain_physical", "dpfy_physical", "opacus_ghost",
-           "opacus_hooks")
+METHODS = ("plain", "dpfy", "dpfy_nocheck", "floor", "plain_physical", "dpfy_physical",
+           "opacus_ghost", "opacus_hooks")
+#: Methods run only when named in ``--methods``.
+OPTIONAL = ("dpfy_nocheck", "floor")
 #: Rows per forward/backward pass of the ``*_physical`` methods (``--physical-batch``).
 PHYSICAL = {"rows": 8}
 
@@ -154,7 +170,7 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
     batch = y.shape[0]
     rows = PHYSICAL["rows"] if method.endswith("_physical") else batch
     passes = [(s, min(s + rows, batch)) for s in range(0, batch, rows)]
-    if method in ("plain", "plain_physical"):
+    if method in ("plain", "plain_physical", "floor"):
         opt = torch.optim.SGD(params, lr=LR)
 
         def plain() -> None:  # the batch mean, accumulated pass by pass
@@ -164,7 +180,15 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return plain
+        if method != "floor":
+            return plain
+        extra = ghost_floor(model, x)
+
+        def floor() -> None:
+            plain()
+            extra()
+
+        return floor
     if method in ("dpfy", "dpfy_nocheck", "dpfy_physical"):
         opt = torch.optim.SGD(params, lr=LR)
         pg = PrivateGradient(model, GaussianSumQuery(CLIP, Z), expected_batch_size=batch)
@@ -210,6 +234,65 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
     return opacus
 
 
+def ghost_floor(model: nn.Module, x: dict[str, torch.Tensor]) -> Step:
+    """The work a DP step with exact per-example norms adds to plain's and cannot skip.
+
+    One forward pass with hooks finds every trainable Linear / ``Conv1D`` whose input has a
+    sequence dimension ([B, T, d], T > 1) and which layers share an input tensor. The returned
+    callable draws one float32 ``torch.randn`` over all trainable parameters (into a buffer
+    reused across calls, so no allocation is timed) and computes, per layer, ``<A A^T, G G^T>``
+    over each example's T x T Gram matrices (input Grams once per distinct input), or, where
+    that is cheaper (T (d + o) > d o, e.g. LoRA's rank-r layers), the squared norm of each
+    example's materialised weight gradient. Layers with
+    T = 1 (pooler, classifier) and the embeddings cost O(B (d + o)) or less and are left out,
+    so this is a lower bound.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    layers: list[tuple[int, tuple[int, ...], int]] = []  # (input key, input shape, out dim)
+    keys: dict[tuple[int, tuple[int, ...]], int] = {}
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], _out: Any) -> None:
+        a = args[0]
+        if a.dim() != 3 or a.shape[1] == 1:
+            return
+        key = keys.setdefault((a.data_ptr(), tuple(a.shape)), len(keys))
+        o = int(mod.out_features if isinstance(mod, nn.Linear) else mod.nf)
+        layers.append((key, tuple(a.shape), o))
+
+    hooks = [
+        m.register_forward_hook(hook) for m in model.modules()
+        if isinstance(m, nn.Linear | Conv1D) and m.weight.requires_grad
+    ]
+    try:
+        with torch.no_grad():
+            model(**x)
+    finally:
+        for h in hooks:
+            h.remove()
+    g = torch.Generator().manual_seed(1)
+    acts = {k: torch.randn(shape, generator=g) for k, shape, _ in layers}
+    outs = [torch.randn(*shape[:2], o, generator=g) for _, shape, o in layers]
+    noise = torch.empty(trainable(model))
+
+    # per layer the cheaper exact norm (Bu et al. 2023): Grams, T^2 (d + o), or the
+    # per-example gradient, T d o, as dpfy's cost model chooses
+    ghost = [t * (d + o) <= d * o for _, (_, t, d), o in layers]
+    gram_keys = {k for (k, _, _), gh in zip(layers, ghost, strict=True) if gh}
+
+    def extra() -> None:
+        torch.randn(noise.shape, out=noise)
+        grams = {k: torch.matmul(acts[k], acts[k].transpose(1, 2)) for k in gram_keys}
+        sq = torch.zeros(())
+        for (k, _, _), out, gh in zip(layers, outs, ghost, strict=True):
+            if gh:
+                sq = sq + (grams[k] * torch.matmul(out, out.transpose(1, 2))).sum((1, 2))
+            else:
+                sq = sq + torch.matmul(out.transpose(1, 2), acts[k]).square().sum((1, 2))
+
+    return extra
+
+
 def trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -224,7 +307,13 @@ def skip_reason(method: str, model: nn.Module, batch: int, limit_gb: float) -> s
 
 
 def measure(
-    name: str, variant: str, methods: list[str], rounds: int, warmup: int, limit_gb: float
+    name: str,
+    variant: str,
+    methods: list[str],
+    rounds: int,
+    warmup: int,
+    limit_gb: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[dict, int]:
     """Interleaved timing of ``methods``; returns per-method results and the trainable count.
 
@@ -254,20 +343,41 @@ def measure(
             res[m] = {"error": f"{type(exc).__name__}: {exc}"[:110]}
             steps.pop(m, None)
     times: dict[str, list[float]] = {m: [] for m in steps}
+    faults: dict[str, list[int]] = {m: [] for m in steps}
     order = list(steps)
     for r in range(rounds):
         for m in order[r % len(order) :] + order[: r % len(order)]:
-            t0 = time.perf_counter()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = clock()
             steps[m]()
-            times[m].append(time.perf_counter() - t0)
+            times[m].append(clock() - t0)
+            faults[m].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     for m, ts in times.items():
         ratios = [a / b for a, b in zip(ts, times.get("plain", []), strict=False)]
         res[m] = {
             "median_ms": 1e3 * statistics.median(ts),
             "min_ms": 1e3 * min(ts),
             "ratio": statistics.median(ratios) if ratios else float("nan"),
+            "faults": statistics.median(faults[m]),
         }
     return res, n_train
+
+
+#: glibc's thresholds under ``--keep-freed-memory`` (bytes): nothing below 1 GiB is mmap-ed
+#: on its own, and the heap is not trimmed until 4 GiB of its top are free.
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
+
+
+def keep_freed_memory() -> None:
+    """Run this process again with :data:`KEEP_FREED` in its environment (unless it is).
+
+    glibc reads the variables at start-up (``mallopt`` later leaves the memory already
+    laid out as it was); the memory children inherit them.
+    """
+    if all(os.environ.get(k) == v for k, v in KEEP_FREED.items()):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_FREED})
 
 
 def _status_mb(key: str) -> float:
@@ -463,7 +573,7 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
     """One table per (model, variant): time and memory, each as a ratio to plain and ghost."""
     print(f"\n{name} {variant} (batch, seq) = {SHAPES[name]}, {n_train:,} trainable parameters")
     print(
-        f"  {'method':14s} {'median ms':>10s} {'min ms':>9s} {'x plain':>7s}"
+        f"  {'method':14s} {'median ms':>10s} {'min ms':>9s} {'x plain':>7s} {'faults':>7s}"
         f" {'peak MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
         f" {'step MB':>8s} {'x plain':>7s} {'x ghost':>7s}"
     )
@@ -475,7 +585,8 @@ def report(name: str, variant: str, n_train: int, res: dict, mem: dict) -> None:
         if "error" in r:
             print(f"  {m:14s} {r['error']}")
             continue
-        line = f"  {m:14s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio']:7.2f}"
+        line = (f"  {m:14s} {r['median_ms']:10.1f} {r['min_ms']:9.1f} {r['ratio']:7.2f}"
+                f" {r['faults']:7.0f}")
         if m in ok:
             p, s = ok[m]["peak_mb"], ok[m]["step_mb"]
             line += f" {p:8.0f}  {_r(p, pp)}  {_r(p, pg)} {s:8.0f}  {_r(s, sp)}  {_r(s, sg)}"
@@ -503,6 +614,10 @@ def goals(variant: str, res: dict, mem: dict) -> None:
     peers = {m: r for m, r in res.items() if m.startswith("opacus") and "error" not in r}
     held = "yes" if d["ratio"] <= cap else "NO"
     print(f"  goal time <= {cap}x plain: {held} ({d['ratio']:.2f}x)")
+    floor = res.get("floor", {}).get("ratio")
+    if floor is not None:
+        print(f"  floor of an exact per-example-norm step: {floor:.2f}x plain"
+              f" (dpfy {d['ratio'] / floor:.2f}x the floor)")
     if peers:
         slow = [f"{m} {r['median_ms'] / d['median_ms']:.2f}x dpfy" for m, r in peers.items()]
         fast = all(r["median_ms"] > d["median_ms"] for r in peers.values())
@@ -537,16 +652,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--variants", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     parser.add_argument(
-        "--methods", nargs="+", default=[m for m in METHODS if m != "dpfy_nocheck"],
+        "--methods", nargs="+", default=[m for m in METHODS if m not in OPTIONAL],
         choices=list(METHODS),
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall",
+        help="time steps by wall clock or by this process's CPU time (time.process_time)",
+    )
+    parser.add_argument(
         "--no-memory", action="store_true", help="skip the per-method memory subprocesses"
     )
     parser.add_argument("--memory-steps", type=int, default=2, help="steps after warm-up")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory mapped (every method; see the docstring)")
     parser.add_argument("--physical-batch", type=int, default=PHYSICAL["rows"],
                         help="rows per forward/backward pass of the *_physical methods")
     parser.add_argument(
@@ -557,14 +678,18 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("rounds", "warmup", "threads", "memory_steps", "physical_batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.keep_freed_memory:
+        keep_freed_memory()
     torch.set_num_threads(args.threads)
     PHYSICAL["rows"] = args.physical_batch
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds,"
-          f" warm-up {args.warmup}, memory: fresh process, warm-up + {args.memory_steps} steps")
+          f" warm-up {args.warmup}, memory: fresh process, warm-up + {args.memory_steps} steps,"
+          f" glibc {'keeps freed memory' if args.keep_freed_memory else 'defaults'}")
     for name in args.models:
         for variant in args.variants:
+            clock = time.perf_counter if args.clock == "wall" else time.process_time
             res, n_train = measure(
-                name, variant, args.methods, args.rounds, args.warmup, args.peer_limit_gb
+                name, variant, args.methods, args.rounds, args.warmup, args.peer_limit_gb, clock
             )
             mem = {} if args.no_memory else {
                 m: memory(name, variant, m, args.warmup, args.memory_steps, args.threads)
