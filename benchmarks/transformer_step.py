@@ -29,9 +29,10 @@ all get explicit [B, T] position (and token-type) ids, see :func:`make_batch`. A
 that would exceed ``--peer-limit-gb`` is skipped and said so; one that fails prints why.
 ``faults`` is the median count of minor page faults per timed step: memory freed to the
 operating system and touched again (glibc returns chunks of 32 MB and more, and the top of
-its heap beyond a threshold, at once). ``--keep-freed-memory`` runs the benchmark again with
-glibc's mmap and trim thresholds raised (:data:`KEEP_FREED`) so that freed memory stays mapped:
-the same setting for every method and memory child of the run.
+its heap beyond a threshold, at once). ``--keep-freed-memory`` runs every method (and memory
+child) inside :func:`dpfy.training.keep_freed_memory`, which keeps freed memory mapped, as
+``dpfy train`` and ``dpfy tune`` do; without it the methods run under glibc's defaults, as a
+loop of the user's own does unless it opts in.
 
 Usage::
 
@@ -42,6 +43,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -67,7 +69,7 @@ from dpfy.ledger import Ledger  # noqa: E402
 from dpfy.queries import GaussianSumQuery  # noqa: E402
 from dpfy.randomness import Randomness  # noqa: E402
 from dpfy.sampling import SampleSpec  # noqa: E402
-from dpfy.training import PrivateGradient  # noqa: E402
+from dpfy.training import PrivateGradient, keep_freed_memory  # noqa: E402
 from dpfy.training.losses import causal_lm_loss, sequence_classification_loss  # noqa: E402
 
 Step = Callable[[], None]
@@ -363,23 +365,6 @@ def measure(
     return res, n_train
 
 
-#: glibc's thresholds under ``--keep-freed-memory`` (bytes): nothing below 1 GiB is mmap-ed
-#: on its own, and the heap is not trimmed until 4 GiB of its top are free.
-KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**32)}
-
-
-def keep_freed_memory() -> None:
-    """Run this process again with :data:`KEEP_FREED` in its environment (unless it is).
-
-    glibc reads the variables at start-up (``mallopt`` later leaves the memory already
-    laid out as it was); the memory children inherit them.
-    """
-    if all(os.environ.get(k) == v for k, v in KEEP_FREED.items()):
-        return
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_FREED})
-
-
 def _status_mb(key: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -549,13 +534,17 @@ def child_memory(
     print(json.dumps(out))
 
 
-def memory(name: str, variant: str, method: str, warmup: int, steps: int, threads: int) -> dict:
+def memory(
+    name: str, variant: str, method: str, warmup: int, steps: int, threads: int, keep: bool
+) -> dict:
     """Peak memory of ``method`` measured in a fresh child process (see :func:`child_memory`)."""
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-        "import torch; import transformer_step as t;"
-        f"torch.set_num_threads({threads}); t.PHYSICAL['rows'] = {PHYSICAL['rows']};"
-        f"t.child_memory({name!r}, {variant!r}, {method!r}, {warmup}, {steps})"
+        "import contextlib; import torch; import transformer_step as t;"
+        "from dpfy.training import keep_freed_memory;"
+        f"torch.set_num_threads({threads}); t.PHYSICAL['rows'] = {PHYSICAL['rows']}\n"
+        f"with keep_freed_memory() if {keep} else contextlib.nullcontext():\n"
+        f"    t.child_memory({name!r}, {variant!r}, {method!r}, {warmup}, {steps})"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     try:
@@ -647,6 +636,19 @@ def goals(variant: str, res: dict, mem: dict) -> None:
                   f" {ratio / res['plain_physical']['ratio']:.2f}x time")
 
 
+def run(name: str, variant: str, args: argparse.Namespace, keep: bool) -> None:
+    """Time (and unless ``--no-memory`` measure) every method on one (model, variant)."""
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    res, n_train = measure(
+        name, variant, args.methods, args.rounds, args.warmup, args.peer_limit_gb, clock
+    )
+    mem = {} if args.no_memory else {
+        m: memory(name, variant, m, args.warmup, args.memory_steps, args.threads, keep)
+        for m, r in res.items() if "error" not in r
+    }
+    report(name, variant, n_train, res, mem)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -678,24 +680,17 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("rounds", "warmup", "threads", "memory_steps", "physical_batch"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.keep_freed_memory:
-        keep_freed_memory()
     torch.set_num_threads(args.threads)
     PHYSICAL["rows"] = args.physical_batch
     print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} rounds,"
-          f" warm-up {args.warmup}, memory: fresh process, warm-up + {args.memory_steps} steps,"
-          f" glibc {'keeps freed memory' if args.keep_freed_memory else 'defaults'}")
-    for name in args.models:
-        for variant in args.variants:
-            clock = time.perf_counter if args.clock == "wall" else time.process_time
-            res, n_train = measure(
-                name, variant, args.methods, args.rounds, args.warmup, args.peer_limit_gb, clock
-            )
-            mem = {} if args.no_memory else {
-                m: memory(name, variant, m, args.warmup, args.memory_steps, args.threads)
-                for m, r in res.items() if "error" not in r
-            }
-            report(name, variant, n_train, res, mem)
+          f" {args.clock} clock, warm-up {args.warmup}, memory: fresh process, warm-up +"
+          f" {args.memory_steps} steps, freed memory"
+          f" {'kept (keep_freed_memory)' if args.keep_freed_memory else 'as glibc decides'}")
+    keep = args.keep_freed_memory
+    with keep_freed_memory() if keep else contextlib.nullcontext():
+        for name in args.models:
+            for variant in args.variants:
+                run(name, variant, args, keep)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"\n(timing process peak RSS {peak:.0f} MB)")
     return 0

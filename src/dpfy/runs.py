@@ -165,9 +165,10 @@ def train_and_report(
         endorser = load_long_lived_key(signing_key)
     out_dir = _new_run_dir(c.out, c.dataset)
     from dpfy.publication import check_diagnostics_dir, claimed_run_dir
+    from dpfy.training.allocator import keep_freed_memory
 
     diagnostics = check_diagnostics_dir(c.private_diagnostics, out_dir)
-    with claimed_run_dir(out_dir):  # one `dpfy train` per run directory at a time
+    with claimed_run_dir(out_dir), keep_freed_memory():  # one run per directory at a time
         return _train_into(c, out_dir, diagnostics, progress, distributed, endorser)
 
 

@@ -610,13 +610,15 @@ def _run_trial(
     from dpfy import accounting
     from dpfy.randomness import Randomness
     from dpfy.sampling import SampleSpec
+    from dpfy.training.allocator import keep_freed_memory
     from dpfy.training.recipes import train_recipe
     from dpfy.training.skeleton import RunHooks
 
     cfg = _trial_config(config, trial, out)
     if progress:
         print(f"trial {trial.index + 1}/{total}: {_format_params(trial.params)}")
-    summary = train_recipe(cfg, RunHooks(progress=progress))
+    with keep_freed_memory():  # as the released run (dpfy.runs.train_and_report)
+        summary = train_recipe(cfg, RunHooks(progress=progress))
     n = _validation_size(cfg)
     correct = round(float(summary.test_accuracy) * n)
     ledger = summary.ledger

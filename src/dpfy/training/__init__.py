@@ -4,6 +4,7 @@ The low-level step is :class:`PrivateGradient` (``accumulate`` per physical chun
 ``release`` once per logical step); per-layer norm rules live in :mod:`dpfy.training.norms`.
 """
 
+from dpfy.training.allocator import keep_freed_memory
 from dpfy.training.budget import BudgetExceededError, BudgetGuard
 from dpfy.training.checkpoint import load_checkpoint, save_checkpoint
 from dpfy.training.history import TrainResult
@@ -43,4 +44,5 @@ __all__ = [
     "ModuleIssue",
     "save_checkpoint",
     "load_checkpoint",
+    "keep_freed_memory",
 ]
