@@ -66,6 +66,17 @@ def test_the_thresholds_are_raised_then_lowered_and_memory_returned(
                               ("malloc_trim", 0, 0)]
 
 
+def test_nested_blocks_set_and_restore_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    libc = _FakeLibc()
+    monkeypatch.setattr(allocator, "_glibc", lambda: libc)
+    with keep_freed_memory() as outer:
+        with keep_freed_memory() as inner:  # e.g. dpfy.runs.train_and_report in a user's block
+            assert outer and inner
+        assert len(libc.calls) == 2  # the inner block's end restored nothing
+    assert [c[0] for c in libc.calls] == ["mallopt"] * 4 + ["malloc_trim"]
+    assert allocator._depth == 0
+
+
 def test_elsewhere_it_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(allocator, "_glibc", lambda: None)
     with keep_freed_memory() as applied:

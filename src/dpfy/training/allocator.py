@@ -6,8 +6,8 @@ and frees a model-sized accumulator once a step. glibc's ``malloc`` hands a bloc
 or more back to the system as soon as it is freed, and the top of its heap once more than
 its trim threshold lies free, so the next step touches the same amount of memory afresh:
 every 4 KiB page is a page fault and a zeroing. On MiniLM full fine-tuning (22.7M
-parameters, batch 32 x 64 tokens, one thread) that is 46k-77k faults a step and about a
-9 % of the DP step's CPU time (``docs/devices.md``, "On the CPU").
+parameters, batch 32 x 64 tokens, one thread) that was 44k-122k faults a step, about 9 % of
+the DP step's CPU time (``docs/devices.md``, "On the CPU").
 
 :func:`keep_freed_memory` raises glibc's mmap threshold to :data:`MMAP_THRESHOLD` and its trim
 threshold to :data:`TRIM_THRESHOLD`, so that freed memory stays mapped for the next step; the
@@ -15,7 +15,8 @@ process's peak memory is unchanged (its resident memory between steps stays at t
 On leaving the block the thresholds become :data:`AFTER` (what glibc's own adaptive
 thresholds reach once a program has freed large blocks; mallopt cannot hand the adaptation
 back) and the free memory is returned to the system once (``malloc_trim``). Elsewhere (macOS,
-Windows, musl) it does nothing. Nothing here changes a computed value.
+Windows, musl) it does nothing. Blocks may nest (a run inside a user's block): the outermost
+sets and restores. Nothing here changes a computed value.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -36,6 +38,8 @@ TRIM_THRESHOLD = 2**31 - 1
 AFTER = (32 * 2**20, 64 * 2**20)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+_LOCK = threading.Lock()
+_depth = 0  # open blocks in this process; only the outermost sets and restores
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -71,11 +75,16 @@ def keep_freed_memory() -> Iterator[bool]:
         with dpfy.training.keep_freed_memory():
             trainer.fit()
     """
+    global _depth
     libc = _glibc()
-    applied = libc is not None and _set(libc, MMAP_THRESHOLD, TRIM_THRESHOLD)
+    with _LOCK:
+        applied = libc is not None and (_depth > 0 or _set(libc, MMAP_THRESHOLD, TRIM_THRESHOLD))
+        _depth += applied
     try:
         yield applied
     finally:
-        if libc is not None and applied:
-            _set(libc, *AFTER)
-            libc.malloc_trim(ctypes.c_size_t(0))
+        with _LOCK:
+            _depth -= applied
+            if libc is not None and applied and _depth == 0:
+                _set(libc, *AFTER)
+                libc.malloc_trim(ctypes.c_size_t(0))
