@@ -184,7 +184,7 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
 
         if method != "floor":
             return plain
-        extra = ghost_floor(model, x)
+        extra = norm_floor(model, x)
 
         def floor() -> None:
             plain()
@@ -236,7 +236,7 @@ def build(method: str, model: nn.Module, loss: Callable, x: dict, y: torch.Tenso
     return opacus
 
 
-def ghost_floor(model: nn.Module, x: dict[str, torch.Tensor]) -> Step:
+def norm_floor(model: nn.Module, x: dict[str, torch.Tensor]) -> Step:
     """The work a DP step with exact per-example norms adds to plain's and cannot skip.
 
     One forward pass with hooks finds every trainable Linear / ``Conv1D`` whose input has a

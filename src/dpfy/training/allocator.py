@@ -22,7 +22,7 @@ sets and restores. Nothing here changes a computed value.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import sys
 import threading
 from collections.abc import Iterator
@@ -42,12 +42,14 @@ _LOCK = threading.Lock()
 _depth = 0  # open blocks in this process; only the outermost sets and restores
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """The process's C library if it is glibc on Linux, else None."""
+    """The C library this process runs on (whose ``malloc`` it uses) if it is glibc on
+    Linux, else None. Looked up once: the symbols of the running process, no search."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version.restype = ctypes.c_char_p
         libc.gnu_get_libc_version()
     except (OSError, AttributeError):  # musl and others have no gnu_get_libc_version
